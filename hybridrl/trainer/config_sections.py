@@ -1,0 +1,139 @@
+"""Typed config sections owned by the trainer: data, algorithm, trainer, custom reward function.
+
+Field names and defaults follow veRL's `ppo_trainer.yaml`, so users' command lines port unchanged.
+The worker sections (model, actor, ref, rollout, critic, reward model) live next to the workers
+that read them; `hybridrl.trainer.config` composes everything into one tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class CustomClsConfig:
+    path: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class DataConfig:
+    tokenizer: str | None = None
+    train_files: Any = None  # str or list[str]; None -> the built-in task
+    val_files: Any = None
+    train_max_samples: int = -1
+    val_max_samples: int = -1
+    prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024
+    val_batch_size: int | None = None
+    return_raw_input_ids: bool = False
+    return_raw_chat: bool = False
+    return_full_prompt: bool = False
+    shuffle: bool = True
+    seed: int = 42
+    filter_overlong_prompts: bool = False
+    filter_overlong_prompts_workers: int = 1
+    truncation: str = "error"
+    trust_remote_code: bool = False
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    custom_cls: CustomClsConfig = field(default_factory=CustomClsConfig)
+    # Where the built-in task's parquet files are written when train_files is null.
+    builtin_data_dir: str | None = None
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose `metric` is constant, regenerate until full."""
+
+    enable: bool = False
+    metric: str = "acc"  # acc | score | seq_reward | seq_final_reward
+    max_num_gen_batches: int = 0  # <= 0: no limit
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = 1.0
+    lam: float = 1.0
+    adv_estimator: str = "gae"
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    # Rollout importance sampling (rollout vs training policy mismatch correction).
+    rollout_is: bool = False
+    rollout_is_threshold: float | None = None
+    rollout_is_threshold_lower: float | None = None
+    rollout_is_level: str = "token"
+    rollout_is_mode: str = "truncate"
+    rollout_is_veto_threshold: float | None = None
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: str | None = None
+    name: str = "compute_score"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+    log: bool = False
+
+
+@dataclass
+class RewardManagerKwargs:
+    """Extra knobs of the reward managers (`prime` parallelism, `dapo` overlong penalty)."""
+
+    num_workers: int = 4
+    timeout: float = 30.0
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 30
+    total_training_steps: int | None = None
+    project_name: str = "hybridrl"
+    experiment_name: str = "run"
+    logger: Any = field(default_factory=lambda: ["console"])
+    log_val_generations: int = 0
+    rollout_data_dir: str | None = None
+    validation_data_dir: str | None = None
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    cpus_per_worker: int = 1  # CPU cores per device slot on CPU-only machines
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = True
+    val_only: bool = False
+    critic_warmup: int = 0
+    default_hdfs_dir: str | None = None
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    resume_mode: str = "auto"  # auto | disable | resume_path
+    resume_from_path: str | None = None
+    remove_previous_ckpt_in_save: bool = False
+    del_local_ckpt_after_load: bool = False
+    max_actor_ckpt_to_keep: int | None = None
+    max_critic_ckpt_to_keep: int | None = None
+    balance_batch: bool = True
+    device: str = "auto"  # auto | cpu | cuda
+    ray_wait_register_center_timeout: int = 300
+    progress_bar: bool = True
+    make_report: bool = True
+    seed: int = 1
