@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 __all__ = [
     "DataProto",
@@ -73,6 +73,16 @@ def _values_equal(a: Any, b: Any) -> bool:
     """Equality that works for tensors, numpy arrays, NaN floats and nested containers."""
     if a is b:
         return True
+    if isinstance(a, TensorDictBase) or isinstance(b, TensorDictBase):
+        if (
+            not (isinstance(a, TensorDictBase) and isinstance(b, TensorDictBase))
+            or a.batch_size != b.batch_size
+        ):
+            return False
+        a_keys = set(a.keys(include_nested=True, leaves_only=True))
+        if a_keys != set(b.keys(include_nested=True, leaves_only=True)):
+            return False
+        return all(_values_equal(a[k], b[k]) for k in a_keys)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
             isinstance(a, torch.Tensor)
@@ -133,7 +143,9 @@ def _merge_metrics(pieces: Sequence[Any]) -> dict[str, list]:
         dicts = piece if isinstance(piece, (list, tuple)) else [piece]
         for d in dicts:
             if not isinstance(d, dict):
-                raise TypeError(f"meta_info['metrics'] must be a dict or a list of dicts, got {type(d).__name__}")
+                raise TypeError(
+                    f"meta_info['metrics'] must be a dict or a list of dicts, got {type(d).__name__}"
+                )
             for k, v in d.items():
                 target = merged.setdefault(k, [])
                 if isinstance(v, (list, tuple)):
@@ -141,6 +153,16 @@ def _merge_metrics(pieces: Sequence[Any]) -> dict[str, list]:
                 else:
                     target.append(v)
     return merged
+
+
+def _pick(d: dict[str, Any], keys: Sequence[str] | None, op: str, part: str) -> dict[str, Any]:
+    """The entries of `d` named by `keys` (all of them for None); KeyError naming missing keys."""
+    if keys is None:
+        return dict(d)
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise KeyError(f"{op}: {part} has no keys {missing}; it has {list(d)}")
+    return {k: d[k] for k in keys}
 
 
 def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
@@ -330,7 +352,7 @@ class DataProto:
     def check_consistency(self) -> None:
         """Raise ValueError unless batch and non_tensor_batch describe the same number of rows."""
         if self.batch is not None:
-            if not isinstance(self.batch, TensorDict):
+            if not isinstance(self.batch, TensorDictBase):
                 raise TypeError(f"batch must be a tensordict.TensorDict, got {type(self.batch).__name__}")
             if self.batch.batch_dims != 1:
                 raise ValueError(
@@ -375,20 +397,8 @@ class DataProto:
             batch = self.batch.select(*batch_keys) if batch_keys is not None else self.batch.copy()
         elif batch_keys:
             raise KeyError(f"select: batch is None, cannot select batch keys {list(batch_keys)}")
-        if non_tensor_batch_keys is None:
-            non_tensor = dict(self.non_tensor_batch)
-        else:
-            missing = [k for k in non_tensor_batch_keys if k not in self.non_tensor_batch]
-            if missing:
-                raise KeyError(f"select: non_tensor_batch has no keys {missing}; it has {list(self.non_tensor_batch)}")
-            non_tensor = {k: self.non_tensor_batch[k] for k in non_tensor_batch_keys}
-        if meta_info_keys is None:
-            meta = dict(self.meta_info)
-        else:
-            missing = [k for k in meta_info_keys if k not in self.meta_info]
-            if missing:
-                raise KeyError(f"select: meta_info has no keys {missing}; it has {list(self.meta_info)}")
-            meta = {k: self.meta_info[k] for k in meta_info_keys}
+        non_tensor = _pick(self.non_tensor_batch, non_tensor_batch_keys, "select", "non_tensor_batch")
+        meta = _pick(self.meta_info, meta_info_keys, "select", "meta_info")
         if deepcopy:
             non_tensor, meta = copy.deepcopy(non_tensor), copy.deepcopy(meta)
         if batch is None and not non_tensor and len(self):
@@ -404,15 +414,9 @@ class DataProto:
         """Remove the given keys from `self` and return them as a new DataProto."""
         batch_keys, non_tensor_batch_keys = list(batch_keys or []), list(non_tensor_batch_keys or [])
         meta_info_keys = list(meta_info_keys or [])
-        have_batch = [] if self.batch is None else list(self.batch.keys())
-        for keys, have, part in (
-            (batch_keys, have_batch, "batch"),
-            (non_tensor_batch_keys, self.non_tensor_batch, "non_tensor_batch"),
-            (meta_info_keys, self.meta_info, "meta_info"),
-        ):
-            missing = [k for k in keys if k not in have]
-            if missing:
-                raise KeyError(f"pop: {part} has no keys {missing}; it has {list(have)}")
+        _pick({} if self.batch is None else dict(self.batch.items()), batch_keys, "pop", "batch")
+        _pick(self.non_tensor_batch, non_tensor_batch_keys, "pop", "non_tensor_batch")
+        _pick(self.meta_info, meta_info_keys, "pop", "meta_info")
         tensors = {k: self.batch.pop(k) for k in batch_keys}
         batch = TensorDict(tensors, batch_size=[len(self)]) if self.batch is not None else None
         non_tensor = {k: self.non_tensor_batch.pop(k) for k in non_tensor_batch_keys}
@@ -441,13 +445,19 @@ class DataProto:
             ValueError: on different lengths or an overlapping key with different values (named).
         """
         if self._has_rows() and other._has_rows() and len(self) != len(other):
-            raise ValueError(f"union: lengths differ ({len(self)} vs {len(other)}); both must describe the same rows")
+            raise ValueError(
+                f"union: lengths differ ({len(self)} vs {len(other)}); both must describe the same rows"
+            )
         if other.batch is not None:
-            self.batch = other.batch.copy() if self.batch is None else union_tensor_dict(self.batch, other.batch)
+            self.batch = (
+                other.batch.copy() if self.batch is None else union_tensor_dict(self.batch, other.batch)
+            )
         self.non_tensor_batch = _union_numpy_dict(self.non_tensor_batch, other.non_tensor_batch)
         for key, value in other.meta_info.items():
             if key in self.meta_info and not _values_equal(self.meta_info[key], value):
-                raise ValueError(f"union: meta_info key {key!r} differs ({self.meta_info[key]!r} vs {value!r})")
+                raise ValueError(
+                    f"union: meta_info key {key!r} differs ({self.meta_info[key]!r} vs {value!r})"
+                )
             self.meta_info.setdefault(key, value)
         self.check_consistency()
         return self
@@ -463,6 +473,8 @@ class DataProto:
     def slice(self, start: int | None = None, end: int | None = None, step: int | None = None) -> DataProto:
         """Rows `start:end:step` as a DataProto (views, no copy)."""
         s = slice(start, end, step)
+        if step is not None and step < 0:  # TensorDict slicing needs a positive step
+            return self.select_idxs(np.arange(len(self))[s])
         batch = None if self.batch is None else self.batch[s]
         return self._new(batch, {k: v[s] for k, v in self.non_tensor_batch.items()})
 
@@ -545,9 +557,13 @@ class DataProto:
         kwargs = dict(dataloader_kwargs or {})
         unknown = set(kwargs) - set(_ITERATOR_KWARGS)
         if unknown:
-            raise ValueError(f"make_iterator: unsupported dataloader_kwargs {sorted(unknown)}; use {_ITERATOR_KWARGS}")
+            raise ValueError(
+                f"make_iterator: unsupported dataloader_kwargs {sorted(unknown)}; use {_ITERATOR_KWARGS}"
+            )
         if mini_batch_size <= 0 or epochs < 0:
-            raise ValueError(f"make_iterator: need mini_batch_size > 0 and epochs >= 0, got {mini_batch_size}, {epochs}")
+            raise ValueError(
+                f"make_iterator: need mini_batch_size > 0 and epochs >= 0, got {mini_batch_size}, {epochs}"
+            )
         shuffle, drop_last = bool(kwargs.get("shuffle", False)), bool(kwargs.get("drop_last", False))
         generator = None
         if shuffle and seed is not None:
@@ -578,7 +594,9 @@ class DataProto:
         if self.batch is not None:
             for _, t in self.batch.items(include_nested=True, leaves_only=True):
                 tensor_bytes += t.numel() * t.element_size()
-        non_tensor_bytes = sum(len(pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)) for v in self.non_tensor_batch.values())
+        non_tensor_bytes = sum(
+            len(pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)) for v in self.non_tensor_batch.values()
+        )
         return tensor_bytes, non_tensor_bytes
 
     def print_size(self, prefix: str = "") -> str:

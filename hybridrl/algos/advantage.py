@@ -1,0 +1,144 @@
+"""The advantage-estimator plug point: `algorithm.adv_estimator` name -> estimator.
+
+Every registered estimator is called the same way:
+
+    advantages, returns = get_adv_estimator_fn(name)(
+        token_level_rewards,   # (B, T)
+        response_mask,         # (B, T)
+        index=uids,            # np.ndarray (B,), equal uid = responses to the same prompt
+        values=values,         # (B, T) critic values, or None
+        gamma=1.0, lam=1.0,
+        norm_adv_by_std_in_grpo=True, epsilon=1e-6,
+        reward_baselines=None, # (B,) greedy-response score (ReMax), or None
+    )
+
+Each entry takes the keywords it needs and ignores the others (**_). The math lives in
+`returns.py` (per-token returns) and `group_advantage.py` (group-relative outcome advantages);
+the entries below only adapt the uniform call to those functions. `estimator_needs_critic`
+tells the trainer, at config-validation time, whether a critic must be built.
+
+Shapes: B batch, T response length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hybridrl.algos import group_advantage as group
+from hybridrl.algos import returns
+from hybridrl.algos.registry import Registry
+
+AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+_NEEDS_CRITIC: set[str] = set()
+
+
+def register_adv_est(
+    name: str, *, needs_critic: bool = False
+) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator registering an advantage estimator under `name`.
+
+    Args:
+        name: the value of `algorithm.adv_estimator` that selects it.
+        needs_critic: the estimator reads `values`, so the trainer must build a critic.
+    """
+    add = ADV_ESTIMATORS.register(name)
+
+    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
+        add(fn)
+        if needs_critic:
+            _NEEDS_CRITIC.add(name)
+        return fn
+
+    return decorator
+
+
+def get_adv_estimator_fn(name: str) -> AdvantageEstimator:
+    """The estimator registered under `name` (ValueError listing the known names otherwise)."""
+    return ADV_ESTIMATORS.get(name)
+
+
+def estimator_needs_critic(name: str) -> bool:
+    """Whether the estimator `name` needs critic values (True for gae)."""
+    ADV_ESTIMATORS.get(name)
+    return name in _NEEDS_CRITIC
+
+
+def _required(value, what: str, estimator: str, fix: str):
+    if value is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs {what}; {fix}")
+    return value
+
+
+@register_adv_est("gae", needs_critic=True)
+def _gae(token_level_rewards, response_mask, *, values=None, gamma=1.0, lam=1.0, **_):
+    values = _required(values, "values (B, T) from the critic", "gae", "build a critic (critic.enable)")
+    return returns.compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
+
+
+@register_adv_est("reinforce_plus_plus")
+def _reinforce_plus_plus(token_level_rewards, response_mask, *, gamma=1.0, **_):
+    return returns.compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma)
+
+
+@register_adv_est("remax")
+def _remax(token_level_rewards, response_mask, *, reward_baselines=None, **_):
+    reward_baselines = _required(
+        reward_baselines,
+        "reward_baselines (B,), the score of each prompt's greedy response",
+        "remax",
+        "generate one greedy response per prompt and score it before computing advantages",
+    )
+    return returns.compute_remax_outcome_advantage(token_level_rewards, reward_baselines, response_mask)
+
+
+@register_adv_est("grpo")
+@register_adv_est("grpo_vectorized")
+def _grpo(token_level_rewards, response_mask, *, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True, **_):
+    return group.compute_grpo_outcome_advantage(
+        token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo
+    )
+
+
+@register_adv_est("rloo")
+@register_adv_est("rloo_vectorized")
+def _rloo(token_level_rewards, response_mask, *, index, **_):
+    return group.compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+def _reinforce_plus_plus_baseline(token_level_rewards, response_mask, *, index, **_):
+    return group.compute_reinforce_plus_plus_baseline_outcome_advantage(
+        token_level_rewards, response_mask, index
+    )
+
+
+@register_adv_est("opo")
+def _opo(token_level_rewards, response_mask, *, index, **_):
+    return group.compute_opo_outcome_advantage(token_level_rewards, response_mask, index)
+
+
+@register_adv_est("gpg")
+def _gpg(token_level_rewards, response_mask, *, index, f_norm=1.0, **_):
+    return group.compute_gpg_outcome_advantage(token_level_rewards, response_mask, index, f_norm)
+
+
+@register_adv_est("grpo_passk")
+def _grpo_passk(
+    token_level_rewards, response_mask, *, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True, **_
+):
+    return group.compute_grpo_passk_outcome_advantage(
+        token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo
+    )
+
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "AdvantageEstimator",
+    "estimator_needs_critic",
+    "get_adv_estimator_fn",
+    "register_adv_est",
+]

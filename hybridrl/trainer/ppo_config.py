@@ -1,0 +1,207 @@
+"""The whole PPO config tree (veRL key names), its loading and its start-up validation.
+
+`load_config(cfg)` merges the Hydra/OmegaConf config onto the typed schema (so an unknown key
+fails at once, naming the key), resolves interpolations, turns it into dataclasses and runs
+`validate_config`, which checks everything that can be checked before any actor starts: batch
+sizes that do not divide, an estimator that needs a critic without one, missing files. Every
+error is one line naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from hybridrl.trainer.sections import (
+    AlgorithmConfig,
+    CustomRewardFunctionConfig,
+    DataConfig,
+    RewardManagerKwargs,
+    TrainerConfig,
+)
+from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
+from hybridrl.workers.rollout.config import RolloutConfig
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class PPOConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    reward_manager_kwargs: RewardManagerKwargs = field(default_factory=RewardManagerKwargs)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+class ConfigError(ValueError):
+    """A config problem found at start-up; the message names the key and the fix."""
+
+
+def _all_keys(node, prefix: str = "") -> list[str]:
+    out = []
+    for k in node:
+        full = f"{prefix}{k}"
+        out.append(full)
+        v = node[k] if not OmegaConf.is_missing(node, k) else None
+        if isinstance(v, DictConfig):
+            out.extend(_all_keys(v, full + "."))
+    return out
+
+
+def load_config(cfg: DictConfig | dict | None = None) -> PPOConfig:
+    """Merge `cfg` onto the schema, resolve it and validate it; returns a typed `PPOConfig`."""
+    schema = OmegaConf.structured(PPOConfig)
+    user = OmegaConf.create(cfg or {})
+    try:
+        merged = OmegaConf.merge(schema, user)
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        key = getattr(e, "full_key", None) or str(e)
+        known = _all_keys(schema)
+        close = difflib.get_close_matches(str(key), known, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(f"unknown config key '{key}'.{hint} See hybridrl/trainer/config/ppo_trainer.yaml "
+                          "for every key.") from None
+    except ValidationError as e:
+        raise ConfigError(f"bad value for config key '{getattr(e, 'full_key', '?')}': {e.msg}") from None
+    OmegaConf.resolve(merged)
+    config: PPOConfig = OmegaConf.to_object(merged)
+    derive_config(config)
+    validate_config(config)
+    return config
+
+
+def derive_config(config: PPOConfig) -> None:
+    """Fill the values that default to other keys (veRL's `${...}` links) before validation."""
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.prompt_length is None or rollout.prompt_length <= 0:
+        rollout.prompt_length = config.data.max_prompt_length
+    if rollout.response_length is None or rollout.response_length <= 0:
+        rollout.response_length = config.data.max_response_length
+
+
+def n_slots(config: PPOConfig) -> int:
+    return config.trainer.nnodes * config.trainer.n_gpus_per_node
+
+
+def validate_config(config: PPOConfig) -> None:
+    """Check the config as a whole; raise ConfigError naming the key and the fix."""
+    from hybridrl import algos
+
+    d, arr, algo, tr = config.data, config.actor_rollout_ref, config.algorithm, config.trainer
+    world = n_slots(config)
+    if world < 1:
+        raise ConfigError("trainer.nnodes * trainer.n_gpus_per_node must be >= 1")
+    _check_choice("algorithm.adv_estimator", algo.adv_estimator, algos.list_adv_estimators())
+    _check_choice("actor_rollout_ref.actor.policy_loss.loss_mode", arr.actor.policy_loss.loss_mode,
+                  algos.list_policy_losses())
+    _check_choice("data.truncation", d.truncation, ["error", "left", "right", "middle"])
+    _check_choice("trainer.resume_mode", tr.resume_mode, ["auto", "disable", "resume_path"])
+    _check_choice("trainer.device", tr.device, ["auto", "cpu", "cuda"])
+    n = arr.rollout.n
+    if n < 1:
+        raise ConfigError("actor_rollout_ref.rollout.n must be >= 1")
+    if algo.adv_estimator in ("grpo", "rloo", "opo", "grpo_passk", "reinforce_plus_plus_baseline") and n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={algo.adv_estimator} compares responses within a group, so "
+            "actor_rollout_ref.rollout.n must be >= 2 (e.g. actor_rollout_ref.rollout.n=8)"
+        )
+    rows = d.train_batch_size * n
+    mini = arr.actor.ppo_mini_batch_size
+    if d.train_batch_size % mini != 0 and mini <= d.train_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size={d.train_batch_size} is not divisible by "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}; make the mini-batch a divisor"
+        )
+    if mini > d.train_batch_size:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} > data.train_batch_size={d.train_batch_size}; "
+            "it counts prompts (before rollout.n), lower it"
+        )
+    if (mini * n) % world != 0:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = {mini * n} rows must divide across "
+            f"{world} ranks (trainer.nnodes * trainer.n_gpus_per_node); change one of them"
+        )
+    per_rank_mini = mini * n // world
+    micro = arr.actor.ppo_micro_batch_size_per_gpu
+    if not arr.actor.use_dynamic_bsz and micro is not None and per_rank_mini % micro != 0:
+        raise ConfigError(
+            f"per-rank mini-batch {per_rank_mini} (ppo_mini_batch_size*n/ranks) is not divisible by "
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}; pick a divisor"
+        )
+    if rows % world != 0:
+        raise ConfigError(
+            f"data.train_batch_size * rollout.n = {rows} rows must divide across {world} ranks"
+        )
+    use_critic = algos.estimator_needs_critic(algo.adv_estimator)
+    if use_critic:
+        _validate_critic(config, world)
+    if algo.use_kl_in_reward and arr.actor.use_kl_loss:
+        print("[hybridrl] warning: both algorithm.use_kl_in_reward and actor.use_kl_loss are on (KL counted twice)")
+    _check_choice("actor_rollout_ref.rollout.name", arr.rollout.name, ["hf", "vllm", "sglang"])
+    if arr.rollout.response_length > 0 and arr.rollout.response_length != d.max_response_length:
+        pass  # rollout.response_length may be set on its own; data.max_response_length is the default.
+    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        for f in _as_list(files):
+            if not os.path.exists(os.path.expanduser(str(f))):
+                raise ConfigError(f"{key}: file {f!r} does not exist; fix the path (parquet files)")
+    if config.custom_reward_function.path and not os.path.exists(config.custom_reward_function.path):
+        raise ConfigError(
+            f"custom_reward_function.path={config.custom_reward_function.path!r} does not exist; fix the path"
+        )
+    if config.reward_model.enable and not config.reward_model.model.path:
+        raise ConfigError("reward_model.enable=True needs reward_model.model.path (a sequence-classification model)")
+    if tr.resume_mode == "resume_path" and not tr.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>")
+    fg = algo.filter_groups
+    if fg.enable and n < 2:
+        raise ConfigError("algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2")
+
+
+def _validate_critic(config: PPOConfig, world: int) -> None:
+    c, d, n = config.critic, config.data, config.actor_rollout_ref.rollout.n
+    if not c.model.path and not config.actor_rollout_ref.model.path:
+        raise ConfigError(
+            "algorithm.adv_estimator=gae needs a critic: set critic.model.path (defaults to the actor's model)"
+        )
+    mini = c.ppo_mini_batch_size
+    if d.train_batch_size % mini != 0 or mini > d.train_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size={d.train_batch_size} is not divisible by critic.ppo_mini_batch_size={mini}"
+        )
+    if (mini * n) % world != 0:
+        raise ConfigError(f"critic.ppo_mini_batch_size * rollout.n = {mini * n} must divide across {world} ranks")
+    micro = c.ppo_micro_batch_size_per_gpu
+    if not c.use_dynamic_bsz and micro is not None and (mini * n // world) % micro != 0:
+        raise ConfigError(
+            f"per-rank critic mini-batch {mini * n // world} is not divisible by "
+            f"critic.ppo_micro_batch_size_per_gpu={micro}"
+        )
+
+
+def _check_choice(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {sorted(choices)}")
+
+
+def _as_list(files) -> list:
+    if files is None:
+        return []
+    if isinstance(files, (list, tuple)):
+        return list(files)
+    return [files]

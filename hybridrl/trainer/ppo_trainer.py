@@ -1,0 +1,491 @@
+"""The PPO fit loop on the Ray driver: one named call per stage.
+
+    generate -> (ReMax greedy baseline) -> reward -> (DAPO group filter) -> balance -> old log-prob
+    -> ref log-prob -> values -> advantage -> critic update -> actor update -> validate
+    -> checkpoint -> log
+
+Every stage is a call on a worker group or a pure function from `hybridrl.algos`; the driver never
+touches model weights.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import uuid
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridrl import algos
+from hybridrl.protocol import DataProto
+from hybridrl.trainer import checkpointing
+from hybridrl.trainer.workers_setup import WorkerGroups
+from hybridrl.utils.metrics import (
+    compute_data_metrics,
+    compute_throughout_metrics,
+    compute_timing_metrics,
+    process_validation_metrics,
+    reduce_metrics,
+    timer,
+)
+from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+
+
+class RayPPOTrainer:
+    """Holds the PPO loop; the workers hold the models.
+
+    Args:
+        config: the validated, typed config tree (`hybridrl.trainer.ppo_config.PPOConfig`).
+        tokenizer: the policy tokenizer (decoding for rewards and logs).
+        workers: the started worker groups (`hybridrl.trainer.workers_setup.start_workers`).
+        train_loader: resumable loader of prompt batches (`hybridrl.data.RLDataLoader`).
+        val_loader: loader over the validation set, or None.
+        reward_fn: reward manager for training batches.
+        val_reward_fn: reward manager for validation batches.
+        tracker: `hybridrl.utils.tracking.Tracking`.
+    """
+
+    def __init__(self, config, tokenizer, workers: WorkerGroups, train_loader, val_loader, reward_fn,
+                 val_reward_fn, tracker):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.workers = workers
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.reward_fn = reward_fn
+        self.val_reward_fn = val_reward_fn
+        self.tracker = tracker
+        algo = config.algorithm
+        self.use_critic = algos.estimator_needs_critic(algo.adv_estimator)
+        self.use_reference_policy = algo.use_kl_in_reward or config.actor_rollout_ref.actor.use_kl_loss
+        self.kl_ctrl_in_reward = (
+            algos.get_kl_controller(
+                algo.kl_ctrl.type,
+                kl_coef=algo.kl_ctrl.kl_coef,
+                target_kl=algo.kl_ctrl.target_kl,
+                horizon=algo.kl_ctrl.horizon,
+            )
+            if algo.use_kl_in_reward
+            else None
+        )
+        self.total_training_steps = config.trainer.total_training_steps
+        self.global_steps = 0
+        self._epoch = 0
+        self._train_iter = None
+        self.last_val_metrics: dict[str, float] = {}
+        self.history: list[dict[str, float]] = []
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict[str, float]:
+        """Train for `total_training_steps`; returns the last validation metrics."""
+        cfg = self.config.trainer
+        self._load_checkpoint()
+        if self.val_loader is not None and cfg.val_before_train:
+            val = self._validate()
+            self.tracker.log(val, step=self.global_steps)
+            if cfg.val_only:
+                return val
+        progress = _progress_bar(cfg.progress_bar, self.total_training_steps, self.global_steps)
+        while self.global_steps < self.total_training_steps:
+            self.global_steps += 1
+            metrics: dict[str, Any] = {}
+            timing: dict[str, float] = {}
+            with timer("step", timing):
+                batch = self._rollout_and_score(metrics, timing)
+                self._balance_batch(batch, metrics)
+                batch = self._compute_old_log_prob(batch, metrics, timing)
+                batch = self._compute_ref_log_prob(batch, timing)
+                batch = self._compute_values(batch, timing)
+                batch = self._compute_advantage(batch, metrics, timing)
+                self._update_critic(batch, metrics, timing)
+                self._update_actor(batch, metrics, timing)
+                self._dump_rollouts(batch)
+            self._maybe_validate(metrics, timing)
+            self._maybe_save_checkpoint(timing)
+            self._log_step(batch, metrics, timing)
+            progress.update(1)
+            progress.set_postfix(_postfix(metrics))
+        progress.close()
+        return self.last_val_metrics
+
+    # ---------------------------------------------------------------- stages
+    def _next_prompt_batch(self) -> DataProto:
+        """Next batch of prompts, cycling epochs; each prompt gets a fresh group id (uid)."""
+        while True:
+            if self._train_iter is None:
+                self._train_iter = iter(self.train_loader)
+            try:
+                batch_dict = next(self._train_iter)
+                break
+            except StopIteration:
+                self._train_iter = None
+                self._epoch += 1
+        batch = DataProto.from_single_dict(batch_dict)
+        batch.non_tensor_batch["uid"] = np.array([str(uuid.UUID(int=random.getrandbits(128))) for _ in
+                                                  range(len(batch))], dtype=object)
+        return batch
+
+    def _generate(self, prompts: DataProto, timing: dict) -> DataProto:
+        """Repeat each prompt `rollout.n` times and generate one response per row."""
+        n = self.config.actor_rollout_ref.rollout.n
+        batch = prompts.repeat(repeat_times=n, interleave=True)
+        gen_in = batch.select(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        gen_in.meta_info["global_steps"] = self.global_steps
+        with timer("gen", timing):
+            out = self.workers.actor_rollout.generate_sequences(gen_in)
+        timing.update(out.meta_info.pop("timing", {}))
+        batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        batch = batch.union(out)
+        if self.config.algorithm.adv_estimator == "remax":
+            batch = self._remax_baseline(batch, timing)
+        return batch
+
+    def _remax_baseline(self, batch: DataProto, timing: dict) -> DataProto:
+        """ReMax: the greedy response's reward is the baseline of each sampled response."""
+        gen_in = batch.select(batch_keys=["prompts"])
+        prompts = gen_in.batch["prompts"]
+        pad_id = self.tokenizer.pad_token_id
+        mask = (prompts != pad_id).long()
+        gen_in = DataProto.from_dict(
+            {"input_ids": prompts, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+            meta_info={"greedy": True, "global_steps": self.global_steps},
+        )
+        with timer("gen_max", timing):
+            greedy = self.workers.actor_rollout.generate_sequences(gen_in)
+        greedy.meta_info.pop("timing", None)
+        greedy.non_tensor_batch.update(batch.non_tensor_batch)
+        scores = self.reward_fn(greedy, return_dict=False).sum(-1)
+        batch.batch["reward_baselines"] = scores
+        return batch
+
+    def _compute_reward(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, list]]:
+        with timer("reward", timing):
+            if self.workers.reward_model is not None:
+                batch = batch.union(self.workers.reward_model.compute_rm_score(batch))
+            out = self.reward_fn(batch, return_dict=True)
+            scores = out["reward_tensor"]
+            if "rm_scores" in batch.batch.keys():
+                scores = scores + batch.batch["rm_scores"]
+            batch.batch["token_level_scores"] = scores
+        return batch, out.get("reward_extra_info", {})
+
+    def _rollout_and_score(self, metrics: dict, timing: dict) -> DataProto:
+        """Generate and score; with DAPO dynamic sampling keep only groups whose metric varies."""
+        fg = self.config.algorithm.filter_groups
+        if not fg.enable:
+            batch, extra = self._compute_reward(self._generate(self._next_prompt_batch(), timing), timing)
+            _attach_extra(batch, extra)
+            return batch
+        want = self.config.data.train_batch_size
+        kept: list[DataProto] = []
+        n_prompts = num_gen = 0
+        while n_prompts < want:
+            num_gen += 1
+            if 0 < fg.max_num_gen_batches < num_gen:
+                raise RuntimeError(
+                    f"DAPO dynamic sampling: {num_gen - 1} generation batches gave only {n_prompts}/{want} "
+                    "prompts with non-constant "
+                    f"'{fg.metric}'. Raise algorithm.filter_groups.max_num_gen_batches, use easier data, "
+                    "or disable algorithm.filter_groups.enable."
+                )
+            batch, extra = self._compute_reward(self._generate(self._next_prompt_batch(), timing), timing)
+            _attach_extra(batch, extra)
+            metric = _group_metric(batch, fg.metric)
+            keep = algos.filter_groups_by_metric(batch.non_tensor_batch["uid"], metric)
+            batch = batch.select_idxs(keep)
+            n_prompts += len(set(batch.non_tensor_batch["uid"].tolist()))
+            kept.append(batch)
+        batch = DataProto.concat(kept)
+        n = self.config.actor_rollout_ref.rollout.n
+        metrics["train/num_gen_batches"] = num_gen
+        return batch[: want * n]
+
+    def _balance_batch(self, batch: DataProto, metrics: dict) -> None:
+        """Reorder rows so every data-parallel rank gets about the same number of tokens."""
+        if not self.config.trainer.balance_batch:
+            return
+        world = self.workers.actor_rollout.world_size
+        if world <= 1:
+            return
+        seqlens = batch.batch["attention_mask"].sum(-1).tolist()
+        parts = get_seqlen_balanced_partitions(seqlens, k_partitions=world, equal_size=True)
+        order = torch.tensor([i for part in parts for i in sorted(part)])
+        batch.reorder(order)
+        sums = [sum(seqlens[i] for i in p) for p in parts]
+        metrics["perf/balance_max_min_ratio"] = max(sums) / max(min(sums), 1)
+
+    def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
+        with timer("old_log_prob", timing):
+            out = self.workers.actor_rollout.compute_log_prob(batch)
+        entropys = out.batch.pop("entropys", None) if "entropys" in out.batch.keys() else None
+        if entropys is not None:
+            metrics["actor/entropy"] = float(algos.masked_mean(entropys, batch.batch["response_mask"]))
+        batch = batch.union(out)
+        if self.config.algorithm.rollout_is and "rollout_log_probs" in batch.batch.keys():
+            a = self.config.algorithm
+            weights, is_metrics = algos.compute_rollout_importance_weights(
+                batch.batch["old_log_probs"],
+                batch.batch["rollout_log_probs"],
+                batch.batch["response_mask"],
+                rollout_is_level=a.rollout_is_level,
+                rollout_is_mode=a.rollout_is_mode,
+                rollout_is_threshold=a.rollout_is_threshold,
+                rollout_is_threshold_lower=a.rollout_is_threshold_lower,
+                rollout_is_veto_threshold=a.rollout_is_veto_threshold,
+            )
+            batch.batch["rollout_is_weights"] = weights
+            metrics.update({f"rollout_is/{k}": float(v) for k, v in is_metrics.items()})
+        return batch
+
+    def _compute_ref_log_prob(self, batch: DataProto, timing: dict) -> DataProto:
+        if not self.use_reference_policy:
+            return batch
+        with timer("ref", timing):
+            return batch.union(self.workers.actor_rollout.compute_ref_log_prob(batch))
+
+    def _compute_values(self, batch: DataProto, timing: dict) -> DataProto:
+        if not self.use_critic:
+            return batch
+        with timer("values", timing):
+            return batch.union(self.workers.critic.compute_values(batch))
+
+    def _compute_advantage(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
+        algo = self.config.algorithm
+        with timer("adv", timing):
+            if algo.use_kl_in_reward:
+                self._apply_kl_penalty(batch, metrics)
+            else:
+                batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+            fn = algos.get_adv_estimator_fn(algo.adv_estimator)
+            b = batch.batch
+            advantages, returns = fn(
+                b["token_level_rewards"],
+                b["response_mask"],
+                index=batch.non_tensor_batch["uid"],
+                values=b["values"] if "values" in b.keys() else None,
+                gamma=algo.gamma,
+                lam=algo.lam,
+                norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+                epsilon=1e-6,
+                reward_baselines=b["reward_baselines"] if "reward_baselines" in b.keys() else None,
+            )
+            b["advantages"], b["returns"] = advantages, returns
+        return batch
+
+    def _apply_kl_penalty(self, batch: DataProto, metrics: dict) -> None:
+        """r_t = score_t - beta * KL_t(pi_old || pi_ref); beta from the KL controller."""
+        b = batch.batch
+        mask = b["response_mask"]
+        kld = algos.kl_penalty(b["old_log_probs"], b["ref_log_prob"], self.config.algorithm.kl_penalty) * mask
+        beta = self.kl_ctrl_in_reward.value
+        b["token_level_rewards"] = b["token_level_scores"] - beta * kld
+        current_kl = float(algos.masked_mean(kld, mask, axis=-1).mean())
+        self.kl_ctrl_in_reward.update(current_kl=current_kl, n_steps=len(batch))
+        metrics["actor/reward_kl_penalty"] = current_kl
+        metrics["actor/reward_kl_penalty_coeff"] = beta
+
+    def _update_critic(self, batch: DataProto, metrics: dict, timing: dict) -> None:
+        if not self.use_critic:
+            return
+        with timer("update_critic", timing):
+            out = self.workers.critic.update_critic(batch)
+        metrics.update(reduce_metrics(out.meta_info["metrics"]))
+
+    def _update_actor(self, batch: DataProto, metrics: dict, timing: dict) -> None:
+        if self.global_steps <= self.config.trainer.critic_warmup:
+            return
+        with timer("update_actor", timing):
+            out = self.workers.actor_rollout.update_actor(batch)
+        metrics.update(reduce_metrics(out.meta_info["metrics"]))
+
+    # ------------------------------------------------------------ validation
+    def _maybe_validate(self, metrics: dict, timing: dict) -> None:
+        freq = self.config.trainer.test_freq
+        last = self.global_steps >= self.total_training_steps
+        if self.val_loader is None or freq <= 0 and not last:
+            return
+        if last or self.global_steps % freq == 0:
+            with timer("testing", timing):
+                metrics.update(self._validate())
+
+    def _validate(self) -> dict[str, float]:
+        """Generate with `rollout.val_kwargs` (greedy by default), score, report mean/best/maj@N."""
+        n = self.config.actor_rollout_ref.rollout.val_kwargs.n
+        sources, scores, extras, uids, samples = [], [], defaultdict(list), [], []
+        for batch_dict in self.val_loader:
+            prompts = DataProto.from_single_dict(batch_dict)
+            prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))],
+                                                       dtype=object)
+            batch = prompts.repeat(repeat_times=n, interleave=True)
+            gen_in = batch.select(batch_keys=["input_ids", "attention_mask", "position_ids"])
+            gen_in.meta_info["validate"] = True
+            out = self.workers.actor_rollout.generate_sequences(gen_in)
+            out.meta_info.pop("timing", None)
+            batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+            batch = batch.union(out)
+            res = self.val_reward_fn(batch, return_dict=True)
+            seq_scores = res["reward_tensor"].sum(-1).tolist()
+            scores.extend(seq_scores)
+            for k, v in res.get("reward_extra_info", {}).items():
+                extras[k].extend(v)
+            sources.extend(batch.non_tensor_batch.get(self.config.data.reward_fn_key,
+                                                      np.array(["unknown"] * len(batch))).tolist())
+            uids.extend(batch.non_tensor_batch["uid"].tolist())
+            if len(samples) < self.config.trainer.log_val_generations:
+                samples.extend(_decode_samples(self.tokenizer, batch, seq_scores))
+        extras["reward"] = scores
+        if "acc" not in extras:
+            extras["acc"] = scores
+        val = process_validation_metrics(sources, uids, dict(extras))
+        self.last_val_metrics = val
+        if samples:
+            self.tracker.log_generations(samples[: self.config.trainer.log_val_generations], self.global_steps)
+        return val
+
+    # ----------------------------------------------------------- checkpoints
+    def _maybe_save_checkpoint(self, timing: dict) -> None:
+        freq = self.config.trainer.save_freq
+        last = self.global_steps >= self.total_training_steps
+        if freq > 0 and (self.global_steps % freq == 0 or last):
+            with timer("save_checkpoint", timing):
+                self.save_checkpoint()
+
+    def save_checkpoint(self) -> str:
+        cfg = self.config.trainer
+        root = cfg.default_local_dir
+        tmp = checkpointing.tmp_step_dir(root, self.global_steps)
+        os.makedirs(tmp, exist_ok=True)
+        self.workers.actor_rollout.save_checkpoint(os.path.join(tmp, "actor"), self.global_steps)
+        if self.use_critic:
+            self.workers.critic.save_checkpoint(os.path.join(tmp, "critic"), self.global_steps)
+        state = {
+            "global_steps": self.global_steps,
+            "epoch": self._epoch,
+            "dataloader": self.train_loader.state_dict(),
+            "kl_ctrl": self.kl_ctrl_in_reward.state_dict() if self.kl_ctrl_in_reward else None,
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        }
+        torch.save(state, os.path.join(tmp, "data.pt"))
+        final = checkpointing.finalize(root, self.global_steps)
+        keep = cfg.max_actor_ckpt_to_keep
+        if cfg.remove_previous_ckpt_in_save:
+            keep = 1
+        checkpointing.prune(root, keep)
+        return final
+
+    def _load_checkpoint(self) -> None:
+        cfg = self.config.trainer
+        if cfg.resume_mode == "disable":
+            return
+        if cfg.resume_mode == "resume_path":
+            path = cfg.resume_from_path
+            if not path or not os.path.isdir(path):
+                raise FileNotFoundError(
+                    f"trainer.resume_mode=resume_path but trainer.resume_from_path={path!r} is not a folder; "
+                    "point it at a global_step_<N> checkpoint or use trainer.resume_mode=auto"
+                )
+        else:
+            path = checkpointing.find_latest(cfg.default_local_dir)
+            if path is None:
+                return
+        checkpointing.step_of(path)
+        self.workers.actor_rollout.load_checkpoint(os.path.join(path, "actor"))
+        if self.use_critic:
+            self.workers.critic.load_checkpoint(os.path.join(path, "critic"))
+        state = torch.load(os.path.join(path, "data.pt"), weights_only=False)
+        self.global_steps = state["global_steps"]
+        self._epoch = state["epoch"]
+        self.train_loader.load_state_dict(state["dataloader"])
+        self._train_iter = None
+        if self.kl_ctrl_in_reward is not None and state["kl_ctrl"] is not None:
+            self.kl_ctrl_in_reward.load_state_dict(state["kl_ctrl"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        print(f"[hybridrl] resumed from {path} (global step {self.global_steps})")
+
+    # --------------------------------------------------------------- logging
+    def _log_step(self, batch: DataProto, metrics: dict, timing: dict) -> None:
+        metrics.update(compute_data_metrics(batch, use_critic=self.use_critic))
+        metrics.update(compute_timing_metrics(batch, timing))
+        metrics.update(compute_throughout_metrics(batch, timing, self.workers.actor_rollout.world_size))
+        metrics["training/global_step"] = self.global_steps
+        metrics["training/epoch"] = self._epoch
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.floating, np.integer))
+                 or (torch.is_tensor(v) and v.numel() == 1)}
+        self.history.append(clean)
+        self.tracker.log(clean, step=self.global_steps)
+
+    def _dump_rollouts(self, batch: DataProto) -> None:
+        out_dir = self.config.trainer.rollout_data_dir
+        if not out_dir:
+            return
+        import json
+
+        os.makedirs(out_dir, exist_ok=True)
+        rows = _decode_samples(self.tokenizer, batch, batch.batch["token_level_scores"].sum(-1).tolist())
+        with open(os.path.join(out_dir, f"{self.global_steps}.jsonl"), "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+# ---------------------------------------------------------------- helpers
+def _attach_extra(batch: DataProto, extra: dict[str, list]) -> None:
+    for k, v in extra.items():
+        if len(v) == len(batch):
+            batch.non_tensor_batch[k] = np.array(v, dtype=object)
+
+
+def _group_metric(batch: DataProto, name: str) -> np.ndarray:
+    if name in ("seq_reward", "score"):
+        return batch.batch["token_level_scores"].sum(-1).numpy()
+    if name in batch.non_tensor_batch:
+        return np.array(batch.non_tensor_batch[name], dtype=np.float64)
+    raise KeyError(
+        f"algorithm.filter_groups.metric={name!r} is not produced by the reward function; use 'score' or one "
+        f"of {sorted(batch.non_tensor_batch.keys())}"
+    )
+
+
+def _decode_samples(tokenizer, batch: DataProto, scores: list[float]) -> list[dict]:
+    rows = []
+    prompts, responses = batch.batch["prompts"], batch.batch["responses"]
+    mask = batch.batch["response_mask"].bool()
+    pad = tokenizer.pad_token_id
+    for i in range(len(batch)):
+        p = prompts[i][prompts[i] != pad]
+        r = responses[i][mask[i]]
+        gt = batch.non_tensor_batch.get("reward_model", [None] * len(batch))[i]
+        rows.append({
+            "prompt": tokenizer.decode(p, skip_special_tokens=True),
+            "response": tokenizer.decode(r, skip_special_tokens=True),
+            "ground_truth": gt.get("ground_truth") if isinstance(gt, dict) else None,
+            "score": scores[i],
+        })
+    return rows
+
+
+_POSTFIX_KEYS = {
+    "critic/score/mean": "score",
+    "actor/pg_loss": "pg",
+    "actor/entropy": "ent",
+    "response_length/mean": "len",
+    "perf/time_per_step": "s/step",
+}
+
+
+def _postfix(metrics: dict) -> dict[str, str]:
+    out = {short: f"{float(metrics[k]):.3g}" for k, short in _POSTFIX_KEYS.items() if k in metrics}
+    val = [k for k in metrics if k.startswith("val-core/") and "mean@" in k]
+    if val:
+        out["val"] = f"{float(metrics[val[0]]):.3f}"
+    return out
+
+
+def _progress_bar(enabled: bool, total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", disable=not enabled, dynamic_ncols=True)

@@ -1,0 +1,129 @@
+"""FLOPs of a decoder-only transformer pass and model FLOPs utilisation (MFU).
+
+Estimate (Kaplan et al. 2020, "Scaling laws", sec. 2.1; PaLM appendix B for attention):
+a forward pass costs 2 * N FLOPs per token for the N non-embedding parameters plus 4 * L * d * s
+per token for the attention scores and weighted sum (L layers, d = heads * head_dim, s the
+sequence length; the full s x s product is counted, as in PaLM). Training (forward + backward)
+costs three times the forward: 6 * N * tokens + 12 * L * d * sum_i s_i^2.
+
+MFU = achieved FLOPs / (seconds * peak FLOP/s). The peak is the caller's: `get_peak_flops` gives
+a table value on known GPUs and, on CPU, measures a large matmul once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+
+import torch
+
+# dense bf16 tensor-core peaks (FLOP/s), by a substring of torch.cuda.get_device_name()
+_GPU_PEAK_BF16 = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A10", 125e12),
+    ("4090", 165e12),
+    ("3090", 71e12),
+)
+
+
+def count_params(module: torch.nn.Module, exclude_embeddings: bool = True) -> int:
+    """Number of parameters (global numel for sharded DTensors; tied weights counted once).
+
+    With `exclude_embeddings`, nn.Embedding weights are left out (and a head tied to them),
+    as in the 6N rule.
+    """
+    skip: set[int] = set()
+    if exclude_embeddings:
+        for m in module.modules():
+            if isinstance(m, torch.nn.Embedding):
+                skip.add(id(m.weight))
+    seen: set[int] = set()
+    total = 0
+    for p in module.parameters():
+        if id(p) in seen or id(p) in skip:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+def attention_dims(hf_config) -> tuple[int, int]:
+    """(num_layers, heads * head_dim) of a Hugging Face decoder config."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    layers = int(text.num_hidden_layers)
+    heads = int(text.num_attention_heads)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return layers, heads * int(head_dim)
+
+
+def estimate_flops(
+    num_params: int,
+    seqlens: Sequence[int],
+    num_layers: int,
+    attn_dim: int,
+    training: bool = True,
+) -> float:
+    """FLOPs of one pass over sequences of the given lengths.
+
+    Args:
+        num_params: non-embedding parameter count N.
+        seqlens: tokens of each sequence (padding excluded).
+        num_layers: L.
+        attn_dim: heads * head_dim.
+        training: forward + backward (x3) if True, forward only otherwise.
+
+    Returns:
+        (6 or 2) * N * sum(s) + (12 or 4) * L * attn_dim * sum(s^2).
+    """
+    tokens = sum(int(s) for s in seqlens)
+    squares = sum(int(s) ** 2 for s in seqlens)
+    factor = 3 if training else 1
+    return factor * (2.0 * num_params * tokens + 4.0 * num_layers * attn_dim * squares)
+
+
+@functools.lru_cache(maxsize=8)
+def measure_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.3) -> float:
+    """Best FLOP/s of a (size x size) @ (size x size) matmul on CPU over ~`seconds` (cached)."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm-up
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        elapsed = time.perf_counter() - start
+        best = max(best, 2.0 * size**3 / max(elapsed, 1e-9))
+        if time.perf_counter() > deadline:
+            return best
+
+
+def get_peak_flops(device: str | None = None, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Peak FLOP/s used as the MFU denominator.
+
+    On a CUDA device, the dense bf16 peak of a known GPU (fp32 is taken as half of it), or 0.0
+    for an unknown one (MFU is then not reported). On CPU, a measured matmul (cached).
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name()
+        for key, peak in _GPU_PEAK_BF16:
+            if key in name:
+                return peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
+        return 0.0
+    return measure_matmul_flops(dtype)
+
+
+def compute_mfu(flops: float, seconds: float, peak_flops: float | None) -> float | None:
+    """flops / (seconds * peak); None when the peak is unknown or no time elapsed."""
+    if not peak_flops or seconds <= 0:
+        return None
+    return flops / (seconds * peak_flops)

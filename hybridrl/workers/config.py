@@ -1,0 +1,475 @@
+"""Typed configs of the training-side workers: model, actor, reference, critic, reward model.
+
+Key names and defaults follow veRL (`actor_rollout_ref.model.*`, `actor_rollout_ref.actor.*`,
+`actor_rollout_ref.ref.*`, `critic.*`, `reward_model.*`), so users' command lines port unchanged.
+Every class is a plain dataclass whose fields all have defaults and use types OmegaConf supports:
+the trainer composes them into one structured config (an unknown key then fails at start-up).
+
+Workers never mutate these objects. Sizes that depend on the number of ranks and on
+`rollout.n` are derived once, on the driver, by `normalize_actor_batch_sizes` /
+`normalize_critic_batch_sizes`, which return a frozen `PerRankBatchSizes` or raise a ValueError
+naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LR_SCHEDULER_TYPES = ("constant", "cosine")
+FSDP_STRATEGIES = ("fsdp", "fsdp2")
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+DTYPE_NAMES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
+
+ACTOR_KEY = "actor_rollout_ref.actor"
+CRITIC_KEY = "critic"
+
+
+# ----------------------------------------------------------------------------------------------
+# building blocks
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up, then a constant or cosine schedule (veRL `*.optim`).
+
+    `lr_warmup_steps` wins when > 0; otherwise warm-up lasts `lr_warmup_steps_ratio *
+    total_training_steps`. `total_training_steps` is set by the trainer; it is needed by the
+    cosine schedule and by ratio warm-up. `warmup_style` is veRL's older name for
+    `lr_scheduler_type`; when set it wins.
+    """
+
+    lr: float = 1e-6
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+    lr_scheduler_type: str = "constant"
+    warmup_style: str | None = None
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    total_training_steps: int = -1
+
+    @property
+    def scheduler_type(self) -> str:
+        return self.warmup_style or self.lr_scheduler_type
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """FSDP2 MixedPrecisionPolicy: compute in `param_dtype`, reduce gradients in `reduce_dtype`."""
+
+    param_dtype: str = "bf16"
+    reduce_dtype: str = "fp32"
+    buffer_dtype: str = "fp32"  # accepted for veRL compatibility; FSDP2 keeps buffers as loaded
+
+
+@dataclass
+class WrapPolicyConfig:
+    """Which modules get their own `fully_shard` (default: the model's `_no_split_modules`)."""
+
+    transformer_layer_cls_to_wrap: list[str] | None = None
+    min_num_params: int = 0
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 settings (veRL `*.fsdp_config`).
+
+    fsdp_size: ranks per shard group; -1 (or >= world size) shards over all ranks, 0 < fsdp_size
+    < world builds a 2-D (replicate, shard) mesh (hybrid sharding). `model_dtype` is the dtype
+    of the master weights; the optimizer runs in it.
+    """
+
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    offload_policy: bool = False
+    reshard_after_forward: bool = True
+    fsdp_size: int = -1
+    model_dtype: str = "fp32"
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    """What a checkpoint holds: 'model', 'optimizer', 'extra' (lr scheduler, RNG), 'hf_model'."""
+
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    load_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+
+
+@dataclass
+class PolicyLossConfig:
+    """`actor.policy_loss`: the registry name of the loss and the hyper-parameters of its variants."""
+
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+
+
+# ----------------------------------------------------------------------------------------------
+# model
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """`actor_rollout_ref.model`: which Hugging Face model to load and how.
+
+    path: a local Hugging Face folder, a hub id, or 'builtin:tiny' (the shipped tiny model).
+    init_from_scratch: build the architecture from `path`'s config with random weights.
+    override_config: set on the HF config before building (e.g. {attention_dropout: 0.0,
+      attn_implementation: eager}).
+    lora_rank: > 0 wraps the model with a PEFT LoRA adapter (lora_alpha, target_modules).
+    use_shm: accepted for veRL compatibility; loading always reads `path` directly.
+    """
+
+    path: str | None = "builtin:tiny"
+    tokenizer_path: str | None = None
+    trust_remote_code: bool = False
+    override_config: dict[str, Any] = field(default_factory=dict)
+    external_lib: str | None = None
+    enable_gradient_checkpointing: bool = False
+    enable_activation_offload: bool = False
+    use_remove_padding: bool = False
+    use_fused_kernels: bool = False
+    use_liger: bool = False
+    use_shm: bool = False
+    init_from_scratch: bool = False
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+    custom_chat_template: str | None = None
+
+    def validate(self, key: str = "actor_rollout_ref.model") -> None:
+        for name in ("enable_activation_offload", "use_fused_kernels", "use_liger"):
+            if getattr(self, name):
+                raise ValueError(f"{key}.{name}=True is not implemented in hybridrl; set it to False")
+        if self.lora_rank < 0:
+            raise ValueError(f"{key}.lora_rank must be >= 0 (0 disables LoRA), got {self.lora_rank}")
+
+
+# ----------------------------------------------------------------------------------------------
+# roles
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class ActorConfig:
+    """`actor_rollout_ref.actor`: PPO policy update.
+
+    ppo_mini_batch_size counts prompts over all ranks (multiplied by rollout.n, divided by the
+    data-parallel size: see normalize_actor_batch_sizes). ppo_micro_batch_size_per_gpu counts
+    rows per forward/backward on one rank; with use_dynamic_bsz, micro-batches are instead packed
+    to at most ppo_max_token_len_per_gpu tokens. grad_clip (veRL's older key) overrides
+    optim.clip_grad when set.
+    """
+
+    strategy: str = "fsdp"
+    ppo_mini_batch_size: int = 256
+    ppo_micro_batch_size_per_gpu: int | None = None
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    data_loader_seed: int | None = None
+    grad_clip: float | None = None
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    use_torch_compile: bool = False
+    ulysses_sequence_parallel_size: int = 1
+    entropy_from_logits_with_chunking: bool = False
+    entropy_checkpointing: bool = False
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self.optim.clip_grad if self.grad_clip is None else self.grad_clip
+
+
+@dataclass
+class RefConfig:
+    """`actor_rollout_ref.ref`: the frozen reference policy (forward only)."""
+
+    strategy: str = "fsdp"
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    ulysses_sequence_parallel_size: int = 1
+    fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
+
+
+@dataclass
+class CriticModelConfig(ModelConfig):
+    """`critic.model`: like the actor's model (path None means the actor's model) plus FSDP settings."""
+
+    path: str | None = None
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class CriticConfig:
+    """`critic`: the value model, `AutoModelForTokenClassification` with one label."""
+
+    strategy: str = "fsdp"
+    rollout_n: int = 1
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: int = 256
+    ppo_micro_batch_size_per_gpu: int | None = None
+    forward_micro_batch_size_per_gpu: int | None = None
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int = 32768
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    data_loader_seed: int | None = None
+    grad_clip: float | None = None
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    ulysses_sequence_parallel_size: int = 1
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self.optim.clip_grad if self.grad_clip is None else self.grad_clip
+
+
+@dataclass
+class RewardModelModelConfig:
+    """`reward_model.model`: an `AutoModelForSequenceClassification` with one label."""
+
+    input_tokenizer: str | None = None
+    path: str | None = None
+    external_lib: str | None = None
+    trust_remote_code: bool = False
+    override_config: dict[str, Any] = field(default_factory=dict)
+    use_remove_padding: bool = False
+    use_shm: bool = False
+    fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
+
+
+@dataclass
+class RewardModelConfig:
+    """`reward_model`: an optional learned reward model, and the reward manager of the rule scores."""
+
+    enable: bool = False
+    strategy: str = "fsdp"
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: int | None = None
+    max_length: int | None = None
+    use_dynamic_bsz: bool = False
+    forward_max_token_len_per_gpu: int = 32768
+    reward_manager: str = "naive"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    launch_reward_fn_async: bool = False
+    ulysses_sequence_parallel_size: int = 1
+
+
+# ----------------------------------------------------------------------------------------------
+# derived per-rank sizes
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PerRankBatchSizes:
+    """Batch sizes one rank uses, derived once from a role's config (see normalize_*).
+
+    mini_batch_size: rows (responses) per optimizer step on this rank.
+    micro_batch_size: rows per forward/backward (None with dynamic batch size).
+    max_token_len: token budget of one micro-batch with dynamic batch size.
+    forward_micro_batch_size / forward_max_token_len: the same for forward-only passes.
+    """
+
+    mini_batch_size: int
+    micro_batch_size: int | None
+    use_dynamic_bsz: bool
+    max_token_len: int
+    forward_micro_batch_size: int | None
+    forward_max_token_len: int
+    epochs: int
+    shuffle: bool
+    seed: int | None
+    dp_size: int
+    rollout_n: int
+
+
+def _check_common(key: str, *, strategy: str, loss_agg_mode: str, ulysses: int, epochs: int) -> None:
+    if strategy not in FSDP_STRATEGIES:
+        raise ValueError(
+            f"{key}.strategy={strategy!r} is not supported by the FSDP engine; use one of {FSDP_STRATEGIES}"
+        )
+    if ulysses != 1:
+        raise ValueError(
+            f"{key}.ulysses_sequence_parallel_size={ulysses}: Ulysses sequence parallelism is not implemented "
+            "in hybridrl; set it to 1"
+        )
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"{key}.loss_agg_mode={loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+    if epochs < 1:
+        raise ValueError(f"{key}.ppo_epochs must be >= 1, got {epochs}")
+
+
+def _check_optim(key: str, optim: OptimConfig) -> None:
+    if optim.scheduler_type not in LR_SCHEDULER_TYPES:
+        raise ValueError(f"{key}.optim.lr_scheduler_type={optim.scheduler_type!r} is not one of {LR_SCHEDULER_TYPES}")
+    if len(optim.betas) != 2:
+        raise ValueError(f"{key}.optim.betas must hold two numbers, got {optim.betas}")
+
+
+def _check_checkpoint(key: str, ckpt: CheckpointConfig) -> None:
+    for name in ("save_contents", "load_contents"):
+        bad = [c for c in getattr(ckpt, name) if c not in CHECKPOINT_CONTENTS]
+        if bad:
+            raise ValueError(f"{key}.checkpoint.{name} has unknown entries {bad}; use a subset of {CHECKPOINT_CONTENTS}")
+
+
+def _per_rank(
+    key: str,
+    *,
+    mini: int,
+    micro: int | None,
+    use_dynamic_bsz: bool,
+    max_token_len: int,
+    rollout_n: int,
+    dp_size: int,
+) -> tuple[int, int | None]:
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if rollout_n < 1:
+        raise ValueError(f"actor_rollout_ref.rollout.n must be >= 1, got {rollout_n}")
+    if mini < 1:
+        raise ValueError(f"{key}.ppo_mini_batch_size must be >= 1, got {mini}")
+    rows = mini * rollout_n
+    if rows % dp_size:
+        raise ValueError(
+            f"{key}.ppo_mini_batch_size * rollout.n = {mini} * {rollout_n} = {rows} rows cannot be split evenly "
+            f"over {dp_size} data-parallel ranks; make {key}.ppo_mini_batch_size * rollout.n a multiple of {dp_size}"
+        )
+    per_rank = rows // dp_size
+    if use_dynamic_bsz:
+        if max_token_len < 1:
+            raise ValueError(f"{key}.ppo_max_token_len_per_gpu must be >= 1 with use_dynamic_bsz=True")
+        return per_rank, None
+    if micro is None:
+        raise ValueError(
+            f"{key}.ppo_micro_batch_size_per_gpu is not set; set it (e.g. {key}.ppo_micro_batch_size_per_gpu=8) "
+            f"or set {key}.use_dynamic_bsz=True"
+        )
+    if micro < 1 or per_rank % micro:
+        raise ValueError(
+            f"{key}.ppo_micro_batch_size_per_gpu={micro} does not divide the per-rank mini-batch of {per_rank} rows "
+            f"(ppo_mini_batch_size * rollout.n / dp_size = {mini} * {rollout_n} / {dp_size}); pick a divisor of {per_rank}"
+        )
+    return per_rank, micro
+
+
+def normalize_actor_batch_sizes(config: ActorConfig, *, rollout_n: int, dp_size: int) -> PerRankBatchSizes:
+    """Validate `config` and derive the per-rank sizes of the PPO update.
+
+    Args:
+        config: the actor config (not modified).
+        rollout_n: responses per prompt (`actor_rollout_ref.rollout.n`).
+        dp_size: number of data-parallel ranks of the actor.
+
+    Raises:
+        ValueError: naming the key and the fix when sizes do not divide or a value is unsupported.
+    """
+    _check_common(
+        ACTOR_KEY,
+        strategy=config.strategy,
+        loss_agg_mode=config.loss_agg_mode,
+        ulysses=config.ulysses_sequence_parallel_size,
+        epochs=config.ppo_epochs,
+    )
+    _check_optim(ACTOR_KEY, config.optim)
+    _check_checkpoint(ACTOR_KEY, config.checkpoint)
+    if config.shuffle and config.data_loader_seed is None:
+        raise ValueError(f"{ACTOR_KEY}.shuffle=True needs {ACTOR_KEY}.data_loader_seed (e.g. 42)")
+    if config.use_kl_loss and config.kl_loss_coef < 0:
+        raise ValueError(f"{ACTOR_KEY}.kl_loss_coef must be >= 0, got {config.kl_loss_coef}")
+    per_rank, micro = _per_rank(
+        ACTOR_KEY,
+        mini=config.ppo_mini_batch_size,
+        micro=config.ppo_micro_batch_size_per_gpu,
+        use_dynamic_bsz=config.use_dynamic_bsz,
+        max_token_len=config.ppo_max_token_len_per_gpu,
+        rollout_n=rollout_n,
+        dp_size=dp_size,
+    )
+    return PerRankBatchSizes(
+        mini_batch_size=per_rank,
+        micro_batch_size=micro,
+        use_dynamic_bsz=config.use_dynamic_bsz,
+        max_token_len=config.ppo_max_token_len_per_gpu,
+        forward_micro_batch_size=micro,
+        forward_max_token_len=config.ppo_max_token_len_per_gpu,
+        epochs=config.ppo_epochs,
+        shuffle=config.shuffle,
+        seed=config.data_loader_seed,
+        dp_size=dp_size,
+        rollout_n=rollout_n,
+    )
+
+
+def normalize_critic_batch_sizes(
+    config: CriticConfig, *, dp_size: int, rollout_n: int | None = None
+) -> PerRankBatchSizes:
+    """Validate `config` and derive the per-rank sizes of the critic update and forward passes.
+
+    Args:
+        config: the critic config (not modified).
+        dp_size: number of data-parallel ranks of the critic.
+        rollout_n: responses per prompt; defaults to `critic.rollout_n`.
+
+    Raises:
+        ValueError: naming the key and the fix when sizes do not divide or a value is unsupported.
+    """
+    n = config.rollout_n if rollout_n is None else rollout_n
+    _check_common(
+        CRITIC_KEY,
+        strategy=config.strategy,
+        loss_agg_mode=config.loss_agg_mode,
+        ulysses=config.ulysses_sequence_parallel_size,
+        epochs=config.ppo_epochs,
+    )
+    _check_optim(CRITIC_KEY, config.optim)
+    _check_checkpoint(CRITIC_KEY, config.checkpoint)
+    config.model.validate(f"{CRITIC_KEY}.model")
+    if config.shuffle and config.data_loader_seed is None:
+        raise ValueError(f"{CRITIC_KEY}.shuffle=True needs {CRITIC_KEY}.data_loader_seed (e.g. 42)")
+    per_rank, micro = _per_rank(
+        CRITIC_KEY,
+        mini=config.ppo_mini_batch_size,
+        micro=config.ppo_micro_batch_size_per_gpu,
+        use_dynamic_bsz=config.use_dynamic_bsz,
+        max_token_len=config.ppo_max_token_len_per_gpu,
+        rollout_n=n,
+        dp_size=dp_size,
+    )
+    forward_micro = config.forward_micro_batch_size_per_gpu or micro
+    if not config.use_dynamic_bsz and forward_micro is not None and forward_micro < 1:
+        raise ValueError(f"{CRITIC_KEY}.forward_micro_batch_size_per_gpu must be >= 1, got {forward_micro}")
+    return PerRankBatchSizes(
+        mini_batch_size=per_rank,
+        micro_batch_size=micro,
+        use_dynamic_bsz=config.use_dynamic_bsz,
+        max_token_len=config.ppo_max_token_len_per_gpu,
+        forward_micro_batch_size=forward_micro,
+        forward_max_token_len=config.forward_max_token_len_per_gpu,
+        epochs=config.ppo_epochs,
+        shuffle=config.shuffle,
+        seed=config.data_loader_seed,
+        dp_size=dp_size,
+        rollout_n=n,
+    )
