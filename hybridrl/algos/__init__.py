@@ -21,9 +21,17 @@ from hybridrl.algos.advantage import (
     AdvantageEstimator,
     estimator_needs_critic,
     get_adv_estimator_fn,
+    list_adv_estimators,
     register_adv_est,
 )
-from hybridrl.algos.agg import LOSS_AGG_MODES, LossScale, agg_loss, loss_counts, register_loss_agg
+from hybridrl.algos.agg import (
+    LOSS_AGG_MODES,
+    LossScale,
+    agg_loss,
+    list_loss_agg_modes,
+    loss_counts,
+    register_loss_agg,
+)
 from hybridrl.algos.dapo import apply_overlong_penalty, filter_groups_by_metric
 from hybridrl.algos.group_advantage import (
     compute_gpg_outcome_advantage,
@@ -43,6 +51,7 @@ from hybridrl.algos.kl import (
     get_kl_estimator_fn,
     kl_penalty,
     kl_penalty_full_from_logits,
+    list_kl_estimators,
     register_kl_estimator,
 )
 from hybridrl.algos.kl_ctrl import AdaptiveKLController, FixedKLController, get_kl_controller
@@ -57,6 +66,7 @@ from hybridrl.algos.policy_loss import (
     compute_policy_loss_kl_cov,
     compute_policy_loss_vanilla,
     get_policy_loss_fn,
+    list_policy_losses,
     register_policy_loss,
 )
 from hybridrl.algos.registry import Registry
@@ -124,6 +134,10 @@ __all__ = [
     "get_policy_loss_fn",
     "kl_penalty",
     "kl_penalty_full_from_logits",
+    "list_adv_estimators",
+    "list_kl_estimators",
+    "list_loss_agg_modes",
+    "list_policy_losses",
     "logprobs_from_logits",
     "loss_counts",
     "masked_mean",

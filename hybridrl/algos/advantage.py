@@ -61,6 +61,11 @@ def get_adv_estimator_fn(name: str) -> AdvantageEstimator:
     return ADV_ESTIMATORS.get(name)
 
 
+def list_adv_estimators() -> list[str]:
+    """Names accepted by `algorithm.adv_estimator`, sorted."""
+    return ADV_ESTIMATORS.names()
+
+
 def estimator_needs_critic(name: str) -> bool:
     """Whether the estimator `name` needs critic values (True for gae)."""
     ADV_ESTIMATORS.get(name)
@@ -75,7 +80,9 @@ def _required(value, what: str, estimator: str, fix: str):
 
 @register_adv_est("gae", needs_critic=True)
 def _gae(token_level_rewards, response_mask, *, values=None, gamma=1.0, lam=1.0, **_):
-    values = _required(values, "values (B, T) from the critic", "gae", "build a critic (critic.enable)")
+    values = _required(
+        values, "values (B, T) from the critic", "gae", "the trainer must build a critic and pass its values"
+    )
     return returns.compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
 
 
@@ -140,5 +147,6 @@ __all__ = [
     "AdvantageEstimator",
     "estimator_needs_critic",
     "get_adv_estimator_fn",
+    "list_adv_estimators",
     "register_adv_est",
 ]

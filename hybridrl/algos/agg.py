@@ -94,6 +94,11 @@ LOSS_AGG_MODES: Registry[LossAggregator] = Registry("loss_agg_mode")
 register_loss_agg = LOSS_AGG_MODES.register
 
 
+def list_loss_agg_modes() -> list[str]:
+    """Names accepted by `actor.loss_agg_mode`, sorted."""
+    return LOSS_AGG_MODES.names()
+
+
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,

@@ -45,6 +45,11 @@ def get_kl_estimator_fn(name: str) -> KLEstimator:
     return KL_ESTIMATORS.get(name)
 
 
+def list_kl_estimators() -> list[str]:
+    """Names accepted by `kl_penalty` / `actor.kl_loss_type` (plus "full", see the module doc)."""
+    return KL_ESTIMATORS.names()
+
+
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate named `kl_penalty` (see the module docstring).
 

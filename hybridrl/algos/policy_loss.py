@@ -42,6 +42,11 @@ def get_policy_loss_fn(name: str) -> PolicyLoss:
     return POLICY_LOSSES.get(name)
 
 
+def list_policy_losses() -> list[str]:
+    """Names accepted by `actor.policy_loss.loss_mode`, sorted."""
+    return POLICY_LOSSES.names()
+
+
 # ----------------------------------------------------------------------------- shared pieces
 
 
@@ -313,7 +318,7 @@ def compute_policy_loss_clip_cov(
     Models" (arXiv 2505.22617), "Clip-Cov": entropy collapses through tokens whose
     Cov(log pi, A) is large. Among the tokens the PPO clip leaves alone whose covariance term
     lies in (clip_cov_lb, clip_cov_ub), floor(clip_cov_ratio * #tokens) (at least 1) are drawn
-    at random and removed from the loss. `generator` makes the draw reproducible.
+    at random and removed from the loss. `generator` (on any device) makes the draw reproducible.
 
     Metrics: pg_clipfrac is the fraction of tokens removed.
     """
@@ -328,7 +333,8 @@ def compute_policy_loss_clip_cov(
         cov = _token_covariance(advantages, log_prob, response_mask)
         candidate = response_mask.bool() & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
         num_removed = (clip_cov_ratio * response_mask.sum()).floor().clamp(min=1)
-        priority = torch.rand(cov.shape, generator=generator, device=cov.device)
+        draw_device = cov.device if generator is None else generator.device
+        priority = torch.rand(cov.shape, generator=generator, device=draw_device).to(cov.device)
         removed = candidate & _k_smallest(torch.where(candidate, priority, 2.0), num_removed)
 
     pg_losses = torch.where(removed, 0.0, torch.maximum(pg_losses1, pg_losses2))

@@ -23,7 +23,12 @@ from typing import Any, TypeVar
 import torch
 
 from hybridrl.protocol import DataProtoFuture
-from hybridrl.single_controller.dispatch import Dispatch, DispatchMode, get_dispatch_mode, register_dispatch_mode
+from hybridrl.single_controller.dispatch import (
+    Dispatch,
+    DispatchMode,
+    get_dispatch_mode,
+    register_dispatch_mode,
+)
 from hybridrl.utils.device import get_device_name, get_visible_devices_keyword
 
 __all__ = [
@@ -95,7 +100,9 @@ def register(
     """
     mode = get_dispatch_mode(dispatch_mode)
     if not isinstance(execute_mode, Execute):
-        raise TypeError(f"execute_mode must be an Execute member (Execute.ALL / Execute.RANK_ZERO), got {execute_mode!r}")
+        raise TypeError(
+            f"execute_mode must be an Execute member (Execute.ALL / Execute.RANK_ZERO), got {execute_mode!r}"
+        )
     spec = RegisterSpec(mode, execute_mode, bool(blocking), bool(materialize_futures))
 
     def decorator(fn: F) -> F:
@@ -147,7 +154,9 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError as e:
-        raise ValueError(f"env var {name}={value!r} is not an integer; the worker group sets it, do not override it") from e
+        raise ValueError(
+            f"env var {name}={value!r} is not an integer; the worker group sets it, do not override it"
+        ) from e
 
 
 class Worker:

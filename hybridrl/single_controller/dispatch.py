@@ -102,7 +102,9 @@ class Dispatch:
     _modes: dict[str, DispatchMode] = {}
 
     def __init__(self) -> None:
-        raise TypeError("Dispatch is a namespace of modes; use Dispatch.ONE_TO_ALL etc., do not instantiate it")
+        raise TypeError(
+            "Dispatch is a namespace of modes; use Dispatch.ONE_TO_ALL etc., do not instantiate it"
+        )
 
     @classmethod
     def names(cls) -> list[str]:
@@ -170,8 +172,10 @@ def dispatch_rank_zero(world_size: int, *args: Any, **kwargs: Any) -> DispatchPl
 
 def _check_per_rank(world_size: int, name: str, value: Any, mode: str) -> None:
     if not isinstance(value, (list, tuple)) or len(value) != world_size:
-        got = f"a {type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else (
-            f"a {type(value).__name__}"
+        got = (
+            f"a {type(value).__name__} of length {len(value)}"
+            if isinstance(value, (list, tuple))
+            else (f"a {type(value).__name__}")
         )
         raise ValueError(
             f"{mode}: argument {name} must be a list with one entry per rank (length {world_size}), got "
@@ -209,12 +213,16 @@ def _split_protos(mode: str, world_size: int, args: tuple, kwargs: dict[str, Any
         if isinstance(value, DataProto):
             lengths[key] = len(value)
     if len(set(lengths.values())) > 1:
-        raise ValueError(f"{mode}: DataProto arguments have different lengths {lengths}; they must describe the same rows")
+        raise ValueError(
+            f"{mode}: DataProto arguments have different lengths {lengths}; they must describe the same rows"
+        )
     pad_size = 0
     if lengths:
         n = next(iter(lengths.values()))
         if n == 0:
-            raise ValueError(f"{mode}: got an empty DataProto; there is nothing to split across {world_size} ranks")
+            raise ValueError(
+                f"{mode}: got an empty DataProto; there is nothing to split across {world_size} ranks"
+            )
         if n % world_size and not pad:
             raise ValueError(
                 f"{mode}: batch of {n} rows is not divisible by world_size={world_size}. Use a batch size "
@@ -242,7 +250,9 @@ def dispatch_dp_compute_proto(world_size: int, *args: Any, **kwargs: Any) -> Dis
     return _split_protos("DP_COMPUTE_PROTO", world_size, args, kwargs, pad=True)
 
 
-def dispatch_dp_compute_proto_with_func(world_size: int, func: Callable, *args: Any, **kwargs: Any) -> DispatchPlan:
+def dispatch_dp_compute_proto_with_func(
+    world_size: int, func: Callable, *args: Any, **kwargs: Any
+) -> DispatchPlan:
     if not callable(func):
         raise TypeError(
             f"DP_COMPUTE_PROTO_WITH_FUNC: the first argument must be a function to send to every rank, "
@@ -294,7 +304,9 @@ register_dispatch_mode("ONE_TO_ALL", dispatch_one_to_all, collect_list)
 register_dispatch_mode("ALL_TO_ALL", dispatch_all_to_all, collect_list)
 register_dispatch_mode("RANK_ZERO", dispatch_rank_zero, collect_first)
 register_dispatch_mode("DP_COMPUTE", dispatch_dp_compute, collect_list)
-register_dispatch_mode("DP_COMPUTE_PROTO", dispatch_dp_compute_proto, collect_dp_compute_proto, returns_data_proto=True)
+register_dispatch_mode(
+    "DP_COMPUTE_PROTO", dispatch_dp_compute_proto, collect_dp_compute_proto, returns_data_proto=True
+)
 register_dispatch_mode(
     "DP_COMPUTE_PROTO_WITH_FUNC",
     dispatch_dp_compute_proto_with_func,

@@ -24,7 +24,9 @@ class WorkerGroupError(RuntimeError):
     """A worker failed during a call. The message names the group, rank and method and holds the
     remote traceback; ``cause`` is the backend's original exception."""
 
-    def __init__(self, message: str, *, group: str, rank: int, method: str, cause: BaseException | None = None):
+    def __init__(
+        self, message: str, *, group: str, rank: int, method: str, cause: BaseException | None = None
+    ):
         super().__init__(message)
         self.group, self.rank, self.method, self.cause = group, rank, method, cause
 
@@ -38,8 +40,12 @@ def _signature_without_self(fn: Callable[..., Any]) -> inspect.Signature | None:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
-    params = list(sig.parameters.values())
-    if params and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+    # Ray's tracing hook adds a `_ray_trace_ctx` keyword to the signatures of actor classes.
+    params = [p for p in sig.parameters.values() if p.name != "_ray_trace_ctx"]
+    if params and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
         params = params[1:]
     return sig.replace(parameters=params)
 
@@ -101,7 +107,9 @@ class WorkerGroup:
             setattr(self, name, self._make_method(name, remote_prefix + name, fn, spec))
             self._method_names.append(name)
 
-    def _make_method(self, name: str, remote_name: str, fn: Callable[..., Any], spec: RegisterSpec) -> Callable:
+    def _make_method(
+        self, name: str, remote_name: str, fn: Callable[..., Any], spec: RegisterSpec
+    ) -> Callable:
         def method(*args: Any, **kwargs: Any) -> Any:
             return self._call(remote_name, spec, args, kwargs)
 
@@ -117,11 +125,15 @@ class WorkerGroup:
         mode = spec.dispatch_mode
         plan = mode.dispatch_fn(self._world_size, *args, **kwargs)
         if not isinstance(plan, DispatchPlan):
-            raise TypeError(f"dispatch function of {mode!r} returned {type(plan).__name__}, expected a DispatchPlan")
+            raise TypeError(
+                f"dispatch function of {mode!r} returned {type(plan).__name__}, expected a DispatchPlan"
+            )
         ranks = list(range(self._world_size)) if plan.ranks is None else list(plan.ranks)
         bad = [r for r in ranks if not 0 <= r < self._world_size]
         if bad:
-            raise ValueError(f"{mode!r} selected ranks {bad} outside 0..{self._world_size - 1} of group {self._name!r}")
+            raise ValueError(
+                f"{mode!r} selected ranks {bad} outside 0..{self._world_size - 1} of group {self._name!r}"
+            )
         rank_args, rank_kwargs = plan.rank_args, plan.rank_kwargs
         returns_data_proto = mode.returns_data_proto
         if spec.execute_mode is Execute.RANK_ZERO:

@@ -103,7 +103,11 @@ class CheckpointConfig:
 
 @dataclass
 class PolicyLossConfig:
-    """`actor.policy_loss`: the registry name of the loss and the hyper-parameters of its variants."""
+    """`actor.policy_loss`: the registry name of the loss and the hyper-parameters of its variants.
+
+    behave_imp_weight_cap: the 'decoupled' (AReaL) loss drops tokens whose behaviour importance
+    weight pi_prox / pi_behav exceeds it (None keeps all).
+    """
 
     loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002
@@ -111,6 +115,7 @@ class PolicyLossConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
+    behave_imp_weight_cap: float | None = None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,7 +27,9 @@ def ids(batch) -> list[int]:
 
 
 def make_loader(n=10, bs=3, shuffle=True, seed=7, drop_last=True) -> RLDataLoader:
-    return RLDataLoader(Rows(n), bs, ResumableSampler(n, shuffle=shuffle, seed=seed), collate_fn, drop_last=drop_last)
+    return RLDataLoader(
+        Rows(n), bs, ResumableSampler(n, shuffle=shuffle, seed=seed), collate_fn, drop_last=drop_last
+    )
 
 
 def test_sequential_batches_and_len():

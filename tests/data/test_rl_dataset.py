@@ -99,7 +99,13 @@ def test_truncation_error_names_file_row_length_and_fix(tmp_path, tokenizer):
     with pytest.raises(ValueError) as err:
         ds[1]
     msg = str(err.value)
-    for part in ("long.parquet", "row 1", "8 tokens", "max_prompt_length=4", "data.truncation=left|right|middle"):
+    for part in (
+        "long.parquet",
+        "row 1",
+        "8 tokens",
+        "max_prompt_length=4",
+        "data.truncation=left|right|middle",
+    ):
         assert part in msg
     assert "filter_overlong_prompts=True" in msg and "data.val_files" in msg
 
@@ -119,9 +125,11 @@ def test_filter_overlong_prompts_drops_and_logs(tmp_path, tokenizer, caplog):
 
 def test_multiple_files_and_max_samples(tmp_path, tokenizer):
     a = write_parquet(tmp_path / "a.parquet", [{"prompt": "a", "tag": 0}, {"prompt": "b", "tag": 1}])
-    b = write_parquet(tmp_path / "b.parquet", [{"prompt": "c", "tag": 2}, {"prompt": "abcdef", "tag": 3}])
+    b_rows = [{"prompt": "c", "tag": 2, "only_b": "x"}, {"prompt": "abcdef", "tag": 3, "only_b": "y"}]
+    b = write_parquet(tmp_path / "b.parquet", b_rows)
     ds = RLHFDataset([a, b], tokenizer, RLDataConfig(max_prompt_length=3))
     assert len(ds) == 4
+    assert ds[0]["only_b"] is None and ds[2]["only_b"] == "x"  # a column missing from a file reads None
     assert [ds[i]["tag"] for i in range(3)] == [0, 1, 2]
     assert [ds[i]["raw_prompt_ids"] for i in range(3)] == [[7], [8], [9]]
     with pytest.raises(ValueError, match=r"b\.parquet' row 1"):  # row numbering is per file
@@ -198,7 +206,7 @@ def test_reserved_column_is_rejected(tmp_path, tokenizer):
         RLHFDataset(path, tokenizer, RLDataConfig())
 
 
-CUSTOM_CLS = '''
+CUSTOM_CLS = """
 from torch.utils.data import Dataset
 
 class TinyDataset(Dataset):
@@ -214,14 +222,16 @@ class TinyDataset(Dataset):
 
 class NotADataset:
     pass
-'''
+"""
 
 
 def test_create_rl_dataset_custom_class(tmp_path, tokenizer):
     module = tmp_path / "my_data.py"
     module.write_text(CUSTOM_CLS)
     cfg = RLDataConfig(max_prompt_length=3)
-    ds = create_rl_dataset("x.parquet", tokenizer, cfg, custom_cls_path=str(module), custom_cls_name="TinyDataset")
+    ds = create_rl_dataset(
+        "x.parquet", tokenizer, cfg, custom_cls_path=str(module), custom_cls_name="TinyDataset"
+    )
     assert type(ds).__name__ == "TinyDataset" and len(ds) == 3 and ds.files == "x.parquet"
     with pytest.raises(FileNotFoundError, match="data.custom_cls.path"):
         create_rl_dataset("x", tokenizer, cfg, custom_cls_path=str(tmp_path / "none.py"), custom_cls_name="A")

@@ -48,7 +48,15 @@ def test_single_turn_truncation(tmp_path, tokenizer):
     with pytest.raises(ValueError) as err:
         SFTDataset(path, tokenizer, SFTDataConfig(**raw))[0]
     msg = str(err.value)
-    for part in ("sft.parquet", "row 0", "7 tokens", "max_length=4", "'prompt'", "'response'", "data.truncation"):
+    for part in (
+        "sft.parquet",
+        "row 0",
+        "7 tokens",
+        "max_length=4",
+        "'prompt'",
+        "'response'",
+        "data.truncation",
+    ):
         assert part in msg
     left = SFTDataset(path, tokenizer, SFTDataConfig(truncation="left", **raw))[0]
     assert left["input_ids"].tolist() == [d, e, f, EOS] and left["loss_mask"].tolist() == [1, 1, 1, 1]
@@ -108,7 +116,8 @@ def test_multi_turn_truncation_and_errors(tmp_path, tokenizer):
 def test_multi_turn_rejects_non_prefix_template(tmp_path):
     # earlier assistant turns are rendered as "x": the rendering of a prefix is not a text prefix
     template = CHAT_TEMPLATE.replace(
-        "{{ m['content'] }}", "{% if m['role'] == 'assistant' and not loop.last %}x{% else %}{{ m['content'] }}{% endif %}"
+        "{{ m['content'] }}",
+        "{% if m['role'] == 'assistant' and not loop.last %}x{% else %}{{ m['content'] }}{% endif %}",
     )
     path = write_parquet(tmp_path / "chat.parquet", [{"messages": CONVERSATION}])
     ds = MultiTurnSFTDataset(path, make_char_tokenizer(template), SFTDataConfig(max_length=20))

@@ -26,7 +26,6 @@ from hybridrl.workers.reward import (
     get_reward_manager_cls,
     load_custom_reward_fn,
     load_reward_manager,
-    overlong_penalty,
     register_reward_manager,
     reward_manager_names,
 )
@@ -322,8 +321,8 @@ def ignores_alarm(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def test_prime_kills_a_stuck_worker_and_recovers(tok, batch, caplog):
-    mgr = PrimeRewardManager(tok, 0, compute_score=ignores_alarm, num_workers=2, timeout=0.2)
-    mgr.deadline_grace_s = 0.5
+    mgr = PrimeRewardManager(tok, 0, compute_score=ignores_alarm, num_workers=2, timeout=0.1)
+    mgr.deadline_grace_s = 0.3
     try:
         out = mgr(batch, return_dict=True)
         assert out["reward_extra_info"]["reward/timeout_count"][0] == 1
@@ -366,18 +365,24 @@ def test_prime_survives_pickling(tok):
 
 # ---------------------------------------------------------------------------------------------- dapo
 @pytest.mark.parametrize(
-    "length, expected",
-    [(5, 0.0), (6, 0.0), (7, -0.25), (8, -0.5), (10, -1.0), (12, -1.0)],
+    "factor, expected",
+    [
+        # T = max_resp_len = 8, buffer 4: no penalty up to 4 tokens, then -factor/4 per token
+        (1.0, [0.0, 0.0, -0.25, -0.5, -0.75, -1.0]),
+        (0.5, [0.0, 0.0, -0.125, -0.25, -0.375, -0.5]),
+    ],
 )
-def test_overlong_penalty_hand_values(length, expected):
-    # max_resp_len 10, buffer 4 -> penalty starts after 6 tokens, -1/4 per token, capped at -1
-    assert overlong_penalty(length, max_resp_len=10, buffer_len=4, penalty_factor=1.0) == pytest.approx(
-        expected
-    )
-
-
-def test_overlong_penalty_factor_scales():
-    assert overlong_penalty(7, max_resp_len=8, buffer_len=4, penalty_factor=0.5) == pytest.approx(-0.375)
+def test_dapo_overlong_penalty_hand_values(tok, factor, expected):
+    responses = ["123", "1234", "12345", "123456", "1234567", "12345678"]
+    data = make_batch(tok, ["q"] * 6, responses, ["s"] * 6, responses)
+    cfg = {"enable": True, "len": 4, "penalty_factor": factor, "log": True}
+    mgr = DAPORewardManager(tok, 0, compute_score=exact, max_resp_len=T, overlong_buffer_cfg=cfg)
+    out = mgr(data, return_dict=True)
+    rewards = [out["reward_tensor"][i, len(r) - 1].item() for i, r in enumerate(responses)]
+    assert rewards == pytest.approx([1.0 + e for e in expected])
+    assert out["reward_tensor"].sum().item() == pytest.approx(sum(rewards))
+    assert out["reward_extra_info"]["overlong_reward"] == pytest.approx(expected)
+    assert out["reward_extra_info"]["overlong"] == [e < 0 for e in expected]
 
 
 def test_dapo_adds_penalty_to_reward_not_to_score(tok, batch):
@@ -447,7 +452,7 @@ def test_custom_fn_errors(tmp_path):
     path = tmp_path / "my_reward.py"
     path.write_text(CUSTOM)
     with pytest.raises(
-        AttributeError, match=r"custom_reward_function.name='score'.*\['compute_score', 'helper'\]"
+        AttributeError, match=r"custom_reward_function.name='score'.*\['Judge', 'compute_score', 'helper'\]"
     ):
         load_custom_reward_fn(str(path), "score")
     with pytest.raises(TypeError, match="not a function"):

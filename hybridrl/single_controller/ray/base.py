@@ -12,6 +12,7 @@ Colocating several roles in one process: see ``colocate.py``.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -74,7 +75,9 @@ class RayResourcePool:
         ready_timeout_s: float = 120.0,
     ) -> None:
         if not process_on_nodes or any(int(n) != n or n <= 0 for n in process_on_nodes):
-            raise ValueError(f"process_on_nodes must be a non-empty list of positive slot counts per node, got {process_on_nodes!r}")
+            raise ValueError(
+                f"process_on_nodes must be a non-empty list of positive slot counts per node, got {process_on_nodes!r}"
+            )
         if cpus_per_slot <= 0:
             raise ValueError(f"cpus_per_slot must be > 0, got {cpus_per_slot}")
         if int(max_colocate_count) != max_colocate_count or max_colocate_count < 1:
@@ -136,9 +139,7 @@ class RayResourcePool:
     def slots(self, detached: bool = False) -> list[Slot]:
         """All slots in rank order (node by node)."""
         pgs = self.get_placement_groups(detached)
-        return [
-            Slot(pg, i, i, n) for pg, n in zip(pgs, self.process_on_nodes) for i in range(n)
-        ]
+        return [Slot(pg, i, i, n) for pg, n in zip(pgs, self.process_on_nodes) for i in range(n)]
 
     def remove(self) -> None:
         """Release the placement groups (actors placed in them are killed by Ray)."""
@@ -200,11 +201,15 @@ def _actor_class(cls: type) -> Any:
 # ----------------------------------------------------------------------------------------------
 # waiting for results
 # ----------------------------------------------------------------------------------------------
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _wrap_error(err: RayError, group: str, rank: int, method: str) -> WorkerGroupError:
+    text = _ANSI.sub("", str(err))
     if isinstance(err, RayActorError):
         return WorkerDiedError(
             f"worker group {group!r}: the actor of rank {rank} died before or while running {method!r} "
-            f"({type(err).__name__}): {err}",
+            f"({type(err).__name__}): {text}",
             group=group,
             rank=rank,
             method=method,
@@ -212,7 +217,7 @@ def _wrap_error(err: RayError, group: str, rank: int, method: str) -> WorkerGrou
         )
     kind = "raised" if isinstance(err, RayTaskError) else f"failed with {type(err).__name__}"
     return WorkerGroupError(
-        f"worker group {group!r}: rank {rank} {kind} in {method!r}. Remote traceback:\n{err}",
+        f"worker group {group!r}: rank {rank} {kind} in {method!r}. Remote traceback:\n{text}",
         group=group,
         rank=rank,
         method=method,
@@ -261,12 +266,19 @@ class WorkerGroupFuture:
     """Result of a non-blocking call: ``get()`` waits and returns what the blocking call would."""
 
     def __init__(
-        self, refs: list[ray.ObjectRef], collect: Callable[[list[Any]], Any], group: str, method: str, ranks: list[int]
+        self,
+        refs: list[ray.ObjectRef],
+        collect: Callable[[list[Any]], Any],
+        group: str,
+        method: str,
+        ranks: list[int],
     ) -> None:
         self.refs, self._collect, self._group, self._method, self._ranks = refs, collect, group, method, ranks
 
     def get(self) -> Any:
-        return self._collect(gather_refs(self.refs, group=self._group, method=self._method, ranks=self._ranks))
+        return self._collect(
+            gather_refs(self.refs, group=self._group, method=self._method, ranks=self._ranks)
+        )
 
     def __repr__(self) -> str:
         return f"WorkerGroupFuture({self._group!r}.{self._method}, ranks={self._ranks})"
@@ -348,15 +360,18 @@ class RayWorkerGroup(WorkerGroup):
         user_env = dict(user_options.pop("runtime_env", {}))
         user_env_vars = dict(user_env.pop("env_vars", {}))
         actors, names = [], []
+        # Ray sets OMP_NUM_THREADS from the actor's (fractional) CPU share unless given: give the
+        # slot's thread count (a user's own OMP_NUM_THREADS wins).
+        threads = str(user_env_vars.get("OMP_NUM_THREADS", pool.num_threads))
         for rank, slot in enumerate(slots):
             env_vars = {
                 **user_env_vars,
+                "OMP_NUM_THREADS": threads,
+                "HYBRIDRL_NUM_THREADS": threads,
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world_size),
                 "LOCAL_RANK": str(slot.local_rank),
                 "LOCAL_WORLD_SIZE": str(slot.local_world_size),
-                "OMP_NUM_THREADS": str(pool.num_threads),
-                "HYBRIDRL_NUM_THREADS": str(pool.num_threads),
                 "HYBRIDRL_WORKER_GROUP": prefix,
             }
             options: dict[str, Any] = {
@@ -454,9 +469,17 @@ class RayWorkerGroup(WorkerGroup):
     def _role_view(self, role: str, role_cls: type) -> RayWorkerGroup:
         view = object.__new__(type(self))
         WorkerGroup.__init__(view, f"{self._name}/{role}", self._world_size)
-        view._cls, view._pool, view._actors, view._worker_names = role_cls, self._pool, self._actors, self._worker_names
+        view._cls, view._pool, view._actors, view._worker_names = (
+            role_cls,
+            self._pool,
+            self._actors,
+            self._worker_names,
+        )
         view._prefix = f"{role}_"
-        view.master_addr, view.master_port = getattr(self, "master_addr", None), getattr(self, "master_port", None)
+        view.master_addr, view.master_port = (
+            getattr(self, "master_addr", None),
+            getattr(self, "master_port", None),
+        )
         view._bind_registered_methods(role_cls, remote_prefix=view._prefix)
         return view
 

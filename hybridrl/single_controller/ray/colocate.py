@@ -55,6 +55,13 @@ def _forwarder(role: str, name: str, fn: Callable[..., Any]) -> Callable[..., An
 
     functools.update_wrapper(forward, fn)  # keeps the @register record, signature, docstring
     forward.__name__ = forward.__qualname__ = f"{role}_{name}"
+    try:  # drop the `_ray_trace_ctx` keyword Ray's tracing hook may have added to `fn` already
+        sig = inspect.signature(fn)
+        forward.__signature__ = sig.replace(  # type: ignore[attr-defined]
+            parameters=[p for p in sig.parameters.values() if p.name != "_ray_trace_ctx"]
+        )
+    except (TypeError, ValueError):
+        pass
     return forward
 
 

@@ -140,6 +140,14 @@ def _auto_class(role: str):
     }[role]
 
 
+def _dtype_kwarg() -> str:
+    """transformers >= 4.56 calls the load dtype `dtype`; older versions `torch_dtype`."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
 def build_hf_model(
     model_config: ModelConfig,
     *,
@@ -160,11 +168,12 @@ def build_hf_model(
     kwargs: dict[str, Any] = {"trust_remote_code": model_config.trust_remote_code}
     if attn:
         kwargs["attn_implementation"] = attn
+    kwargs[_dtype_kwarg()] = dtype
     if model_config.init_from_scratch:
-        model = cls.from_config(hf_config, torch_dtype=dtype, **kwargs)
+        model = cls.from_config(hf_config, **kwargs)
     else:
         path = resolve_model_path(model_config.path, f"{key}.path")
-        model = cls.from_pretrained(path, config=hf_config, torch_dtype=dtype, **kwargs)
+        model = cls.from_pretrained(path, config=hf_config, **kwargs)
     model = model.to(dtype)
     model.config.use_cache = False
     if model_config.enable_gradient_checkpointing:
@@ -259,11 +268,9 @@ def clip_grad_norm(module: nn.Module, max_norm: float) -> float:
     if not params:
         return 0.0
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], error_if_nonfinite=False)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    value = float(norm.item())
+    value = float((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
     if max_norm and max_norm > 0 and math.isfinite(value):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(params[0].grad.device))
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return value
 
 

@@ -13,7 +13,6 @@ from hybridrl.workers.reward.manager import (
     decode_samples,
     get_reward_manager_cls,
     load_reward_manager,
-    overlong_penalty,
     register_reward_manager,
     reward_manager_names,
 )
@@ -30,7 +29,6 @@ __all__ = [
     "get_reward_manager_cls",
     "load_custom_reward_fn",
     "load_reward_manager",
-    "overlong_penalty",
     "register_reward_manager",
     "reward_manager_names",
 ]

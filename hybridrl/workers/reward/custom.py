@@ -106,7 +106,7 @@ def load_custom_reward_fn(
         ) from e
     if not hasattr(module, name):
         raise AttributeError(
-            f"custom_reward_function.name={name!r} is not defined in {path}; functions defined there: "
+            f"custom_reward_function.name={name!r} is not defined in {path}; callables defined there: "
             f"{_callables(module) or 'none'}"
         )
     fn = getattr(module, name)

@@ -23,7 +23,8 @@ Registered managers (the `reward_model.reward_manager` config value):
 * `prime`: like naive, scored in a pool of worker processes with a per-sample `timeout`; a
   sample that times out scores 0, is counted in `reward/timeout_count` and logged by index.
 * `dapo`: like naive, plus the DAPO overlong penalty (Yu et al. 2025, "soft overlong
-  punishment") from `overlong_buffer_cfg` and `max_resp_len`.
+  punishment", `hybridrl.algos.apply_overlong_penalty`) from `overlong_buffer_cfg` and
+  `max_resp_len`.
 
 A score function that raises gives a RuntimeError, one that returns NaN/inf or a non-number a
 ValueError; both name the data source, the sample index, the start of the response and the
@@ -42,6 +43,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from hybridrl.algos import apply_overlong_penalty
 from hybridrl.protocol import DataProto
 
 __all__ = [
@@ -56,7 +58,6 @@ __all__ = [
     "parse_score",
     "get_reward_manager_cls",
     "load_reward_manager",
-    "overlong_penalty",
     "register_reward_manager",
     "reward_fn_error",
     "reward_manager_names",
@@ -322,9 +323,11 @@ class RewardManager:
         """Raw results (number or dict with "score"), one per sample, in order."""
         raise NotImplementedError
 
-    def shape_reward(self, sample: RewardSample, score: float) -> tuple[float, dict[str, Any]]:
-        """(reward placed in the tensor, extra per-sample values); default: the score itself."""
-        return score, {}
+    def shape_rewards(
+        self, samples: list[RewardSample], scores: list[float]
+    ) -> tuple[list[float], list[dict[str, Any]]]:
+        """(rewards placed in the tensor, extra values per sample); default: the scores themselves."""
+        return scores, [{} for _ in samples]
 
     def batch_extra_info(self, n: int) -> dict[str, list]:
         """Per-call extras added after the per-sample ones (lists of length n)."""
@@ -348,15 +351,13 @@ class RewardManager:
                 f"reward function {fn_name(self.compute_score)} returned {len(raw)} results for "
                 f"{len(samples)} samples; it must return one per sample"
             )
+        parsed = [parse_score(result, sample, self.compute_score) for sample, result in zip(samples, raw)]
+        rewards, shaped = self.shape_rewards(samples, [score for score, _ in parsed])
         reward_tensor = torch.zeros(data.batch["responses"].shape, dtype=torch.float32)
         rows: list[dict[str, Any]] = []
-        rewards = []
-        for sample, result in zip(samples, raw):
-            score, extras = parse_score(result, sample, self.compute_score)
-            reward, shaped = self.shape_reward(sample, score)
+        for sample, reward, (_, extras), more in zip(samples, rewards, parsed, shaped):
             reward_tensor[sample.index, sample.last_index] = reward
-            rewards.append(reward)
-            rows.append({**extras, **shaped})
+            rows.append({**extras, **more})
         extra_info = _align(rows)
         extra_info.update(self.batch_extra_info(len(samples)))
         self._examine(samples, rewards, rows)
@@ -458,19 +459,6 @@ class BatchRewardManager(RewardManager):
         return list(results)
 
 
-def overlong_penalty(
-    response_length: int, max_resp_len: int, buffer_len: int, penalty_factor: float
-) -> float:
-    """DAPO soft overlong punishment (Yu et al. 2025, eq. 13), capped at -penalty_factor.
-
-    0 while `response_length <= max_resp_len - buffer_len`, then falling linearly to
-    `-penalty_factor` at `max_resp_len`:
-    `-min(max(L - (max_resp_len - buffer_len), 0) / buffer_len * penalty_factor, penalty_factor)`.
-    """
-    exceed = max(response_length - (max_resp_len - buffer_len), 0)
-    return -min(exceed / buffer_len * penalty_factor, penalty_factor)
-
-
 _OVERLONG_KEYS = ("enable", "len", "penalty_factor", "log")
 
 
@@ -530,11 +518,19 @@ class DAPORewardManager(NaiveRewardManager):
                     f"dapo reward manager: overlong_buffer_cfg.penalty_factor={self.penalty_factor} < 0"
                 )
 
-    def shape_reward(self, sample: RewardSample, score: float) -> tuple[float, dict[str, Any]]:
+    def shape_rewards(
+        self, samples: list[RewardSample], scores: list[float]
+    ) -> tuple[list[float], list[dict[str, Any]]]:
         if not self.enable:
-            return score, {}
-        penalty = overlong_penalty(
-            sample.response_length, self.max_resp_len, self.buffer_len, self.penalty_factor
-        )
-        extras = {"overlong_reward": penalty, "overlong": penalty < 0} if self.log_overlong else {}
-        return score + penalty, extras
+            return super().shape_rewards(samples, scores)
+        penalties = apply_overlong_penalty(
+            torch.zeros(len(samples), dtype=torch.float64),
+            torch.tensor([s.response_length for s in samples]),
+            max_response_length=self.max_resp_len,
+            overlong_buffer_len=self.buffer_len,
+            penalty_factor=self.penalty_factor,
+        ).tolist()
+        rewards = [score + penalty for score, penalty in zip(scores, penalties)]
+        if not self.log_overlong:
+            return rewards, [{} for _ in samples]
+        return rewards, [{"overlong_reward": p, "overlong": p < 0} for p in penalties]

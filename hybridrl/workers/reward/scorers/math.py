@@ -147,10 +147,11 @@ def _math_verify_equal(response: str, ground_truth: str) -> bool | None:
 
 def is_equiv(response: str, ground_truth: str) -> bool:
     """Whether ``response`` (a full response or an answer) states ``ground_truth``."""
-    verdict = _math_verify_equal(response, ground_truth)
+    boxed = last_boxed(response)
+    # math-verify sees only the final boxed answer when there is one (it may otherwise pick an earlier one).
+    verdict = _math_verify_equal(response if boxed is None else "\\boxed{" + boxed + "}", ground_truth)
     if verdict is not None:
         return verdict
-    boxed = last_boxed(response)
     return boxed is not None and fallback_equal(boxed, ground_truth)
 
 

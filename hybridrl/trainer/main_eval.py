@@ -1,0 +1,179 @@
+"""`python -m hybridrl.trainer.main_eval [key=value ...]`: score generated responses offline.
+
+    python -m hybridrl.trainer.main_eval data.path=out.parquet data.response_key=responses \\
+        data.data_source_key=data_source data.reward_model_key=reward_model \\
+        custom_reward_function.path=my_reward.py
+
+Every response of every row is scored with the reward function of the row's data source (the
+built-in scorers, or `custom_reward_function.path`). Per data source it prints and returns
+mean@N (mean score), best@N (the best of the N responses: "any correct" for 0/1 scores) and
+maj@N (the score of the majority answer; answers are the scorer's "pred" when it returns a dict
+with one, else the response strings), using `hybridrl.utils.metrics.process_validation_metrics`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+CONFIG_DIR = Path(__file__).parent / "config"
+
+
+@dataclass
+class EvalDataSection:
+    path: Any = None
+    prompt_key: str = "prompt"
+    response_key: str = "responses"
+    data_source_key: str = "data_source"
+    reward_model_key: str = "reward_model"
+    ground_truth_key: str = "ground_truth"
+
+
+@dataclass
+class EvalRewardFunctionSection:
+    path: str | None = None
+    name: str = "compute_score"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EvalConfig:
+    data: EvalDataSection = field(default_factory=EvalDataSection)
+    custom_reward_function: EvalRewardFunctionSection = field(default_factory=EvalRewardFunctionSection)
+    output_path: str | None = None
+
+
+def load_eval_config(cfg: DictConfig | dict | list[str] | None = None) -> EvalConfig:
+    """schema <- evaluation.yaml <- `cfg`; unknown keys fail naming the key."""
+    from hybridrl.trainer.main_sft import SFTConfigError, _merge
+
+    schema = OmegaConf.structured(EvalConfig)
+    yaml = OmegaConf.load(CONFIG_DIR / "evaluation.yaml")
+    yaml.pop("hydra", None)
+    base = _merge(schema, yaml, "evaluation.yaml")
+    user = OmegaConf.from_dotlist(list(cfg)) if isinstance(cfg, (list, tuple, ListConfig)) else OmegaConf.create(
+        cfg if cfg is not None else {}
+    )
+    merged = _merge(base, user, "your overrides")
+    OmegaConf.resolve(merged)
+    config: EvalConfig = OmegaConf.to_object(merged)
+    if config.data.path is None:
+        raise SFTConfigError("data.path is not set; point it at the parquet file written by main_generation")
+    return config
+
+
+def _responses(value: Any, where: str, key: str) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where}: column {key!r} must hold a non-empty list of response strings, got {value!r:.120}")
+    return list(value)
+
+
+def _ground_truth(row: dict, config: EvalConfig, where: str) -> Any:
+    d = config.data
+    value = row.get(d.reward_model_key)
+    if isinstance(value, dict):
+        if d.ground_truth_key not in value:
+            raise ValueError(
+                f"{where}: column {d.reward_model_key!r} has no key {d.ground_truth_key!r} (keys: {sorted(value)}); "
+                "set data.ground_truth_key"
+            )
+        return value[d.ground_truth_key]
+    return value
+
+
+def score_rows(rows: list[dict], config: EvalConfig, score_fn: Callable) -> tuple[list, list, dict[str, list]]:
+    """Score every response: (data_sources, uids, infos) for `process_validation_metrics`.
+
+    infos holds "reward" (the score), "pred" (the scorer's extracted answer, else the response)
+    and every other numeric key the scorer returns for all responses (e.g. "acc").
+    """
+    d = config.data
+    sources, uids, rewards, preds, extras = [], [], [], [], []
+    for i, row in enumerate(rows):
+        where = f"data.path row {i}"
+        responses = _responses(row[d.response_key], where, d.response_key)
+        source, truth = row[d.data_source_key], _ground_truth(row, config, where)
+        for text in responses:
+            result = score_fn(data_source=source, solution_str=text, ground_truth=truth, extra_info=row.get("extra_info"))
+            info = dict(result) if isinstance(result, dict) else {"score": result}
+            if "score" not in info:
+                raise ValueError(f"{where}: the reward function returned a dict without 'score': {sorted(info)}")
+            sources.append(source)
+            uids.append(i)
+            rewards.append(float(info.pop("score")))
+            preds.append(info.pop("pred", text))
+            extras.append(info)
+    infos: dict[str, list] = {"reward": rewards, "pred": preds}
+    for key in extras[0] if extras else {}:
+        values = [e.get(key) for e in extras]
+        if all(isinstance(v, (bool, int, float, np.number)) for v in values):
+            infos[key] = [float(v) for v in values]
+    return sources, uids, infos
+
+
+def summarize(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
+    """{data_source: {"mean@N", "best@N", "maj@N"}} from the `val-core/{source}/reward/*` metrics.
+
+    With one response per prompt best@1 and maj@1 equal mean@1.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        if not key.startswith("val-core/"):
+            continue
+        source, sep, name = key[len("val-core/") :].rpartition("/reward/")
+        if sep:
+            out.setdefault(source, {})[name] = value
+    for values in out.values():
+        if list(values) == ["mean@1"]:
+            values["best@1"] = values["maj@1"] = values["mean@1"]
+    return out
+
+
+def run_eval(cfg: DictConfig | dict | list[str] | None = None) -> dict[str, Any]:
+    """Score, print and return {"metrics": process_validation_metrics output, "summary": per source}."""
+    from hybridrl.data.rl_dataset import read_rows
+    from hybridrl.utils.metrics import process_validation_metrics
+    from hybridrl.workers.reward.custom import load_custom_reward_fn
+    from hybridrl.workers.reward.scorers import default_compute_score
+
+    config = load_eval_config(cfg)
+    d, c = config.data, config.custom_reward_function
+    rows, _ = read_rows(d.path, "data.path", [d.response_key, d.data_source_key, d.reward_model_key])
+    score_fn = load_custom_reward_fn(c.path, c.name, c.reward_kwargs) or default_compute_score
+    sources, uids, infos = score_rows(rows, config, score_fn)
+    metrics = process_validation_metrics(sources, uids, infos)
+    summary = summarize(metrics)
+    for source, values in sorted(summary.items()):
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(values.items()))
+        print(f"[hybridrl eval] {source}: {shown} ({sum(s == source for s in sources)} responses)", flush=True)
+    result = {"metrics": metrics, "summary": summary}
+    if config.output_path:
+        out = Path(config.output_path).expanduser()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__)
+        print((CONFIG_DIR / "evaluation.yaml").read_text())
+        sys.exit(0)
+    import hydra
+
+    @hydra.main(config_path="config", config_name="evaluation", version_base=None)
+    def _main(cfg: DictConfig) -> None:
+        run_eval(cfg)
+
+    _main()

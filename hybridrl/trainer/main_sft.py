@@ -1,0 +1,384 @@
+"""`python -m hybridrl.trainer.main_sft [key=value ...]`: supervised fine-tuning with FSDP2.
+
+One process per device slot, no Ray: run it directly for one slot (CPU or one GPU), or with
+`torchrun --nproc_per_node=N -m hybridrl.trainer.main_sft ...` for N slots. The same code runs
+on CPU (gloo) and GPUs (nccl). With no arguments it fine-tunes the built-in tiny model on the
+built-in task's SFT data on CPU and reports validation loss and greedy accuracy.
+
+Config keys follow veRL's `sft_trainer.yaml` (data.*, model.partial_pretrain, optim.*, trainer.*);
+see hybridrl/trainer/config/sft_trainer.yaml and docs/sft.md. An unknown key fails at start-up
+with a message naming it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from hybridrl.workers.config import FSDPConfig
+
+CONFIG_DIR = Path(__file__).parent / "config"
+LR_SCHEDULERS = ("cosine", "wsd", "constant")
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+# Values used for keys left null, for the built-in tiny model and for any other model.
+# (The tiny model needs a much larger learning rate than veRL's 1e-5 to learn in minutes.)
+BUILTIN_PRESET = {"optim.lr": 1e-3, "data.train_batch_size": 64, "data.micro_batch_size_per_gpu": 64}
+GENERAL_PRESET = {"optim.lr": 1e-5, "data.train_batch_size": 256, "data.micro_batch_size_per_gpu": 4}
+
+
+class SFTConfigError(ValueError):
+    """A config problem found at start-up; the message names the key and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# schema
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class SFTMultiTurnConfig:
+    enable: bool = False
+    messages_key: str = "messages"
+
+
+@dataclass
+class SFTDataSection:
+    train_files: Any = None  # str | list[str]; None -> the built-in task's SFT train file
+    val_files: Any = None  # None -> the built-in task's SFT val file when training on it
+    builtin_data_dir: str | None = None
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    prompt_dict_keys: list[str] | None = None
+    response_dict_keys: list[str] | None = None
+    multiturn: SFTMultiTurnConfig = field(default_factory=SFTMultiTurnConfig)
+    max_length: int = 1024
+    truncation: str = "error"
+    train_batch_size: int | None = None
+    micro_batch_size_per_gpu: int | None = None
+    micro_batch_size: int | None = None  # veRL's removed global key: rejected with a hint
+    use_chat_template: bool = True
+    chat_template: str | None = None
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    train_max_samples: int = -1
+    val_max_samples: int = -1
+    shuffle: bool = True
+
+
+@dataclass
+class SFTFSDPConfig(FSDPConfig):
+    """FSDPConfig plus veRL SFT's names: cpu_offload / offload_params keep shards on the host."""
+
+    cpu_offload: bool = False
+    offload_params: bool = False
+
+
+@dataclass
+class SFTModelSection:
+    partial_pretrain: str = "builtin:tiny"
+    tokenizer_path: str | None = None
+    trust_remote_code: bool = False
+    external_lib: str | None = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = False
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+    use_liger: bool = False
+    strategy: str = "fsdp2"
+    fsdp_config: SFTFSDPConfig = field(default_factory=SFTFSDPConfig)
+
+
+@dataclass
+class SFTOptimSection:
+    optimizer: str = "AdamW"
+    lr: float | None = None
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.1
+    clip_grad: float = 1.0
+    lr_scheduler: str = "cosine"
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+    stable_ratio: float = 0.9
+
+
+@dataclass
+class SFTCheckpointSection:
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra", "hf_model"])
+    load_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+
+
+@dataclass
+class SFTTrainerSection:
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    project_name: str = "hybridrl-sft"
+    experiment_name: str = "sft"
+    logger: Any = field(default_factory=lambda: ["console"])
+    log_dir: str | None = None
+    total_epochs: int = 4
+    total_training_steps: int | None = None
+    save_freq: int = -1
+    test_freq: int = -1
+    resume_mode: str = "auto"
+    resume_from_path: str | None = None
+    max_ckpt_to_keep: int | None = None
+    checkpoint: SFTCheckpointSection = field(default_factory=SFTCheckpointSection)
+    nnodes: int = 1
+    n_gpus_per_node: int | None = None
+    seed: int = 1
+    device: str = "auto"
+
+
+@dataclass
+class SFTGenerationEvalSection:
+    """Greedy accuracy on the validation prompts (needs data_source and ground-truth columns)."""
+
+    enable: bool = True
+    max_samples: int = 200
+    max_new_tokens: int = 32
+    batch_size: int = 64
+    data_source_key: str = "data_source"
+    ground_truth_key: str = "ground_truth"  # a column, or a dotted path such as reward_model.ground_truth
+
+
+@dataclass
+class SFTConfig:
+    data: SFTDataSection = field(default_factory=SFTDataSection)
+    model: SFTModelSection = field(default_factory=SFTModelSection)
+    optim: SFTOptimSection = field(default_factory=SFTOptimSection)
+    trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
+    generation_eval: SFTGenerationEvalSection = field(default_factory=SFTGenerationEvalSection)
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------------------
+def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    out = []
+    for k in node:
+        full = f"{prefix}{k}"
+        out.append(full)
+        v = None if OmegaConf.is_missing(node, k) else node[k]
+        if isinstance(v, DictConfig):
+            out.extend(_all_keys(v, full + "."))
+    return out
+
+
+def _merge(schema: DictConfig, user: Any, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(schema, user)
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        key = str(getattr(e, "full_key", None) or e)
+        close = difflib.get_close_matches(key, _all_keys(schema), n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise SFTConfigError(
+            f"unknown SFT config key '{key}' ({source}).{hint} Every key is listed in "
+            "hybridrl/trainer/config/sft_trainer.yaml."
+        ) from None
+    except ValidationError as e:
+        raise SFTConfigError(f"bad value for SFT config key '{getattr(e, 'full_key', '?')}': {e.msg}") from None
+
+
+def load_sft_config(cfg: DictConfig | dict | list[str] | None = None) -> SFTConfig:
+    """The typed config: schema <- sft_trainer.yaml <- `cfg`, resolved, preset-filled and validated.
+
+    Args:
+        cfg: a DictConfig/dict of overrides, or a list of dotlist strings ("optim.lr=1e-4").
+
+    Raises:
+        SFTConfigError: an unknown key, a value of the wrong type, or an inconsistent setting.
+    """
+    schema = OmegaConf.structured(SFTConfig)
+    yaml = OmegaConf.load(CONFIG_DIR / "sft_trainer.yaml")
+    yaml.pop("hydra", None)
+    base = _merge(schema, yaml, "sft_trainer.yaml")
+    if isinstance(cfg, (list, tuple, ListConfig)):
+        user = OmegaConf.from_dotlist(list(cfg))
+    else:
+        user = OmegaConf.create(cfg if cfg is not None else {})
+    merged = _merge(base, user, "your overrides")
+    OmegaConf.resolve(merged)
+    config: SFTConfig = OmegaConf.to_object(merged)
+    fill_presets(config)
+    validate_sft_config(config)
+    return config
+
+
+def is_builtin_model(path: str | None) -> bool:
+    try:
+        from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
+    except ImportError:  # pragma: no cover - the models package ships with hybridrl
+        BUILTIN_MODEL_ALIASES = ("builtin:tiny", "builtin")
+    return path in BUILTIN_MODEL_ALIASES
+
+
+def fill_presets(config: SFTConfig) -> None:
+    """Fill keys left null from BUILTIN_PRESET (built-in model) or GENERAL_PRESET."""
+    preset = BUILTIN_PRESET if is_builtin_model(config.model.partial_pretrain) else GENERAL_PRESET
+    for dotted, value in preset.items():
+        section, name = dotted.split(".")
+        obj = getattr(config, section)
+        if getattr(obj, name) is None:
+            setattr(obj, name, value)
+
+
+def _choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise SFTConfigError(f"{key}={value!r} is not one of {list(choices)}")
+
+
+def validate_sft_config(config: SFTConfig) -> None:
+    """Start-up checks that need no files or processes; each error names the key and the fix."""
+    d, m, o, t = config.data, config.model, config.optim, config.trainer
+    if d.micro_batch_size is not None:
+        raise SFTConfigError(
+            "data.micro_batch_size (a global count) was removed in veRL; set data.micro_batch_size_per_gpu instead"
+        )
+    _choice("data.truncation", d.truncation, ("error", "left", "right"))
+    _choice("optim.lr_scheduler", o.lr_scheduler, LR_SCHEDULERS)
+    _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
+    _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
+    _choice("model.strategy", m.strategy, ("fsdp", "fsdp2"))
+    if o.optimizer.lower() != "adamw":
+        raise SFTConfigError(f"optim.optimizer={o.optimizer!r}: only AdamW is implemented; set optim.optimizer=AdamW")
+    for key, value in (("data.train_batch_size", d.train_batch_size),
+                       ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
+                       ("data.max_length", d.max_length), ("trainer.nnodes", t.nnodes)):
+        if value is None or value < 1:
+            raise SFTConfigError(f"{key} must be >= 1, got {value}")
+    if t.total_epochs < 1 and not t.total_training_steps:
+        raise SFTConfigError("trainer.total_epochs must be >= 1 (or set trainer.total_training_steps)")
+    if t.total_training_steps is not None and t.total_training_steps < 1:
+        raise SFTConfigError(f"trainer.total_training_steps must be >= 1 or null, got {t.total_training_steps}")
+    if o.lr is None or o.lr <= 0:
+        raise SFTConfigError(f"optim.lr must be > 0, got {o.lr}")
+    if len(o.betas) != 2:
+        raise SFTConfigError(f"optim.betas must hold two numbers, got {o.betas}")
+    if not 0.0 <= o.lr_warmup_steps_ratio < 1.0:
+        raise SFTConfigError(f"optim.lr_warmup_steps_ratio must be in [0, 1), got {o.lr_warmup_steps_ratio}")
+    if not 0.0 <= o.stable_ratio <= 1.0:
+        raise SFTConfigError(f"optim.stable_ratio must be in [0, 1], got {o.stable_ratio}")
+    if m.lora_rank < 0:
+        raise SFTConfigError(f"model.lora_rank must be >= 0 (0 disables LoRA), got {m.lora_rank}")
+    if m.use_liger:
+        raise SFTConfigError("model.use_liger=True is not implemented in hybridrl; set it to False")
+    for name in ("save_contents", "load_contents"):
+        bad = [c for c in getattr(t.checkpoint, name) if c not in CHECKPOINT_CONTENTS]
+        if bad:
+            raise SFTConfigError(
+                f"trainer.checkpoint.{name} has unknown entries {bad}; use a subset of {list(CHECKPOINT_CONTENTS)}"
+            )
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        raise SFTConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>")
+    if d.train_files is None and not is_builtin_model(m.partial_pretrain):
+        raise SFTConfigError(
+            "data.train_files is not set; point it at parquet/jsonl file(s) with the "
+            f"'{d.prompt_key}'/'{d.response_key}' columns (the built-in task's data only fits model.partial_pretrain="
+            "builtin:tiny)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# processes
+# ----------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def init_distributed(config: SFTConfig) -> tuple[int, int]:
+    """Start (or join) the process group; set the torch thread count. Returns (rank, world_size).
+
+    Without a launcher (no WORLD_SIZE in the environment) this is a one-process group on a free
+    local port. Under torchrun every rank joins the launcher's rendezvous.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from hybridrl.utils.device import init_process_group, is_cuda_available
+
+    t = config.trainer
+    if t.device == "cuda" and not is_cuda_available():
+        raise SFTConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
+    launched = "WORLD_SIZE" in os.environ
+    if not dist.is_initialized():
+        if not launched:
+            slots = t.nnodes * (t.n_gpus_per_node or 1)
+            if slots > 1:
+                raise SFTConfigError(
+                    f"trainer.nnodes * trainer.n_gpus_per_node = {slots} slots, but this is a single process; "
+                    f"launch with `torchrun --nproc_per_node={t.n_gpus_per_node} -m hybridrl.trainer.main_sft ...`"
+                )
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ["MASTER_PORT"] = str(_free_port())
+        backend = "gloo" if t.device == "cpu" else None
+        init_process_group(rank=0 if not launched else None, world_size=1 if not launched else None,
+                           backend=backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if t.n_gpus_per_node is not None and launched and world != t.nnodes * t.n_gpus_per_node:
+        raise SFTConfigError(
+            f"the launcher started {world} processes but trainer.nnodes * trainer.n_gpus_per_node = "
+            f"{t.nnodes * t.n_gpus_per_node}; make them agree (or leave trainer.n_gpus_per_node=null)"
+        )
+    if not is_cuda_available() or t.device == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world if launched else 1))
+        torch.set_num_threads(max(1, _usable_cpus() // max(1, local_world)))
+    return rank, world
+
+
+def run_sft(cfg: DictConfig | dict | list[str] | None = None) -> dict[str, float]:
+    """Load the config, start the process group, train; returns the final validation metrics."""
+    config = load_sft_config(cfg)
+    return run_sft_config(config)
+
+
+def run_sft_config(config: SFTConfig) -> dict[str, float]:
+    from hybridrl.trainer.sft_trainer import SFTTrainer
+
+    init_distributed(config)
+    trainer = SFTTrainer(config)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def _hydra_main() -> None:
+    import hydra
+
+    @hydra.main(config_path="config", config_name="sft_trainer", version_base=None)
+    def main(cfg: DictConfig) -> None:
+        metrics = run_sft(cfg)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if metrics:
+            print("[hybridrl] final: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())), flush=True)
+
+    main()
+
+
+if __name__ == "__main__":
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__)
+        print((CONFIG_DIR / "sft_trainer.yaml").read_text())
+        sys.exit(0)
+    _hydra_main()

@@ -1,0 +1,157 @@
+"""Typed configuration of the rollout (generation) engines: `actor_rollout_ref.rollout.*`.
+
+Key names and defaults follow veRL's `actor_rollout_ref.rollout` section so that veRL command
+lines and YAML files carry over. Every field has a default and an OmegaConf-compatible type:
+the trainer composes this dataclass into its structured config.
+
+Notes on a few keys:
+- `top_k`: any value <= 0 disables top-k in every engine (veRL uses -1 for vLLM and 0 for HF).
+- `temperature == 0` or `do_sample == False` means greedy decoding.
+- `n` is used by the *trainer* (it repeats each prompt n times before calling the engine); an
+  engine always produces exactly one response per input row.
+- `load_format`: "dummy" (or veRL's "dummy_dtensor" / "dummy_hf" / "dummy_megatron") starts
+  the engine with random weights and relies on the first weight sync; "auto", "hf" or
+  "safetensors" load the checkpoint at `model_path`.
+- `gpu_memory_utilization`: vLLM / SGLang GPU memory fraction. On vLLM's CPU backend the KV
+  cache size comes from `VLLM_CPU_KVCACHE_SPACE` or `engine_kwargs.vllm.kv_cache_memory_bytes`
+  (if neither is set the engine sizes it for max_num_seqs x max_model_len, within bounds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DUMMY_LOAD_FORMATS = ("dummy", "dummy_dtensor", "dummy_hf", "dummy_megatron")
+REAL_LOAD_FORMATS = ("auto", "hf", "safetensors", "pt", "dtensor")
+KEY = "actor_rollout_ref.rollout"
+
+
+@dataclass
+class SamplingOverrides:
+    """`actor_rollout_ref.rollout.val_kwargs`: sampling used when `meta_info["validate"]` is set."""
+
+    top_k: int = -1
+    top_p: float = 1.0
+    temperature: float = 0.0
+    n: int = 1
+    do_sample: bool = False
+
+
+@dataclass
+class EngineKwargs:
+    """`actor_rollout_ref.rollout.engine_kwargs`: extra keyword arguments passed to the engine."""
+
+    vllm: dict[str, Any] = field(default_factory=dict)
+    sglang: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutConfig:
+    """`actor_rollout_ref.rollout`: which engine generates, and how."""
+
+    name: str = "vllm"
+    mode: str = "sync"
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    n: int = 1
+    prompt_length: int = 512
+    response_length: int = 512
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.5
+    ignore_eos: bool = False
+    enforce_eager: bool = True
+    free_cache_engine: bool = True
+    load_format: str = "dummy"
+    tensor_model_parallel_size: int = 1
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1024
+    max_model_len: int | None = None
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    calculate_log_probs: bool = False
+    seed: int = 0
+    engine_kwargs: EngineKwargs = field(default_factory=EngineKwargs)
+    val_kwargs: SamplingOverrides = field(default_factory=SamplingOverrides)
+    update_weights_bucket_megabytes: int = 512
+
+    def __post_init__(self) -> None:
+        # Plain dicts (e.g. from a Python caller) become the typed sections.
+        if isinstance(self.engine_kwargs, dict):
+            self.engine_kwargs = EngineKwargs(**self.engine_kwargs)
+        if isinstance(self.val_kwargs, dict):
+            self.val_kwargs = SamplingOverrides(**self.val_kwargs)
+        validate_rollout_config(self)
+
+    @property
+    def is_dummy_load(self) -> bool:
+        return self.load_format in DUMMY_LOAD_FORMATS
+
+    @property
+    def effective_max_model_len(self) -> int:
+        """max_model_len, or prompt_length + response_length when it is unset."""
+        return self.max_model_len or (self.prompt_length + self.response_length)
+
+
+def _check(ok: bool, key: str, value: Any, want: str) -> None:
+    if not ok:
+        raise ValueError(f"{KEY}.{key}={value!r} is invalid: {want}.")
+
+
+def validate_rollout_config(cfg: RolloutConfig) -> None:
+    """Fail early, naming the key and the fix (shared/DESIGN.md, house style 4)."""
+    _check(cfg.mode in ("sync", "async"), "mode", cfg.mode, "use 'sync' or 'async'")
+    _check(cfg.temperature >= 0, "temperature", cfg.temperature, "use a value >= 0 (0 = greedy)")
+    _check(0 < cfg.top_p <= 1, "top_p", cfg.top_p, "use a value in (0, 1]; 1 disables top-p")
+    _check(cfg.n >= 1, "n", cfg.n, "use n >= 1")
+    _check(cfg.prompt_length >= 1, "prompt_length", cfg.prompt_length, "use a positive length")
+    _check(cfg.response_length >= 1, "response_length", cfg.response_length, "use a positive length")
+    _check(
+        cfg.dtype in ("bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
+        "dtype",
+        cfg.dtype,
+        "use bfloat16, float16 or float32",
+    )
+    _check(
+        0 < cfg.gpu_memory_utilization <= 1,
+        "gpu_memory_utilization",
+        cfg.gpu_memory_utilization,
+        "use a fraction in (0, 1]",
+    )
+    _check(
+        cfg.load_format in DUMMY_LOAD_FORMATS + REAL_LOAD_FORMATS,
+        "load_format",
+        cfg.load_format,
+        f"use one of {DUMMY_LOAD_FORMATS + REAL_LOAD_FORMATS}",
+    )
+    _check(cfg.tensor_model_parallel_size >= 1, "tensor_model_parallel_size", cfg.tensor_model_parallel_size, ">= 1")
+    _check(cfg.max_num_seqs >= 1, "max_num_seqs", cfg.max_num_seqs, "use >= 1")
+    _check(cfg.max_num_batched_tokens >= 1, "max_num_batched_tokens", cfg.max_num_batched_tokens, "use >= 1")
+    if cfg.max_model_len is not None:
+        _check(
+            cfg.max_model_len >= cfg.prompt_length + cfg.response_length,
+            "max_model_len",
+            cfg.max_model_len,
+            f"it must hold prompt_length + response_length = {cfg.prompt_length + cfg.response_length} "
+            "(raise it or leave it null)",
+        )
+    if cfg.log_prob_micro_batch_size_per_gpu is not None:
+        _check(
+            cfg.log_prob_micro_batch_size_per_gpu >= 1,
+            "log_prob_micro_batch_size_per_gpu",
+            cfg.log_prob_micro_batch_size_per_gpu,
+            "use >= 1 or null",
+        )
+    _check(
+        cfg.update_weights_bucket_megabytes >= 1,
+        "update_weights_bucket_megabytes",
+        cfg.update_weights_bucket_megabytes,
+        "use >= 1",
+    )
+    v = cfg.val_kwargs
+    _check(v.temperature >= 0, "val_kwargs.temperature", v.temperature, "use a value >= 0")
+    _check(0 < v.top_p <= 1, "val_kwargs.top_p", v.top_p, "use a value in (0, 1]")
+    _check(v.n >= 1, "val_kwargs.n", v.n, "use n >= 1")

@@ -1,0 +1,161 @@
+"""HFRollout: generation with Hugging Face `model.generate` on a private, unsharded model copy.
+
+Why a private copy: with an FSDP-sharded model every forward is a collective, so ranks that
+stop generating at different steps (different response lengths) would deadlock. Each rank
+keeps a plain model for generation and receives the trained weights via `update_weights`.
+This is the reference engine: simple and exact, slower than vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+
+from hybridrl.models.weight_map import get_weight_name_map, map_named_tensors, to_torch_dtype
+from hybridrl.utils.device import get_torch_device
+from hybridrl.workers.rollout.base import (
+    BaseRollout,
+    GenerationRequest,
+    GenerationResult,
+    register_rollout,
+    truncate_at_eos,
+)
+from hybridrl.workers.rollout.config import RolloutConfig
+
+__all__ = ["HFRollout"]
+
+
+@register_rollout("hf")
+class HFRollout(BaseRollout):
+    """`model.generate` on the rollout's own model copy.
+
+    Args:
+        config: rollout section. Uses temperature/top_k/top_p/do_sample, response_length,
+            ignore_eos, dtype, load_format, calculate_log_probs, seed, and the micro-batch size
+            `log_prob_micro_batch_size_per_gpu` (else max_num_seqs; with log_prob_use_dynamic_bsz
+            the rows per micro-batch are log_prob_max_token_len_per_gpu // (P + T)).
+        model_path: HF model directory (config always; weights unless load_format is dummy).
+        tokenizer: tokenizer of the model.
+        model_config: optional HF config to use instead of the one at `model_path`.
+        device: where the model lives (default: this rank's accelerator, else CPU).
+
+    Sampling is seeded per micro-batch with the seed of its first row (torch's RNG is forked,
+    so the caller's RNG state is untouched): the same seed, weights and batching reproduce.
+    """
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        model_path: str,
+        tokenizer: Any,
+        *,
+        model_config: PretrainedConfig | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__(config, model_path, tokenizer)
+        self.device = torch.device(device) if device is not None else get_torch_device()
+        self.dtype = to_torch_dtype(config.dtype)
+        hf_config = model_config if model_config is not None else AutoConfig.from_pretrained(model_path)
+        if config.is_dummy_load:
+            model = AutoModelForCausalLM.from_config(hf_config)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, config=hf_config)
+        model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        # A fresh generation config: the checkpoint's defaults (repetition_penalty, top_k=50,
+        # temperature, ...) must not leak into RL sampling; everything comes from `config`.
+        model.generation_config = GenerationConfig(
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_ids or None,
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+        )
+        self.model = model
+        out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+        self.tied_embeddings = out_emb is not None and out_emb.weight is in_emb.weight
+        # name -> tensor to copy into (parameters and persistent buffers, HF names)
+        self._targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        self._name_map = get_weight_name_map("hf")
+
+    # ---- weights ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each streamed tensor into the model in place (dtype/device cast inside copy_)."""
+        for name, tensor in map_named_tensors(
+            named_tensors, self._name_map, tied_lm_head="drop" if self.tied_embeddings else "keep"
+        ):
+            dst = self._targets.get(name)
+            if dst is None:
+                known = list(self._targets)[:5]
+                raise KeyError(
+                    f"HFRollout.update_weights: no weight named {name!r} in the rollout model "
+                    f"(names look like {known}); the trainer must send HF parameter names"
+                )
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"HFRollout.update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the rollout model expects {tuple(dst.shape)}"
+                )
+            dst.data.copy_(tensor, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- generation ---------------------------------------------------------------------------
+    def _rows_per_micro_batch(self, prompt_len: int) -> int:
+        cfg = self.config
+        if cfg.log_prob_use_dynamic_bsz:
+            return max(1, cfg.log_prob_max_token_len_per_gpu // (prompt_len + cfg.response_length))
+        return cfg.log_prob_micro_batch_size_per_gpu or cfg.max_num_seqs
+
+    def _generate(self, request: GenerationRequest) -> GenerationResult:
+        bsz, prompt_len = request.input_ids.shape
+        step = self._rows_per_micro_batch(prompt_len)
+        tokens: list[list[int]] = []
+        log_probs: list[list[float]] | None = [] if request.want_log_probs else None
+        for start in range(0, bsz, step):
+            rows = slice(start, min(start + step, bsz))
+            toks, lps = self._generate_micro_batch(request, rows)
+            tokens += toks
+            if log_probs is not None:
+                log_probs += lps
+        return GenerationResult(tokens, log_probs)
+
+    @torch.no_grad()
+    def _generate_micro_batch(
+        self, request: GenerationRequest, rows: slice
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        spec = request.sampling
+        ids = request.input_ids[rows].to(self.device)
+        mask = request.attention_mask[rows].to(self.device)
+        prompt_len = ids.shape[1]
+        gen_cfg = GenerationConfig(
+            max_new_tokens=request.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=not spec.greedy,
+            temperature=spec.temperature if not spec.greedy else None,
+            top_k=(spec.top_k if spec.top_k > 0 else 0) if not spec.greedy else None,
+            top_p=spec.top_p if not spec.greedy else None,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=None if self.config.ignore_eos else (self.eos_token_ids or None),
+            return_dict_in_generate=True,
+            output_scores=request.want_log_probs,
+        )
+        fork_devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=fork_devices):
+            torch.manual_seed(request.seeds[rows.start])
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+        new = out.sequences[:, prompt_len:]
+        token_lists = new.tolist()
+        if not self.config.ignore_eos:
+            token_lists = [truncate_at_eos(t, self.eos_token_ids) for t in token_lists]
+        lp_lists: list[list[float]] = []
+        if request.want_log_probs and new.shape[1] > 0:
+            # scores[j] (b, V) are the processed logits step j was sampled from (after
+            # temperature / top-k / top-p); their log_softmax is the sampling distribution.
+            scores = torch.stack(out.scores, dim=1).float()  # (b, steps, V)
+            lp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+            lp_lists = [row[: len(t)] for row, t in zip(lp.cpu().tolist(), token_lists)]
+        elif request.want_log_probs:
+            lp_lists = [[] for _ in token_lists]
+        return token_lists, lp_lists

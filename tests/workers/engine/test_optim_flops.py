@@ -1,0 +1,77 @@
+import math
+
+import pytest
+import torch
+
+from hybridrl.utils.flops import compute_mfu, count_params, estimate_flops, get_peak_flops
+from hybridrl.workers.config import OptimConfig
+from hybridrl.workers.engine.optim import build_lr_scheduler, build_optimizer, lr_factor, num_warmup_steps
+
+
+def _lrs(cfg, steps):
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer(model, cfg)
+    sched = build_lr_scheduler(opt, cfg)
+    out = []
+    for _ in range(steps):
+        out.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_constant_with_warmup():
+    lrs = _lrs(OptimConfig(lr=1.0, lr_warmup_steps=4), 6)
+    assert lrs == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_cosine_with_ratio_warmup():
+    cfg = OptimConfig(lr=1.0, lr_warmup_steps_ratio=0.2, lr_scheduler_type="cosine", total_training_steps=10,
+                      min_lr_ratio=0.1)
+    assert num_warmup_steps(cfg) == 2
+    lrs = _lrs(cfg, 11)
+    assert lrs[:3] == [0.0, 0.5, 1.0]
+    # step 6: progress (6-2)/8 = 0.5 -> cos(pi * 0.5) = 0 -> 0.1 + 0.9 * 0.5
+    assert lrs[6] == pytest.approx(0.55)
+    assert lrs[10] == pytest.approx(0.1)
+    assert lr_factor(5, warmup_steps=0, scheduler_type="cosine", total_steps=10, min_lr_ratio=0.0,
+                     num_cycles=0.5) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_warmup_style_alias_and_errors():
+    assert OptimConfig(warmup_style="cosine").scheduler_type == "cosine"
+    with pytest.raises(ValueError, match="optim.total_training_steps"):
+        _lrs(OptimConfig(lr_scheduler_type="cosine"), 1)
+    with pytest.raises(ValueError, match="lr_warmup_steps_ratio"):
+        _lrs(OptimConfig(lr_warmup_steps_ratio=0.1), 1)
+
+
+def test_adamw_settings():
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer(model, OptimConfig(lr=0.1, weight_decay=0.05, betas=[0.8, 0.9]))
+    g = opt.param_groups[0]
+    assert (g["lr"], g["weight_decay"], g["betas"]) == (0.1, 0.05, (0.8, 0.9))
+
+
+def test_flops_hand_derived():
+    # N = 10, sequences of 2 and 3 tokens, 1 layer, attention dim 4
+    # training: 6 * 10 * 5 + 12 * 1 * 4 * (4 + 9) = 300 + 624
+    assert estimate_flops(10, [2, 3], 1, 4) == 924.0
+    assert estimate_flops(10, [2, 3], 1, 4, training=False) == 308.0
+    assert compute_mfu(924.0, 2.0, 462.0) == 1.0
+    assert compute_mfu(1.0, 1.0, None) is None
+
+
+def test_count_params_excludes_tied_embeddings():
+    emb = torch.nn.Embedding(5, 3)
+    head = torch.nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, torch.nn.Linear(3, 3), head)
+    assert count_params(model) == 12
+    assert count_params(model, exclude_embeddings=False) == 27
+
+
+def test_cpu_peak_is_measured_once():
+    first = get_peak_flops("cpu", torch.float32)
+    assert first > 1e8
+    assert get_peak_flops("cpu", torch.float32) == first
