@@ -31,10 +31,10 @@ _BUILD_COMMAND = "python recipes/builtin_model/build.py --out hybridrl/models/as
 
 # Warm-start defaults (the shipped folder was built with exactly these; see docs/builtin_model.md).
 DEFAULT_SEED = 0
-DEFAULT_SFT_STEPS = 300
+DEFAULT_SFT_STEPS = 400
 DEFAULT_SFT_LR = 1e-3
 DEFAULT_SFT_BATCH = 64
-DEFAULT_NUM_THREADS = 2
+DEFAULT_NUM_THREADS = 1
 
 
 def get_builtin_model_path() -> str:

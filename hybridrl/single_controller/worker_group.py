@@ -84,6 +84,10 @@ class WorkerGroup:
     def _gather(self, handles: Sequence[Any], method: str, ranks: Sequence[int]) -> list[Any]:
         raise NotImplementedError
 
+    def _share_args(self, rank_args: list[tuple], rank_kwargs: list[dict[str, Any]]) -> tuple[list, list]:
+        """Hook: replace big values sent to several ranks by one shared handle (default: no-op)."""
+        return rank_args, rank_kwargs
+
     def _future(
         self,
         handles: list[Any],
@@ -145,6 +149,7 @@ class WorkerGroup:
             returns_data_proto = False
         else:
             collect = proto_collect_fn(mode, plan.context)
+        rank_args, rank_kwargs = self._share_args(rank_args, rank_kwargs)
         handles = [self._submit(r, method, a, k) for r, a, k in zip(ranks, rank_args, rank_kwargs)]
         if spec.blocking:
             return collect(self._gather(handles, method, ranks))

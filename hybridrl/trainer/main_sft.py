@@ -338,9 +338,17 @@ def init_distributed(config: SFTConfig) -> tuple[int, int]:
             f"{t.nnodes * t.n_gpus_per_node}; make them agree (or leave trainer.n_gpus_per_node=null)"
         )
     if not is_cuda_available() or t.device == "cpu":
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world if launched else 1))
-        torch.set_num_threads(max(1, _usable_cpus() // max(1, local_world)))
+        torch.set_num_threads(cpu_threads(world if launched else 1))
     return rank, world
+
+
+def cpu_threads(world: int = 1) -> int:
+    """Torch threads per process on CPU: $OMP_NUM_THREADS when set, else the usable cores / local ranks."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return max(1, _usable_cpus() // max(1, local_world))
 
 
 def run_sft(cfg: DictConfig | dict | list[str] | None = None) -> dict[str, float]:
@@ -365,13 +373,11 @@ def _hydra_main() -> None:
 
     @hydra.main(config_path="config", config_name="sft_trainer", version_base=None)
     def main(cfg: DictConfig) -> None:
-        metrics = run_sft(cfg)
+        run_sft(cfg)
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-        if metrics:
-            print("[hybridrl] final: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())), flush=True)
 
     main()
 

@@ -273,7 +273,12 @@ class SFTTrainer:
         self.engine.optimizer, self.engine.lr_scheduler = self.optimizer, self.lr_scheduler
 
     def _build_tracker(self):
-        if self.rank != 0:
+        """The Tracking fan-out for every logger except `console` (the trainer prints its own line)."""
+        logger = self.config.trainer.logger
+        backends = [logger] if isinstance(logger, str) else list(logger)
+        self._console = "console" in backends
+        backends = [b for b in backends if b != "console"]
+        if self.rank != 0 or not backends:
             return None
         from omegaconf import OmegaConf
 
@@ -281,7 +286,7 @@ class SFTTrainer:
 
         t = self.config.trainer
         return Tracking(
-            t.project_name, t.experiment_name, t.logger, config=OmegaConf.structured(self.config), log_dir=t.log_dir
+            t.project_name, t.experiment_name, backends, config=OmegaConf.structured(self.config), log_dir=t.log_dir
         )
 
     # -- batches --------------------------------------------------------------------------------
@@ -324,11 +329,11 @@ class SFTTrainer:
         return sft_token_loss(out.logits, mb["input_ids"], mb["loss_mask"])
 
     # -- one step -------------------------------------------------------------------------------
-    def train_step(self, indices: list[int]) -> dict[str, float]:
-        """One optimizer step on the global batch `indices` (this rank uses `indices[rank::world]`)."""
-        from hybridrl.workers.engine.fsdp import clip_grad_norm
+    def accumulate_gradients(self, indices: list[int]) -> dict[str, float]:
+        """Forward/backward every micro-batch of this rank's rows `indices[rank::world]`.
 
-        start = time.perf_counter()
+        Leaves in `.grad` the gradient of the token-mean loss over the whole global batch.
+        """
         module = self.engine.module
         module.train()
         micro = self._micro_batches(indices[self.rank :: self.world], self.train_dataset)
@@ -342,24 +347,32 @@ class SFTTrainer:
             # FSDP averages gradients over ranks; scale so the result is the global token mean's gradient
             (loss * self.world).backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm(module, self.config.optim.clip_grad)
+        seen = self._all_reduce(torch.as_tensor(sum(float(mb["attention_mask"].sum()) for mb in micro)))
+        return {"train/loss": float(self._all_reduce(loss_sum)), "train/loss_tokens": total_tokens,
+                "train/tokens": float(seen)}
+
+    def train_step(self, indices: list[int]) -> dict[str, float]:
+        """One optimizer step on the global batch `indices`: gradients, clipping, AdamW, lr schedule."""
+        from hybridrl.workers.engine.fsdp import clip_grad_norm
+
+        start = time.perf_counter()
+        metrics = self.accumulate_gradients(indices)
+        grad_norm = clip_grad_norm(self.engine.module, self.config.optim.clip_grad)
         lr = self.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         seconds = time.perf_counter() - start
-        seen = self._all_reduce(torch.as_tensor(sum(float(mb["attention_mask"].sum()) for mb in micro)))
-        return {
-            "train/loss": float(self._all_reduce(loss_sum)),
+        metrics.update({
             "train/lr": lr,
             "train/grad_norm": grad_norm,
-            "train/loss_tokens": total_tokens,
             "train/epoch": self.loader.sampler.epoch,
-            "perf/step_s": seconds,
-            "perf/tokens_per_s": float(seen) / max(seconds, 1e-9),
             "train/skipped_step": float(not math.isfinite(grad_norm)),
-        }
+            "perf/step_s": seconds,
+            "perf/tokens_per_s": metrics["train/tokens"] / max(seconds, 1e-9),
+        })
+        return metrics
 
     # -- validation -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -530,6 +543,12 @@ class SFTTrainer:
     def _log(self, metrics: dict[str, float], step: int) -> None:
         if self.tracker is not None:
             self.tracker.log(metrics, step=step)
+        if self._console and self.rank == 0:
+            shown = [("train/loss", "loss"), ("train/lr", "lr"), ("train/grad_norm", "grad_norm"),
+                     ("perf/step_s", "step_s"), ("val/loss", "val_loss"), ("val/greedy_acc", "greedy_acc")]
+            parts = [f"step {step}/{self.total_steps}"]
+            parts += [f"{label} {metrics[key]:.4g}" for key, label in shown if key in metrics]
+            print(" | ".join(parts), flush=True)
 
     def fit(self, stop_at_step: int | None = None) -> dict[str, float]:
         """Train to `total_steps` (or until `stop_at_step`); returns the last validation metrics.
@@ -538,6 +557,7 @@ class SFTTrainer:
             stop_at_step: end after this global step, as if interrupted (checkpoints per save_freq).
         """
         t = self.config.trainer
+        started = time.perf_counter()
         path = self._resume_path()
         if path is not None:
             self.load_checkpoint(path)
@@ -562,6 +582,8 @@ class SFTTrainer:
             self._log(metrics, self.global_step)
             if stop_at_step is not None and self.global_step >= stop_at_step:
                 break
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(last_val.items()) if k.startswith("val/"))
+        self._print(f"stopped at step {self.global_step} after {time.perf_counter() - started:.1f} s; {shown}")
         return last_val
 
     def _print(self, text: str) -> None:

@@ -96,7 +96,9 @@ def get_seqlen_balanced_partitions(seqlens: Sequence[int], k: int, equal_size: b
     return sorted(parts, key=lambda p: p[0])
 
 
-def partition_stats(seqlens: Sequence[int], partitions: Sequence[Sequence[int]], prefix: str = "") -> dict[str, float]:
+def partition_stats(
+    seqlens: Sequence[int], partitions: Sequence[Sequence[int]], prefix: str = ""
+) -> dict[str, float]:
     """min / max / mean of the partition sums, for logging how well a batch is balanced."""
     sums = [sum(int(seqlens[i]) for i in p) for p in partitions]
     return {

@@ -32,6 +32,7 @@ from hybridrl.workers.engine.batching import (
     append_metrics,
     default_dp_group,
     global_loss_scale,
+    mean_over_ranks,
     merge_outputs,
     optimizer_step,
     response_mask_of,
@@ -86,7 +87,8 @@ class PPOActor:
 
     # ------------------------------------------------------------------------------------------
     def _forward(self, micro: Any, temperature: float, calculate_entropy: bool):
-        chunk = 2048 if self.config.entropy_from_logits_with_chunking else None
+        c = self.config
+        chunk = 2048 if (c.entropy_from_logits_with_chunking or c.entropy_checkpointing) else None
         return forward_log_probs(
             self.module,
             micro,
@@ -178,8 +180,9 @@ class PPOActor:
 
         The loss of every micro-batch is normalised by the mini-batch's global token/sequence
         counts, so the accumulated gradient (after FSDP's average over ranks) equals the gradient
-        of the whole, un-split mini-batch. Returned metrics are this rank's shares (see
-        engine.batching): averaged over ranks they give the mini-batch values.
+        of the whole, un-split mini-batch. The returned metrics are the values of the whole
+        mini-batch (the same on every rank): pg_loss / kl_loss as optimised, pg_clipfrac, ppo_kl,
+        entropy, ... as token means.
         """
         bs = self.batch_sizes
         c = self.config
@@ -229,7 +232,7 @@ class PPOActor:
             means.add({f"actor/{k}": v for k, v in pg_metrics.items()}, m_mask.sum())
         if c.use_kl_loss:
             sums["actor/kl_coef"] = c.kl_loss_coef
-        return {**sums, **means.result()}
+        return mean_over_ranks({**sums, **means.result()}, self.dp_group, self.dp_size, self.device)
 
     def update_policy(self, data: DataProto, *, temperature: float = 1.0) -> dict[str, list[float]]:
         """PPO epochs over mini-batches of `data`; one optimizer step per mini-batch.
@@ -240,14 +243,21 @@ class PPOActor:
             metric name -> list (one entry per mini-batch, or per call for lr / perf).
         """
         if self.optimizer is None:
-            raise RuntimeError("update_policy needs an optimizer; this actor was built forward-only (reference)")
+            raise RuntimeError(
+                "update_policy needs an optimizer; this actor was built forward-only (reference)"
+            )
         if self.batch_sizes is None:
-            raise ValueError("update_policy needs batch_sizes=normalize_actor_batch_sizes(...) at construction")
+            raise ValueError(
+                "update_policy needs batch_sizes=normalize_actor_batch_sizes(...) at construction"
+            )
         bs = self.batch_sizes
         data = self._select_train_keys(data)
         seed = shuffle_seed(bs.seed, bs.shuffle, data.meta_info)
         iterator = data.make_iterator(
-            mini_batch_size=bs.mini_batch_size, epochs=bs.epochs, seed=seed, dataloader_kwargs={"shuffle": bs.shuffle}
+            mini_batch_size=bs.mini_batch_size,
+            epochs=bs.epochs,
+            seed=seed,
+            dataloader_kwargs={"shuffle": bs.shuffle},
         )
         self.module.train()
         metrics: dict[str, list] = {}

@@ -68,7 +68,10 @@ class MixedPrecisionConfig:
 
 @dataclass
 class WrapPolicyConfig:
-    """Which modules get their own `fully_shard` (default: the model's `_no_split_modules`)."""
+    """Which modules get their own `fully_shard` (default: the model's `_no_split_modules`).
+
+    min_num_params is accepted for veRL compatibility; FSDP2 sharding here is per decoder layer.
+    """
 
     transformer_layer_cls_to_wrap: list[str] | None = None
     min_num_params: int = 0
@@ -169,7 +172,9 @@ class ActorConfig:
     data-parallel size: see normalize_actor_batch_sizes). ppo_micro_batch_size_per_gpu counts
     rows per forward/backward on one rank; with use_dynamic_bsz, micro-batches are instead packed
     to at most ppo_max_token_len_per_gpu tokens. grad_clip (veRL's older key) overrides
-    optim.clip_grad when set.
+    optim.clip_grad when set. entropy_from_logits_with_chunking / entropy_checkpointing compute
+    the entropy 2048 positions at a time, recomputed in backward. use_torch_compile is accepted
+    for veRL compatibility and has no effect (the engine runs eagerly).
     """
 
     strategy: str = "fsdp"
@@ -327,7 +332,9 @@ def _check_common(key: str, *, strategy: str, loss_agg_mode: str, ulysses: int, 
 
 def _check_optim(key: str, optim: OptimConfig) -> None:
     if optim.scheduler_type not in LR_SCHEDULER_TYPES:
-        raise ValueError(f"{key}.optim.lr_scheduler_type={optim.scheduler_type!r} is not one of {LR_SCHEDULER_TYPES}")
+        raise ValueError(
+            f"{key}.optim.lr_scheduler_type={optim.scheduler_type!r} is not one of {LR_SCHEDULER_TYPES}"
+        )
     if len(optim.betas) != 2:
         raise ValueError(f"{key}.optim.betas must hold two numbers, got {optim.betas}")
 
@@ -336,7 +343,9 @@ def _check_checkpoint(key: str, ckpt: CheckpointConfig) -> None:
     for name in ("save_contents", "load_contents"):
         bad = [c for c in getattr(ckpt, name) if c not in CHECKPOINT_CONTENTS]
         if bad:
-            raise ValueError(f"{key}.checkpoint.{name} has unknown entries {bad}; use a subset of {CHECKPOINT_CONTENTS}")
+            raise ValueError(
+                f"{key}.checkpoint.{name} has unknown entries {bad}; use a subset of {CHECKPOINT_CONTENTS}"
+            )
 
 
 def _per_rank(

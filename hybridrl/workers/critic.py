@@ -28,6 +28,7 @@ from hybridrl.workers.engine.batching import (
     append_metrics,
     default_dp_group,
     global_loss_scale,
+    mean_over_ranks,
     merge_outputs,
     optimizer_step,
     response_mask_of,
@@ -111,14 +112,19 @@ class PPOCritic:
         try:
             with torch.no_grad():
                 for micro in micros:
-                    outs.append(forward_values(self.module, micro, use_remove_padding=self.use_remove_padding))
+                    outs.append(
+                        forward_values(self.module, micro, use_remove_padding=self.use_remove_padding)
+                    )
         finally:
             self.module.train(was_training)
         values = merge_outputs(outs, indices)
         return (values * response_mask_of(batch)).cpu()
 
     def forward_backward(self, mini_batch: DataProto) -> dict[str, float]:
-        """Accumulate the value-loss gradient of one mini-batch (no optimizer step)."""
+        """Accumulate the value-loss gradient of one mini-batch (no optimizer step).
+
+        Returns the mini-batch's vf_loss, vf_clipfrac and vpred_mean (the same on every rank).
+        """
         bs = self.batch_sizes
         batch = mini_batch.batch.to(self.device)
         mask = response_mask_of(batch)
@@ -151,7 +157,8 @@ class PPOCritic:
             vf_loss_sum += float(vf_loss.detach())
             vpred_mean = masked_mean(vpreds.detach(), m_mask)
             means.add({"critic/vf_clipfrac": vf_clipfrac, "critic/vpred_mean": vpred_mean}, m_mask.sum())
-        return {"critic/vf_loss": vf_loss_sum, **means.result()}
+        result = {"critic/vf_loss": vf_loss_sum, **means.result()}
+        return mean_over_ranks(result, self.dp_group, self.dp_size, self.device)
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
         """Epochs over mini-batches of `data`, one optimizer step each; the lr scheduler steps once.
@@ -162,7 +169,9 @@ class PPOCritic:
         if self.optimizer is None:
             raise RuntimeError("update_critic needs an optimizer")
         if self.batch_sizes is None:
-            raise ValueError("update_critic needs batch_sizes=normalize_critic_batch_sizes(...) at construction")
+            raise ValueError(
+                "update_critic needs batch_sizes=normalize_critic_batch_sizes(...) at construction"
+            )
         bs = self.batch_sizes
         keys = [*_FORWARD_KEYS, "values", "returns"]
         missing = [k for k in keys if k not in data.batch.keys()]
@@ -173,7 +182,10 @@ class PPOCritic:
         data = DataProto(batch=data.batch.select(*keys), meta_info=dict(data.meta_info))
         seed = shuffle_seed(bs.seed, bs.shuffle, data.meta_info)
         iterator = data.make_iterator(
-            mini_batch_size=bs.mini_batch_size, epochs=bs.epochs, seed=seed, dataloader_kwargs={"shuffle": bs.shuffle}
+            mini_batch_size=bs.mini_batch_size,
+            epochs=bs.epochs,
+            seed=seed,
+            dataloader_kwargs={"shuffle": bs.shuffle},
         )
         self.module.train()
         metrics: dict[str, list] = {}
@@ -181,7 +193,9 @@ class PPOCritic:
         for mini in iterator:
             append_metrics(metrics, self.forward_backward(mini))
             grad_norm, stepped = optimizer_step(self.module, self.optimizer, self.config.max_grad_norm)
-            append_metrics(metrics, {"critic/grad_norm": grad_norm, "critic/step_skipped": float(not stepped)})
+            append_metrics(
+                metrics, {"critic/grad_norm": grad_norm, "critic/step_skipped": float(not stepped)}
+            )
         elapsed = time.perf_counter() - start
         if self.lr_scheduler is not None:
             append_metrics(metrics, {"critic/lr": self.lr_scheduler.get_last_lr()[0]})

@@ -166,7 +166,7 @@ def test_generator_is_deterministic_and_seeded():
 def test_train_and_val_rows_are_disjoint_for_any_seeds():
     train = {r["prompt"][0]["content"] for r in builtin_task.make_rl_rows(3000, 0, "train")}
     val = {r["prompt"][0]["content"] for r in builtin_task.make_rl_rows(800, 0, "val")}
-    val_other_seed = {r["prompt"][0]["content"] for r in builtin_task.make_rl_rows(800, 0, "val")}
+    val_other_seed = {r["prompt"][0]["content"] for r in builtin_task.make_rl_rows(800, 5, "val")}
     assert not train & val and not train & val_other_seed
 
 

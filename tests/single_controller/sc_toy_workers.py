@@ -63,6 +63,10 @@ class ToyWorker(Worker):
         """Return (rank, x + y + offset)."""
         return self.rank, x + y + self.offset
 
+    @register(Dispatch.ONE_TO_ALL)
+    def proto_sum(self, data: DataProto, weights: torch.Tensor) -> tuple[int, int, int]:
+        return self.rank, len(data), int((data.batch["x"] * weights).sum())
+
     @register(Dispatch.ALL_TO_ALL)
     def scale(self, x: int, factor: int) -> tuple[int, int]:
         return self.rank, x * factor
@@ -177,8 +181,8 @@ class ToyActor(Worker):
         return self.calls
 
     @register(Dispatch.ONE_TO_ALL)
-    def threads(self) -> tuple[str | None, int]:
-        return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+    def threads(self) -> tuple[str | None, int, str | None]:
+        return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(), os.environ.get("TOY_FLAG")
 
 
 class ToyCritic(Worker):

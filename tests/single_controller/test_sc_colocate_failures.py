@@ -23,12 +23,14 @@ def test_colocated_roles_share_one_process(ray_session):
     cls = create_colocated_worker_cls(
         {
             "actor_rollout": RayClassWithInitArgs(ToyActor, scale=3),
-            "critic": RayClassWithInitArgs(ToyCritic, bias=0.5),
+            "critic": RayClassWithInitArgs(ToyCritic, bias=0.5).update_options(
+                {"runtime_env": {"env_vars": {"TOY_FLAG": "on"}}}
+            ),
         }
     )
     # one slot of 2 CPUs shared by up to 2 groups: the actor holds 1 CPU but runs 2 threads
     pool = RayResourcePool([1], use_gpu=False, cpus_per_slot=2, max_colocate_count=2)
-    wg = RayWorkerGroup(pool, cls)
+    wg = RayWorkerGroup(pool, cls, name_prefix="coloc", detached=True)
     try:
         assert {"actor_rollout_compute_log_prob", "critic_compute_values"} <= set(wg.method_names)
         roles = wg.spawn(["actor_rollout", "critic"])
@@ -41,9 +43,14 @@ def test_colocated_roles_share_one_process(ray_session):
         assert actor.num_calls() == [1] and critic.num_calls() == [2]  # each role keeps its own state
         assert actor.compute_log_prob.__doc__ == "Toy log-probs: x * scale."
         assert str(inspect.signature(actor.compute_log_prob)) == "(data: 'DataProto') -> 'DataProto'"
-        assert actor.threads() == [("2", 2)]
+        assert actor.threads() == [("2", 2, "on")]
         with pytest.raises(ValueError, match="unknown roles"):
             wg.spawn(["reward"])
+
+        # detached, named actors: a second handle attaches by name and sees the same role state
+        assert wg.worker_names == ["coloc_rank0"]
+        again = RayWorkerGroup(ray_cls_with_init=cls, worker_names=wg.worker_names)
+        assert again.spawn(["critic"])["critic"].num_calls() == [2]
     finally:
         wg.shutdown()
         pool.remove()
@@ -83,22 +90,4 @@ def test_failing_constructor_names_rank_and_cause(ray_session):
         with pytest.raises(WorkerDiedError, match="(?s)rank 0 .*'__init__'.*cannot load the model"):
             RayWorkerGroup(pool, RayClassWithInitArgs(_BrokenInit), name_prefix="broken")
     finally:
-        pool.remove()
-
-
-def test_detached_workers_can_be_attached_by_name(ray_session):
-    pool = RayResourcePool([1], use_gpu=False, cpus_per_slot=TOY_CPUS)
-    spec = RayClassWithInitArgs(ToyWorker, offset=7).update_options(
-        {"runtime_env": {"env_vars": {"TOY_FLAG": "on"}}}
-    )
-    wg = RayWorkerGroup(pool, spec, name_prefix="keep", detached=True)
-    try:
-        assert wg.worker_names == ["keep_rank0"]
-        again = RayWorkerGroup(
-            ray_cls_with_init=RayClassWithInitArgs(ToyWorker), worker_names=wg.worker_names
-        )
-        assert again.add(1) == [(0, 8)]  # the existing actor, constructed with offset=7
-        assert again.execute_rank_zero("env")["master_port"] == wg.master_port
-    finally:
-        wg.shutdown()
         pool.remove()

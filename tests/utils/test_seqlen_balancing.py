@@ -108,11 +108,15 @@ def test_rearrange_grows_count_until_every_micro_batch_fits():
 
 
 def test_rearrange_accepts_dataproto_and_min_count():
-    data = DataProto.from_dict({"attention_mask": _batch([2, 2, 2, 2])["attention_mask"]}, {"uid": list("abcd")})
+    data = DataProto.from_dict(
+        {"attention_mask": _batch([2, 2, 2, 2])["attention_mask"]}, {"uid": list("abcd")}
+    )
     micro, indices = rearrange_micro_batches(data, max_token_len=100, min_num_micro_batch=2)
     assert len(micro) == 2
     assert all(isinstance(m, DataProto) for m in micro)
-    assert sorted(itertools.chain.from_iterable(m.non_tensor_batch["uid"].tolist() for m in micro)) == list("abcd")
+    assert sorted(itertools.chain.from_iterable(m.non_tensor_batch["uid"].tolist() for m in micro)) == list(
+        "abcd"
+    )
 
 
 def test_rearrange_rejects_too_small_budget_naming_key():

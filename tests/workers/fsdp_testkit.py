@@ -11,6 +11,23 @@ import socket
 import traceback
 
 import torch
+import transformers
+
+import hybridrl.workers.actor
+import hybridrl.workers.critic
+import hybridrl.workers.engine.checkpoint
+import hybridrl.workers.engine.fsdp
+
+# Imported (and lazily-loaded classes resolved) before forking the workers, see `spawn`.
+_PRELOADED = (
+    hybridrl.workers.actor,
+    hybridrl.workers.critic,
+    hybridrl.workers.engine.checkpoint,
+    transformers.AutoModelForCausalLM,
+    transformers.AutoModelForTokenClassification,
+    transformers.AutoModelForSequenceClassification,
+    transformers.Qwen2ForCausalLM,
+)
 
 VOCAB = 64
 PAD = 0
@@ -46,7 +63,9 @@ def make_tiny_model_dir(path: str, seed: int = 0) -> str:
     return path
 
 
-def make_batch(bsz: int, prompt_len: int = 6, response_len: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_batch(
+    bsz: int, prompt_len: int = 6, response_len: int = 5, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """veRL layout: left-padded prompts, right-padded responses, varying lengths."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, VOCAB, (bsz, prompt_len), generator=g)
@@ -98,12 +117,22 @@ def run_worker(rank: int, fn, world: int, port: int, err_dir: str, *args) -> Non
 
 
 def spawn(fn, world: int, tmp_path, *args) -> None:
-    """Run fn(rank, world, *args) in `world` processes; fail with the first rank's traceback."""
+    """Run fn(rank, world, *args) in `world` processes; fail with the first rank's traceback.
+
+    Processes are forked, so they inherit the modules the test already imported (importing torch
+    and transformers again in every child costs far more than the checks on a 2-core machine).
+    """
     import torch.multiprocessing as mp
 
     err_dir = str(tmp_path)
     try:
-        mp.spawn(run_worker, args=(fn, world, free_port(), err_dir, *args), nprocs=world, join=True)
+        mp.start_processes(
+            run_worker,
+            args=(fn, world, free_port(), err_dir, *args),
+            nprocs=world,
+            join=True,
+            start_method="fork",
+        )
     except Exception as e:
         msgs = []
         for r in range(world):

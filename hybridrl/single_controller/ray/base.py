@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
+import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -190,6 +193,7 @@ class RayClassWithInitArgs:
 
 
 _ACTOR_CLASSES: dict[type, Any] = {}
+_SHARED_TYPES = (DataProto, torch.Tensor, np.ndarray)
 
 
 def _actor_class(cls: type) -> Any:
@@ -414,6 +418,31 @@ class RayWorkerGroup(WorkerGroup):
                 f"worker group {self._name!r}: {self._cls.__name__} has no method {method!r}"
             ) from None
         return remote_method.remote(*args, **kwargs)
+
+    def _share_args(self, rank_args: list[tuple], rank_kwargs: list[dict[str, Any]]) -> tuple[list, list]:
+        """Put a DataProto / tensor / array that goes to several ranks into the object store once.
+
+        Ray would serialise it again for every ``.remote()`` call; a top-level ObjectRef
+        argument is resolved by Ray before the method runs, so the worker sees the value.
+        """
+        if len(rank_args) < 2:
+            return rank_args, rank_kwargs
+        counts = Counter(id(v) for args in rank_args for v in args)
+        counts.update(id(v) for kwargs in rank_kwargs for v in kwargs.values())
+        shared: dict[int, ray.ObjectRef] = {}
+
+        def share(value: Any) -> Any:
+            if counts[id(value)] < 2 or not isinstance(value, _SHARED_TYPES):
+                return value
+            if id(value) not in shared:
+                shared[id(value)] = ray.put(value)
+            return shared[id(value)]
+
+        if not any(c > 1 for c in counts.values()):
+            return rank_args, rank_kwargs
+        new_args = [tuple(share(v) for v in args) for args in rank_args]
+        new_kwargs = [{k: share(v) for k, v in kwargs.items()} for kwargs in rank_kwargs]
+        return new_args, new_kwargs
 
     def _gather(self, handles: Sequence[Any], method: str, ranks: Sequence[int]) -> list[Any]:
         return gather_refs(handles, group=self._name, method=method, ranks=ranks)

@@ -7,8 +7,9 @@ WHOLE mini-batch (see hybridrl.algos.agg): the accumulated, rank-averaged gradie
 the gradient of the un-split mini-batch, whatever the micro-batching.
 
 `TokenWeightedMeans` turns per-micro-batch means into the mini-batch mean the same way: each
-rank reports sum_micro(mean_micro * tokens_micro) / global_tokens * dp_size, and the average of
-that over ranks (what the driver computes) is the exact token mean of the whole mini-batch.
+rank's share is sum_micro(mean_micro * tokens_micro) / global_tokens * dp_size, and
+`mean_over_ranks` (one all-reduce per mini-batch) makes every rank report the exact token mean
+of the whole mini-batch.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def merge_outputs(outputs: list[torch.Tensor], indices: list[list[int]] | None) 
     return torch.cat(outputs, dim=0) if indices is None else restore_order(outputs, indices)
 
 
-def optimizer_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[float, bool]:
+def optimizer_step(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
+) -> tuple[float, bool]:
     """Clip, then step unless the gradient norm is not finite; always zero the gradients.
 
     Returns:
@@ -116,6 +119,18 @@ class TokenWeightedMeans:
 
     def result(self) -> dict[str, float]:
         return dict(self._sums)
+
+
+def mean_over_ranks(
+    values: dict[str, float], dp_group: Any, dp_size: int, device: Any = None
+) -> dict[str, float]:
+    """Average metric values over the data-parallel ranks (every rank must pass the same keys)."""
+    if dp_group is None or not values:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=dp_group)
+    return {k: float(v) / dp_size for k, v in zip(keys, t.tolist())}
 
 
 def append_metrics(store: dict[str, list], values: dict[str, Any]) -> None:

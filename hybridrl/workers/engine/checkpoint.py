@@ -5,6 +5,7 @@ Layout of a checkpoint directory `<path>`:
     optimizer/             DCP shards of the optimizer state dict    ('optimizer')
     extra_state_rank{r}.pt lr scheduler + RNG states of rank r        ('extra')
     huggingface/           full model as save_pretrained + tokenizer  ('hf_model')
+    lora_adapter/          adapter_config.json of a PEFT LoRA model (with 'model')
     meta.json              global step, contents, world size
 
 Everything is first written to `<path>.tmp` and renamed to `<path>` when all ranks are done,
@@ -38,6 +39,7 @@ from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")
 KNOWN_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 HF_DIR = "huggingface"
+LORA_DIR = "lora_adapter"
 
 
 def _rank() -> int:
@@ -84,6 +86,9 @@ def save_checkpoint(
     _barrier()
     if "model" in chosen:
         dcp.save({"model": get_model_state_dict(module)}, checkpoint_id=os.path.join(tmp, "model"))
+        if _rank() == 0 and hasattr(module, "peft_config"):  # the merger needs lora_alpha / r
+            for name, peft_cfg in module.peft_config.items():
+                peft_cfg.save_pretrained(os.path.join(tmp, LORA_DIR if name == "default" else f"{LORA_DIR}_{name}"))
     if "optimizer" in chosen and optimizer is not None:
         osd = get_optimizer_state_dict(module, optimizer)
         dcp.save({"optimizer": osd}, checkpoint_id=os.path.join(tmp, "optimizer"))

@@ -36,7 +36,9 @@ def _run(module: nn.Module, batch: Any, use_remove_padding: bool) -> tuple[Any, 
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     if not use_remove_padding:
         position_ids = batch["position_ids"] if "position_ids" in batch.keys() else None
-        out = module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        out = module(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
         return out, None
     packed = pack_sequences(input_ids, attention_mask)
     kwargs: dict[str, Any] = {}

@@ -78,7 +78,9 @@ def resolve_model_path(path: str | None, key: str) -> str:
         return resolve(path, key=key)
     expanded = os.path.expanduser(path)
     if not os.path.exists(expanded):
-        raise FileNotFoundError(f"{key}={path!r}: no such model folder; point it at a Hugging Face model folder")
+        raise FileNotFoundError(
+            f"{key}={path!r}: no such model folder; point it at a Hugging Face model folder"
+        )
     return expanded
 
 
@@ -130,7 +132,11 @@ def load_tokenizer(model_config: ModelConfig, key: str = "actor_rollout_ref.mode
 
 
 def _auto_class(role: str):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
     return {
         "actor": AutoModelForCausalLM,
@@ -195,7 +201,11 @@ def _apply_lora(model: nn.Module, model_config: ModelConfig, role: str) -> nn.Mo
     target = model_config.target_modules
     target = list(target) if isinstance(target, (list, tuple)) else target
     lora = LoraConfig(
-        task_type=task, r=model_config.lora_rank, lora_alpha=model_config.lora_alpha, target_modules=target, bias="none"
+        task_type=task,
+        r=model_config.lora_rank,
+        lora_alpha=model_config.lora_alpha,
+        target_modules=target,
+        bias="none",
     )
     return get_peft_model(model, lora)
 
@@ -238,7 +248,9 @@ def apply_fsdp2(module: nn.Module, mesh, fsdp_config: FSDPConfig) -> nn.Module:
 
     mp = fsdp_config.mixed_precision
     mp_policy = MixedPrecisionPolicy(
-        param_dtype=str_to_dtype(mp.param_dtype), reduce_dtype=str_to_dtype(mp.reduce_dtype), cast_forward_inputs=True
+        param_dtype=str_to_dtype(mp.param_dtype),
+        reduce_dtype=str_to_dtype(mp.reduce_dtype),
+        cast_forward_inputs=True,
     )
     offload = CPUOffloadPolicy() if fsdp_config.offload_policy else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
@@ -298,7 +310,8 @@ def iter_full_params(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, full tensor) one parameter at a time (a collective: call on every rank).
 
-    Names are the Hugging Face names of the unwrapped model (FSDP2 keeps them). For a PEFT LoRA
+    Names are the Hugging Face names of the unwrapped model (FSDP2 keeps them); tied weights
+    appear once, under the first name (e.g. the input embedding). For a PEFT LoRA
     model with `merge_lora`, each adapted weight is yielded merged (W + scale * B @ A) under the
     base model's name and the adapter tensors are skipped.
 
@@ -310,7 +323,9 @@ def iter_full_params(
     peft = _is_peft(module) and merge_lora
     lora_layers = {}
     if peft:
-        lora_layers = {n: m for n, m in module.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+        lora_layers = {
+            n: m for n, m in module.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")
+        }
     for name, param in module.named_parameters():
         if peft and ".lora_" in name:
             continue
@@ -389,7 +404,9 @@ def load_optimizer(optimizer: torch.optim.Optimizer | None, device: torch.device
 class FSDPEngine:
     """An FSDP2-sharded model of one role, with its optimizer and lr scheduler (None for ref/reward).
 
-    Build it with `FSDPEngine.build(...)` on every rank after `init_process_group`.
+    Build it with `FSDPEngine.build(...)` on every rank after `init_process_group`. With
+    `param_offload` / `optimizer_offload` the engine starts offloaded: call `onload()` before
+    each role call and `offload()` after it (both are no-ops on CPU).
     """
 
     module: nn.Module
@@ -412,8 +429,16 @@ class FSDPEngine:
         role: str = "actor",
         mesh=None,
         key: str = "actor_rollout_ref.model",
+        optim_key: str | None = None,
         load_tok: bool = True,
     ) -> FSDPEngine:
+        """Build, shard and (if configured) offload the model of `role`; optimizer for actor/critic.
+
+        Args:
+            mesh: device mesh to shard over (default: all ranks, see `create_device_mesh`).
+            key / optim_key: config paths named in error messages.
+            load_tok: also load the tokenizer (None when the folder has none).
+        """
         from hybridrl.workers.engine.optim import build_lr_scheduler, build_optimizer
 
         if not dist.is_initialized():
@@ -426,14 +451,16 @@ class FSDPEngine:
         apply_fsdp2(module, mesh, fsdp_config)
         optimizer = lr_scheduler = None
         if optim_config is not None and role in ("actor", "critic"):
-            optim_key = key.rsplit(".", 1)[0] + ".optim" if role == "actor" else "critic.optim"
+            optim_key = optim_key or ("critic.optim" if role == "critic" else "actor_rollout_ref.actor.optim")
             optimizer = build_optimizer(module, optim_config)
             lr_scheduler = build_lr_scheduler(optimizer, optim_config, key=optim_key)
         tokenizer = None
         if load_tok:
             with contextlib.suppress(OSError, ValueError):
                 tokenizer = load_tokenizer(model_config, key)
-        engine = cls(module, hf_config, mesh, fsdp_config, model_config, role, optimizer, lr_scheduler, tokenizer)
+        engine = cls(
+            module, hf_config, mesh, fsdp_config, model_config, role, optimizer, lr_scheduler, tokenizer
+        )
         engine.offload()
         return engine
 
@@ -456,7 +483,9 @@ class FSDPEngine:
         if with_optimizer and self.fsdp_config.optimizer_offload:
             load_optimizer(self.optimizer)
 
-    def iter_full_params(self, dtype: torch.dtype | None = None, device=None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_params(
+        self, dtype: torch.dtype | None = None, device=None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_full_params(self.module, dtype=dtype, device=device)
 
     def save_checkpoint(self, path: str, contents=None, global_step: int | None = None, extra=None) -> None:

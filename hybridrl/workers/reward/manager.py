@@ -219,6 +219,7 @@ def decode_samples(tokenizer: Any, data: DataProto, reward_fn_key: str = "data_s
 
 
 def describe_sample(sample: RewardSample) -> str:
+    """Data source, index, response start and ground truth: what every scoring error names."""
     return (
         f"data_source={sample.data_source!r}, sample index {sample.index}, "
         f"response[:{_RESPONSE_PREVIEW}]={sample.response[:_RESPONSE_PREVIEW]!r}, "
@@ -227,6 +228,7 @@ def describe_sample(sample: RewardSample) -> str:
 
 
 def fn_name(fn: Callable) -> str:
+    """`module.qualname` of a function (or of the function inside a functools.partial)."""
     inner = getattr(fn, "func", fn)  # functools.partial
     return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', repr(inner))}"
 

@@ -193,8 +193,9 @@ class PrimeRewardManager(RewardManager):
         except cf.BrokenExecutor as e:
             self.close()
             raise RuntimeError(
-                f"prime reward: the worker process died while scoring ({describe_sample(sample)}); "
-                "the score function may crash the interpreter or run out of memory"
+                f"prime reward: a worker process died or failed to start while scoring ({describe_sample(sample)}); "
+                "the score function may crash the interpreter or run out of memory, or (with "
+                f"mp_start_method={self.mp_start_method!r}) fail to load in a fresh process"
             ) from e
         except Exception as e:
             raise reward_fn_error(self.compute_score, e, sample) from e

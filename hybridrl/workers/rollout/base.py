@@ -77,8 +77,10 @@ def register_rollout(name: str) -> Callable[[type[BaseRollout]], type[BaseRollou
         if not (isinstance(cls, type) and issubclass(cls, BaseRollout)):
             raise TypeError(f"register_rollout({name!r}): {cls!r} is not a BaseRollout subclass")
         known = _ROLLOUTS.get(name)
-        if known is not None and known is not cls:
-            raise ValueError(f"rollout name {name!r} is already registered to {known.__qualname__}")
+        builtin = _LAZY_ROLLOUTS.get(name)
+        if (known is not None and known is not cls) or (builtin and builtin != f"{cls.__module__}:{cls.__qualname__}"):
+            owner = known.__qualname__ if known is not None else builtin
+            raise ValueError(f"rollout name {name!r} is already registered to {owner}; pick another name")
         _ROLLOUTS[name] = cls
         cls.name = name
         return cls

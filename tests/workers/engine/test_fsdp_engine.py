@@ -1,6 +1,7 @@
 """Real FSDP2 over 2 CPU processes (gloo): sharding, weight gathering, padding removal, hybrid
 sharding, and checkpoint save -> load -> next update reproduced exactly. One spawn runs all checks."""
 
+import dataclasses
 import os
 import sys
 
@@ -22,7 +23,9 @@ def _setup(model_dir, **fsdp_kwargs):
     from hybridrl.workers.engine.fsdp import FSDPEngine
 
     fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"), **fsdp_kwargs)
-    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, optim=OptimConfig(lr=1e-3), fsdp_config=fsdp)
+    cfg = ActorConfig(
+        ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, optim=OptimConfig(lr=1e-3), fsdp_config=fsdp
+    )
     engine = FSDPEngine.build(ModelConfig(path=model_dir), fsdp, cfg.optim, role="actor", load_tok=False)
     sizes = normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=2)
     return cfg, engine, sizes
@@ -43,7 +46,9 @@ def _opt_snapshot(engine):
     for group in engine.optimizer.param_groups:
         for p in group["params"]:
             st = engine.optimizer.state[p]
-            out.append({k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in st.items()})
+            out.append(
+                {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in st.items()}
+            )
     return out
 
 
@@ -106,7 +111,9 @@ def _checks(rank, world, model_dir, ckpt_dir):
             assert torch.equal(a[k], b[k]), k
     assert engine2.lr_scheduler.last_epoch == 1
     engine2.onload(with_optimizer=True)
-    actor2 = PPOActor(cfg, engine2.module, engine2.optimizer, engine2.lr_scheduler, dp_size=2, batch_sizes=sizes)
+    actor2 = PPOActor(
+        cfg, engine2.module, engine2.optimizer, engine2.lr_scheduler, dp_size=2, batch_sizes=sizes
+    )
     actor2.update_policy(data)
     engine2.offload()
     for name, tensor in engine2.iter_full_params():
@@ -117,6 +124,18 @@ def _checks(rank, world, model_dir, ckpt_dir):
         exported = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt_dir, "huggingface"))
         for name, p in exported.named_parameters():
             assert torch.equal(p.detach(), saved_params[name]), name
+
+    # 7. LoRA + gradient checkpointing under FSDP2: trains only the adapter, syncs merged HF weights
+    lora_cfg = dataclasses.replace(engine.model_config, lora_rank=4, lora_alpha=8, enable_gradient_checkpointing=True)
+    lora = FSDPEngine.build(lora_cfg, engine.fsdp_config, cfg.optim, load_tok=False)
+    trainable = {n for n, p in lora.module.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    lora_actor = PPOActor(cfg, lora.module, lora.optimizer, lora.lr_scheduler, dp_size=2, batch_sizes=sizes)
+    assert lora_actor.update_policy(data)["actor/grad_norm"][0] > 0
+    merged = dict(lora.iter_full_params())
+    assert set(merged) == set(on_disk)
+    lora.save_checkpoint(ckpt_dir + "_lora", contents=["model"])
+    assert os.path.exists(os.path.join(ckpt_dir + "_lora", "lora_adapter", "adapter_config.json"))
 
 
 def test_fsdp_engine_two_ranks(tmp_path):

@@ -26,16 +26,22 @@ def test_constant_with_warmup():
 
 
 def test_cosine_with_ratio_warmup():
-    cfg = OptimConfig(lr=1.0, lr_warmup_steps_ratio=0.2, lr_scheduler_type="cosine", total_training_steps=10,
-                      min_lr_ratio=0.1)
+    cfg = OptimConfig(
+        lr=1.0,
+        lr_warmup_steps_ratio=0.2,
+        lr_scheduler_type="cosine",
+        total_training_steps=10,
+        min_lr_ratio=0.1,
+    )
     assert num_warmup_steps(cfg) == 2
     lrs = _lrs(cfg, 11)
     assert lrs[:3] == [0.0, 0.5, 1.0]
     # step 6: progress (6-2)/8 = 0.5 -> cos(pi * 0.5) = 0 -> 0.1 + 0.9 * 0.5
     assert lrs[6] == pytest.approx(0.55)
     assert lrs[10] == pytest.approx(0.1)
-    assert lr_factor(5, warmup_steps=0, scheduler_type="cosine", total_steps=10, min_lr_ratio=0.0,
-                     num_cycles=0.5) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(
+        5, warmup_steps=0, scheduler_type="cosine", total_steps=10, min_lr_ratio=0.0, num_cycles=0.5
+    ) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
 
 
 def test_warmup_style_alias_and_errors():

@@ -1,0 +1,1 @@
+"""Hydra config files of the trainers (ppo_trainer.yaml, sft_trainer.yaml, ...)."""

@@ -1,0 +1,145 @@
+"""Assemble a PPO run from a validated config: tokenizer, data, rewards, tracker, workers, trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import torch
+
+from hybridrl.trainer.ppo_config import PPOConfig
+from hybridrl.trainer.ppo_trainer import RayPPOTrainer
+
+
+def resolve_builtin(config: PPOConfig) -> None:
+    """Point unset data files at the built-in task and `builtin:*` model paths at the shipped model."""
+    from hybridrl.data.builtin_task import ensure_builtin_data
+    from hybridrl.models.builtin import resolve_model_path
+
+    d = config.data
+    if d.train_files is None or d.val_files is None:
+        paths = ensure_builtin_data(d.builtin_data_dir)
+        d.train_files = d.train_files or paths["train"]
+        d.val_files = d.val_files or paths["val"]
+    m = config.actor_rollout_ref.model
+    m.path = resolve_model_path(m.path, "actor_rollout_ref.model.path")
+    if m.tokenizer_path:
+        m.tokenizer_path = resolve_model_path(m.tokenizer_path, "actor_rollout_ref.model.tokenizer_path")
+    c = config.critic.model
+    c.path = resolve_model_path(c.path, "critic.model.path") if c.path else m.path
+    c.tokenizer_path = c.tokenizer_path or m.tokenizer_path or m.path
+    if config.reward_model.model.path:
+        rm = config.reward_model.model
+        rm.path = resolve_model_path(rm.path, "reward_model.model.path")
+
+
+def total_steps(config: PPOConfig, steps_per_epoch: int) -> int:
+    tr = config.trainer
+    steps = steps_per_epoch * tr.total_epochs
+    if tr.total_training_steps is not None and tr.total_training_steps > 0:
+        steps = tr.total_training_steps
+    return steps
+
+
+def build_datasets(config: PPOConfig, tokenizer):
+    from hybridrl.data.rl_dataset import RLDataConfig, collate_fn, create_rl_dataset
+    from hybridrl.data.sampler import RLDataLoader, ResumableSampler
+
+    d = config.data
+    raw = {f.name: getattr(d, f.name) for f in dataclasses.fields(d)}
+    custom = d.custom_cls
+    train = create_rl_dataset(d.train_files, tokenizer, RLDataConfig.from_verl(raw, "train"),
+                              custom_cls_path=custom.path, custom_cls_name=custom.name, files_key="data.train_files")
+    val = create_rl_dataset(d.val_files, tokenizer, RLDataConfig.from_verl(raw, "val"),
+                            custom_cls_path=custom.path, custom_cls_name=custom.name, files_key="data.val_files")
+    if len(train) < d.train_batch_size:
+        raise ValueError(
+            f"data.train_files has {len(train)} prompts, fewer than data.train_batch_size={d.train_batch_size}; "
+            "lower the batch size or add data"
+        )
+    train_loader = RLDataLoader(train, d.train_batch_size, ResumableSampler(len(train), shuffle=d.shuffle, seed=d.seed),
+                                collate_fn, drop_last=True)
+    val_bs = d.val_batch_size or len(val)
+    val_loader = RLDataLoader(val, val_bs, ResumableSampler(len(val), shuffle=False, seed=0), collate_fn,
+                              drop_last=False)
+    return train_loader, _OneEpoch(val_loader)
+
+
+class _OneEpoch:
+    """Iterate a loader for exactly one pass (validation)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        n = len(self.loader) if len(self.loader) > 0 else 1
+        it = iter(self.loader)
+        for _ in range(n):
+            yield next(it)
+
+
+def build_reward_fns(config: PPOConfig, tokenizer):
+    from hybridrl.workers.reward.custom import load_custom_reward_fn
+    from hybridrl.workers.reward.manager import load_reward_manager
+
+    crf = config.custom_reward_function
+    compute_score = load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs)) if crf.path else None
+    name = config.reward_model.reward_manager
+    kw = config.reward_manager_kwargs
+    extra = {}
+    if name == "prime":
+        extra = {"num_workers": kw.num_workers, "timeout": kw.timeout}
+    elif name == "dapo":
+        ob = kw.overlong_buffer
+        extra = {"max_resp_len": config.data.max_response_length,
+                 "overlong_buffer_cfg": {"enable": ob.enable, "len": ob.len, "penalty_factor": ob.penalty_factor,
+                                         "log": ob.log}}
+    key = config.data.reward_fn_key
+    train = load_reward_manager(name, tokenizer, 0, compute_score, reward_fn_key=key, **extra)
+    val = load_reward_manager(name, tokenizer, 1, compute_score, reward_fn_key=key, **extra)
+    return train, val
+
+
+def build_trainer(config: PPOConfig) -> RayPPOTrainer:
+    """Everything a run needs, in order; workers start last (they are the slow part)."""
+    import random
+
+    from hybridrl.utils.tracking import Tracking
+    from hybridrl.workers.engine.fsdp import load_tokenizer
+    from hybridrl.trainer.workers_setup import start_workers
+
+    resolve_builtin(config)
+    seed = config.trainer.seed
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(config.actor_rollout_ref.model)
+    train_loader, val_loader = build_datasets(config, tokenizer)
+    steps = total_steps(config, len(train_loader))
+    config.trainer.total_training_steps = steps
+    config.actor_rollout_ref.actor.optim.total_training_steps = steps
+    config.critic.optim.total_training_steps = steps
+    reward_fn, val_reward_fn = build_reward_fns(config, tokenizer)
+    tracker = Tracking(config.trainer.project_name, config.trainer.experiment_name, config.trainer.logger,
+                       config=dataclasses.asdict(config), log_dir=os.environ.get("HYBRIDRL_LOG_DIR"))
+    peak = _peak_flops(config)
+    workers = start_workers(config, peak_flops=peak)
+    return RayPPOTrainer(config, tokenizer, workers, train_loader, val_loader, reward_fn, val_reward_fn, tracker)
+
+
+def _peak_flops(config: PPOConfig) -> float | None:
+    from hybridrl.utils.flops import get_peak_flops
+    from hybridrl.utils.torch_utils import str_to_dtype
+
+    mp = config.actor_rollout_ref.actor.fsdp_config
+    dtype = str_to_dtype(mp.mixed_precision.param_dtype) if mp.model_dtype in ("fp32", "float32") else str_to_dtype(
+        mp.model_dtype)
+    threads = torch.get_num_threads()
+    if not torch.cuda.is_available():  # one slot's peak: measure with the slot's thread count
+        torch.set_num_threads(max(1, int(config.trainer.cpus_per_worker)))
+    try:
+        peak = get_peak_flops(dtype=dtype)
+    finally:
+        torch.set_num_threads(threads)
+    return peak or None

@@ -1,0 +1,63 @@
+"""Start-up validation of the PPO config: every bad input is a one-line error naming the key."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from hybridrl.trainer.ppo_config import ConfigError, PPOConfig, load_config
+
+
+def _compose(overrides=()):
+    with initialize_config_module("hybridrl.trainer.config", version_base=None):
+        return compose("ppo_trainer", overrides=list(overrides))
+
+
+def _keys(node, prefix=""):
+    out = set()
+    for k, v in node.items():
+        out.add(prefix + k)
+        if isinstance(v, dict):
+            out |= _keys(v, prefix + k + ".")
+    return out
+
+
+def test_yaml_has_exactly_the_schema_keys():
+    yaml_keys = _keys(OmegaConf.to_container(_compose(), resolve=False))
+    schema_keys = _keys(OmegaConf.to_container(OmegaConf.structured(PPOConfig)))
+    assert yaml_keys == schema_keys
+
+
+def test_defaults_load_and_interpolations_resolve():
+    c = load_config(_compose())
+    assert c.actor_rollout_ref.rollout.response_length == c.data.max_response_length
+    assert c.actor_rollout_ref.rollout.prompt_length == c.data.max_prompt_length
+    assert c.critic.rollout_n == c.actor_rollout_ref.rollout.n
+    assert c.algorithm.adv_estimator == "grpo"
+
+
+def test_unknown_key_names_the_key_and_suggests():
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.ppo_mini_batch'.*ppo_mini_batch_size"):
+        load_config(_compose(["+actor_rollout_ref.actor.ppo_mini_batch=3"]))
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=8"], "ppo_mini_batch_size"),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"], "ppo_micro_batch_size_per_gpu=7"),
+        (["trainer.n_gpus_per_node=3"], "ranks"),
+        (["actor_rollout_ref.rollout.n=1"], "rollout.n must be >= 2"),
+        (["algorithm.adv_estimator=nope"], "algorithm.adv_estimator='nope'"),
+        (["actor_rollout_ref.rollout.name=trt"], "actor_rollout_ref.rollout.name"),
+        (["data.train_files=/no/such.parquet"], "data.train_files: file '/no/such.parquet' does not exist"),
+        (["data.truncation=sideways"], "data.truncation"),
+        (["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=5"], "critic.ppo_micro_batch_size_per_gpu"),
+        (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
+        (["reward_model.enable=true"], "reward_model.model.path"),
+    ],
+)
+def test_bad_config_fails_at_start_up_naming_the_key(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(_compose(overrides))
