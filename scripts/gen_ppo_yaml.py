@@ -20,6 +20,7 @@ QUICKSTART = {
     "actor_rollout_ref.actor.optim.lr": 3e-5,
     "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": "fp32",
     "actor_rollout_ref.ref.fsdp_config.model_dtype": "fp32",
+    "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype": "fp32",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 64,
     "actor_rollout_ref.rollout.name": "hf",
     "actor_rollout_ref.rollout.n": 8,

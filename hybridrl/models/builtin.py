@@ -64,7 +64,9 @@ def resolve_model_path(path: str, key: str = MODEL_PATH_KEY) -> str:
         FileNotFoundError: a local path that does not exist.
     """
     if not isinstance(path, str) or not path:
-        raise ValueError(f"{key} must be a non-empty string (a local folder, a hub id or {BUILTIN_MODEL_NAME!r})")
+        raise ValueError(
+            f"{key} must be a non-empty string (a local folder, a hub id or {BUILTIN_MODEL_NAME!r})"
+        )
     if path in BUILTIN_MODEL_ALIASES:
         return get_builtin_model_path()
     if "://" in path:
@@ -72,7 +74,9 @@ def resolve_model_path(path: str, key: str = MODEL_PATH_KEY) -> str:
     expanded = os.path.expanduser(path)
     if os.path.exists(expanded):
         return os.path.abspath(expanded)
-    looks_local = path.startswith(("/", "./", "../", "~", ".\\")) or path.count("/") != 1 or path.endswith("/")
+    looks_local = (
+        path.startswith(("/", "./", "../", "~", ".\\")) or path.count("/") != 1 or path.endswith("/")
+    )
     if looks_local:
         raise FileNotFoundError(
             f"{key}={path!r}: no such local folder. Point it at a Hugging Face model folder, a hub id "
@@ -172,7 +176,7 @@ def sft_warm_start(
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(out.loss))
+        losses.append(out.loss.item())
         if log_every and (step + 1) % log_every == 0:
             print(f"sft step {step + 1}/{steps} loss {losses[-1]:.4f}", flush=True)
     model.eval()
@@ -220,6 +224,8 @@ def build_builtin_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(str(out), safe_serialization=True)
+    for f in out.iterdir():  # save_pretrained may leave 0600 files; a shipped asset must be readable
+        f.chmod(0o644)
     info = {
         "seed": seed,
         "sft_steps": sft_steps,
@@ -269,7 +275,10 @@ def evaluate_accuracy(
     correct = 0.0
     for start in range(0, n, batch_size):
         chunk = rows[start : start + batch_size]
-        prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in chunk]
+        prompts = [
+            tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+            for r in chunk
+        ]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             seq = model.generate(**enc, **gen)

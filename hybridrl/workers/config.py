@@ -20,7 +20,6 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 LR_SCHEDULER_TYPES = ("constant", "cosine")
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-DTYPE_NAMES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 
 ACTOR_KEY = "actor_rollout_ref.actor"
 CRITIC_KEY = "critic"

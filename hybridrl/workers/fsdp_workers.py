@@ -159,11 +159,11 @@ class ActorRolloutRefWorker(Worker):
         t0 = time.perf_counter()
         sync = self._sync_rollout_weights()
         self.rollout.resume_memory()
-        timing["timing_s/update_weights"] = sync.get("timing_s/update_weights", 0.0)
+        timing["update_weights"] = sync.get("timing_s/update_weights", 0.0)
         out = self.rollout.generate_sequences(prompts)
         if self.rollout_config.free_cache_engine:
             self.rollout.release_memory()
-        timing["timing_s/generate_sequences_worker"] = time.perf_counter() - t0
+        timing["generate_sequences_worker"] = time.perf_counter() - t0
         out.meta_info["timing"] = timing
         return out
 

@@ -23,7 +23,9 @@ except ImportError:  # run from a source checkout without `pip install -e .`
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="output folder (an HF model folder)")
     parser.add_argument("--seed", type=int, default=builtin.DEFAULT_SEED)
     parser.add_argument("--sft-steps", type=int, default=builtin.DEFAULT_SFT_STEPS)

@@ -45,7 +45,9 @@ def response_mask(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 def grpo_step(model, tokenizer, opt, rows, group: int, max_new_tokens: int, temperature: float):
     """Sample ``group`` completions per prompt, score, and take one policy-gradient step."""
-    prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    prompts = [
+        tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows
+    ]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     input_ids = enc["input_ids"].repeat_interleave(group, dim=0)  # (B*G, P)
     attn = enc["attention_mask"].repeat_interleave(group, dim=0)
@@ -66,14 +68,18 @@ def grpo_step(model, tokenizer, opt, rows, group: int, max_new_tokens: int, temp
     mask = response_mask(responses, tokenizer.eos_token_id)
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     gts = [r["reward_model"]["ground_truth"] for r in rows for _ in range(group)]
-    rewards = torch.tensor([default_compute_score(builtin_task.BUILTIN_DATA_SOURCE, t, g) for t, g in zip(texts, gts)])
+    rewards = torch.tensor(
+        [default_compute_score(builtin_task.BUILTIN_DATA_SOURCE, t, g) for t, g in zip(texts, gts)]
+    )
     grouped = rewards.view(-1, group)  # (B, G)
     adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
 
     model.train()
     full_attn = torch.cat([attn, mask.long()], dim=1)
     logits = model(input_ids=seq, attention_mask=full_attn).logits[:, p_len - 1 : -1] / temperature
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)  # (B*G, T)
+    logp = (
+        torch.log_softmax(logits.float(), dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    )  # (B*G, T)
     loss = -(adv.unsqueeze(1) * logp * mask).sum() / mask.sum().clamp(min=1)
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -83,7 +89,9 @@ def grpo_step(model, tokenizer, opt, rows, group: int, max_new_tokens: int, temp
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=BUILTIN_MODEL_NAME)
     parser.add_argument("--seconds", type=float, default=120)
     parser.add_argument("--eval-every", type=float, default=20, help="seconds between greedy evaluations")
@@ -123,7 +131,9 @@ def main() -> None:
     while time.perf_counter() - t0 < args.seconds:
         batch = [train[(cursor + i) % len(train)] for i in range(args.prompts)]
         cursor += args.prompts
-        rewards.append(grpo_step(model, tokenizer, opt, batch, args.group, args.max_new_tokens, args.temperature))
+        rewards.append(
+            grpo_step(model, tokenizer, opt, batch, args.group, args.max_new_tokens, args.temperature)
+        )
         step += 1
         elapsed = time.perf_counter() - t0
         if elapsed >= next_eval or elapsed >= args.seconds:

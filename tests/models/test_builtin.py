@@ -13,6 +13,17 @@ from hybridrl.models import builtin
 from hybridrl.models.tokenizer_builder import CHAT_TEMPLATE, build_tokenizer
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny-model generate is several times faster on one thread when the 2 cores are shared."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer()
@@ -43,7 +54,8 @@ def test_chat_template_prompt_and_assistant_turn(tokenizer):
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert len(ids) == 9 and ids[0] == tokenizer.bos_token_id
     full = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "s"}, *msgs, {"role": "assistant", "content": "#### 46"}], tokenize=False
+        [{"role": "system", "content": "s"}, *msgs, {"role": "assistant", "content": "#### 46"}],
+        tokenize=False,
     )
     assert full == "<s><|system|>s<|user|>12+34=<|assistant|>#### 46</s>"
     full_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
@@ -74,7 +86,11 @@ def shipped():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = builtin.get_builtin_model_path()
-    return path, AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return (
+        path,
+        AutoTokenizer.from_pretrained(path),
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+    )
 
 
 def test_shipped_model_loads_and_is_tiny_qwen2(shipped):
@@ -96,7 +112,10 @@ def test_shipped_model_forward_shapes(shipped):
 
     _, tok, model = shipped
     ids = tok.apply_chat_template(
-        [{"role": "user", "content": "12+34="}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [{"role": "user", "content": "12+34="}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )["input_ids"]
     with torch.no_grad():
         logits = model(input_ids=ids).logits

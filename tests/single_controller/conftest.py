@@ -13,21 +13,22 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
+    import sc_toy_workers
 
-    if not ray.is_initialized():
-        # the actors import the toy workers from this folder
-        here = os.path.dirname(os.path.abspath(__file__))
-        pythonpath = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    # The actors get the toy worker classes by value, so they need not import this folder.
+    ray.cloudpickle.register_pickle_by_value(sc_toy_workers)
+    started = not ray.is_initialized()
+    if started:
         ray.init(
             num_cpus=4,
-            runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
             include_dashboard=False,
             log_to_driver=False,
             # no idle task workers: every worker here is an actor with its own process
             _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
         )
     yield ray
-    ray.shutdown()
+    if started:
+        ray.shutdown()
 
 
 def _toy_group(world_size: int):

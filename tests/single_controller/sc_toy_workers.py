@@ -205,3 +205,9 @@ class ToyCritic(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def num_calls(self) -> int:
         return self.calls
+
+
+class BrokenInit(Worker):
+    def __init__(self) -> None:
+        super().__init__()
+        raise RuntimeError("cannot load the model")

@@ -7,10 +7,10 @@ import time
 
 import pytest
 import torch
-from sc_toy_workers import TOY_CPUS, ToyActor, ToyCritic, ToyWorker
+from sc_toy_workers import TOY_CPUS, BrokenInit, ToyActor, ToyCritic, ToyWorker
 
 from hybridrl.protocol import DataProto
-from hybridrl.single_controller import Worker, WorkerDiedError
+from hybridrl.single_controller import WorkerDiedError
 from hybridrl.single_controller.ray import (
     RayClassWithInitArgs,
     RayResourcePool,
@@ -51,6 +51,7 @@ def test_colocated_roles_share_one_process(ray_session):
         assert wg.worker_names == ["coloc_rank0"]
         again = RayWorkerGroup(ray_cls_with_init=cls, worker_names=wg.worker_names)
         assert again.spawn(["critic"])["critic"].num_calls() == [2]
+        assert (again.master_addr, again.master_port) == (wg.master_addr, wg.master_port)
     finally:
         wg.shutdown()
         pool.remove()
@@ -78,16 +79,10 @@ def test_dead_workers_surface_as_errors_quickly(ray_session):
         pool.remove()
 
 
-class _BrokenInit(Worker):
-    def __init__(self) -> None:
-        super().__init__()
-        raise RuntimeError("cannot load the model")
-
-
 def test_failing_constructor_names_rank_and_cause(ray_session):
     pool = RayResourcePool([1], use_gpu=False, cpus_per_slot=TOY_CPUS)
     try:
         with pytest.raises(WorkerDiedError, match="(?s)rank 0 .*'__init__'.*cannot load the model"):
-            RayWorkerGroup(pool, RayClassWithInitArgs(_BrokenInit), name_prefix="broken")
+            RayWorkerGroup(pool, RayClassWithInitArgs(BrokenInit), name_prefix="broken")
     finally:
         pool.remove()

@@ -38,7 +38,9 @@ def test_one_to_all(group):
 def test_one_to_all_with_big_values(group):
     # the same DataProto and tensor go to every rank (stored once in the object store)
     weights = torch.tensor([1, 0, 2, 0, 0])
-    assert group.proto_sum(_proto(5), weights=weights) == [(r, 5, 0 * 1 + 2 * 2) for r in range(group.world_size)]
+    assert group.proto_sum(_proto(5), weights=weights) == [
+        (r, 5, 0 * 1 + 2 * 2) for r in range(group.world_size)
+    ]
 
 
 def test_all_to_all(group):

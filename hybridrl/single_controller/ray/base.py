@@ -349,7 +349,9 @@ class RayWorkerGroup(WorkerGroup):
         self.master_port: int | None = None
         self._actors = actors
         self._worker_names = names
-        if not worker_names:
+        if worker_names:
+            self._check_attached()
+        else:
             self._setup_rendezvous()
         self._bind_registered_methods(self._cls)
 
@@ -408,6 +410,20 @@ class RayWorkerGroup(WorkerGroup):
             self.shutdown()
             raise
         self.master_addr, self.master_port = addr, port
+
+    def _check_attached(self) -> None:
+        """Attached actors must form a whole group, in rank order; read its rendezvous address."""
+        refs = [a._hybridrl_env.remote() for a in self._actors]
+        infos = gather_refs(
+            refs, group=self._name, method="_hybridrl_env", ranks=list(range(self._world_size))
+        )
+        ranks = [(i["rank"], i["world_size"]) for i in infos]
+        if ranks != [(r, self._world_size) for r in range(self._world_size)]:
+            raise ValueError(
+                f"worker_names must list every worker of one group in rank order; the actors report "
+                f"(rank, world_size) = {ranks}"
+            )
+        self.master_addr, self.master_port = infos[0]["master_addr"], infos[0]["master_port"]
 
     # ---- backend hooks -----------------------------------------------------------------------
     def _submit(self, rank: int, method: str, args: tuple, kwargs: dict[str, Any]) -> ray.ObjectRef:

@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -88,7 +87,9 @@ def save_checkpoint(
         dcp.save({"model": get_model_state_dict(module)}, checkpoint_id=os.path.join(tmp, "model"))
         if _rank() == 0 and hasattr(module, "peft_config"):  # the merger needs lora_alpha / r
             for name, peft_cfg in module.peft_config.items():
-                peft_cfg.save_pretrained(os.path.join(tmp, LORA_DIR if name == "default" else f"{LORA_DIR}_{name}"))
+                peft_cfg.save_pretrained(
+                    os.path.join(tmp, LORA_DIR if name == "default" else f"{LORA_DIR}_{name}")
+                )
     if "optimizer" in chosen and optimizer is not None:
         osd = get_optimizer_state_dict(module, optimizer)
         dcp.save({"optimizer": osd}, checkpoint_id=os.path.join(tmp, "optimizer"))
@@ -219,8 +220,3 @@ def export_hf_model(module: nn.Module, out_dir: str, tokenizer: Any = None) -> N
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
     _barrier()
-
-
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The full (un-sharded) model state dict on every rank, where the parameters live (a collective)."""
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=False))

@@ -34,6 +34,13 @@ from hybridrl.utils.torch_utils import str_to_dtype
 from hybridrl.workers.config import FSDPConfig, ModelConfig, OptimConfig
 
 ROLES = ("actor", "ref", "critic", "reward")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+)
 
 __all__ = [
     "FSDPEngine",
@@ -122,7 +129,11 @@ def load_tokenizer(model_config: ModelConfig, key: str = "actor_rollout_ref.mode
 
     import_external_libs(model_config.external_lib)
     path = model_config.tokenizer_path or model_config.path
-    path = resolve_model_path(path, f"{key}.tokenizer_path" if model_config.tokenizer_path else f"{key}.path")
+    path_key = f"{key}.tokenizer_path" if model_config.tokenizer_path else f"{key}.path"
+    path = resolve_model_path(path, path_key)
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        # recent transformers would build an empty tokenizer from a folder without one
+        raise FileNotFoundError(f"{path_key}={path!r} holds no tokenizer files; set {key}.tokenizer_path")
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token

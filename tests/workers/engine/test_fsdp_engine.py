@@ -126,7 +126,9 @@ def _checks(rank, world, model_dir, ckpt_dir):
             assert torch.equal(p.detach(), saved_params[name]), name
 
     # 7. LoRA + gradient checkpointing under FSDP2: trains only the adapter, syncs merged HF weights
-    lora_cfg = dataclasses.replace(engine.model_config, lora_rank=4, lora_alpha=8, enable_gradient_checkpointing=True)
+    lora_cfg = dataclasses.replace(
+        engine.model_config, lora_rank=4, lora_alpha=8, enable_gradient_checkpointing=True
+    )
     lora = FSDPEngine.build(lora_cfg, engine.fsdp_config, cfg.optim, load_tok=False)
     trainable = {n for n, p in lora.module.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in n for n in trainable)

@@ -13,7 +13,7 @@ from fsdp_testkit import make_batch, make_tiny_model_dir  # noqa: E402
 from hybridrl.utils.torch_utils import block_causal_mask, pack_sequences, unpack_sequences  # noqa: E402
 from hybridrl.workers.config import ModelConfig  # noqa: E402
 from hybridrl.workers.engine import forward  # noqa: E402
-from hybridrl.workers.engine.fsdp import build_hf_model, iter_full_params  # noqa: E402
+from hybridrl.workers.engine.fsdp import build_hf_model, iter_full_params, load_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +104,10 @@ def test_build_errors(tmp_path, model_dir):
         build_hf_model(ModelConfig(path=model_dir, external_lib="no_such_module_xyz"))
     with pytest.raises(ValueError, match="use_fused_kernels=True is not implemented"):
         build_hf_model(ModelConfig(path=model_dir, use_fused_kernels=True))
+    with pytest.raises(
+        FileNotFoundError, match="holds no tokenizer files; set actor_rollout_ref.model.tokenizer_path"
+    ):
+        load_tokenizer(ModelConfig(path=model_dir))
 
 
 def test_init_from_scratch_and_override(model_dir):

