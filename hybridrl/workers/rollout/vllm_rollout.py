@@ -65,7 +65,9 @@ _MiB, _GiB = 2**20, 2**30
 
 def _import_vllm() -> Any:
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-        logger.warning("VLLMRollout needs the in-process vLLM engine; setting VLLM_ENABLE_V1_MULTIPROCESSING=0")
+        logger.warning(
+            "VLLMRollout needs the in-process vLLM engine; setting VLLM_ENABLE_V1_MULTIPROCESSING=0"
+        )
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         import vllm
@@ -86,6 +88,13 @@ def _cpu_kv_cache_bytes(hf_config: Any, dtype: torch.dtype, max_num_seqs: int, m
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     return int(min(max(per_token * max_num_seqs * max_model_len, 256 * _MiB), 4 * _GiB))
+
+
+def _vllm_load_format(config: RolloutConfig) -> str:
+    """veRL's dummy_* -> "dummy"; "hf" / "dtensor" (training-side loaders) -> "auto"."""
+    if config.is_dummy_load:
+        return "dummy"
+    return "auto" if config.load_format in ("hf", "dtensor") else config.load_format
 
 
 def _input_embedding_name(hf_config: Any) -> str:
@@ -179,7 +188,7 @@ class VLLMRollout(BaseRollout):
             "skip_tokenizer_init": True,  # prompts are token ids; EOS ids come from `tokenizer`
             "dtype": config.dtype,
             "seed": config.seed,
-            "load_format": "dummy" if config.is_dummy_load else ("auto" if config.load_format in ("hf", "dtensor") else config.load_format),
+            "load_format": _vllm_load_format(config),
             "enforce_eager": config.enforce_eager,
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "max_num_seqs": config.max_num_seqs,
@@ -194,7 +203,11 @@ class VLLMRollout(BaseRollout):
         if self._sleep_enabled:
             kwargs["enable_sleep_mode"] = True
         user = dict(config.engine_kwargs.vllm)
-        if current_platform.is_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and "kv_cache_memory_bytes" not in user:
+        if (
+            current_platform.is_cpu()
+            and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+            and "kv_cache_memory_bytes" not in user
+        ):
             kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(
                 hf_config, self.dtype, config.max_num_seqs, config.effective_max_model_len
             )
@@ -202,7 +215,9 @@ class VLLMRollout(BaseRollout):
         with _preserve_process_state():
             self.llm = vllm.LLM(**kwargs)
         if not hasattr(self.llm.llm_engine, "model_executor"):
-            raise RuntimeError("VLLMRollout needs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+            raise RuntimeError(
+                "VLLMRollout needs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
 
     # ---- generation ---------------------------------------------------------------------------
     def _generate(self, request: GenerationRequest) -> GenerationResult:
@@ -247,7 +262,9 @@ class VLLMRollout(BaseRollout):
             tied_lm_head="mirror" if self.tied_embeddings else "keep",
             embed_name=self._embed_name,
         )
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True}
+        )
         self.llm.reset_prefix_cache()
 
     # ---- memory -------------------------------------------------------------------------------

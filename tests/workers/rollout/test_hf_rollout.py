@@ -61,7 +61,9 @@ def test_output_contract_shapes_masks_positions(hf_rollout, tokenizer):
     assert b["responses"].shape == (4, T) and b["input_ids"].shape == (4, P + T)
     assert torch.equal(b["prompts"], prompts.batch["input_ids"])
     assert torch.equal(b["input_ids"][:, P:], b["responses"])
-    assert torch.equal(b["attention_mask"], torch.cat([prompts.batch["attention_mask"], b["response_mask"]], 1))
+    assert torch.equal(
+        b["attention_mask"], torch.cat([prompts.batch["attention_mask"], b["response_mask"]], 1)
+    )
     # response positions continue from the last prompt position, one per step
     last = prompts.batch["position_ids"][:, -1:]
     assert torch.equal(b["position_ids"][:, P:], last + torch.arange(1, T + 1))
@@ -141,7 +143,9 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir, tokenizer, source_model
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_log_probs_match_a_forward_pass(tiny_model_dir, tokenizer, source_model, temperature):
-    rollout = _synced(tiny_model_dir, tokenizer, source_model, calculate_log_probs=True, temperature=temperature)
+    rollout = _synced(
+        tiny_model_dir, tokenizer, source_model, calculate_log_probs=True, temperature=temperature
+    )
     out = rollout.generate_sequences(make_prompts(tokenizer, TEXTS))
     mask = out.batch["response_mask"].bool()
     want = _recomputed_log_probs(source_model, out, temperature)
@@ -162,9 +166,12 @@ def test_micro_batches_give_the_same_greedy_output(tiny_model_dir, tokenizer, so
     small = _synced(tiny_model_dir, tokenizer, source_model, log_prob_micro_batch_size_per_gpu=1)
     assert small._rows_per_micro_batch(8) == 1
     assert torch.equal(
-        small.generate_sequences(prompts).batch["responses"], hf_rollout.generate_sequences(prompts).batch["responses"]
+        small.generate_sequences(prompts).batch["responses"],
+        hf_rollout.generate_sequences(prompts).batch["responses"],
     )
-    dyn = HFRollout(_cfg(log_prob_use_dynamic_bsz=True, log_prob_max_token_len_per_gpu=40), tiny_model_dir, tokenizer)
+    dyn = HFRollout(
+        _cfg(log_prob_use_dynamic_bsz=True, log_prob_max_token_len_per_gpu=40), tiny_model_dir, tokenizer
+    )
     assert dyn._rows_per_micro_batch(10) == 2  # 40 // (10 + T)
 
 

@@ -27,8 +27,20 @@ from hybridrl.workers.rollout.base import truncate_at_eos
 # ---- config -------------------------------------------------------------------------------------
 def test_config_defaults_follow_verl():
     cfg = RolloutConfig()
-    assert (cfg.name, cfg.mode, cfg.temperature, cfg.top_k, cfg.top_p, cfg.n) == ("vllm", "sync", 1.0, -1, 1.0, 1)
-    assert (cfg.do_sample, cfg.ignore_eos, cfg.enforce_eager, cfg.free_cache_engine) == (True, False, True, True)
+    assert (cfg.name, cfg.mode, cfg.temperature, cfg.top_k, cfg.top_p, cfg.n) == (
+        "vllm",
+        "sync",
+        1.0,
+        -1,
+        1.0,
+        1,
+    )
+    assert (cfg.do_sample, cfg.ignore_eos, cfg.enforce_eager, cfg.free_cache_engine) == (
+        True,
+        False,
+        True,
+        True,
+    )
     assert (cfg.val_kwargs.temperature, cfg.val_kwargs.do_sample, cfg.val_kwargs.top_k) == (0.0, False, -1)
     assert cfg.engine_kwargs.vllm == {} and cfg.engine_kwargs.sglang == {}
     assert cfg.is_dummy_load and cfg.effective_max_model_len == cfg.prompt_length + cfg.response_length
@@ -38,11 +50,15 @@ def test_config_is_an_omegaconf_structured_config():
     base = OmegaConf.structured(RolloutConfig)
     merged = OmegaConf.merge(
         base,
-        OmegaConf.create({"name": "hf", "val_kwargs": {"temperature": 0.5}, "engine_kwargs": {"vllm": {"swap_space": 1}}}),
+        OmegaConf.create(
+            {"name": "hf", "val_kwargs": {"temperature": 0.5}, "engine_kwargs": {"vllm": {"swap_space": 1}}}
+        ),
     )
     cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, RolloutConfig)
-    assert cfg.name == "hf" and cfg.val_kwargs.temperature == 0.5 and cfg.engine_kwargs.vllm == {"swap_space": 1}
+    assert (
+        cfg.name == "hf" and cfg.val_kwargs.temperature == 0.5 and cfg.engine_kwargs.vllm == {"swap_space": 1}
+    )
     with pytest.raises(Exception, match="not_a_key"):
         OmegaConf.merge(base, OmegaConf.create({"not_a_key": 1}))
 
@@ -76,13 +92,15 @@ def test_resolve_sampling():
     assert val.greedy and val.temperature == 1.0
     assert resolve_sampling(RolloutConfig(do_sample=False, temperature=0.7), False).greedy
     assert resolve_sampling(RolloutConfig(temperature=0.0), False).greedy
-    sampled_val = resolve_sampling(RolloutConfig(val_kwargs={"do_sample": True, "temperature": 0.6, "top_k": 5}), True)
+    sampled_val = resolve_sampling(
+        RolloutConfig(val_kwargs={"do_sample": True, "temperature": 0.6, "top_k": 5}), True
+    )
     assert (sampled_val.greedy, sampled_val.temperature, sampled_val.top_k) == (False, 0.6, 5)
 
 
 def test_derive_seed_is_deterministic_and_distinct():
-    seeds = {derive_seed(s, c, r) for s in (0, 1) for c in range(3) for r in range(50)}
-    assert len(seeds) == 300
+    seeds = {derive_seed(s, c, r, d) for s in (0, 1) for c in range(3) for r in range(50) for d in (0, 1)}
+    assert len(seeds) == 600  # no two (seed, call, row, rank) share a seed
     assert derive_seed(7, 2, 3) == derive_seed(7, 2, 3)
     assert all(0 <= s < 2**31 for s in seeds)
 
@@ -103,7 +121,9 @@ def _prompts():
 
 def test_build_rollout_output_hand_checked():
     # T=4; row 0 stops with EOS (id 1) after 2 tokens, row 1 runs out of budget.
-    result = GenerationResult(token_ids=[[11, 1], [12, 13, 14, 15]], log_probs=[[-0.5, -0.25], [-1.0, -2.0, -3.0, -4.0]])
+    result = GenerationResult(
+        token_ids=[[11, 1], [12, 13, 14, 15]], log_probs=[[-0.5, -0.25], [-1.0, -2.0, -3.0, -4.0]]
+    )
     out = build_rollout_output(_prompts(), result, pad_token_id=0, response_length=4, metrics={"m": 1})
     b = out.batch
     assert b["prompts"].tolist() == [[5, 6, 7], [0, 0, 9]]

@@ -91,7 +91,9 @@ def test_dummy_load_then_sync_greedy_equals_source_and_hf(engine, tiny_model_dir
     assert torch.equal(hf_out.batch["responses"], out.batch["responses"])
     assert torch.equal(hf_out.batch["attention_mask"], out.batch["attention_mask"])
     assert torch.equal(hf_out.batch["position_ids"], out.batch["position_ids"])
-    torch.testing.assert_close(hf_out.batch["rollout_log_probs"], out.batch["rollout_log_probs"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        hf_out.batch["rollout_log_probs"], out.batch["rollout_log_probs"], atol=1e-4, rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -175,7 +177,7 @@ def _two_rank_worker(rank, model_dir, port, results):
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    rollout = create_rollout(_cfg(seed=rank), model_dir, tok)
+    rollout = create_rollout(_cfg(), model_dir, tok)  # same seed on both ranks
     # different prompts and lengths per rank: ranks finish generation at different steps
     texts = TEXTS[:2] if rank == 0 else TEXTS[2:]
     cfg = rollout.config
@@ -186,7 +188,7 @@ def _two_rank_worker(rank, model_dir, port, results):
     rollout.shutdown()  # must leave the default group usable
     y = torch.tensor([10.0 * (rank + 1)])
     dist.all_reduce(y)
-    results[rank] = (tuple(out.batch["responses"].shape), x.item(), y.item(), dist.get_world_size())
+    results[rank] = (tuple(out.batch["responses"].shape), x.item(), y.item(), dist.get_world_size(), rollout.dp_rank)
     dist.destroy_process_group()
 
 
@@ -201,5 +203,6 @@ def test_two_ranks_with_gloo_world_generate_independently(tiny_model_dir):
         port = s.getsockname()[1]
     results = mp.Manager().dict()
     mp.spawn(_two_rank_worker, args=(tiny_model_dir, port, results), nprocs=2, join=True)
-    assert results[0] == ((2, 3), 3.0, 30.0, 2)
-    assert results[1] == ((4, 8), 3.0, 30.0, 2)
+    # rank 1 generated 8 tokens, rank 0 only 3; both groups still work; seeds differ per rank
+    assert results[0] == ((2, 3), 3.0, 30.0, 2, 0)
+    assert results[1] == ((4, 8), 3.0, 30.0, 2, 1)

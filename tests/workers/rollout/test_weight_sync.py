@@ -72,24 +72,40 @@ def test_sync_weights_streams_everything_and_reports_metrics():
 
 
 def test_strip_wrapper_prefixes():
-    assert strip_wrapper_prefixes("_orig_mod.model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
     assert (
-        strip_wrapper_prefixes("model.layers.0._checkpoint_wrapped_module.mlp.weight") == "model.layers.0.mlp.weight"
+        strip_wrapper_prefixes("_orig_mod.model.layers.0.mlp.up_proj.weight")
+        == "model.layers.0.mlp.up_proj.weight"
+    )
+    assert (
+        strip_wrapper_prefixes("model.layers.0._checkpoint_wrapped_module.mlp.weight")
+        == "model.layers.0.mlp.weight"
     )
     assert strip_wrapper_prefixes("module.model.norm.weight") == "model.norm.weight"
-    assert strip_wrapper_prefixes("model.module.norm.weight") == "model.module.norm.weight"  # DDP prefix only leads
+    assert (
+        strip_wrapper_prefixes("model.module.norm.weight") == "model.module.norm.weight"
+    )  # DDP prefix only leads
 
 
 def test_map_named_tensors_tied_heads_casts_and_maps():
     emb, head, norm = torch.ones(4, 2), torch.full((4, 2), 2.0), torch.ones(2)
     idx = torch.tensor([1, 2])
-    src = [("model.embed_tokens.weight", emb), ("lm_head.weight", head), ("model.norm.weight", norm), ("idx", idx)]
+    src = [
+        ("model.embed_tokens.weight", emb),
+        ("lm_head.weight", head),
+        ("model.norm.weight", norm),
+        ("idx", idx),
+    ]
     keep = [n for n, _ in map_named_tensors(src)]
     assert keep == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "idx"]
     drop = [n for n, _ in map_named_tensors(src, tied_lm_head="drop")]
     assert drop == ["model.embed_tokens.weight", "model.norm.weight", "idx"]
     mirror = list(map_named_tensors(src, tied_lm_head="mirror", dtype=torch.bfloat16))
-    assert [n for n, _ in mirror] == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "idx"]
+    assert [n for n, _ in mirror] == [
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "idx",
+    ]
     assert torch.equal(mirror[1][1].float(), emb)  # the head is the embedding, not the incoming head
     assert mirror[0][1].dtype == torch.bfloat16 and mirror[3][1].dtype == torch.int64  # ints keep dtype
     renamed = list(map_named_tensors(src, name_map=lambda n: None if n == "idx" else "x." + n))
@@ -107,6 +123,8 @@ def test_engine_name_maps_default_to_identity_and_can_be_registered():
 
 def test_to_torch_dtype():
     assert to_torch_dtype("bf16") is torch.bfloat16 and to_torch_dtype("float32") is torch.float32
-    assert to_torch_dtype(torch.float16) is torch.float16 and to_torch_dtype("torch.bfloat16") is torch.bfloat16
+    assert (
+        to_torch_dtype(torch.float16) is torch.float16 and to_torch_dtype("torch.bfloat16") is torch.bfloat16
+    )
     with pytest.raises(ValueError, match="unknown dtype"):
         to_torch_dtype("int3")
