@@ -63,8 +63,12 @@ def load_sharded_state_dict(shard_dir: str) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         state: dict = {}
-        _load_state_dict(state, storage_reader=FileSystemReader(shard_dir), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(shard_dir),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
     except ImportError:  # private helpers moved: go through the public converter and a temp file
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -80,7 +84,9 @@ def load_sharded_state_dict(shard_dir: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def merge_lora(state: dict[str, torch.Tensor], scaling: float, adapter: str = "default") -> dict[str, torch.Tensor]:
+def merge_lora(
+    state: dict[str, torch.Tensor], scaling: float, adapter: str = "default"
+) -> dict[str, torch.Tensor]:
     """Fold PEFT LoRA tensors into the base weights: W + scaling * B @ A, under the base names.
 
     Args:
@@ -97,7 +103,10 @@ def merge_lora(state: dict[str, torch.Tensor], scaling: float, adapter: str = "d
             continue
         if ".base_layer." in name and name.endswith(".weight"):
             prefix = name.rsplit(".base_layer.", 1)[0]
-            a, b = state.get(f"{prefix}.lora_A.{adapter}.weight"), state.get(f"{prefix}.lora_B.{adapter}.weight")
+            a, b = (
+                state.get(f"{prefix}.lora_A.{adapter}.weight"),
+                state.get(f"{prefix}.lora_B.{adapter}.weight"),
+            )
             if a is not None and b is not None:
                 merged = tensor.float() + scaling * (b.float() @ a.float())
                 tensor = merged.to(tensor.dtype)
@@ -184,13 +193,20 @@ def merge_checkpoint(
     try:
         AutoTokenizer.from_pretrained(source).save_pretrained(str(out))
     except (OSError, ValueError, TypeError) as e:
-        print(f"[hybridrl model_merger] no tokenizer copied from {source} ({e}); add one to {out}", file=sys.stderr)
+        print(
+            f"[hybridrl model_merger] no tokenizer copied from {source} ({e}); add one to {out}",
+            file=sys.stderr,
+        )
     n = sum(t.numel() for t in model.state_dict().values())
-    print(f"[hybridrl model_merger] merged {len(state)} tensors ({n / 1e6:.2f}M values) into {out}", flush=True)
+    print(
+        f"[hybridrl model_merger] merged {len(state)} tensors ({n / 1e6:.2f}M values) into {out}", flush=True
+    )
     return str(out)
 
 
-def compare_with_hf(local_dir: str, test_hf_dir: str, hf_model_path: str | None = None, atol: float = 1e-6) -> None:
+def compare_with_hf(
+    local_dir: str, test_hf_dir: str, hf_model_path: str | None = None, atol: float = 1e-6
+) -> None:
     """Raise MergeError unless the merged weights equal those of `test_hf_dir` (within atol)."""
     from transformers import AutoModelForCausalLM
 
@@ -208,13 +224,19 @@ def compare_with_hf(local_dir: str, test_hf_dir: str, hf_model_path: str | None 
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hybridrl.model_merger", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m hybridrl.model_merger", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("merge", "test"):
         p = sub.add_parser(name)
-        p.add_argument("--backend", default="fsdp", choices=["fsdp"], help="checkpoint format (fsdp: DCP shards)")
+        p.add_argument(
+            "--backend", default="fsdp", choices=["fsdp"], help="checkpoint format (fsdp: DCP shards)"
+        )
         p.add_argument("--local_dir", required=True, help="checkpoint folder with model/ shards")
-        p.add_argument("--hf_model_path", default=None, help="config/tokenizer source (default local_dir/huggingface)")
+        p.add_argument(
+            "--hf_model_path", default=None, help="config/tokenizer source (default local_dir/huggingface)"
+        )
         if name == "merge":
             p.add_argument("--target_dir", required=True, help="output Hugging Face folder")
             p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="cast the weights")

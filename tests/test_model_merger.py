@@ -28,9 +28,9 @@ def tiny(tmp_path_factory):
     model = str(root / "model")
     tok = build_tokenizer(model)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(build_model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)).save_pretrained(
-        model
-    )
+    Qwen2ForCausalLM(
+        build_model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    ).save_pretrained(model)
     train = str(root / "train.parquet")
     pd.DataFrame(make_sft_rows(32, seed=0, split="train")).to_parquet(train)
     return {"root": root, "model": model, "train": train}
@@ -41,14 +41,25 @@ def train(tiny, out_dir, **model_extra):
     from hybridrl.trainer.main_sft import init_distributed, load_sft_config
     from hybridrl.trainer.sft_trainer import SFTTrainer
 
-    config = load_sft_config({
-        "model": {"partial_pretrain": tiny["model"], **model_extra},
-        "data": {"train_files": tiny["train"], "train_batch_size": 16, "micro_batch_size_per_gpu": 16,
-                 "max_length": 32},
-        "optim": {"lr": 1e-2},
-        "trainer": {"total_training_steps": 2, "save_freq": 2, "default_local_dir": str(out_dir), "logger": [],
-                    "resume_mode": "disable"},
-    })
+    config = load_sft_config(
+        {
+            "model": {"partial_pretrain": tiny["model"], **model_extra},
+            "data": {
+                "train_files": tiny["train"],
+                "train_batch_size": 16,
+                "micro_batch_size_per_gpu": 16,
+                "max_length": 32,
+            },
+            "optim": {"lr": 1e-2},
+            "trainer": {
+                "total_training_steps": 2,
+                "save_freq": 2,
+                "default_local_dir": str(out_dir),
+                "logger": [],
+                "resume_mode": "disable",
+            },
+        }
+    )
     init_distributed(config)
     trainer = SFTTrainer(config)
     trainer.fit()
@@ -90,12 +101,37 @@ def test_merge_reads_the_shards_not_the_hf_export(trained, tiny, tmp_path):
 
 
 def test_cli_merge_and_test_subcommands(trained, tiny, tmp_path, capsys):
-    assert main(["merge", "--backend", "fsdp", "--local_dir", str(trained["ckpt"]),
-                 "--target_dir", str(tmp_path / "hf"), "--dtype", "bf16"]) == 0
+    assert (
+        main(
+            [
+                "merge",
+                "--backend",
+                "fsdp",
+                "--local_dir",
+                str(trained["ckpt"]),
+                "--target_dir",
+                str(tmp_path / "hf"),
+                "--dtype",
+                "bf16",
+            ]
+        )
+        == 0
+    )
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).dtype == torch.bfloat16
-    assert main(["test", "--local_dir", str(trained["ckpt"]), "--test_hf_dir", str(trained["ckpt"] / "huggingface")]) == 0
+    assert (
+        main(
+            [
+                "test",
+                "--local_dir",
+                str(trained["ckpt"]),
+                "--test_hf_dir",
+                str(trained["ckpt"] / "huggingface"),
+            ]
+        )
+        == 0
+    )
     with pytest.raises(MergeError, match="differs"):
         compare_with_hf(str(trained["ckpt"]), tiny["model"])
 

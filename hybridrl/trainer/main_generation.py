@@ -91,9 +91,12 @@ def load_generation_config(cfg: DictConfig | dict | list[str] | None = None) -> 
     schema = OmegaConf.structured(GenerationConfig)
     yaml = OmegaConf.load(CONFIG_DIR / "generation.yaml")
     yaml.pop("hydra", None)
+    yaml.pop("defaults", None)
     base = _merge(schema, yaml, "generation.yaml")
-    user = OmegaConf.from_dotlist(list(cfg)) if isinstance(cfg, (list, tuple, ListConfig)) else OmegaConf.create(
-        cfg if cfg is not None else {}
+    user = (
+        OmegaConf.from_dotlist(list(cfg))
+        if isinstance(cfg, (list, tuple, ListConfig))
+        else OmegaConf.create(cfg if cfg is not None else {})
     )
     merged = _merge(base, user, "your overrides")
     OmegaConf.resolve(merged)
@@ -101,8 +104,12 @@ def load_generation_config(cfg: DictConfig | dict | list[str] | None = None) -> 
     r, d = config.rollout, config.data
     if r.name not in ROLLOUT_NAMES:
         raise SFTConfigError(f"rollout.name={r.name!r} is not one of {list(ROLLOUT_NAMES)}")
-    for key, value in (("data.n_samples", d.n_samples), ("data.batch_size", d.batch_size),
-                       ("rollout.response_length", r.response_length), ("rollout.prompt_length", r.prompt_length)):
+    for key, value in (
+        ("data.n_samples", d.n_samples),
+        ("data.batch_size", d.batch_size),
+        ("rollout.response_length", r.response_length),
+        ("rollout.prompt_length", r.prompt_length),
+    ):
         if value < 1:
             raise SFTConfigError(f"{key} must be >= 1, got {value}")
     if r.temperature < 0:
@@ -242,7 +249,8 @@ def run_generation(cfg: DictConfig | dict | list[str] | None = None) -> str:
     model_path = resolve_model_path(m.path, key="model.path")
     tok_path = resolve_model_path(m.tokenizer_path, key="model.tokenizer_path") if m.tokenizer_path else None
     tokenizer = load_tokenizer(
-        ModelConfig(path=model_path, tokenizer_path=tok_path, trust_remote_code=m.trust_remote_code), key="model"
+        ModelConfig(path=model_path, tokenizer_path=tok_path, trust_remote_code=m.trust_remote_code),
+        key="model",
     )
     texts = render_prompts(rows, tokenizer, config, "data.path")
     _check_prompt_lengths(texts, tokenizer, r.prompt_length, str(path))

@@ -185,7 +185,9 @@ def _merge(schema: DictConfig, user: Any, source: str) -> DictConfig:
             "hybridrl/trainer/config/sft_trainer.yaml."
         ) from None
     except ValidationError as e:
-        raise SFTConfigError(f"bad value for SFT config key '{getattr(e, 'full_key', '?')}': {e.msg}") from None
+        raise SFTConfigError(
+            f"bad value for SFT config key '{getattr(e, 'full_key', '?')}': {e.msg}"
+        ) from None
 
 
 def load_sft_config(cfg: DictConfig | dict | list[str] | None = None) -> SFTConfig:
@@ -200,6 +202,7 @@ def load_sft_config(cfg: DictConfig | dict | list[str] | None = None) -> SFTConf
     schema = OmegaConf.structured(SFTConfig)
     yaml = OmegaConf.load(CONFIG_DIR / "sft_trainer.yaml")
     yaml.pop("hydra", None)
+    yaml.pop("defaults", None)
     base = _merge(schema, yaml, "sft_trainer.yaml")
     if isinstance(cfg, (list, tuple, ListConfig)):
         user = OmegaConf.from_dotlist(list(cfg))
@@ -249,16 +252,23 @@ def validate_sft_config(config: SFTConfig) -> None:
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _choice("model.strategy", m.strategy, ("fsdp", "fsdp2"))
     if o.optimizer.lower() != "adamw":
-        raise SFTConfigError(f"optim.optimizer={o.optimizer!r}: only AdamW is implemented; set optim.optimizer=AdamW")
-    for key, value in (("data.train_batch_size", d.train_batch_size),
-                       ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
-                       ("data.max_length", d.max_length), ("trainer.nnodes", t.nnodes)):
+        raise SFTConfigError(
+            f"optim.optimizer={o.optimizer!r}: only AdamW is implemented; set optim.optimizer=AdamW"
+        )
+    for key, value in (
+        ("data.train_batch_size", d.train_batch_size),
+        ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
+        ("data.max_length", d.max_length),
+        ("trainer.nnodes", t.nnodes),
+    ):
         if value is None or value < 1:
             raise SFTConfigError(f"{key} must be >= 1, got {value}")
     if t.total_epochs < 1 and not t.total_training_steps:
         raise SFTConfigError("trainer.total_epochs must be >= 1 (or set trainer.total_training_steps)")
     if t.total_training_steps is not None and t.total_training_steps < 1:
-        raise SFTConfigError(f"trainer.total_training_steps must be >= 1 or null, got {t.total_training_steps}")
+        raise SFTConfigError(
+            f"trainer.total_training_steps must be >= 1 or null, got {t.total_training_steps}"
+        )
     if o.lr is None or o.lr <= 0:
         raise SFTConfigError(f"optim.lr must be > 0, got {o.lr}")
     if len(o.betas) != 2:
@@ -278,7 +288,9 @@ def validate_sft_config(config: SFTConfig) -> None:
                 f"trainer.checkpoint.{name} has unknown entries {bad}; use a subset of {list(CHECKPOINT_CONTENTS)}"
             )
     if t.resume_mode == "resume_path" and not t.resume_from_path:
-        raise SFTConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>")
+        raise SFTConfigError(
+            "trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>"
+        )
     if d.train_files is None and not is_builtin_model(m.partial_pretrain):
         raise SFTConfigError(
             "data.train_files is not set; point it at parquet/jsonl file(s) with the "
@@ -316,7 +328,9 @@ def init_distributed(config: SFTConfig) -> tuple[int, int]:
 
     t = config.trainer
     if t.device == "cuda" and not is_cuda_available():
-        raise SFTConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
+        raise SFTConfigError(
+            "trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu"
+        )
     launched = "WORLD_SIZE" in os.environ
     if not dist.is_initialized():
         if not launched:
@@ -329,8 +343,9 @@ def init_distributed(config: SFTConfig) -> tuple[int, int]:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ["MASTER_PORT"] = str(_free_port())
         backend = "gloo" if t.device == "cpu" else None
-        init_process_group(rank=0 if not launched else None, world_size=1 if not launched else None,
-                           backend=backend)
+        init_process_group(
+            rank=0 if not launched else None, world_size=1 if not launched else None, backend=backend
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     if t.n_gpus_per_node is not None and launched and world != t.nnodes * t.n_gpus_per_node:
         raise SFTConfigError(

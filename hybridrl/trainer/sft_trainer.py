@@ -113,15 +113,6 @@ def resolve_data_files(config: SFTConfig) -> tuple[Any, Any]:
     return paths["sft_train"], (d.val_files if d.val_files is not None else paths["sft_val"])
 
 
-def _dig(row: dict, dotted: str) -> Any:
-    value: Any = row
-    for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return None
-        value = value[part]
-    return value
-
-
 class _IndexDataset:
     """Yields row indices, so each rank tokenises only the rows it trains on."""
 
@@ -171,7 +162,7 @@ class SFTTrainer:
         self.total_steps = self._total_steps()
         self._build_optimizer()
         self.tracker = self._build_tracker()
-        self._gen_rows: list[dict] | None = None
+        self._gen_eval = None  # GreedyEval, False when unavailable
 
     # -- construction ---------------------------------------------------------------------------
     @staticmethod
@@ -187,7 +178,9 @@ class SFTTrainer:
 
         m, d = self.config.model, self.config.data
         path = resolve_model_path(m.partial_pretrain, key="model.partial_pretrain")
-        tok_path = resolve_model_path(m.tokenizer_path, key="model.tokenizer_path") if m.tokenizer_path else None
+        tok_path = (
+            resolve_model_path(m.tokenizer_path, key="model.tokenizer_path") if m.tokenizer_path else None
+        )
         model_config = ModelConfig(
             path=path,
             tokenizer_path=tok_path,
@@ -259,7 +252,9 @@ class SFTTrainer:
         o = self.config.optim
         optim_config = OptimConfig(lr=o.lr, weight_decay=o.weight_decay, betas=list(o.betas), eps=o.eps)
         self.optimizer = build_optimizer(self.engine.module, optim_config)
-        warmup = o.lr_warmup_steps if o.lr_warmup_steps > 0 else int(o.lr_warmup_steps_ratio * self.total_steps)
+        warmup = (
+            o.lr_warmup_steps if o.lr_warmup_steps > 0 else int(o.lr_warmup_steps_ratio * self.total_steps)
+        )
         self._lr_fn = functools.partial(
             sft_lr_factor,
             scheduler=o.lr_scheduler,
@@ -286,7 +281,11 @@ class SFTTrainer:
 
         t = self.config.trainer
         return Tracking(
-            t.project_name, t.experiment_name, backends, config=OmegaConf.structured(self.config), log_dir=t.log_dir
+            t.project_name,
+            t.experiment_name,
+            backends,
+            config=OmegaConf.structured(self.config),
+            log_dir=t.log_dir,
         )
 
     # -- batches --------------------------------------------------------------------------------
@@ -348,8 +347,11 @@ class SFTTrainer:
             (loss * self.world).backward()
             loss_sum += loss.detach()
         seen = self._all_reduce(torch.as_tensor(sum(float(mb["attention_mask"].sum()) for mb in micro)))
-        return {"train/loss": float(self._all_reduce(loss_sum)), "train/loss_tokens": total_tokens,
-                "train/tokens": float(seen)}
+        return {
+            "train/loss": float(self._all_reduce(loss_sum)),
+            "train/loss_tokens": total_tokens,
+            "train/tokens": float(seen),
+        }
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
         """One optimizer step on the global batch `indices`: gradients, clipping, AdamW, lr schedule."""
@@ -364,14 +366,16 @@ class SFTTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         seconds = time.perf_counter() - start
-        metrics.update({
-            "train/lr": lr,
-            "train/grad_norm": grad_norm,
-            "train/epoch": self.loader.sampler.epoch,
-            "train/skipped_step": float(not math.isfinite(grad_norm)),
-            "perf/step_s": seconds,
-            "perf/tokens_per_s": metrics["train/tokens"] / max(seconds, 1e-9),
-        })
+        metrics.update(
+            {
+                "train/lr": lr,
+                "train/grad_norm": grad_norm,
+                "train/epoch": self.loader.sampler.epoch,
+                "train/skipped_step": float(not math.isfinite(grad_norm)),
+                "perf/step_s": seconds,
+                "perf/tokens_per_s": metrics["train/tokens"] / max(seconds, 1e-9),
+            }
+        )
         return metrics
 
     # -- validation -----------------------------------------------------------------------------
@@ -393,27 +397,39 @@ class SFTTrainer:
         module.train()
         return float(self._all_reduce(nll) / self._all_reduce(tokens).clamp(min=1))
 
-    def _generation_rows(self) -> list[dict]:
-        """Val rows with a prompt, data source and ground truth (read once; [] when unavailable)."""
-        if self._gen_rows is not None:
-            return self._gen_rows
+    def _greedy_eval(self):
+        """The GreedyEval of the val prompts (built once; None when disabled or the columns are missing)."""
+        if self._gen_eval is not None:
+            return self._gen_eval or None
         from hybridrl.data.rl_dataset import read_rows
+        from hybridrl.trainer.main_eval import GreedyEval, dig
 
         g, d = self.config.generation_eval, self.config.data
-        self._gen_rows = []
+        self._gen_eval = False
         if not (g.enable and self.val_files):
-            return self._gen_rows
+            return None
         rows, _ = read_rows(self.val_files, "data.val_files", [])
         need = [d.prompt_key, g.data_source_key, g.ground_truth_key]
-        usable = [r for r in rows[: g.max_samples] if all(_dig(r, k) is not None for k in need)]
-        if not usable and self.rank == 0:
-            print(
-                f"{LOG_PREFIX} generation_eval skipped: data.val_files rows lack one of the columns {need} "
-                "(set generation_eval.*_key, or generation_eval.enable=false)",
-                flush=True,
+        rows = [r for r in rows[: g.max_samples] if all(dig(r, k) is not None for k in need)]
+        if not rows:
+            self._print(
+                f"generation_eval skipped: data.val_files rows lack one of the columns {need} "
+                "(set generation_eval.*_key, or generation_eval.enable=false)"
             )
-        self._gen_rows = usable
-        return usable
+            return None
+        prompts = [self._render(r[d.prompt_key], f"data.val_files row {i}") for i, r in enumerate(rows)]
+        self._gen_eval = GreedyEval(
+            rows,
+            prompts,
+            self.tokenizer,
+            self.engine.model_config.path,
+            data_source_key=g.data_source_key,
+            ground_truth_key=g.ground_truth_key,
+            max_new_tokens=g.max_new_tokens,
+            batch_size=g.batch_size,
+            device=self.device,
+        )
+        return self._gen_eval
 
     def _render(self, prompt: Any, where: str) -> str:
         from hybridrl.data.rl_dataset import as_messages, render_prompt
@@ -428,63 +444,22 @@ class SFTTrainer:
     def generation_metrics(self) -> dict[str, float]:
         """Greedy accuracy on the validation prompts, scored by data source (generated on rank 0).
 
-        Rank 0 keeps an HFRollout (a plain model copy) and receives the current weights through
-        `update_weights`, gathered from the shards on every rank (a collective).
+        The full weights are gathered from the shards on every rank (a collective) and loaded
+        into rank 0's GreedyEval (an HFRollout).
         """
-        rows = self._generation_rows()
-        if not rows:
+        evaluator = self._greedy_eval()
+        if evaluator is None:
             return {}
         stream = self.engine.iter_full_params()
         if self.rank == 0:
-            self._eval_rollout(self._prompt_length(rows)).update_weights(stream)
+            evaluator.update_weights(stream)
         else:
             for _ in stream:  # take part in the all-gathers
                 pass
-        result: list[Any] = [self._score_greedy(rows) if self.rank == 0 else None]
+        result: list[Any] = [evaluator.score() if self.rank == 0 else None]
         if self.world > 1:
             dist.broadcast_object_list(result, src=0)
         return result[0]
-
-    def _eval_prompts(self, rows: list[dict]) -> list[str]:
-        if getattr(self, "_prompts", None) is None:
-            key = self.config.data.prompt_key
-            self._prompts = [self._render(r[key], f"data.val_files row {i}") for i, r in enumerate(rows)]
-        return self._prompts
-
-    def _prompt_length(self, rows: list[dict]) -> int:
-        lengths = [len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in self._eval_prompts(rows)]
-        return max(lengths)
-
-    def _eval_rollout(self, prompt_length: int):
-        if getattr(self, "_rollout", None) is None:
-            from hybridrl.workers.rollout import RolloutConfig, create_rollout
-
-            g = self.config.generation_eval
-            config = RolloutConfig(
-                name="hf", temperature=0.0, do_sample=False, response_length=g.max_new_tokens,
-                prompt_length=prompt_length, dtype="fp32", load_format="dummy",
-                log_prob_micro_batch_size_per_gpu=g.batch_size,
-            )
-            self._rollout = create_rollout(config, self.engine.model_config.path, self.tokenizer, device=self.device)
-        return self._rollout
-
-    def _score_greedy(self, rows: list[dict]) -> dict[str, float]:
-        from hybridrl.trainer.main_generation import generate_responses
-        from hybridrl.utils.metrics import process_validation_metrics
-        from hybridrl.workers.reward.scorers import default_compute_score
-
-        g, d = self.config.generation_eval, self.config.data
-        prompts = self._eval_prompts(rows)
-        responses = generate_responses(self._rollout, self.tokenizer, prompts, n=1, batch_size=g.batch_size)
-        scores, sources = [], []
-        for row, (text,) in zip(rows, responses):
-            source = _dig(row, g.data_source_key)
-            score = default_compute_score(source, text, _dig(row, g.ground_truth_key), row.get("extra_info"))
-            scores.append(float(score["score"] if isinstance(score, dict) else score))
-            sources.append(source)
-        metrics = process_validation_metrics(sources, None, {"reward": scores})
-        metrics["val/greedy_acc"] = float(np.mean(scores))
-        return metrics
 
     def validate(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -506,7 +481,9 @@ class SFTTrainer:
         self.engine.save_checkpoint(tmp, contents=list(t.checkpoint.save_contents), global_step=step)
         final = ckpt_io.step_dir(root, step)
         if self.rank == 0:
-            torch.save({"dataloader": self.loader.state_dict(), "global_step": step}, os.path.join(tmp, "data.pt"))
+            torch.save(
+                {"dataloader": self.loader.state_dict(), "global_step": step}, os.path.join(tmp, "data.pt")
+            )
             peft_config = getattr(self.engine.module, "peft_config", None)
             if peft_config:
                 peft_config["default"].save_pretrained(os.path.join(tmp, "lora_adapter"))
@@ -547,8 +524,14 @@ class SFTTrainer:
         if self.tracker is not None:
             self.tracker.log(metrics, step=step)
         if self._console and self.rank == 0:
-            shown = [("train/loss", "loss"), ("train/lr", "lr"), ("train/grad_norm", "grad_norm"),
-                     ("perf/step_s", "step_s"), ("val/loss", "val_loss"), ("val/greedy_acc", "greedy_acc")]
+            shown = [
+                ("train/loss", "loss"),
+                ("train/lr", "lr"),
+                ("train/grad_norm", "grad_norm"),
+                ("perf/step_s", "step_s"),
+                ("val/loss", "val_loss"),
+                ("val/greedy_acc", "greedy_acc"),
+            ]
             parts = [f"step {step}/{self.total_steps}"]
             parts += [f"{label} {metrics[key]:.4g}" for key, label in shown if key in metrics]
             print(" | ".join(parts), flush=True)
@@ -577,7 +560,9 @@ class SFTTrainer:
             metrics = self.train_step(self._next_indices())
             self.global_step += 1
             last = self.global_step == self.total_steps
-            if self.val_dataset is not None and (last or t.test_freq > 0 and self.global_step % t.test_freq == 0):
+            if self.val_dataset is not None and (
+                last or t.test_freq > 0 and self.global_step % t.test_freq == 0
+            ):
                 last_val = self.validate()
                 metrics.update(last_val)
             if t.save_freq > 0 and (last or self.global_step % t.save_freq == 0):
@@ -586,7 +571,9 @@ class SFTTrainer:
             if stop_at_step is not None and self.global_step >= stop_at_step:
                 break
         shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(last_val.items()) if k.startswith("val/"))
-        self._print(f"stopped at step {self.global_step} after {time.perf_counter() - started:.1f} s; {shown}")
+        self._print(
+            f"stopped at step {self.global_step} after {time.perf_counter() - started:.1f} s; {shown}"
+        )
         return last_val
 
     def _print(self, text: str) -> None:
@@ -596,9 +583,8 @@ class SFTTrainer:
     def close(self) -> None:
         if self.tracker is not None:
             self.tracker.finish()
-        if getattr(self, "_rollout", None) is not None:
-            self._rollout.shutdown()
-            self._rollout = None
+        if self._gen_eval:
+            self._gen_eval.shutdown()
 
 
 class _CachedItems:

@@ -33,9 +33,9 @@ def tiny(tmp_path_factory):
     model = str(root / "model")
     tok = build_tokenizer(model)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(build_model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)).save_pretrained(
-        model
-    )
+    Qwen2ForCausalLM(
+        build_model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    ).save_pretrained(model)
     prompts = str(root / "prompts.parquet")
     pd.DataFrame(make_rl_rows(3, seed=0, split="val")).to_parquet(prompts)
     return {"root": root, "model": model, "prompts": prompts}
@@ -75,7 +75,9 @@ def test_generation_then_eval_on_three_prompts(tiny, tmp_path):
 def test_sampling_is_seeded(tiny, tmp_path):
     a = pd.read_parquet(run_generation(gen_args(tiny, tmp_path / "a.parquet")))["responses"].tolist()
     b = pd.read_parquet(run_generation(gen_args(tiny, tmp_path / "b.parquet")))["responses"].tolist()
-    c = pd.read_parquet(run_generation(gen_args(tiny, tmp_path / "c.parquet", rollout__seed=1)))["responses"].tolist()
+    c = pd.read_parquet(run_generation(gen_args(tiny, tmp_path / "c.parquet", rollout__seed=1)))[
+        "responses"
+    ].tolist()
     assert [list(x) for x in a] == [list(x) for x in b]
     assert [list(x) for x in a] != [list(x) for x in c]
 
@@ -108,11 +110,14 @@ def test_batching_does_not_change_greedy_output(tiny):
     from hybridrl.trainer.main_generation import build_rollout, load_generation_config
 
     tok = AutoTokenizer.from_pretrained(tiny["model"])
-    config = load_generation_config(gen_args(tiny, "unused.parquet", rollout__temperature=0.0,
-                                             rollout__response_length=5))
+    config = load_generation_config(
+        gen_args(tiny, "unused.parquet", rollout__temperature=0.0, rollout__response_length=5)
+    )
     rollout = build_rollout(config, tiny["model"], tok, device="cpu")
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-               for q in ("1+1=", "12+34=", "99+99=")]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in ("1+1=", "12+34=", "99+99=")
+    ]
     one = generate_responses(rollout, tok, prompts, batch_size=1)
     three = generate_responses(rollout, tok, prompts, batch_size=3)
     assert one == three  # left padding inside a batch does not change what greedy decoding writes
@@ -142,11 +147,23 @@ def test_eval_mean_best_maj_by_hand(tmp_path):
     rm = lambda gt: {"style": "rule", "ground_truth": gt}  # noqa: E731
     rows = [
         # scores 1, 0, 1 -> mean 2/3, best 1; majority string "#### 46" scores 1
-        {"data_source": "hybridrl/arith", "reward_model": rm("46"), "responses": ["#### 46", "#### 45", "#### 46"]},
+        {
+            "data_source": "hybridrl/arith",
+            "reward_model": rm("46"),
+            "responses": ["#### 46", "#### 45", "#### 46"],
+        },
         # scores 0, 0, 0
-        {"data_source": "hybridrl/arith", "reward_model": rm("10"), "responses": ["#### 11", "#### 12", "#### 11"]},
+        {
+            "data_source": "hybridrl/arith",
+            "reward_model": rm("10"),
+            "responses": ["#### 11", "#### 12", "#### 11"],
+        },
         # scores 1, 0, 0 -> best 1; all answers differ, the tie goes to the first: maj 1
-        {"data_source": "hybridrl/arith", "reward_model": rm("5"), "responses": ["#### 5", "#### 7", "#### 8"]},
+        {
+            "data_source": "hybridrl/arith",
+            "reward_model": rm("5"),
+            "responses": ["#### 5", "#### 7", "#### 8"],
+        },
         # a second data source, one row: scores 0, 1 -> mean 1/2, best 1, tie -> first: maj 0
         {"data_source": "openai/gsm8k", "reward_model": rm("72"), "responses": ["#### 7", "so #### 72.0"]},
     ]
@@ -166,20 +183,26 @@ def test_eval_majority_uses_the_scorers_pred(tmp_path):
         "    pred = solution_str.split()[-1]\n"
         "    return {'score': float(pred == ground_truth) + bonus, 'pred': pred, 'acc': pred == ground_truth}\n"
     )
-    rows = [{"data_source": "my/task", "reward_model": {"ground_truth": "3"}, "responses": ["x 4", "a 3", "b 3"]}]
+    rows = [
+        {"data_source": "my/task", "reward_model": {"ground_truth": "3"}, "responses": ["x 4", "a 3", "b 3"]}
+    ]
     path = _responses_file(tmp_path / "r.parquet", rows)
     result = run_eval({"data": {"path": path}, "custom_reward_function": {"path": str(fn)}})
     # by raw strings the tie would pick "x 4" (score 0); by pred, "3" wins 2:1 (score 1)
     assert result["summary"]["my/task"] == {"mean@3": pytest.approx(2 / 3), "best@3": 1.0, "maj@3": 1.0}
     assert result["metrics"]["val-core/my/task/acc/mean@3"] == pytest.approx(2 / 3)
-    bonus = run_eval({"data": {"path": path}, "custom_reward_function": {"path": str(fn), "reward_kwargs": {"bonus": 1}}})
+    bonus = run_eval(
+        {"data": {"path": path}, "custom_reward_function": {"path": str(fn), "reward_kwargs": {"bonus": 1}}}
+    )
     assert bonus["summary"]["my/task"]["mean@3"] == pytest.approx(5 / 3)
 
 
 def test_eval_single_response_strings_and_output_file(tmp_path):
     rows = [{"data_source": "hybridrl/arith", "reward_model": {"ground_truth": "2"}, "responses": "#### 2"}]
     out = tmp_path / "m.json"
-    result = run_eval({"data": {"path": _responses_file(tmp_path / "r.parquet", rows)}, "output_path": str(out)})
+    result = run_eval(
+        {"data": {"path": _responses_file(tmp_path / "r.parquet", rows)}, "output_path": str(out)}
+    )
     assert result["summary"]["hybridrl/arith"] == {"mean@1": 1.0, "best@1": 1.0, "maj@1": 1.0}
     assert out.exists() and "mean@1" in out.read_text()
 
@@ -208,8 +231,9 @@ def test_vllm_greedy_matches_hf_greedy(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     common = {"rollout__temperature": 0.0, "data__n_samples": 2, "rollout__response_length": 12}
     hf = run_generation(gen_args(tiny, tmp_path / "hf.parquet", **common))
-    vl = run_generation(gen_args(tiny, tmp_path / "vl.parquet", rollout__name="vllm", rollout__prompt_length=64,
-                                 **common))
+    vl = run_generation(
+        gen_args(tiny, tmp_path / "vl.parquet", rollout__name="vllm", rollout__prompt_length=64, **common)
+    )
     hf_r = [list(r) for r in pd.read_parquet(hf)["responses"]]
     vl_r = [list(r) for r in pd.read_parquet(vl)["responses"]]
     assert hf_r == vl_r
@@ -219,9 +243,56 @@ def test_vllm_greedy_matches_hf_greedy(tiny, tmp_path, monkeypatch):
 def test_command_lines(tiny, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "cli.parquet"
-    subprocess.run([sys.executable, "-m", "hybridrl.trainer.main_generation", f"model.path={tiny['model']}",
-                    f"data.path={tiny['prompts']}", "data.n_samples=2", f"data.output_path={out}",
-                    "rollout.response_length=4"], check=True, env=env, cwd=tmp_path, timeout=600)
-    done = subprocess.run([sys.executable, "-m", "hybridrl.trainer.main_eval", f"data.path={out}"], check=True,
-                          env=env, cwd=tmp_path, timeout=600, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridrl.trainer.main_generation",
+            f"model.path={tiny['model']}",
+            f"data.path={tiny['prompts']}",
+            "data.n_samples=2",
+            f"data.output_path={out}",
+            "rollout.response_length=4",
+        ],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridrl.trainer.main_eval", f"data.path={out}"],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
     assert "hybridrl/arith: best@2" in done.stdout
+
+
+def test_greedy_eval_matches_the_builtin_models_own_evaluator(tmp_path):
+    """GreedyEval (HFRollout + weight sync + scorer) == hybridrl.models.builtin.evaluate_accuracy."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridrl.data.builtin_task import make_rl_rows
+    from hybridrl.models.builtin import evaluate_accuracy, get_builtin_model_path
+    from hybridrl.trainer.main_eval import GreedyEval
+
+    try:
+        path = get_builtin_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    rows = [
+        {**r, "ground_truth": r["reward_model"]["ground_truth"]}
+        for r in make_rl_rows(24, seed=1, split="val")
+    ]
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    evaluator = GreedyEval(rows, prompts, tok, path, max_new_tokens=10, batch_size=8, device="cpu")
+    evaluator.update_weights(AutoModelForCausalLM.from_pretrained(path).named_parameters())
+    metrics = evaluator.score()
+    expected = evaluate_accuracy(path, n=24, seed=1)
+    assert metrics["val/greedy_acc"] == pytest.approx(expected)
+    assert 0.0 < expected < 1.0  # the warm-started model gets some, not all, right
+    assert metrics["val-core/hybridrl/arith/reward/mean@1"] == pytest.approx(expected)

@@ -141,7 +141,9 @@ def test_lr_schedules_hand_values():
     assert sft_lr_factor(0, scheduler="cosine", **common) == 0.0
     assert sft_lr_factor(1, scheduler="cosine", **common) == 0.5
     assert sft_lr_factor(2, scheduler="cosine", **common) == pytest.approx(1.0)
-    assert sft_lr_factor(7, scheduler="cosine", **common) == pytest.approx(0.5)  # half-way: (1 + cos(pi/2)) / 2
+    assert sft_lr_factor(7, scheduler="cosine", **common) == pytest.approx(
+        0.5
+    )  # half-way: (1 + cos(pi/2)) / 2
     assert sft_lr_factor(12, scheduler="cosine", **common) == pytest.approx(0.0, abs=1e-12)
     assert sft_lr_factor(9, scheduler="constant", **common) == 1.0
     # wsd: stable for int(0.5 * 10) = 5 steps after warm-up (steps 2..6), then cosine over steps 7..12
@@ -170,7 +172,11 @@ def test_presets_follow_the_model(tiny):
     builtin = load_sft_config([])
     assert (builtin.optim.lr, builtin.data.train_batch_size) == (1e-3, 64)
     other = load_sft_config([f"model.partial_pretrain={tiny['model']}", f"data.train_files={tiny['train']}"])
-    assert (other.optim.lr, other.data.train_batch_size, other.data.micro_batch_size_per_gpu) == (1e-5, 256, 4)
+    assert (other.optim.lr, other.data.train_batch_size, other.data.micro_batch_size_per_gpu) == (
+        1e-5,
+        256,
+        4,
+    )
     explicit = load_sft_config(["optim.lr=3e-4"])
     assert explicit.optim.lr == 3e-4
     with pytest.raises(SFTConfigError, match="data.train_files is not set"):
@@ -181,7 +187,9 @@ def test_presets_follow_the_model(tiny):
 # training runs
 # ----------------------------------------------------------------------------------------------
 def test_loss_decreases(tiny, tmp_path):
-    trainer = make_trainer(overrides(tiny, tmp_path, trainer__total_training_steps=6, trainer__resume_mode="disable"))
+    trainer = make_trainer(
+        overrides(tiny, tmp_path, trainer__total_training_steps=6, trainer__resume_mode="disable")
+    )
     before = trainer.validation_loss()
     losses = [trainer.train_step(trainer._next_indices())["train/loss"] for _ in range(6)]
     after = trainer.validation_loss()
@@ -195,10 +203,15 @@ def test_gradient_accumulation_is_exact(tiny, tmp_path):
 
     results = []
     for micro in (16, 4):
-        cfg = overrides(tiny, tmp_path / str(micro), data__micro_batch_size_per_gpu=micro, trainer__resume_mode="disable")
+        cfg = overrides(
+            tiny, tmp_path / str(micro), data__micro_batch_size_per_gpu=micro, trainer__resume_mode="disable"
+        )
         trainer = make_trainer(cfg)
         out = trainer.accumulate_gradients(trainer._next_indices())
-        grads = {n: _gather(p.grad, torch.device("cpu")).clone() for n, p in trainer.engine.module.named_parameters()}
+        grads = {
+            n: _gather(p.grad, torch.device("cpu")).clone()
+            for n, p in trainer.engine.module.named_parameters()
+        }
         results.append((out, grads))
     (out_a, ga), (out_b, gb) = results
     assert out_a["train/loss_tokens"] == out_b["train/loss_tokens"] > 0
@@ -209,7 +222,11 @@ def test_gradient_accumulation_is_exact(tiny, tmp_path):
 
 def test_resume_continues_exactly(tiny, tmp_path):
     """4 steps in one run == 2 steps, checkpoint, fresh trainer resumes and runs 2 more."""
-    common = {"trainer__total_training_steps": 4, "optim__lr_warmup_steps_ratio": 0.25, "data__train_batch_size": 32}
+    common = {
+        "trainer__total_training_steps": 4,
+        "optim__lr_warmup_steps_ratio": 0.25,
+        "data__train_batch_size": 32,
+    }
     straight = make_trainer(overrides(tiny, tmp_path / "a", trainer__resume_mode="disable", **common))
     straight.fit()
     expected = params(straight)
@@ -237,8 +254,15 @@ def test_resume_continues_exactly(tiny, tmp_path):
 def test_lora_trains_and_exports_a_merged_model(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    cfg = overrides(tiny, tmp_path, model__lora_rank=4, model__lora_alpha=8, trainer__save_freq=2,
-                    optim__lr=1e-2, trainer__resume_mode="disable")
+    cfg = overrides(
+        tiny,
+        tmp_path,
+        model__lora_rank=4,
+        model__lora_alpha=8,
+        trainer__save_freq=2,
+        optim__lr=1e-2,
+        trainer__resume_mode="disable",
+    )
     trainer = make_trainer(cfg)
     assert hasattr(trainer.engine.module, "peft_config")
     trainable = [n for n, p in trainer.engine.module.named_parameters() if p.requires_grad]
@@ -257,18 +281,28 @@ def test_lora_trains_and_exports_a_merged_model(tiny, tmp_path):
 
 
 def test_validation_reports_greedy_accuracy(tiny, tmp_path):
-    trainer = make_trainer(overrides(tiny, tmp_path, generation_eval__enable=True, generation_eval__max_samples=4,
-                                     generation_eval__max_new_tokens=4, trainer__resume_mode="disable"))
+    trainer = make_trainer(
+        overrides(
+            tiny,
+            tmp_path,
+            generation_eval__enable=True,
+            generation_eval__max_samples=4,
+            generation_eval__max_new_tokens=4,
+            trainer__resume_mode="disable",
+        )
+    )
     metrics = trainer.validate()
     assert set(metrics) >= {"val/loss", "val/greedy_acc", "val-core/hybridrl/arith/reward/mean@1"}
     assert metrics["val/greedy_acc"] == 0.0  # a random model cannot write "#### <sum>" in 4 tokens
-    assert len(trainer._generation_rows()) == 4
+    assert len(trainer._greedy_eval().rows) == 4
 
 
 def test_same_seed_same_run(tiny, tmp_path):
     runs = []
     for name in ("a", "b"):
-        trainer = make_trainer(overrides(tiny, tmp_path / name, model__lora_rank=2, trainer__resume_mode="disable"))
+        trainer = make_trainer(
+            overrides(tiny, tmp_path / name, model__lora_rank=2, trainer__resume_mode="disable")
+        )
         runs.append(trainer.fit()["val/loss"])
     assert runs[0] == runs[1]
 
@@ -297,7 +331,9 @@ def test_overlong_response_fails_at_start_naming_row(tiny, tmp_path):
     rows.to_parquet(long_file)
     with pytest.raises(ValueError, match=r"long\.parquet' row 7.*data\.max_length=32.*truncation"):
         make_trainer(overrides(tiny, tmp_path, data__train_files=str(long_file)))
-    trainer = make_trainer(overrides(tiny, tmp_path, data__train_files=str(long_file), data__truncation="right"))
+    trainer = make_trainer(
+        overrides(tiny, tmp_path, data__train_files=str(long_file), data__truncation="right")
+    )
     assert trainer.train_dataset[7]["attention_mask"].sum() == 32
 
 
@@ -312,19 +348,33 @@ def test_batch_larger_than_data(tiny, tmp_path):
 @pytest.mark.slow
 def test_two_ranks_match_one_rank(tiny, tmp_path):
     """torchrun with 2 gloo ranks and the single-process run take the same steps."""
-    args = [f"model.partial_pretrain={tiny['model']}", f"data.train_files={tiny['train']}",
-            "data.val_files=null", "data.train_batch_size=16", "data.micro_batch_size_per_gpu=4",
-            "data.max_length=32", "optim.lr=1e-3", "trainer.total_training_steps=2", "trainer.save_freq=2",
-            "trainer.logger=[]"]
+    args = [
+        f"model.partial_pretrain={tiny['model']}",
+        f"data.train_files={tiny['train']}",
+        "data.val_files=null",
+        "data.train_batch_size=16",
+        "data.micro_batch_size_per_gpu=4",
+        "data.max_length=32",
+        "optim.lr=1e-3",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=2",
+        "trainer.logger=[]",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name, launcher in (("one", [sys.executable, "-m"]),
-                           ("two", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m"])):
+    for name, launcher in (
+        ("one", [sys.executable, "-m"]),
+        ("two", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m"]),
+    ):
         cmd = launcher + ["hybridrl.trainer.main_sft", *args, f"trainer.default_local_dir={tmp_path / name}"]
         subprocess.run(cmd, check=True, env=env, cwd=tmp_path, timeout=600)
     from transformers import AutoModelForCausalLM
 
-    one = AutoModelForCausalLM.from_pretrained(str(tmp_path / "one" / "global_step_2" / "huggingface")).state_dict()
-    two = AutoModelForCausalLM.from_pretrained(str(tmp_path / "two" / "global_step_2" / "huggingface")).state_dict()
+    one = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "one" / "global_step_2" / "huggingface")
+    ).state_dict()
+    two = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "two" / "global_step_2" / "huggingface")
+    ).state_dict()
     for name in one:
         torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-6)
 
@@ -338,7 +388,13 @@ def test_no_argument_run(tmp_path):
         get_builtin_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    out = subprocess.run([sys.executable, "-m", "hybridrl.trainer.main_sft"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=1800, env={**os.environ, "HYBRIDRL_DATA_DIR": str(tmp_path / "data")})
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridrl.trainer.main_sft"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "HYBRIDRL_DATA_DIR": str(tmp_path / "data")},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "val/greedy_acc" in out.stdout and "val/loss" in out.stdout
