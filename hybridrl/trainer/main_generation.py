@@ -134,7 +134,8 @@ def build_rollout(config: GenerationConfig, model_path: str, tokenizer, device: 
         n=d.n_samples,
         prompt_length=r.prompt_length,
         response_length=r.response_length,
-        dtype=r.dtype,
+        # full names: VLLMRollout hands the dtype to vLLM, which rejects the short ones
+        dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(r.dtype, r.dtype),
         gpu_memory_utilization=r.gpu_memory_utilization,
         ignore_eos=r.ignore_eos,
         enforce_eager=r.enforce_eager,

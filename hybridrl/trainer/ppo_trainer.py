@@ -75,6 +75,7 @@ class RayPPOTrainer:
         self.global_steps = 0
         self._epoch = 0
         self._train_iter = None
+        self._gen_batches_this_step = 0
         self.last_val_metrics: dict[str, float] = {}
         self.history: list[dict[str, float]] = []
 
@@ -93,6 +94,7 @@ class RayPPOTrainer:
             self.global_steps += 1
             metrics: dict[str, Any] = {}
             timing: dict[str, float] = {}
+            self._gen_batches_this_step = 0
             with timer("step", timing):
                 batch = self._rollout_and_score(metrics, timing)
                 self._balance_batch(batch, metrics)
@@ -134,6 +136,8 @@ class RayPPOTrainer:
         batch = prompts.repeat(repeat_times=n, interleave=True)
         gen_in = batch.select(batch_keys=["input_ids", "attention_mask", "position_ids"])
         gen_in.meta_info["global_steps"] = self.global_steps
+        gen_in.meta_info["seed_index"] = self.global_steps * 1000 + self._gen_batches_this_step
+        self._gen_batches_this_step += 1
         with timer("gen", timing):
             out = self.workers.actor_rollout.generate_sequences(gen_in)
         timing.update(out.meta_info.pop("timing", {}))
@@ -315,13 +319,14 @@ class RayPPOTrainer:
         """Generate with `rollout.val_kwargs` (greedy by default), score, report mean/best/maj@N."""
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         sources, scores, extras, uids, samples = [], [], defaultdict(list), [], []
-        for batch_dict in self.val_loader:
+        for i, batch_dict in enumerate(self.val_loader):
             prompts = DataProto.from_single_dict(batch_dict)
             prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))],
                                                        dtype=object)
             batch = prompts.repeat(repeat_times=n, interleave=True)
             gen_in = batch.select(batch_keys=["input_ids", "attention_mask", "position_ids"])
             gen_in.meta_info["validate"] = True
+            gen_in.meta_info["seed_index"] = 10**9 + self.global_steps * 1000 + i
             out = self.workers.actor_rollout.generate_sequences(gen_in)
             out.meta_info.pop("timing", None)
             batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])

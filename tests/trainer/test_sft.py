@@ -377,6 +377,13 @@ def test_two_ranks_match_one_rank(tiny, tmp_path):
     ).state_dict()
     for name in one:
         torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-6)
+    # the 2-rank shards merge (in one process, no process group) into the same weights
+    from hybridrl.model_merger import merge_checkpoint
+
+    merged_dir = merge_checkpoint(str(tmp_path / "two" / "global_step_2"), str(tmp_path / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).state_dict()
+    for name in two:
+        assert torch.equal(merged[name], two[name]), name
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@ Input `prompts` (B rows):
     attention_mask  (B, P) 1 on prompt tokens, 0 on padding; every row ends with a 1.
     position_ids    (B, P) positions of the prompt tokens (0 on padding).
     non_tensor_batch is passed through unchanged.
-    meta_info["validate"] (optional bool) selects `config.val_kwargs` for sampling.
+    meta_info["validate"] (optional bool) selects `config.val_kwargs` for sampling;
+    meta_info["greedy"] (optional bool) forces greedy decoding (the ReMax baseline);
+    meta_info["seed_index"] (optional int) names the call in the per-row seeds (default: a counter).
 An engine generates exactly ONE response per row; the trainer repeats prompts n times first.
 
 Output (same B rows, same order), T = config.response_length:
@@ -354,10 +356,13 @@ class BaseRollout(ABC):
         _check_prompts(prompts, self.config)
         validate = bool(prompts.meta_info.get("validate", False))
         sampling = resolve_sampling(self.config, validate)
+        if prompts.meta_info.get("greedy", False):  # e.g. the ReMax baseline
+            sampling = SamplingSpec(greedy=True, temperature=1.0, top_k=-1, top_p=1.0)
         ids = prompts.batch["input_ids"]
         mask = prompts.batch["attention_mask"].bool()
         prompt_lists = [row[m].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
-        call = self.num_generate_calls
+        # The trainer names each call (step, batch) so seeds survive a resume; else count calls.
+        call = int(prompts.meta_info.get("seed_index", self.num_generate_calls))
         self.num_generate_calls += 1
         request = GenerationRequest(
             input_ids=ids,

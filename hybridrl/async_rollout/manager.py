@@ -1,0 +1,495 @@
+"""AsyncRolloutManager: feeds rollout workers from a prompt queue while the trainer trains.
+
+The flow (AReaL's rollout controller, docs/async.md draws it)::
+
+    submit(prompts) -> pending deque (unbounded, never blocks)
+        -> commit: staleness gate (StalenessManager.capacity) -> input queue (bounded, queue_size)
+        -> dispatch: chunks of whole groups to idle rollout workers (generation runs concurrently
+           on every worker)
+        -> collect: finished groups -> output queue (bounded, queue_size). A full output queue
+           never drops or raises: finished groups wait in a small spill list and no new chunk is
+           dispatched until they fit (back-pressure on generation).
+        -> wait_batch(): drains the output queue into the results dict and returns a batch
+           chosen by the consumer rule (`select_batch`), so the staleness bound is hard.
+
+One background thread runs commit / dispatch / collect; the trainer's thread calls `submit`,
+`publish`, `wait_batch` and `generate_now`. Weights: `publish(version, ref)` sends
+`load_weights(ref, version)` to every live worker at once; Ray runs an actor's calls in order,
+so a chunk already generating finishes with its old weights and the next chunk uses the new
+ones ("finish the chunk, then update": no generation is aborted). Every group is tagged with the
+version its chunk was generated with.
+
+A worker that dies (RayActorError) is dropped; the groups of its unfinished chunk go back to the
+front of the queue and are generated again by the live workers, with their original uids. Results
+already collected are never lost, and a chunk's results are taken at most once, so no group is
+duplicated. When no worker is left, `wait_batch` raises a RuntimeError naming the cause.
+
+Worker contract (hybridrl.workers.rollout_worker.AsyncRolloutWorker implements it):
+``load_weights(payload, version) -> float`` and ``generate_sequences(prompts) -> DataProto`` whose
+rows keep the input order and non-tensor data and carry ``meta_info["policy_version"]`` and
+``meta_info["worker_busy_s"]`` (cumulative busy seconds).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+from hybridrl.async_rollout.staleness import StalenessManager, select_batch, staleness_metrics
+from hybridrl.protocol import DataProto
+
+__all__ = ["AsyncBatch", "AsyncRolloutManager", "RolloutWorkersLostError"]
+
+GEN_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+class RolloutWorkersLostError(RuntimeError):
+    """Every rollout worker died; generation cannot continue."""
+
+
+@dataclass
+class _Group:
+    seq: int  # commit order among all submitted groups
+    uid: str
+    prompt: DataProto  # one prompt row
+    commit_version: int = -1
+    version: int = -1  # the behaviour policy's version, set when its chunk is dispatched
+    result: DataProto | None = None  # rollout.n rows once finished
+
+
+@dataclass
+class _Worker:
+    rank: int
+    handle: Any
+    alive: bool = True
+    busy: bool = False
+    version: int = -1  # last version sent with load_weights
+    busy_s: float = 0.0  # cumulative busy seconds the worker reported
+    busy_s_at_batch: float = 0.0
+
+
+@dataclass
+class _Chunk:
+    worker: _Worker
+    groups: list[_Group]
+    rest: DataProto  # the repeated prompt batch minus the generation inputs
+    version: int
+
+
+@dataclass
+class AsyncBatch:
+    """One trainer batch from `wait_batch`.
+
+    Attributes:
+        data: B * rollout.n rows, whole groups, earliest deadline first; non-tensor
+            "policy_version" (int, per row) and "uid".
+        versions: the behaviour version of each group (B values).
+        staleness: batch index - version for each group.
+        metrics: async/* metrics of this batch (staleness histogram, queue depths, idle time).
+    """
+
+    data: DataProto
+    versions: list[int]
+    staleness: list[int]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class AsyncRolloutManager:
+    """Drive rollout workers asynchronously under a staleness bound.
+
+    Args:
+        workers: rollout actor handles (see the worker contract in the module docstring).
+        rollout_n: responses per prompt (the group size).
+        consumer_batch_size: B, groups per trainer batch.
+        max_head_offpolicyness: eta >= 0; 0 is synchronous training.
+        max_concurrent_rollouts: most groups committed but not finished.
+        queue_size: bound of the input and output queues (in groups).
+        chunk_size: groups per generate call on one worker.
+        poll_s: how long the background loop waits for results in one round.
+    """
+
+    def __init__(
+        self,
+        workers: list[Any],
+        *,
+        rollout_n: int,
+        consumer_batch_size: int,
+        max_head_offpolicyness: int,
+        max_concurrent_rollouts: int,
+        queue_size: int,
+        chunk_size: int,
+        poll_s: float = 0.02,
+    ) -> None:
+        if not workers:
+            raise ValueError("AsyncRolloutManager needs at least one rollout worker")
+        for name, value in (("rollout_n", rollout_n), ("queue_size", queue_size), ("chunk_size", chunk_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.rollout_n = rollout_n
+        self.batch_size = consumer_batch_size
+        self.eta = max_head_offpolicyness
+        self.max_concurrent = max_concurrent_rollouts
+        self.chunk_size = chunk_size
+        self.poll_s = poll_s
+        self._workers = [_Worker(rank, h) for rank, h in enumerate(workers)]
+        self._pending: collections.deque[_Group] = collections.deque()
+        self._input: queue.Queue[_Group] = queue.Queue(maxsize=queue_size)
+        self._retry: collections.deque[_Group] = collections.deque()  # groups of dead workers' chunks
+        self._inflight: dict[Any, _Chunk] = {}
+        self._spill: collections.deque[_Group] = collections.deque()
+        self._output: queue.Queue[_Group] = queue.Queue(maxsize=queue_size)
+        self._results: dict[int, _Group] = {}
+        self._outstanding: dict[int, _Group] = {}  # committed, not consumed
+        self._load_refs: list[tuple[_Worker, Any, int]] = []
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._seq = 0
+        self._version = -1
+        self._weights: Any = None
+        self.staleness: StalenessManager | None = None
+        self._last_batch_time = 0.0
+        self._worker_failures = 0
+        self._dispatched_chunks = 0
+
+    # ------------------------------------------------------------------ trainer API
+    def start(self, version: int, weights: Any) -> None:
+        """Load `weights` (an ObjectRef of the publish payload) of `version` and start the loop."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncRolloutManager.start called twice")
+        self.staleness = StalenessManager(self.batch_size, self.eta, self.max_concurrent, start_version=version)
+        self.publish(version, weights)
+        self._last_batch_time = time.perf_counter()
+        for w in self._workers:
+            w.busy_s_at_batch = w.busy_s
+        self._thread = threading.Thread(target=self._run, name="hybridrl-async-rollout", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompts: DataProto) -> None:
+        """Queue prompts (one group each); rows need a unique non-tensor "uid". Never blocks."""
+        if "uid" not in prompts.non_tensor_batch:
+            raise KeyError("AsyncRolloutManager.submit: prompts need a non-tensor 'uid' per row (the group id)")
+        with self._lock:
+            for i in range(len(prompts)):
+                row = prompts.slice(i, i + 1)
+                self._pending.append(_Group(self._seq, str(row.non_tensor_batch["uid"][0]), row))
+                self._seq += 1
+        self._wake.set()
+
+    def publish(self, version: int, weights: Any) -> None:
+        """New policy weights: every live worker loads them after its current chunk."""
+        with self._lock:
+            if version < self._version:
+                raise ValueError(f"publish: version {version} is older than the current {self._version}")
+            self._version, self._weights = version, weights
+            for w in self._workers:
+                if w.alive:
+                    self._send_weights(w)
+        self._wake.set()
+
+    def wait_batch(self, timeout_s: float | None = None) -> AsyncBatch:
+        """Block until batch k (k = the published version) can be formed; return it."""
+        self._require_started()
+        t0 = time.perf_counter()
+        k = self.staleness.batch_index
+        if k != self._version:
+            raise RuntimeError(
+                f"wait_batch: batch {k} is trained at version {k}, but the published version is {self._version}; "
+                "call publish(version=k) after every update (one publish per trainer step)"
+            )
+        while True:
+            self._raise_if_failed()
+            self._drain_output()
+            with self._lock:
+                picked = self._try_select(k)
+            if picked is not None:
+                break
+            if timeout_s is not None and time.perf_counter() - t0 > timeout_s:
+                raise TimeoutError(f"wait_batch: batch {k} not ready after {timeout_s:.1f} s ({self.stats()})")
+            try:
+                g = self._output.get(timeout=self.poll_s)
+            except queue.Empty:
+                continue
+            with self._lock:
+                self._results[g.seq] = g
+        wait_s = time.perf_counter() - t0
+        return self._make_batch(k, picked, wait_s)
+
+    def generate_now(self, prompts: DataProto) -> DataProto:
+        """Generate `prompts` on a live worker with the latest published weights (validation)."""
+        self._require_started()
+        while True:
+            self._raise_if_failed()
+            with self._lock:
+                alive = [w for w in self._workers if w.alive]
+                if not alive:
+                    raise RolloutWorkersLostError("generate_now: no rollout worker is alive")
+                w = min(alive, key=lambda x: (x.busy, x.rank))
+                ref = w.handle.generate_sequences.remote(prompts)
+            try:
+                out = ray.get(ref)
+            except RayActorError as err:
+                self._mark_dead(w, err)
+                continue
+            except RayError as err:
+                raise RuntimeError(f"rollout worker {w.rank} failed in generate_now: {err}") from None
+            out.meta_info.pop("worker_busy_s", None)
+            return out
+
+    def num_unconsumed(self) -> int:
+        """Groups submitted but not yet handed to the trainer (pending + committed)."""
+        with self._lock:
+            return len(self._pending) + len(self._outstanding)
+
+    def stats(self) -> dict[str, float]:
+        """Queue depths and counters (async/queue/*, async/*)."""
+        with self._lock:
+            alive = [w for w in self._workers if w.alive]
+            return {
+                "async/queue/pending": float(len(self._pending)),
+                "async/queue/input": float(self._input.qsize() + len(self._retry)),
+                "async/queue/output": float(self._output.qsize() + len(self._spill)),
+                "async/queue/results": float(len(self._results)),
+                "async/running": float(self.staleness.running if self.staleness else 0),
+                "async/inflight_chunks": float(len(self._inflight)),
+                "async/rollout_workers_alive": float(len(alive)),
+                "async/worker_failures": float(self._worker_failures),
+                "async/version": float(self._version),
+                "async/version_lag": float(
+                    self._version - min((c.version for c in self._inflight.values()), default=self._version)
+                ),
+            }
+
+    def stop(self) -> None:
+        """Stop the background loop (in-flight generations are left to finish or die with the workers)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ consumer helpers
+    def _require_started(self) -> None:
+        if self._thread is None or self.staleness is None:
+            raise RuntimeError("AsyncRolloutManager: call start(version, weights) first")
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _drain_output(self) -> None:
+        while True:
+            try:
+                g = self._output.get_nowait()
+            except queue.Empty:
+                return
+            with self._lock:
+                self._results[g.seq] = g
+
+    def _deadline(self, g: _Group) -> int:
+        return (g.version if g.version >= 0 else g.commit_version) + self.eta
+
+    def _try_select(self, k: int) -> list[_Group] | None:
+        finished = [(seq, self._deadline(g)) for seq, g in self._results.items()]
+        unfinished = [self._deadline(g) for seq, g in self._outstanding.items() if seq not in self._results]
+        keys = select_batch(finished, unfinished, k, self.batch_size)
+        if keys is None:
+            return None
+        picked = [self._results.pop(seq) for seq in keys]
+        for g in picked:
+            del self._outstanding[g.seq]
+        self.staleness.on_consume(len(picked))
+        return picked
+
+    def _make_batch(self, k: int, picked: list[_Group], wait_s: float) -> AsyncBatch:
+        versions = [g.version for g in picked]
+        staleness = [k - v for v in versions]
+        data = DataProto.concat([g.result for g in picked])
+        metrics = staleness_metrics(staleness, self.eta)
+        metrics.update(self.stats())
+        now = time.perf_counter()
+        with self._lock:
+            alive = [w for w in self._workers if w.alive]
+            busy = sum(w.busy_s - w.busy_s_at_batch for w in alive)
+            for w in self._workers:
+                w.busy_s_at_batch = w.busy_s
+        span = max(now - self._last_batch_time, 1e-9) * max(len(alive), 1)
+        self._last_batch_time = now
+        metrics["async/rollout_idle_frac"] = min(max(1.0 - busy / span, 0.0), 1.0)
+        metrics["async/rollout_busy_s"] = busy
+        metrics["async/train_wait_s"] = wait_s
+        return AsyncBatch(data, versions, staleness, metrics)
+
+    # ------------------------------------------------------------------ background loop
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._check_weight_loads()
+                self._commit()
+                self._flush_spill()
+                self._dispatch()
+                self._collect()
+        except BaseException as err:  # surfaced to the trainer by wait_batch / generate_now
+            self._error = err
+
+    def _commit(self) -> None:
+        """Pending deque -> input queue, as far as the staleness gate and the queue allow."""
+        with self._lock:
+            cap = self.staleness.capacity(self._version)
+            while cap > 0 and self._pending:
+                g = self._pending[0]
+                try:
+                    self._input.put_nowait(g)
+                except queue.Full:
+                    return
+                self._pending.popleft()
+                g.commit_version = self._version
+                self._outstanding[g.seq] = g
+                self.staleness.on_commit(1)
+                cap -= 1
+
+    def _take_chunk(self) -> list[_Group]:
+        groups: list[_Group] = []
+        while self._retry and len(groups) < self.chunk_size:
+            groups.append(self._retry.popleft())
+        while len(groups) < self.chunk_size:
+            try:
+                groups.append(self._input.get_nowait())
+            except queue.Empty:
+                break
+        return groups
+
+    def _dispatch(self) -> None:
+        """Input queue -> idle workers, one chunk each (none while finished groups wait for room)."""
+        with self._lock:
+            if self._spill:
+                return
+            for w in self._workers:
+                if not w.alive or w.busy:
+                    continue
+                groups = self._take_chunk()
+                if not groups:
+                    return
+                if w.version != self._version:
+                    self._send_weights(w)
+                batch = DataProto.concat([g.prompt for g in groups]).repeat(self.rollout_n, interleave=True)
+                gen_in = batch.select(batch_keys=list(GEN_KEYS))
+                batch.pop(batch_keys=list(GEN_KEYS))
+                for g in groups:
+                    g.version = self._version
+                ref = w.handle.generate_sequences.remote(gen_in)
+                self._inflight[ref] = _Chunk(w, groups, batch, self._version)
+                w.busy = True
+                self._dispatched_chunks += 1
+
+    def _collect(self) -> None:
+        """Finished chunks -> spill -> output queue; failed chunks -> retry queue."""
+        refs = list(self._inflight)
+        if not refs:
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+            return
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.poll_s)
+        for ref in ready:
+            with self._lock:
+                chunk = self._inflight.pop(ref)
+                chunk.worker.busy = False
+            try:
+                out = ray.get(ref)
+            except RayActorError as err:
+                self._requeue(chunk)
+                self._mark_dead(chunk.worker, err)
+                continue
+            except RayError as err:
+                raise RuntimeError(
+                    f"rollout worker {chunk.worker.rank} raised in generate_sequences (version {chunk.version}):\n{err}"
+                ) from None
+            self._finish(chunk, out)
+
+    def _finish(self, chunk: _Chunk, out: DataProto) -> None:
+        got = out.meta_info.get("policy_version")
+        if got != chunk.version:
+            raise RuntimeError(
+                f"rollout worker {chunk.worker.rank} generated with version {got}, expected {chunk.version}: "
+                "a weight update was lost or reordered"
+            )
+        busy = out.meta_info.get("worker_busy_s")
+        out.meta_info = {}
+        full = chunk.rest.union(out)
+        n = self.rollout_n
+        with self._lock:
+            if busy is not None:
+                chunk.worker.busy_s = float(busy)
+            for i, g in enumerate(chunk.groups):
+                rows = full.slice(i * n, (i + 1) * n)
+                uids = set(rows.non_tensor_batch["uid"].tolist())
+                if uids != {g.uid}:
+                    raise RuntimeError(f"rows {i * n}..{(i + 1) * n} of a chunk carry uids {uids}, expected {g.uid}")
+                g.result = rows
+                self._spill.append(g)
+            self.staleness.on_finish(len(chunk.groups))
+
+    def _flush_spill(self) -> None:
+        with self._lock:
+            while self._spill:
+                try:
+                    self._output.put_nowait(self._spill[0])
+                except queue.Full:
+                    return
+                self._spill.popleft()
+
+    def _requeue(self, chunk: _Chunk) -> None:
+        with self._lock:
+            self._retry.extendleft(reversed(chunk.groups))
+
+    # ------------------------------------------------------------------ workers
+    def _send_weights(self, w: _Worker) -> None:
+        ref = w.handle.load_weights.remote(self._weights, self._version)
+        self._load_refs.append((w, ref, self._version))
+        w.version = self._version
+
+    def _check_weight_loads(self) -> None:
+        with self._lock:
+            pending = list(self._load_refs)
+        if not pending:
+            return
+        ready, _ = ray.wait([r for _, r, _ in pending], num_returns=len(pending), timeout=0)
+        done = {r.hex() for r in ready}
+        for w, ref, version in pending:
+            if ref.hex() not in done:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as err:
+                self._mark_dead(w, err)
+            except GetTimeoutError:
+                continue
+            except RayError as err:
+                raise RuntimeError(f"rollout worker {w.rank} failed to load weights of version {version}:\n{err}") from None
+            with self._lock:
+                self._load_refs = [x for x in self._load_refs if x[1] is not ref]
+
+    def _mark_dead(self, w: _Worker, err: BaseException) -> None:
+        with self._lock:
+            if not w.alive:
+                return
+            w.alive = False
+            w.busy = False
+            self._worker_failures += 1
+            self._load_refs = [x for x in self._load_refs if x[0] is not w]
+            alive = sum(x.alive for x in self._workers)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"[hybridrl.async] rollout worker {w.rank} died ({first}); {alive} left, its chunk is re-queued")
+        if alive == 0:
+            self._error = RolloutWorkersLostError(
+                f"all {len(self._workers)} rollout workers died (last: worker {w.rank}: {first}). Finished groups "
+                "were kept but no generation is possible; restart the run (it resumes from the last checkpoint)."
+            )

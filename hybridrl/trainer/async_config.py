@@ -1,0 +1,192 @@
+"""`async_training.*`: the asynchronous (AReaL-style) off-policy mode, its loading and validation.
+
+The keys AReaL users know (rollout.* / actor.* in AReaL) map onto this section; docs/async.md has
+the table. Counts are in *groups* (one prompt with its rollout.n responses), as AReaL counts
+prompts:
+
+    max_concurrent_rollouts   groups committed but not finished (queued or generating);
+                              null -> (max_head_offpolicyness + 1) * consumer_batch_size
+    queue_size                bound of the input and output queues; null -> max_concurrent_rollouts * 16
+    consumer_batch_size       groups per trainer step; null -> data.train_batch_size (must equal it)
+    max_head_offpolicyness    eta: generation pauses when it would run more than eta versions ahead;
+                              0 is synchronous training
+    recompute_logprob         the trainer recomputes old log-probs (the proximal policy) before each
+                              update; false uses the rollout engine's (behaviour) log-probs
+    use_decoupled_loss        AReaL's decoupled PPO loss (policy loss 'decoupled')
+    behave_imp_weight_cap     drop tokens whose behaviour importance weight exceeds this
+
+and the placement of the rollout workers (their own Ray resource pool):
+
+    rollout_nnodes, rollout_n_gpus_per_node   rollout slots (one worker each; CPU slots on CPU)
+    rollout_cpus_per_worker                   CPU cores per rollout slot
+    chunk_size                                groups per generate call; null -> consumer_batch_size
+                                              // rollout workers (at least 1)
+
+The training workers use trainer.nnodes x trainer.n_gpus_per_node slots as in synchronous mode.
+
+`load_async_config(cfg)` merges a user config onto `AsyncPPOConfig` (the PPO tree plus this
+section), resolves it, fills the derived values (`derive_async_config`) and validates everything
+(`validate_config` of the PPO tree, then `validate_async_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from hybridrl.trainer.ppo_config import ConfigError, PPOConfig, derive_config, validate_config
+
+__all__ = [
+    "AsyncPPOConfig",
+    "AsyncTrainingConfig",
+    "derive_async_config",
+    "load_async_config",
+    "n_rollout_workers",
+    "validate_async_config",
+]
+
+KEY = "async_training"
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """`async_training`: see the module docstring for every key."""
+
+    max_concurrent_rollouts: int | None = None
+    queue_size: int | None = None
+    consumer_batch_size: int | None = None
+    max_head_offpolicyness: int = 1
+    recompute_logprob: bool = True
+    use_decoupled_loss: bool = True
+    behave_imp_weight_cap: float | None = 5.0
+    rollout_nnodes: int = 1
+    rollout_n_gpus_per_node: int = 1
+    rollout_cpus_per_worker: float = 1
+    chunk_size: int | None = None
+
+
+if "async_training" in {f.name for f in dataclasses.fields(PPOConfig)}:
+    AsyncPPOConfig = PPOConfig  # the PPO tree already carries the section
+else:
+
+    @dataclass
+    class AsyncPPOConfig(PPOConfig):  # type: ignore[no-redef]
+        """The PPO config tree plus `async_training`."""
+
+        async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+
+
+def n_rollout_workers(config: AsyncPPOConfig) -> int:
+    at = config.async_training
+    return at.rollout_nnodes * at.rollout_n_gpus_per_node
+
+
+def load_async_config(cfg: DictConfig | dict | None = None) -> AsyncPPOConfig:
+    """Merge `cfg` onto the schema, resolve, derive and validate; returns a typed AsyncPPOConfig."""
+    schema = OmegaConf.structured(AsyncPPOConfig)
+    user = OmegaConf.create(cfg or {})
+    try:
+        merged = OmegaConf.merge(schema, user)
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        key = str(getattr(e, "full_key", None) or e)
+        close = difflib.get_close_matches(key, _all_keys(schema), n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(f"unknown config key '{key}'.{hint} See docs/async.md for the async_training keys.") from None
+    except ValidationError as e:
+        raise ConfigError(f"bad value for config key '{getattr(e, 'full_key', '?')}': {e.msg}") from None
+    OmegaConf.resolve(merged)
+    config: AsyncPPOConfig = OmegaConf.to_object(merged)
+    derive_config(config)
+    validate_async_config(config)  # before derive_async_config: it checks the user's own values
+    derive_async_config(config)
+    validate_config(config)
+    return config
+
+
+def _all_keys(node, prefix: str = "") -> list[str]:
+    out = []
+    for k in node:
+        out.append(f"{prefix}{k}")
+        v = node[k] if not OmegaConf.is_missing(node, k) else None
+        if isinstance(v, DictConfig):
+            out.extend(_all_keys(v, f"{prefix}{k}."))
+    return out
+
+
+def validate_async_config(config: AsyncPPOConfig) -> None:
+    """Check the async section against the rest of the tree; ConfigError names the key and the fix."""
+    at, d = config.async_training, config.data
+    arr, algo = config.actor_rollout_ref, config.algorithm
+    if at.max_head_offpolicyness < 0:
+        raise ConfigError(f"{KEY}.max_head_offpolicyness={at.max_head_offpolicyness} must be >= 0 (0 = synchronous)")
+    if at.consumer_batch_size is not None and at.consumer_batch_size != d.train_batch_size:
+        raise ConfigError(
+            f"{KEY}.consumer_batch_size={at.consumer_batch_size} differs from data.train_batch_size="
+            f"{d.train_batch_size}; the trainer's batch sizes follow data.train_batch_size, so set that one "
+            f"(or leave {KEY}.consumer_batch_size null)"
+        )
+    for name in ("max_concurrent_rollouts", "queue_size", "chunk_size"):
+        value = getattr(at, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{KEY}.{name}={value} must be >= 1 (or null for the default)")
+    for name in ("rollout_nnodes", "rollout_n_gpus_per_node"):
+        if getattr(at, name) < 1:
+            raise ConfigError(f"{KEY}.{name}={getattr(at, name)} must be >= 1")
+    if at.rollout_cpus_per_worker <= 0:
+        raise ConfigError(f"{KEY}.rollout_cpus_per_worker={at.rollout_cpus_per_worker} must be > 0")
+    if at.behave_imp_weight_cap is not None and at.behave_imp_weight_cap <= 0:
+        raise ConfigError(f"{KEY}.behave_imp_weight_cap={at.behave_imp_weight_cap} must be > 0 (or null: no cap)")
+    if at.use_decoupled_loss and not at.recompute_logprob:
+        raise ConfigError(
+            f"{KEY}.use_decoupled_loss=true needs {KEY}.recompute_logprob=true: the decoupled loss centres the "
+            "trust region on the proximal policy, whose log-probs the trainer recomputes"
+        )
+    mode = arr.actor.policy_loss.loss_mode
+    if at.use_decoupled_loss and mode not in ("vanilla", "decoupled"):
+        raise ConfigError(
+            f"{KEY}.use_decoupled_loss=true sets actor_rollout_ref.actor.policy_loss.loss_mode=decoupled, but it "
+            f"is {mode!r}; set {KEY}.use_decoupled_loss=false to keep {mode!r}"
+        )
+    if algo.filter_groups.enable:
+        raise ConfigError(
+            "algorithm.filter_groups.enable=true (DAPO dynamic sampling) is not supported in asynchronous mode "
+            "yet; disable it or use python -m hybridrl.trainer.main_ppo"
+        )
+    if algo.adv_estimator == "remax":
+        raise ConfigError(
+            "algorithm.adv_estimator=remax needs a greedy rollout per step from the current policy; it is not "
+            "supported in asynchronous mode (use grpo, rloo, reinforce_plus_plus or gae)"
+        )
+    if arr.rollout.tensor_model_parallel_size != 1:
+        raise ConfigError(
+            "actor_rollout_ref.rollout.tensor_model_parallel_size must be 1 in asynchronous mode (one engine "
+            f"per rollout slot); use more slots ({KEY}.rollout_n_gpus_per_node) instead"
+        )
+
+
+def derive_async_config(config: AsyncPPOConfig) -> None:
+    """Fill the defaults that depend on other keys and point the actor at the decoupled loss.
+
+    Runs once on the driver before any worker starts: consumer_batch_size, max_concurrent_rollouts,
+    queue_size and chunk_size get their values; use_decoupled_loss sets the actor's policy loss
+    to 'decoupled' with behave_imp_weight_cap; the rollout returns its log-probs (behaviour
+    policy) whenever the loss or the old log-probs need them.
+    """
+    at, arr = config.async_training, config.actor_rollout_ref
+    b = config.data.train_batch_size
+    at.consumer_batch_size = b
+    if at.max_concurrent_rollouts is None:
+        at.max_concurrent_rollouts = (at.max_head_offpolicyness + 1) * b
+    if at.queue_size is None:
+        at.queue_size = at.max_concurrent_rollouts * 16
+    if at.chunk_size is None:
+        at.chunk_size = max(1, b // n_rollout_workers(config))
+    if at.use_decoupled_loss:
+        arr.actor.policy_loss.loss_mode = "decoupled"
+        arr.actor.policy_loss.behave_imp_weight_cap = at.behave_imp_weight_cap
+    if at.use_decoupled_loss or not at.recompute_logprob or arr.actor.policy_loss.loss_mode == "decoupled":
+        arr.rollout.calculate_log_probs = True

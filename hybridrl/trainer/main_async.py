@@ -1,0 +1,102 @@
+"""`python -m hybridrl.trainer.main_async [key=value ...]`: asynchronous (AReaL-style) PPO/GRPO.
+
+Same keys as main_ppo (hybridrl/trainer/config/ppo_trainer.yaml) plus `async_training.*`
+(docs/async.md). Rollout workers run in their own resource pool (async_training.rollout_*) and
+the trainer in trainer.nnodes x trainer.n_gpus_per_node slots. With no arguments it trains the
+built-in tiny model on the built-in task on CPU with one training and one rollout slot of one
+core each (ASYNC_DEFAULTS below), eta = max_head_offpolicyness = 1.
+
+Locally it starts an embedded Ray instance; with RAY_ADDRESS set it attaches to that cluster.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from omegaconf import DictConfig, OmegaConf
+
+from hybridrl.trainer.async_config import AsyncPPOConfig, load_async_config, n_rollout_workers
+
+# Applied before the user's overrides: one core for the trainer, one for the rollout worker.
+ASYNC_DEFAULTS = [
+    "trainer.cpus_per_worker=1",
+    "trainer.experiment_name=builtin_async_grpo",
+]
+
+
+def compose_async_config(overrides: list[str] | None = None) -> DictConfig:
+    """ppo_trainer.yaml + ASYNC_DEFAULTS + `overrides` (Hydra syntax; async_training.* keys too)."""
+    from hydra import compose, initialize_config_module
+
+    overrides = list(overrides or [])
+    is_async = [o for o in overrides if o.lstrip("+").startswith("async_training.")]
+    rest = [o for o in overrides if o not in is_async]
+    with initialize_config_module("hybridrl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=[*ASYNC_DEFAULTS, *rest])
+    OmegaConf.set_struct(cfg, False)
+    if is_async:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in is_async]))
+    return cfg
+
+
+def run_async(cfg: DictConfig | dict | None = None) -> dict[str, float]:
+    """Load and validate the config, start Ray and both worker pools, train; returns final val metrics."""
+    return run_async_config(load_async_config(cfg))
+
+
+def run_async_config(config: AsyncPPOConfig) -> dict[str, float]:
+    from hybridrl.trainer.async_trainer import build_async_trainer
+
+    init_ray(config)
+    trainer = build_async_trainer(config)
+    try:
+        metrics = trainer.fit()
+    finally:
+        trainer.tracker.finish()
+        trainer.async_workers.shutdown()
+    if config.trainer.make_report:
+        from hybridrl.report import make_report
+
+        log_dir = trainer.tracker.log_dir
+        if log_dir and os.path.exists(os.path.join(log_dir, "metrics.jsonl")):
+            print(f"[hybridrl] report: {make_report(log_dir)}")
+    return metrics
+
+
+def init_ray(config: AsyncPPOConfig) -> None:
+    """Start a local Ray with enough CPUs for both pools (or attach to RAY_ADDRESS)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {
+        "TOKENIZERS_PARALLELISM": "false",
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+    }
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    kwargs: dict = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, **kwargs)
+        return
+    tr, at = config.trainer, config.async_training
+    need = tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker + n_rollout_workers(config) * at.rollout_cpus_per_worker
+    ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        print(OmegaConf.to_yaml(OmegaConf.structured(AsyncPPOConfig).async_training))
+        return {}
+    return run_async(compose_async_config(argv))
+
+
+if __name__ == "__main__":
+    main()
