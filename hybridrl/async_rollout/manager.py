@@ -159,6 +159,8 @@ class AsyncRolloutManager:
         self.staleness: StalenessManager | None = None
         self._last_batch_time = 0.0
         self._worker_failures = 0
+        self._requeued_groups = 0
+        self._backpressure_waits = 0  # rounds in which finished groups found the output queue full
         self._dispatched_chunks = 0
 
     # ------------------------------------------------------------------ trainer API
@@ -263,6 +265,8 @@ class AsyncRolloutManager:
                 "async/inflight_chunks": float(len(self._inflight)),
                 "async/rollout_workers_alive": float(len(alive)),
                 "async/worker_failures": float(self._worker_failures),
+                "async/requeued_groups": float(self._requeued_groups),
+                "async/output_backpressure_waits": float(self._backpressure_waits),
                 "async/version": float(self._version),
                 "async/version_lag": float(
                     self._version - min((c.version for c in self._inflight.values()), default=self._version)
@@ -443,12 +447,14 @@ class AsyncRolloutManager:
                 try:
                     self._output.put_nowait(self._spill[0])
                 except queue.Full:
+                    self._backpressure_waits += 1
                     return
                 self._spill.popleft()
 
     def _requeue(self, chunk: _Chunk) -> None:
         with self._lock:
             self._retry.extendleft(reversed(chunk.groups))
+            self._requeued_groups += len(chunk.groups)
 
     # ------------------------------------------------------------------ workers
     def _send_weights(self, w: _Worker) -> None:

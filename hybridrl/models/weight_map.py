@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 __all__ = [
+    "dtype_name",
     "WRAPPER_PREFIXES",
     "get_weight_name_map",
     "map_named_tensors",
@@ -62,6 +63,11 @@ def to_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return _DTYPES[str(dtype).lower().removeprefix("torch.")]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """Canonical name engines accept: 'bf16' -> 'bfloat16', torch.float32 -> 'float32'."""
+    return str(to_torch_dtype(dtype)).removeprefix("torch.")
 
 
 def strip_wrapper_prefixes(name: str) -> str:

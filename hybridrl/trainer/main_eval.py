@@ -281,6 +281,13 @@ if __name__ == "__main__":
         sys.exit(0)
     import hydra
 
+    from hybridrl.trainer.main_sft import SFTConfigError, check_override_keys
+
+    try:
+        check_override_keys(sys.argv[1:], EvalConfig, "evaluation")
+    except SFTConfigError as e:
+        sys.exit(f"SFTConfigError: {e}")
+
     @hydra.main(config_path="config", config_name="evaluation", version_base=None)
     def _main(cfg: DictConfig) -> None:
         run_eval(cfg)

@@ -128,6 +128,7 @@ class SFTTrainerSection:
     total_training_steps: int | None = None
     save_freq: int = -1
     test_freq: int = -1
+    val_before_train: bool = True
     resume_mode: str = "auto"
     resume_from_path: str | None = None
     max_ckpt_to_keep: int | None = None
@@ -188,6 +189,39 @@ def _merge(schema: DictConfig, user: Any, source: str) -> DictConfig:
         raise SFTConfigError(
             f"bad value for SFT config key '{getattr(e, 'full_key', '?')}': {e.msg}"
         ) from None
+
+
+def _under_open_node(node: DictConfig, key: str, known: list[str]) -> bool:
+    """True when a parent of `key` is a free-form field (a dict or Any), e.g. model.override_config.x."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:i])
+        if parent in known:
+            value = OmegaConf.select(node, parent)
+            return not isinstance(value, DictConfig) or OmegaConf.get_type(value) is dict
+    return False
+
+
+def check_override_keys(argv: list[str], schema: type, config_name: str) -> None:
+    """Fail on a command-line `key=value` whose key the schema lacks, suggesting close keys.
+
+    Hydra alone would only say "not in struct"; this names the key and its likely spelling.
+    Hydra's own options (`hydra.*`, `--...`) and `~key` deletions are left to Hydra.
+    """
+    node = OmegaConf.structured(schema)
+    known = _all_keys(node)
+    for arg in argv:
+        if arg.startswith(("-", "~")) or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0].lstrip("+")
+        if key.startswith("hydra.") or key in known or _under_open_node(node, key, known):
+            continue
+        close = difflib.get_close_matches(key, known, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise SFTConfigError(
+            f"unknown config key '{key}' on the command line.{hint} Every key is listed in "
+            f"hybridrl/trainer/config/{config_name}.yaml."
+        )
 
 
 def load_sft_config(cfg: DictConfig | dict | list[str] | None = None) -> SFTConfig:
@@ -331,6 +365,10 @@ def init_distributed(config: SFTConfig) -> tuple[int, int]:
         raise SFTConfigError(
             "trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu"
         )
+    if t.device == "cpu" and is_cuda_available():
+        raise SFTConfigError(
+            "trainer.device=cpu on a machine with GPUs: hide them instead (CUDA_VISIBLE_DEVICES= python -m ...)"
+        )
     launched = "WORLD_SIZE" in os.environ
     if not dist.is_initialized():
         if not launched:
@@ -342,10 +380,7 @@ def init_distributed(config: SFTConfig) -> tuple[int, int]:
                 )
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ["MASTER_PORT"] = str(_free_port())
-        backend = "gloo" if t.device == "cpu" else None
-        init_process_group(
-            rank=0 if not launched else None, world_size=1 if not launched else None, backend=backend
-        )
+        init_process_group(rank=0 if not launched else None, world_size=1 if not launched else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     if t.n_gpus_per_node is not None and launched and world != t.nnodes * t.n_gpus_per_node:
         raise SFTConfigError(
@@ -385,6 +420,11 @@ def run_sft_config(config: SFTConfig) -> dict[str, float]:
 
 def _hydra_main() -> None:
     import hydra
+
+    try:
+        check_override_keys(sys.argv[1:], SFTConfig, "sft_trainer")
+    except SFTConfigError as e:
+        sys.exit(f"SFTConfigError: {e}")
 
     @hydra.main(config_path="config", config_name="sft_trainer", version_base=None)
     def main(cfg: DictConfig) -> None:

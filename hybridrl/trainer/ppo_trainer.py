@@ -215,7 +215,7 @@ class RayPPOTrainer:
         if world <= 1:
             return
         seqlens = batch.batch["attention_mask"].sum(-1).tolist()
-        parts = get_seqlen_balanced_partitions(seqlens, k_partitions=world, equal_size=True)
+        parts = get_seqlen_balanced_partitions(seqlens, k=world, equal_size=True)
         order = torch.tensor([i for part in parts for i in sorted(part)])
         batch.reorder(order)
         sums = [sum(seqlens[i] for i in p) for p in parts]

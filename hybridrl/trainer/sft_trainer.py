@@ -16,6 +16,7 @@ and `latest_checkpointed_iteration.txt` names the newest step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -194,8 +195,8 @@ class SFTTrainer:
             custom_chat_template=d.chat_template,
         )
         fsdp = m.fsdp_config
-        if fsdp.cpu_offload or fsdp.offload_params:
-            fsdp.offload_policy = True
+        if fsdp.cpu_offload or fsdp.offload_params:  # veRL's names for FSDP2's CPUOffloadPolicy
+            fsdp = dataclasses.replace(fsdp, offload_policy=True)
         engine = FSDPEngine.build(model_config, fsdp, None, role="actor", key="model")
         if engine.tokenizer is None:
             from hybridrl.workers.engine.fsdp import load_tokenizer
@@ -549,9 +550,10 @@ class SFTTrainer:
             self.load_checkpoint(path)
             self._print(f"resumed from {path} at step {self.global_step}")
         last_val: dict[str, float] = {}
-        if self.global_step == 0 and self.val_dataset is not None:
+        validate_now = t.val_before_train and self.global_step == 0 or self.global_step >= self.total_steps
+        if validate_now and self.val_dataset is not None:
             last_val = self.validate()
-            self._log(last_val, 0)
+            self._log(last_val, self.global_step)
         self._print(
             f"{len(self.train_dataset)} train rows, {self.total_steps} steps of {self.config.data.train_batch_size} "
             f"on {self.world} rank(s), device {self.device.type}"

@@ -168,6 +168,21 @@ def test_unknown_key_names_it_and_suggests():
         load_sft_config(["data.micro_batch_size=8"])
 
 
+def test_command_line_keys_are_checked_before_hydra():
+    from hybridrl.trainer.main_sft import SFTConfig, check_override_keys
+
+    ok = [
+        "model.override_config.attn_implementation=eager",
+        "trainer.logger=[console]",
+        "hydra.run.dir=.",
+        "+data.multiturn.enable=true",
+        "--config-name=sft_trainer",
+    ]
+    check_override_keys(ok, SFTConfig, "sft_trainer")
+    with pytest.raises(SFTConfigError, match=r"'optim\.lrr'.*Did you mean optim\.lr"):
+        check_override_keys(["optim.lrr=1"], SFTConfig, "sft_trainer")
+
+
 def test_presets_follow_the_model(tiny):
     builtin = load_sft_config([])
     assert (builtin.optim.lr, builtin.data.train_batch_size) == (1e-3, 64)
@@ -278,6 +293,31 @@ def test_lora_trains_and_exports_a_merged_model(tiny, tmp_path):
     assert not torch.allclose(exported[q], base[q])  # the adapter moved the merged weight
     torch.testing.assert_close(exported[q], merged[q])
     torch.testing.assert_close(exported["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("multiturn", [False, True])
+def test_loss_tokens_are_the_assistant_tokens(tiny, tmp_path, multiturn):
+    """The loss covers exactly each response's (each assistant turn's) tokens plus its EOS."""
+    rows = pd.read_parquet(tiny["train"]).to_dict("records")
+    trainer = make_trainer(
+        overrides(
+            tiny,
+            tmp_path,
+            data__multiturn={"enable": multiturn},
+            data__max_length=40,
+            trainer__resume_mode="disable",
+        )
+    )
+    n_tokens = lambda text: len(trainer.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1  # noqa: E731
+    indices = list(range(16))
+    out = trainer.accumulate_gradients(indices)
+    if multiturn:
+        expected = sum(
+            n_tokens(m["content"]) for i in indices for m in rows[i]["messages"] if m["role"] == "assistant"
+        )
+    else:
+        expected = sum(n_tokens(rows[i]["response"]) for i in indices)
+    assert out["train/loss_tokens"] == expected
 
 
 def test_validation_reports_greedy_accuracy(tiny, tmp_path):

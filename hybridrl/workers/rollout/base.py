@@ -133,13 +133,14 @@ class SamplingSpec:
     top_p: float
 
 
-def resolve_sampling(config: RolloutConfig, validate: bool) -> SamplingSpec:
+def resolve_sampling(config: RolloutConfig, validate: bool, force_greedy: bool = False) -> SamplingSpec:
     """Training sampling from the config's top level, validation sampling from val_kwargs.
 
-    Greedy when do_sample is False or temperature is 0.
+    Greedy when do_sample is False, temperature is 0, or `force_greedy` (a greedy baseline
+    pass such as ReMax's).
     """
     src = config.val_kwargs if validate else config
-    greedy = (not src.do_sample) or src.temperature == 0
+    greedy = force_greedy or (not src.do_sample) or src.temperature == 0
     top_k = int(src.top_k) if src.top_k > 0 else -1
     return SamplingSpec(
         greedy=greedy,
@@ -354,8 +355,9 @@ class BaseRollout(ABC):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Generate one response per row; see the module docstring for the exact contract."""
         _check_prompts(prompts, self.config)
-        validate = bool(prompts.meta_info.get("validate", False))
-        sampling = resolve_sampling(self.config, validate)
+        meta = prompts.meta_info
+        force_greedy = bool(meta.get("greedy", False)) or meta.get("do_sample", True) is False
+        sampling = resolve_sampling(self.config, bool(meta.get("validate", False)), force_greedy)
         if prompts.meta_info.get("greedy", False):  # e.g. the ReMax baseline
             sampling = SamplingSpec(greedy=True, temperature=1.0, top_k=-1, top_p=1.0)
         ids = prompts.batch["input_ids"]

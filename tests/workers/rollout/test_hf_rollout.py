@@ -141,6 +141,15 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir, tokenizer, source_model
     assert not torch.equal(a1.batch["responses"], c1.batch["responses"])
 
 
+def test_greedy_meta_flag_forces_greedy(hf_rollout, tokenizer, source_model):
+    ref = hf_rollout.generate_sequences(make_prompts(tokenizer, TEXTS, {"validate": True})).batch["responses"]
+    for meta in ({"greedy": True}, {"do_sample": False}):  # hybridrl's flag and veRL's
+        out = hf_rollout.generate_sequences(make_prompts(tokenizer, TEXTS, meta))
+        assert torch.equal(out.batch["responses"], ref)
+    sampled = hf_rollout.generate_sequences(make_prompts(tokenizer, TEXTS)).batch["responses"]
+    assert not torch.equal(sampled, ref)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_log_probs_match_a_forward_pass(tiny_model_dir, tokenizer, source_model, temperature):
     rollout = _synced(

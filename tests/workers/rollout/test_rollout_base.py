@@ -92,6 +92,8 @@ def test_resolve_sampling():
     assert val.greedy and val.temperature == 1.0
     assert resolve_sampling(RolloutConfig(do_sample=False, temperature=0.7), False).greedy
     assert resolve_sampling(RolloutConfig(temperature=0.0), False).greedy
+    forced = resolve_sampling(RolloutConfig(temperature=0.7), False, force_greedy=True)
+    assert forced.greedy and forced.temperature == 1.0
     sampled_val = resolve_sampling(
         RolloutConfig(val_kwargs={"do_sample": True, "temperature": 0.6, "top_k": 5}), True
     )

@@ -188,7 +188,13 @@ def _two_rank_worker(rank, model_dir, port, results):
     rollout.shutdown()  # must leave the default group usable
     y = torch.tensor([10.0 * (rank + 1)])
     dist.all_reduce(y)
-    results[rank] = (tuple(out.batch["responses"].shape), x.item(), y.item(), dist.get_world_size(), rollout.dp_rank)
+    results[rank] = (
+        tuple(out.batch["responses"].shape),
+        x.item(),
+        y.item(),
+        dist.get_world_size(),
+        rollout.dp_rank,
+    )
     dist.destroy_process_group()
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hybridrl.models.weight_map import (
+    dtype_name,
     get_weight_name_map,
     map_named_tensors,
     register_weight_name_map,
@@ -128,3 +129,4 @@ def test_to_torch_dtype():
     )
     with pytest.raises(ValueError, match="unknown dtype"):
         to_torch_dtype("int3")
+    assert dtype_name("bf16") == "bfloat16" and dtype_name(torch.float32) == "float32"
