@@ -30,8 +30,7 @@ def run_ppo(cfg: DictConfig | dict | None = None) -> dict[str, float]:
 def run_ppo_config(config: PPOConfig) -> dict[str, float]:
     from hybridrl.trainer.setup import build_trainer
 
-    _init_ray(config)
-    trainer = build_trainer(config)
+    trainer = build_trainer(config, init_ray=_init_ray)  # data and rewards are checked before Ray starts
     try:
         metrics = trainer.fit()
     finally:

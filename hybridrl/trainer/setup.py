@@ -101,7 +101,7 @@ def build_reward_fns(config: PPOConfig, tokenizer):
     return train, val
 
 
-def build_trainer(config: PPOConfig) -> RayPPOTrainer:
+def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     """Everything a run needs, in order; workers start last (they are the slow part)."""
     import random
 
@@ -124,6 +124,8 @@ def build_trainer(config: PPOConfig) -> RayPPOTrainer:
     tracker = Tracking(config.trainer.project_name, config.trainer.experiment_name, config.trainer.logger,
                        config=dataclasses.asdict(config), log_dir=os.environ.get("HYBRIDRL_LOG_DIR"))
     peak = _peak_flops(config)
+    if init_ray is not None:
+        init_ray(config)
     workers = start_workers(config, peak_flops=peak)
     return RayPPOTrainer(config, tokenizer, workers, train_loader, val_loader, reward_fn, val_reward_fn, tracker)
 
