@@ -423,6 +423,8 @@ def ray_local():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray = pytest.importorskip("ray")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if ray.is_initialized():  # left running by another test module
+        ray.shutdown()
     ray.init(
         num_cpus=1,
         include_dashboard=False,

@@ -169,6 +169,7 @@ class AsyncRolloutManager:
         if self._thread is not None:
             raise RuntimeError("AsyncRolloutManager.start called twice")
         self.staleness = StalenessManager(self.batch_size, self.eta, self.max_concurrent, start_version=version)
+        self._seq = version * self.batch_size  # group numbers continue across a resume
         self.publish(version, weights)
         self._last_batch_time = time.perf_counter()
         for w in self._workers:
@@ -178,6 +179,7 @@ class AsyncRolloutManager:
 
     def submit(self, prompts: DataProto) -> None:
         """Queue prompts (one group each); rows need a unique non-tensor "uid". Never blocks."""
+        self._require_started()
         if "uid" not in prompts.non_tensor_batch:
             raise KeyError("AsyncRolloutManager.submit: prompts need a non-tensor 'uid' per row (the group id)")
         with self._lock:
@@ -279,6 +281,13 @@ class AsyncRolloutManager:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def seed_index(self, seq: int) -> int:
+        """Sampling seed index of a chunk starting at group `seq`: the synchronous trainer's
+        `step * 1000 + i` when chunks are whole batches (seq // B is the batch it belongs to in
+        commit order), unique per chunk, and the same after a resume."""
+        b = self.batch_size
+        return (seq // b + 1) * 1000 + seq % b if b < 1000 else 10**8 + seq
 
     # ------------------------------------------------------------------ consumer helpers
     def _require_started(self) -> None:
@@ -386,6 +395,7 @@ class AsyncRolloutManager:
                     self._send_weights(w)
                 batch = DataProto.concat([g.prompt for g in groups]).repeat(self.rollout_n, interleave=True)
                 gen_in = batch.select(batch_keys=list(GEN_KEYS))
+                gen_in.meta_info["seed_index"] = self.seed_index(groups[0].seq)
                 batch.pop(batch_keys=list(GEN_KEYS))
                 for g in groups:
                     g.version = self._version

@@ -95,7 +95,9 @@ def load_async_config(cfg: DictConfig | dict | None = None) -> AsyncPPOConfig:
         key = str(getattr(e, "full_key", None) or e)
         close = difflib.get_close_matches(key, _all_keys(schema), n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ConfigError(f"unknown config key '{key}'.{hint} See docs/async.md for the async_training keys.") from None
+        raise ConfigError(
+            f"unknown config key '{key}'.{hint} See docs/async.md for the async_training keys."
+        ) from None
     except ValidationError as e:
         raise ConfigError(f"bad value for config key '{getattr(e, 'full_key', '?')}': {e.msg}") from None
     OmegaConf.resolve(merged)
@@ -122,12 +124,14 @@ def validate_async_config(config: AsyncPPOConfig) -> None:
     at, d = config.async_training, config.data
     arr, algo = config.actor_rollout_ref, config.algorithm
     if at.max_head_offpolicyness < 0:
-        raise ConfigError(f"{KEY}.max_head_offpolicyness={at.max_head_offpolicyness} must be >= 0 (0 = synchronous)")
+        raise ConfigError(
+            f"{KEY}.max_head_offpolicyness={at.max_head_offpolicyness} must be >= 0 (0 = synchronous)"
+        )
     if at.consumer_batch_size is not None and at.consumer_batch_size != d.train_batch_size:
         raise ConfigError(
             f"{KEY}.consumer_batch_size={at.consumer_batch_size} differs from data.train_batch_size="
-            f"{d.train_batch_size}; the trainer's batch sizes follow data.train_batch_size, so set that one "
-            f"(or leave {KEY}.consumer_batch_size null)"
+            f"{d.train_batch_size}; the trainer's batch sizes follow data.train_batch_size, so set "
+            f"data.train_batch_size instead (and leave {KEY}.consumer_batch_size null)"
         )
     for name in ("max_concurrent_rollouts", "queue_size", "chunk_size"):
         value = getattr(at, name)
@@ -139,7 +143,9 @@ def validate_async_config(config: AsyncPPOConfig) -> None:
     if at.rollout_cpus_per_worker <= 0:
         raise ConfigError(f"{KEY}.rollout_cpus_per_worker={at.rollout_cpus_per_worker} must be > 0")
     if at.behave_imp_weight_cap is not None and at.behave_imp_weight_cap <= 0:
-        raise ConfigError(f"{KEY}.behave_imp_weight_cap={at.behave_imp_weight_cap} must be > 0 (or null: no cap)")
+        raise ConfigError(
+            f"{KEY}.behave_imp_weight_cap={at.behave_imp_weight_cap} must be > 0 (or null: no cap)"
+        )
     if at.use_decoupled_loss and not at.recompute_logprob:
         raise ConfigError(
             f"{KEY}.use_decoupled_loss=true needs {KEY}.recompute_logprob=true: the decoupled loss centres the "

@@ -25,7 +25,12 @@ import torch
 from hybridrl import algos
 from hybridrl.async_rollout.manager import AsyncRolloutManager
 from hybridrl.protocol import DataProto
-from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, gather_refs
+from hybridrl.single_controller.ray.base import (
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    gather_refs,
+)
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.trainer.async_config import AsyncPPOConfig, n_rollout_workers
 from hybridrl.trainer.ppo_trainer import RayPPOTrainer, _attach_extra
@@ -106,38 +111,62 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
 
     tr, arr, at = config.trainer, config.actor_rollout_ref, config.async_training
     use_gpu = _use_gpu(config)
-    train_pool = RayResourcePool([tr.n_gpus_per_node] * tr.nnodes, use_gpu=use_gpu, cpus_per_slot=tr.cpus_per_worker,
-                                 name_prefix="hybridrl_train")
-    rollout_pool = RayResourcePool([at.rollout_n_gpus_per_node] * at.rollout_nnodes, use_gpu=use_gpu,
-                                   cpus_per_slot=at.rollout_cpus_per_worker, name_prefix="hybridrl_rollout")
+    train_pool = RayResourcePool(
+        [tr.n_gpus_per_node] * tr.nnodes,
+        use_gpu=use_gpu,
+        cpus_per_slot=tr.cpus_per_worker,
+        name_prefix="hybridrl_train",
+    )
+    rollout_pool = RayResourcePool(
+        [at.rollout_n_gpus_per_node] * at.rollout_nnodes,
+        use_gpu=use_gpu,
+        cpus_per_slot=at.rollout_cpus_per_worker,
+        name_prefix="hybridrl_rollout",
+    )
     world = train_pool.world_size
     n = arr.rollout.n
     classes = {
         "actor": RayClassWithInitArgs(
-            AsyncActorWorker, model=arr.model, actor=arr.actor, ref=arr.ref, rollout=arr.rollout,
+            AsyncActorWorker,
+            model=arr.model,
+            actor=arr.actor,
+            ref=arr.ref,
+            rollout=arr.rollout,
             use_ref=config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss,
             actor_batch_sizes=normalize_actor_batch_sizes(arr.actor, rollout_n=n, dp_size=world),
-            num_threads=None if use_gpu else train_pool.num_threads, peak_flops=peak_flops,
+            num_threads=None if use_gpu else train_pool.num_threads,
+            peak_flops=peak_flops,
         )
     }
     threads = None if use_gpu else train_pool.num_threads
     if algos.estimator_needs_critic(config.algorithm.adv_estimator):
         classes["critic"] = RayClassWithInitArgs(
-            CriticWorker, config=config.critic,
+            CriticWorker,
+            config=config.critic,
             batch_sizes=normalize_critic_batch_sizes(config.critic, dp_size=world, rollout_n=n),
-            num_threads=threads, peak_flops=peak_flops,
+            num_threads=threads,
+            peak_flops=peak_flops,
         )
     if config.reward_model.enable:
         classes["reward_model"] = RayClassWithInitArgs(
-            RewardModelWorker, config=config.reward_model, policy_tokenizer_path=arr.model.path, num_threads=threads
+            RewardModelWorker,
+            config=config.reward_model,
+            policy_tokenizer_path=arr.model.path,
+            num_threads=threads,
         )
-    train_group = RayWorkerGroup(train_pool, create_colocated_worker_cls(classes), name_prefix="hybridrl_train")
+    train_group = RayWorkerGroup(
+        train_pool, create_colocated_worker_cls(classes), name_prefix="hybridrl_train"
+    )
     views = train_group.spawn(list(classes))
     rollout_cfg = _rollout_worker_config(arr.rollout)
     rollout_group = RayWorkerGroup(
         rollout_pool,
-        RayClassWithInitArgs(AsyncRolloutWorker, model=arr.model, rollout=rollout_cfg,
-                             num_threads=None if use_gpu else rollout_pool.num_threads),
+        RayClassWithInitArgs(
+            AsyncRolloutWorker,
+            model=arr.model,
+            rollout=rollout_cfg,
+            num_threads=None if use_gpu else rollout_pool.num_threads,
+        ),
         name_prefix="hybridrl_rollout",
     )
     rollout_init = rollout_group.execute_all_async("init_model")
@@ -145,9 +174,15 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
         if name in views:
             views[name].init_model()
     rollout_group._gather(rollout_init, "init_model", list(range(rollout_group.world_size)))
-    return AsyncWorkers(actor_rollout=views["actor"], critic=views.get("critic"),
-                        reward_model=views.get("reward_model"), _group=train_group, _pool=train_pool,
-                        rollout=rollout_group, _rollout_pool=rollout_pool)
+    return AsyncWorkers(
+        actor_rollout=views["actor"],
+        critic=views.get("critic"),
+        reward_model=views.get("reward_model"),
+        _group=train_group,
+        _pool=train_pool,
+        rollout=rollout_group,
+        _rollout_pool=rollout_pool,
+    )
 
 
 def _rollout_worker_config(rollout):
@@ -167,13 +202,24 @@ class AsyncPPOTrainer(RayPPOTrainer):
         workers: from `start_async_workers`.
     """
 
-    def __init__(self, config: AsyncPPOConfig, tokenizer, workers: AsyncWorkers, train_loader, val_loader,
-                 reward_fn, val_reward_fn, tracker):
+    def __init__(
+        self,
+        config: AsyncPPOConfig,
+        tokenizer,
+        workers: AsyncWorkers,
+        train_loader,
+        val_loader,
+        reward_fn,
+        val_reward_fn,
+        tracker,
+    ):
         self.async_config = config.async_training
         self.async_workers = workers
         view = PolicyView(workers.actor_rollout, self._started_manager)
         groups = WorkerGroups(actor_rollout=view, critic=workers.critic, reward_model=workers.reward_model)
-        super().__init__(config, tokenizer, groups, train_loader, val_loader, reward_fn, val_reward_fn, tracker)
+        super().__init__(
+            config, tokenizer, groups, train_loader, val_loader, reward_fn, val_reward_fn, tracker
+        )
         at = self.async_config
         self.manager = AsyncRolloutManager(
             workers.rollout.workers,
@@ -209,8 +255,12 @@ class AsyncPPOTrainer(RayPPOTrainer):
         result to the manager. The other ranks' results of the previous publish are checked, so a
         failure there surfaces here with its traceback."""
         if self._last_publish is not None and len(self._last_publish.refs) > 1:
-            gather_refs(self._last_publish.refs[1:], group="train", method="publish_weights",
-                        ranks=list(range(1, len(self._last_publish.refs))))
+            gather_refs(
+                self._last_publish.refs[1:],
+                group="train",
+                method="publish_weights",
+                ranks=list(range(1, len(self._last_publish.refs))),
+            )
         self._last_publish = self.workers.actor_rollout.publish_weights(version)
         ref = self._last_publish.refs[0]
         if start:
@@ -244,7 +294,9 @@ class AsyncPPOTrainer(RayPPOTrainer):
         if self.async_config.recompute_logprob:
             return super()._compute_old_log_prob(batch, metrics, timing)
         if "rollout_log_probs" not in batch.batch.keys():
-            raise KeyError("async_training.recompute_logprob=false needs the rollout's log-probs (rollout_log_probs)")
+            raise KeyError(
+                "async_training.recompute_logprob=false needs the rollout's log-probs (rollout_log_probs)"
+            )
         batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
         return batch
 
@@ -283,10 +335,18 @@ def build_async_trainer(config: AsyncPPOConfig) -> AsyncPPOTrainer:
     config.actor_rollout_ref.actor.optim.total_training_steps = steps
     config.critic.optim.total_training_steps = steps
     reward_fn, val_reward_fn = build_reward_fns(config, tokenizer)
-    tracker = Tracking(config.trainer.project_name, config.trainer.experiment_name, config.trainer.logger,
-                       config=dataclasses.asdict(config), log_dir=os.environ.get("HYBRIDRL_LOG_DIR"))
+    tracker = Tracking(
+        config.trainer.project_name,
+        config.trainer.experiment_name,
+        config.trainer.logger,
+        config=dataclasses.asdict(config),
+        log_dir=os.environ.get("HYBRIDRL_LOG_DIR"),
+    )
     workers = start_async_workers(config)
-    print(f"[hybridrl.async] {workers.actor_rollout.world_size} training slot(s), {n_rollout_workers(config)} "
-          f"rollout slot(s), max_head_offpolicyness={config.async_training.max_head_offpolicyness}")
-    return AsyncPPOTrainer(config, tokenizer, workers, train_loader, val_loader, reward_fn, val_reward_fn, tracker)
-
+    print(
+        f"[hybridrl.async] {workers.actor_rollout.world_size} training slot(s), {n_rollout_workers(config)} "
+        f"rollout slot(s), max_head_offpolicyness={config.async_training.max_head_offpolicyness}"
+    )
+    return AsyncPPOTrainer(
+        config, tokenizer, workers, train_loader, val_loader, reward_fn, val_reward_fn, tracker
+    )

@@ -85,7 +85,10 @@ def init_ray(config: AsyncPPOConfig) -> None:
         ray.init(address=address, **kwargs)
         return
     tr, at = config.trainer, config.async_training
-    need = tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker + n_rollout_workers(config) * at.rollout_cpus_per_worker
+    need = (
+        tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker
+        + n_rollout_workers(config) * at.rollout_cpus_per_worker
+    )
     ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False, **kwargs)
 
 

@@ -74,8 +74,9 @@ def load_config(cfg: DictConfig | dict | None = None) -> PPOConfig:
         known = _all_keys(schema)
         close = difflib.get_close_matches(str(key), known, n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ConfigError(f"unknown config key '{key}'.{hint} See hybridrl/trainer/config/ppo_trainer.yaml "
-                          "for every key.") from None
+        raise ConfigError(
+            f"unknown config key '{key}'.{hint} See hybridrl/trainer/config/ppo_trainer.yaml for every key."
+        ) from None
     except ValidationError as e:
         raise ConfigError(f"bad value for config key '{getattr(e, 'full_key', '?')}': {e.msg}") from None
     OmegaConf.resolve(merged)
@@ -107,8 +108,11 @@ def validate_config(config: PPOConfig) -> None:
     if world < 1:
         raise ConfigError("trainer.nnodes * trainer.n_gpus_per_node must be >= 1")
     _check_choice("algorithm.adv_estimator", algo.adv_estimator, algos.list_adv_estimators())
-    _check_choice("actor_rollout_ref.actor.policy_loss.loss_mode", arr.actor.policy_loss.loss_mode,
-                  algos.list_policy_losses())
+    _check_choice(
+        "actor_rollout_ref.actor.policy_loss.loss_mode",
+        arr.actor.policy_loss.loss_mode,
+        algos.list_policy_losses(),
+    )
     _check_choice("data.truncation", d.truncation, ["error", "left", "right", "middle"])
     _check_choice("trainer.resume_mode", tr.resume_mode, ["auto", "disable", "resume_path"])
     _check_choice("trainer.device", tr.device, ["auto", "cpu", "cuda"])
@@ -145,14 +149,14 @@ def validate_config(config: PPOConfig) -> None:
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}; pick a divisor"
         )
     if rows % world != 0:
-        raise ConfigError(
-            f"data.train_batch_size * rollout.n = {rows} rows must divide across {world} ranks"
-        )
+        raise ConfigError(f"data.train_batch_size * rollout.n = {rows} rows must divide across {world} ranks")
     use_critic = algos.estimator_needs_critic(algo.adv_estimator)
     if use_critic:
         _validate_critic(config, world)
     if algo.use_kl_in_reward and arr.actor.use_kl_loss:
-        print("[hybridrl] warning: both algorithm.use_kl_in_reward and actor.use_kl_loss are on (KL counted twice)")
+        print(
+            "[hybridrl] warning: both algorithm.use_kl_in_reward and actor.use_kl_loss are on (KL counted twice)"
+        )
     _check_choice("actor_rollout_ref.rollout.name", arr.rollout.name, ["hf", "vllm", "sglang"])
     if arr.rollout.response_length > 0 and arr.rollout.response_length != d.max_response_length:
         pass  # rollout.response_length may be set on its own; data.max_response_length is the default.
@@ -165,9 +169,13 @@ def validate_config(config: PPOConfig) -> None:
             f"custom_reward_function.path={config.custom_reward_function.path!r} does not exist; fix the path"
         )
     if config.reward_model.enable and not config.reward_model.model.path:
-        raise ConfigError("reward_model.enable=True needs reward_model.model.path (a sequence-classification model)")
+        raise ConfigError(
+            "reward_model.enable=True needs reward_model.model.path (a sequence-classification model)"
+        )
     if tr.resume_mode == "resume_path" and not tr.resume_from_path:
-        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>")
+        raise ConfigError(
+            "trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>"
+        )
     fg = algo.filter_groups
     if fg.enable and n < 2:
         raise ConfigError("algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2")
@@ -185,7 +193,9 @@ def _validate_critic(config: PPOConfig, world: int) -> None:
             f"data.train_batch_size={d.train_batch_size} is not divisible by critic.ppo_mini_batch_size={mini}"
         )
     if (mini * n) % world != 0:
-        raise ConfigError(f"critic.ppo_mini_batch_size * rollout.n = {mini * n} must divide across {world} ranks")
+        raise ConfigError(
+            f"critic.ppo_mini_batch_size * rollout.n = {mini * n} must divide across {world} ranks"
+        )
     micro = c.ppo_micro_batch_size_per_gpu
     if not c.use_dynamic_bsz and micro is not None and (mini * n // world) % micro != 0:
         raise ConfigError(

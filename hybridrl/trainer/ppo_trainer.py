@@ -48,8 +48,17 @@ class RayPPOTrainer:
         tracker: `hybridrl.utils.tracking.Tracking`.
     """
 
-    def __init__(self, config, tokenizer, workers: WorkerGroups, train_loader, val_loader, reward_fn,
-                 val_reward_fn, tracker):
+    def __init__(
+        self,
+        config,
+        tokenizer,
+        workers: WorkerGroups,
+        train_loader,
+        val_loader,
+        reward_fn,
+        val_reward_fn,
+        tracker,
+    ):
         self.config = config
         self.tokenizer = tokenizer
         self.workers = workers
@@ -126,8 +135,9 @@ class RayPPOTrainer:
                 self._train_iter = None
                 self._epoch += 1
         batch = DataProto.from_single_dict(batch_dict)
-        batch.non_tensor_batch["uid"] = np.array([str(uuid.UUID(int=random.getrandbits(128))) for _ in
-                                                  range(len(batch))], dtype=object)
+        batch.non_tensor_batch["uid"] = np.array(
+            [str(uuid.UUID(int=random.getrandbits(128))) for _ in range(len(batch))], dtype=object
+        )
         return batch
 
     def _generate(self, prompts: DataProto, timing: dict) -> DataProto:
@@ -154,7 +164,11 @@ class RayPPOTrainer:
         pad_id = self.tokenizer.pad_token_id
         mask = (prompts != pad_id).long()
         gen_in = DataProto.from_dict(
-            {"input_ids": prompts, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+            {
+                "input_ids": prompts,
+                "attention_mask": mask,
+                "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            },
             meta_info={"greedy": True, "global_steps": self.global_steps},
         )
         with timer("gen_max", timing):
@@ -321,8 +335,9 @@ class RayPPOTrainer:
         sources, scores, extras, uids, samples = [], [], defaultdict(list), [], []
         for i, batch_dict in enumerate(self.val_loader):
             prompts = DataProto.from_single_dict(batch_dict)
-            prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))],
-                                                       dtype=object)
+            prompts.non_tensor_batch["uid"] = np.array(
+                [str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object
+            )
             batch = prompts.repeat(repeat_times=n, interleave=True)
             gen_in = batch.select(batch_keys=["input_ids", "attention_mask", "position_ids"])
             gen_in.meta_info["validate"] = True
@@ -336,8 +351,11 @@ class RayPPOTrainer:
             scores.extend(seq_scores)
             for k, v in res.get("reward_extra_info", {}).items():
                 extras[k].extend(v)
-            sources.extend(batch.non_tensor_batch.get(self.config.data.reward_fn_key,
-                                                      np.array(["unknown"] * len(batch))).tolist())
+            sources.extend(
+                batch.non_tensor_batch.get(
+                    self.config.data.reward_fn_key, np.array(["unknown"] * len(batch))
+                ).tolist()
+            )
             uids.extend(batch.non_tensor_batch["uid"].tolist())
             if len(samples) < self.config.trainer.log_val_generations:
                 samples.extend(_decode_samples(self.tokenizer, batch, seq_scores))
@@ -347,7 +365,9 @@ class RayPPOTrainer:
         val = process_validation_metrics(sources, uids, dict(extras))
         self.last_val_metrics = val
         if samples:
-            self.tracker.log_generations(samples[: self.config.trainer.log_val_generations], self.global_steps)
+            self.tracker.log_generations(
+                samples[: self.config.trainer.log_val_generations], self.global_steps
+            )
         return val
 
     # ----------------------------------------------------------- checkpoints
@@ -371,7 +391,11 @@ class RayPPOTrainer:
             "epoch": self._epoch,
             "dataloader": self.train_loader.state_dict(),
             "kl_ctrl": self.kl_ctrl_in_reward.state_dict() if self.kl_ctrl_in_reward else None,
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+            },
         }
         torch.save(state, os.path.join(tmp, "data.pt"))
         final = checkpointing.finalize(root, self.global_steps)
@@ -419,8 +443,11 @@ class RayPPOTrainer:
         metrics.update(compute_throughout_metrics(batch, timing, self.workers.actor_rollout.world_size))
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch
-        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.floating, np.integer))
-                 or (torch.is_tensor(v) and v.numel() == 1)}
+        clean = {
+            k: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float, np.floating, np.integer)) or (torch.is_tensor(v) and v.numel() == 1)
+        }
         self.history.append(clean)
         self.tracker.log(clean, step=self.global_steps)
 
@@ -464,12 +491,14 @@ def _decode_samples(tokenizer, batch: DataProto, scores: list[float]) -> list[di
         p = prompts[i][prompts[i] != pad]
         r = responses[i][mask[i]]
         gt = batch.non_tensor_batch.get("reward_model", [None] * len(batch))[i]
-        rows.append({
-            "prompt": tokenizer.decode(p, skip_special_tokens=True),
-            "response": tokenizer.decode(r, skip_special_tokens=True),
-            "ground_truth": gt.get("ground_truth") if isinstance(gt, dict) else None,
-            "score": scores[i],
-        })
+        rows.append(
+            {
+                "prompt": tokenizer.decode(p, skip_special_tokens=True),
+                "response": tokenizer.decode(r, skip_special_tokens=True),
+                "ground_truth": gt.get("ground_truth") if isinstance(gt, dict) else None,
+                "score": scores[i],
+            }
+        )
     return rows
 
 

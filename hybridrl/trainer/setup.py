@@ -44,25 +44,43 @@ def total_steps(config: PPOConfig, steps_per_epoch: int) -> int:
 
 def build_datasets(config: PPOConfig, tokenizer):
     from hybridrl.data.rl_dataset import RLDataConfig, collate_fn, create_rl_dataset
-    from hybridrl.data.sampler import RLDataLoader, ResumableSampler
+    from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 
     d = config.data
     raw = {f.name: getattr(d, f.name) for f in dataclasses.fields(d)}
     custom = d.custom_cls
-    train = create_rl_dataset(d.train_files, tokenizer, RLDataConfig.from_verl(raw, "train"),
-                              custom_cls_path=custom.path, custom_cls_name=custom.name, files_key="data.train_files")
-    val = create_rl_dataset(d.val_files, tokenizer, RLDataConfig.from_verl(raw, "val"),
-                            custom_cls_path=custom.path, custom_cls_name=custom.name, files_key="data.val_files")
+    train = create_rl_dataset(
+        d.train_files,
+        tokenizer,
+        RLDataConfig.from_verl(raw, "train"),
+        custom_cls_path=custom.path,
+        custom_cls_name=custom.name,
+        files_key="data.train_files",
+    )
+    val = create_rl_dataset(
+        d.val_files,
+        tokenizer,
+        RLDataConfig.from_verl(raw, "val"),
+        custom_cls_path=custom.path,
+        custom_cls_name=custom.name,
+        files_key="data.val_files",
+    )
     if len(train) < d.train_batch_size:
         raise ValueError(
             f"data.train_files has {len(train)} prompts, fewer than data.train_batch_size={d.train_batch_size}; "
             "lower the batch size or add data"
         )
-    train_loader = RLDataLoader(train, d.train_batch_size, ResumableSampler(len(train), shuffle=d.shuffle, seed=d.seed),
-                                collate_fn, drop_last=True)
+    train_loader = RLDataLoader(
+        train,
+        d.train_batch_size,
+        ResumableSampler(len(train), shuffle=d.shuffle, seed=d.seed),
+        collate_fn,
+        drop_last=True,
+    )
     val_bs = d.val_batch_size or len(val)
-    val_loader = RLDataLoader(val, val_bs, ResumableSampler(len(val), shuffle=False, seed=0), collate_fn,
-                              drop_last=False)
+    val_loader = RLDataLoader(
+        val, val_bs, ResumableSampler(len(val), shuffle=False, seed=0), collate_fn, drop_last=False
+    )
     return train_loader, _OneEpoch(val_loader)
 
 
@@ -92,9 +110,15 @@ def build_reward_fns(config: PPOConfig, tokenizer):
         extra = {"num_workers": kw.num_workers, "timeout": kw.timeout}
     elif name == "dapo":
         ob = kw.overlong_buffer
-        extra = {"max_resp_len": config.data.max_response_length,
-                 "overlong_buffer_cfg": {"enable": ob.enable, "len": ob.len, "penalty_factor": ob.penalty_factor,
-                                         "log": ob.log}}
+        extra = {
+            "max_resp_len": config.data.max_response_length,
+            "overlong_buffer_cfg": {
+                "enable": ob.enable,
+                "len": ob.len,
+                "penalty_factor": ob.penalty_factor,
+                "log": ob.log,
+            },
+        }
     key = config.data.reward_fn_key
     train = load_reward_manager(name, tokenizer, 0, compute_score, reward_fn_key=key, **extra)
     val = load_reward_manager(name, tokenizer, 1, compute_score, reward_fn_key=key, **extra)
@@ -105,9 +129,9 @@ def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     """Everything a run needs, in order; workers start last (they are the slow part)."""
     import random
 
+    from hybridrl.trainer.workers_setup import start_workers
     from hybridrl.utils.tracking import Tracking
     from hybridrl.workers.engine.fsdp import load_tokenizer
-    from hybridrl.trainer.workers_setup import start_workers
 
     resolve_builtin(config)
     seed = config.trainer.seed
@@ -121,13 +145,20 @@ def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     config.actor_rollout_ref.actor.optim.total_training_steps = steps
     config.critic.optim.total_training_steps = steps
     reward_fn, val_reward_fn = build_reward_fns(config, tokenizer)
-    tracker = Tracking(config.trainer.project_name, config.trainer.experiment_name, config.trainer.logger,
-                       config=dataclasses.asdict(config), log_dir=os.environ.get("HYBRIDRL_LOG_DIR"))
+    tracker = Tracking(
+        config.trainer.project_name,
+        config.trainer.experiment_name,
+        config.trainer.logger,
+        config=dataclasses.asdict(config),
+        log_dir=os.environ.get("HYBRIDRL_LOG_DIR"),
+    )
     peak = _peak_flops(config)
     if init_ray is not None:
         init_ray(config)
     workers = start_workers(config, peak_flops=peak)
-    return RayPPOTrainer(config, tokenizer, workers, train_loader, val_loader, reward_fn, val_reward_fn, tracker)
+    return RayPPOTrainer(
+        config, tokenizer, workers, train_loader, val_loader, reward_fn, val_reward_fn, tracker
+    )
 
 
 def _peak_flops(config: PPOConfig) -> float | None:
@@ -135,8 +166,11 @@ def _peak_flops(config: PPOConfig) -> float | None:
     from hybridrl.utils.torch_utils import str_to_dtype
 
     mp = config.actor_rollout_ref.actor.fsdp_config
-    dtype = str_to_dtype(mp.mixed_precision.param_dtype) if mp.model_dtype in ("fp32", "float32") else str_to_dtype(
-        mp.model_dtype)
+    dtype = (
+        str_to_dtype(mp.mixed_precision.param_dtype)
+        if mp.model_dtype in ("fp32", "float32")
+        else str_to_dtype(mp.model_dtype)
+    )
     threads = torch.get_num_threads()
     if not torch.cuda.is_available():  # one slot's peak: measure with the slot's thread count
         torch.set_num_threads(max(1, int(config.trainer.cpus_per_worker)))

@@ -44,7 +44,9 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
 
     tr, arr = config.trainer, config.actor_rollout_ref
     use_gpu = _use_gpu(config)
-    pool = RayResourcePool([tr.n_gpus_per_node] * tr.nnodes, use_gpu=use_gpu, cpus_per_slot=tr.cpus_per_worker)
+    pool = RayResourcePool(
+        [tr.n_gpus_per_node] * tr.nnodes, use_gpu=use_gpu, cpus_per_slot=tr.cpus_per_worker
+    )
     world = pool.world_size
     threads = pool.num_threads if not use_gpu else None
     n = arr.rollout.n
@@ -73,7 +75,10 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
         )
     if config.reward_model.enable:
         classes["reward_model"] = RayClassWithInitArgs(
-            RewardModelWorker, config=config.reward_model, policy_tokenizer_path=arr.model.path, num_threads=threads
+            RewardModelWorker,
+            config=config.reward_model,
+            policy_tokenizer_path=arr.model.path,
+            num_threads=threads,
         )
     group = RayWorkerGroup(pool, create_colocated_worker_cls(classes), name_prefix="hybridrl")
     views = group.spawn(list(classes))

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import torch
 
+from hybridrl.models.weight_map import to_torch_dtype
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import Worker, register
 from hybridrl.single_controller.dispatch import Dispatch
@@ -43,12 +43,6 @@ def _setup_process(num_threads: int | None) -> None:
     if num_threads:
         torch.set_num_threads(num_threads)
     init_process_group(timeout_s=_PG_TIMEOUT_S)
-
-
-def _rollout_dtype(name: str) -> torch.dtype:
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-             "float32": torch.float32, "fp32": torch.float32, "auto": torch.float32}
-    return table[name]
 
 
 class ActorRolloutRefWorker(Worker):
@@ -101,8 +95,9 @@ class ActorRolloutRefWorker(Worker):
         self.model_config.validate()
         model_path = resolve_model_path(self.model_config.path, "actor_rollout_ref.model.path")
         if self._is_actor:
-            self.actor_engine = FSDPEngine.build(self.model_config, self.actor_config.fsdp_config,
-                                                 self.actor_config.optim, role="actor")
+            self.actor_engine = FSDPEngine.build(
+                self.model_config, self.actor_config.fsdp_config, self.actor_config.optim, role="actor"
+            )
             self.actor = PPOActor(
                 self.actor_config,
                 self.actor_engine.module,
@@ -116,9 +111,15 @@ class ActorRolloutRefWorker(Worker):
         if self._is_ref:
             self._lora_self_ref = self._is_actor and self.model_config.lora_rank > 0
             if not self._lora_self_ref:
-                self.ref_engine = FSDPEngine.build(self.model_config, self.ref_config.fsdp_config, None, role="ref")
-                self.ref_policy = PPOActor(None, self.ref_engine.module, dp_size=self.ref_engine.dp_size,
-                                           use_remove_padding=self.model_config.use_remove_padding)
+                self.ref_engine = FSDPEngine.build(
+                    self.model_config, self.ref_config.fsdp_config, None, role="ref"
+                )
+                self.ref_policy = PPOActor(
+                    None,
+                    self.ref_engine.module,
+                    dp_size=self.ref_engine.dp_size,
+                    use_remove_padding=self.model_config.use_remove_padding,
+                )
         if self._is_rollout:
             self._build_rollout(model_path)
 
@@ -126,9 +127,9 @@ class ActorRolloutRefWorker(Worker):
         from hybridrl.workers.engine.fsdp import load_tokenizer
         from hybridrl.workers.rollout.base import create_rollout
 
-        tokenizer = (self.actor_engine.tokenizer if self.actor_engine is not None else None) or load_tokenizer(
-            self.model_config
-        )
+        tokenizer = (
+            self.actor_engine.tokenizer if self.actor_engine is not None else None
+        ) or load_tokenizer(self.model_config)
         self.rollout = create_rollout(self.rollout_config, model_path, tokenizer)
         self._weights_stale = self.actor_engine is not None
 
@@ -139,7 +140,7 @@ class ActorRolloutRefWorker(Worker):
         if not self._weights_stale or self.actor_engine is None:
             return {}
         self.actor_engine.onload()
-        named = self.actor_engine.iter_full_params(dtype=_rollout_dtype(self.rollout_config.dtype))
+        named = self.actor_engine.iter_full_params(dtype=to_torch_dtype(self.rollout_config.dtype))
         metrics = sync_weights(self.rollout, named)
         self.actor_engine.offload()
         self._weights_stale = False
@@ -205,7 +206,9 @@ class ActorRolloutRefWorker(Worker):
             log_probs, _ = self.ref_policy.compute_log_prob(data, **kwargs)
             self.ref_engine.offload()
         else:
-            raise RuntimeError(f"compute_ref_log_prob needs the reference; this worker has role={self.role!r}")
+            raise RuntimeError(
+                f"compute_ref_log_prob needs the reference; this worker has role={self.role!r}"
+            )
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- update
@@ -225,14 +228,20 @@ class ActorRolloutRefWorker(Worker):
     def save_checkpoint(self, local_path: str, global_step: int = 0) -> None:
         """Sharded actor checkpoint (model, optimizer, scheduler, RNG, rollout seed counter)."""
         extra = {"rollout_calls": self.rollout.num_generate_calls if self.rollout is not None else 0}
-        self.actor_engine.save_checkpoint(local_path, contents=self.actor_config.checkpoint.save_contents,
-                                          global_step=global_step, extra=extra)
+        self.actor_engine.save_checkpoint(
+            local_path,
+            contents=self.actor_config.checkpoint.save_contents,
+            global_step=global_step,
+            extra=extra,
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str) -> None:
         if not os.path.isdir(local_path):
             raise FileNotFoundError(f"actor checkpoint folder {local_path!r} does not exist")
-        state = self.actor_engine.load_checkpoint(local_path, contents=self.actor_config.checkpoint.load_contents)
+        state = self.actor_engine.load_checkpoint(
+            local_path, contents=self.actor_config.checkpoint.load_contents
+        )
         extra = (state or {}).get("extra") or {}
         if self.rollout is not None and "rollout_calls" in extra:
             self.rollout.num_generate_calls = int(extra["rollout_calls"])
@@ -249,8 +258,13 @@ class ActorRolloutRefWorker(Worker):
 class CriticWorker(Worker):
     """Value model for GAE (`AutoModelForTokenClassification`, one label)."""
 
-    def __init__(self, config: CriticConfig, batch_sizes: PerRankBatchSizes | None = None,
-                 num_threads: int | None = None, peak_flops: float | None = None) -> None:
+    def __init__(
+        self,
+        config: CriticConfig,
+        batch_sizes: PerRankBatchSizes | None = None,
+        num_threads: int | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.batch_sizes = batch_sizes
@@ -265,10 +279,19 @@ class CriticWorker(Worker):
 
         _setup_process(self.num_threads)
         c = self.config
-        self.engine = FSDPEngine.build(c.model, c.model.fsdp_config, c.optim, role="critic", key="critic.model")
-        self.critic = PPOCritic(c, self.engine.module, self.engine.optimizer, self.engine.lr_scheduler,
-                                dp_size=self.engine.dp_size, batch_sizes=self.batch_sizes,
-                                use_remove_padding=c.model.use_remove_padding, peak_flops=self.peak_flops)
+        self.engine = FSDPEngine.build(
+            c.model, c.model.fsdp_config, c.optim, role="critic", key="critic.model"
+        )
+        self.critic = PPOCritic(
+            c,
+            self.engine.module,
+            self.engine.optimizer,
+            self.engine.lr_scheduler,
+            dp_size=self.engine.dp_size,
+            batch_sizes=self.batch_sizes,
+            use_remove_padding=c.model.use_remove_padding,
+            peak_flops=self.peak_flops,
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
@@ -287,8 +310,9 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0) -> None:
-        self.engine.save_checkpoint(local_path, contents=self.config.checkpoint.save_contents,
-                                    global_step=global_step)
+        self.engine.save_checkpoint(
+            local_path, contents=self.config.checkpoint.save_contents, global_step=global_step
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str) -> None:
@@ -304,8 +328,12 @@ class RewardModelWorker(Worker):
     model's own, responses are decoded, re-templated with the RM's chat template and re-tokenised.
     """
 
-    def __init__(self, config: RewardModelConfig, policy_tokenizer_path: str | None = None,
-                 num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        config: RewardModelConfig,
+        policy_tokenizer_path: str | None = None,
+        num_threads: int | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.policy_tokenizer_path = policy_tokenizer_path
@@ -320,10 +348,14 @@ class RewardModelWorker(Worker):
 
         _setup_process(self.num_threads)
         mc = model_config_of(self.config)
-        self.engine = FSDPEngine.build(mc, self.config.model.fsdp_config, None, role="reward", key="reward_model.model")
+        self.engine = FSDPEngine.build(
+            mc, self.config.model.fsdp_config, None, role="reward", key="reward_model.model"
+        )
         src = self.config.model.input_tokenizer or self.policy_tokenizer_path
         if src and os.path.abspath(str(src)) != os.path.abspath(str(mc.path)):
-            self.policy_tokenizer = load_tokenizer(ModelConfig(path=src), key="reward_model.model.input_tokenizer")
+            self.policy_tokenizer = load_tokenizer(
+                ModelConfig(path=src), key="reward_model.model.input_tokenizer"
+            )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:

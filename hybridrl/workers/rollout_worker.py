@@ -48,14 +48,16 @@ class AsyncRolloutWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        """Build the rollout engine; sampling seeds differ by rank (no process group is joined)."""
+        """Build the rollout engine (no process group: rollout workers never run collectives).
+
+        Sampling seeds come from the chunk's `meta_info["seed_index"]` (set by the manager), so a
+        chunk draws the same samples whichever worker generates it."""
         from hybridrl.workers.engine.fsdp import resolve_model_path
 
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         self.model_config.validate()
         self._build_rollout(resolve_model_path(self.model_config.path, "actor_rollout_ref.model.path"))
-        self.rollout.dp_rank = self.rank  # derive_seed(seed, call, row, dp_rank): distinct per worker
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_weights(self, payload: dict[str, Any], version: int) -> float:

@@ -38,8 +38,10 @@ def test_too_small_dataset_for_the_batch(tmp_path):
 @pytest.mark.usefixtures("ray_local")
 def test_crashing_reward_function_names_data_source_and_sample(tmp_path):
     fn = tmp_path / "reward.py"
-    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                  "    raise ZeroDivisionError('boom')\n")
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise ZeroDivisionError('boom')\n"
+    )
     with pytest.raises(RuntimeError, match=r"hybridrl/arith") as err:
         run([f"custom_reward_function.path={fn}"], tmp_path)
     assert "boom" in repr(err.value.__cause__) or "boom" in str(err.value)

@@ -19,15 +19,23 @@ import pytest
 from tests.e2e.ppo_runs import SMALL, read_metrics
 
 ARGS = [*SMALL, "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1"]
-COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean",
-            "critic/advantages/mean"]
+COMPARED = [
+    "critic/score/mean",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "response_length/mean",
+    "critic/advantages/mean",
+]
 
 
 def _launch(ckpt: Path, logs: Path) -> subprocess.Popen:
     env = {**os.environ, "HYBRIDRL_LOG_DIR": str(logs), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
     env.pop("RAY_ADDRESS")
     cmd = [sys.executable, "-m", "hybridrl.trainer.main_ppo", *ARGS, f"trainer.default_local_dir={ckpt}"]
-    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 400) -> str:

@@ -17,18 +17,17 @@ def ray_session():
 
     # The actors get the toy worker classes by value, so they need not import this folder.
     ray.cloudpickle.register_pickle_by_value(sc_toy_workers)
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            num_cpus=4,
-            include_dashboard=False,
-            log_to_driver=False,
-            # no idle task workers: every worker here is an actor with its own process
-            _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
-        )
-    yield ray
-    if started:
+    if ray.is_initialized():  # another test module's Ray may have other settings: start our own
         ray.shutdown()
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        # no idle task workers: every worker here is an actor with its own process
+        _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+    )
+    yield ray
+    ray.shutdown()
 
 
 def _toy_group(world_size: int):

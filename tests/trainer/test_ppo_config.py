@@ -45,7 +45,10 @@ def test_unknown_key_names_the_key_and_suggests():
 @pytest.mark.parametrize(
     "overrides, pattern",
     [
-        (["data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=8"], "ppo_mini_batch_size"),
+        (
+            ["data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+            "ppo_mini_batch_size",
+        ),
         (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"], "ppo_micro_batch_size_per_gpu=7"),
         (["trainer.n_gpus_per_node=3"], "ranks"),
         (["actor_rollout_ref.rollout.n=1"], "rollout.n must be >= 2"),
@@ -53,7 +56,10 @@ def test_unknown_key_names_the_key_and_suggests():
         (["actor_rollout_ref.rollout.name=trt"], "actor_rollout_ref.rollout.name"),
         (["data.train_files=/no/such.parquet"], "data.train_files: file '/no/such.parquet' does not exist"),
         (["data.truncation=sideways"], "data.truncation"),
-        (["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=5"], "critic.ppo_micro_batch_size_per_gpu"),
+        (
+            ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=5"],
+            "critic.ppo_micro_batch_size_per_gpu",
+        ),
         (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
         (["reward_model.enable=true"], "reward_model.model.path"),
     ],

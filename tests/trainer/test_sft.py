@@ -264,6 +264,11 @@ def test_resume_continues_exactly(tiny, tmp_path):
         assert torch.equal(expected[name], got[name]), name
     # 64 rows in batches of 32: 4 steps end epoch 1, so the restored sampler now points at epoch 2
     assert second.loader.sampler.state_dict()["epoch"] == 2
+    # a finished run resumes at its last step, trains nothing and reports validation
+    third = make_trainer(overrides(tiny, tmp_path / "b", trainer__save_freq=2, **common))
+    final = third.fit()
+    assert third.global_step == 4 and set(final) == {"val/loss"}
+    assert torch.equal(params(third)[next(iter(expected))], next(iter(expected.values())))
 
 
 def test_lora_trains_and_exports_a_merged_model(tiny, tmp_path):

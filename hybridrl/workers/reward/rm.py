@@ -17,7 +17,9 @@ def model_config_of(config: RewardModelConfig) -> ModelConfig:
     """The `ModelConfig` the FSDP engine builds the reward model from."""
     m = config.model
     if not m.path:
-        raise ValueError("reward_model.enable=True needs reward_model.model.path (a sequence-classification model)")
+        raise ValueError(
+            "reward_model.enable=True needs reward_model.model.path (a sequence-classification model)"
+        )
     return ModelConfig(
         path=m.path,
         trust_remote_code=m.trust_remote_code,
@@ -35,7 +37,9 @@ def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     return out * (response_mask.sum(-1, keepdim=True) > 0)
 
 
-def _retemplate(data: DataProto, policy_tok: Any, rm_tok: Any, max_length: int | None) -> dict[str, torch.Tensor]:
+def _retemplate(
+    data: DataProto, policy_tok: Any, rm_tok: Any, max_length: int | None
+) -> dict[str, torch.Tensor]:
     """Decode with the policy tokenizer, re-apply the RM's chat template, re-tokenise (right-padded)."""
     prompts, responses = data.batch["prompts"], data.batch["responses"]
     pmask = data.batch["attention_mask"][:, : prompts.shape[1]].bool()
@@ -56,20 +60,32 @@ def _retemplate(data: DataProto, policy_tok: Any, rm_tok: Any, max_length: int |
     pad_side = rm_tok.padding_side
     rm_tok.padding_side = "right"
     try:
-        enc = rm_tok(texts, return_tensors="pt", padding=True, truncation=max_length is not None,
-                     max_length=max_length, add_special_tokens=False)
+        enc = rm_tok(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            truncation=max_length is not None,
+            max_length=max_length,
+            add_special_tokens=False,
+        )
     finally:
         rm_tok.padding_side = pad_side
     mask = enc["attention_mask"]
-    return {"input_ids": enc["input_ids"], "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+    return {
+        "input_ids": enc["input_ids"],
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+    }
 
 
-def compute_rm_scores(engine: Any, config: RewardModelConfig, data: DataProto, policy_tokenizer: Any) -> torch.Tensor:
+def compute_rm_scores(
+    engine: Any, config: RewardModelConfig, data: DataProto, policy_tokenizer: Any
+) -> torch.Tensor:
     """Score every sample with the reward model; returns (B, T) float32 (score on the last response token)."""
     from tensordict import TensorDict
 
-    from hybridrl.workers.engine.forward import forward_scores
     from hybridrl.utils.device import get_torch_device
+    from hybridrl.workers.engine.forward import forward_scores
 
     if policy_tokenizer is not None:
         if engine.tokenizer is None:
@@ -83,7 +99,12 @@ def compute_rm_scores(engine: Any, config: RewardModelConfig, data: DataProto, p
     scores = []
     with torch.no_grad():
         for start in range(0, len(data), micro):
-            scores.append(forward_scores(engine.module, batch[start : start + micro],
-                                         use_remove_padding=config.model.use_remove_padding))
+            scores.append(
+                forward_scores(
+                    engine.module,
+                    batch[start : start + micro],
+                    use_remove_padding=config.model.use_remove_padding,
+                )
+            )
     seq_scores = torch.cat(scores) if scores else torch.zeros(0)
     return place_on_last_token(seq_scores, data.batch["response_mask"])

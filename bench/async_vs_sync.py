@@ -1,0 +1,170 @@
+"""Wall time to the same validation accuracy: synchronous GRPO vs asynchronous GRPO, side by side.
+
+    python bench/async_vs_sync.py [--steps 60] [--val-every 10] [--eta 1] [--repeats 1]
+
+1. The synchronous trainer (main_ppo's quickstart config: one slot with both CPU cores, hybrid
+   engine) trains `--steps` steps, validating greedily on the full validation set every
+   `--val-every` steps. Its final validation accuracy is the target.
+2. The asynchronous trainer (main_async: one core for the trainer, one for a rollout worker,
+   eta = `--eta`) trains with the same data, batch, learning rate and validation schedule until a
+   validation reaches the target (at most `--max-steps-factor` x `--steps` steps).
+
+Times are measured from the start of fit() (workers already started; start-up is reported
+separately), both including and excluding the time spent in validation. Runs alternate sync,
+async, sync, ... so load changes on a shared machine hit both. Prints one table and writes
+JSON (`--out`). Never used as a timed assertion in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+VAL_KEY = "val-core/hybridrl/arith/acc/mean@1"
+
+
+def common_overrides(args, tmp: str) -> list[str]:
+    return [
+        f"trainer.total_training_steps={args.steps}",
+        f"trainer.test_freq={args.val_every}",
+        "trainer.val_before_train=true",
+        "trainer.logger=[console]",
+        "trainer.progress_bar=false",
+        "trainer.make_report=false",
+        "trainer.resume_mode=disable",
+        "trainer.save_freq=-1",
+        f"trainer.default_local_dir={tmp}/ckpt",
+        f"trainer.seed={args.seed}",
+    ]
+
+
+def build(kind: str, args, tmp: str, extra: list[str]):
+    from hydra import compose, initialize_config_module
+
+    if kind == "sync":
+        from hybridrl.trainer.ppo_config import load_config
+        from hybridrl.trainer.setup import build_trainer
+
+        with initialize_config_module("hybridrl.trainer.config", version_base=None):
+            cfg = compose("ppo_trainer", overrides=[*common_overrides(args, tmp), *extra])
+        return build_trainer(load_config(cfg))
+    from hybridrl.trainer.async_config import load_async_config
+    from hybridrl.trainer.async_trainer import build_async_trainer
+    from hybridrl.trainer.main_async import compose_async_config
+
+    cfg = compose_async_config([*common_overrides(args, tmp), f"async_training.max_head_offpolicyness={args.eta}",
+                                *extra])
+    return build_async_trainer(load_async_config(cfg))
+
+
+def run(kind: str, args, extra: list[str], target: float | None, max_steps: int) -> dict:
+    """One run; returns its validation curve [(step, wall_s, wall_excl_val_s, acc)] and timings."""
+    tmp = tempfile.mkdtemp(prefix=f"bench_{kind}_")
+    t_build = time.perf_counter()
+    trainer = build(kind, args, tmp, [*extra, f"trainer.total_training_steps={max_steps}"])
+    startup = time.perf_counter() - t_build
+    curve: list[tuple[int, float, float, float]] = []
+    clock = {"t0": 0.0, "val": 0.0}
+    validate, log = trainer._validate, trainer.tracker.log
+
+    def timed_validate():
+        t = time.perf_counter()
+        try:
+            return validate()
+        finally:
+            clock["val"] += time.perf_counter() - t
+
+    def logged(data, step):
+        log(data, step=step)
+        if VAL_KEY in data:
+            wall = time.perf_counter() - clock["t0"]
+            curve.append((step, wall, wall - clock["val"], float(data[VAL_KEY])))
+            if target is not None and data[VAL_KEY] >= target:
+                trainer.total_training_steps = trainer.global_steps  # stop: target reached
+
+    trainer._validate, trainer.tracker.log = timed_validate, logged
+    shutdown = trainer.async_workers.shutdown if kind == "async" else trainer.workers.shutdown
+    try:
+        clock["t0"] = time.perf_counter()
+        trainer.fit()
+        total = time.perf_counter() - clock["t0"]
+    finally:
+        trainer.tracker.finish()
+        shutdown()
+    steps = [h for h in trainer.history if "timing_s/step" in h]
+    out = {"kind": kind, "startup_s": startup, "fit_s": total, "val_s": clock["val"], "steps": len(steps),
+           "curve": curve, "mean_step_s": statistics.mean(h["timing_s/step"] for h in steps)}
+    if kind == "async":
+        out["mean_staleness"] = statistics.mean(h.get("async/staleness/mean", 0.0) for h in steps)
+        out["rollout_idle_frac"] = statistics.mean(h.get("async/rollout_idle_frac", 0.0) for h in steps[1:])
+        out["train_wait_s"] = statistics.mean(h.get("async/train_wait_s", 0.0) for h in steps[1:])
+    return out
+
+
+def time_to(curve, target: float) -> tuple[float, float, int] | None:
+    for step, wall, wall_excl, acc in curve:
+        if acc >= target:
+            return wall, wall_excl, step
+    return None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=60, help="synchronous steps; its final accuracy is the target")
+    p.add_argument("--val-every", type=int, default=10)
+    p.add_argument("--eta", type=int, default=1, help="async_training.max_head_offpolicyness")
+    p.add_argument("--max-steps-factor", type=float, default=2.0)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--async-extra", nargs="*", default=[], help="extra overrides for the async run")
+    p.add_argument("--out", default="bench_async_vs_sync.json")
+    args = p.parse_args(argv)
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
+                                       "HF_HUB_OFFLINE": "1"}})
+    results = []
+    for r in range(args.repeats):
+        sync = run("sync", args, [], None, args.steps)
+        target = sync["curve"][-1][3]
+        asyn = run("async", args, list(args.async_extra), target, int(args.steps * args.max_steps_factor))
+        ts, ta = time_to(sync["curve"], target), time_to(asyn["curve"], target)
+        results.append({"repeat": r, "target_acc": target, "sync": sync, "async": asyn,
+                        "sync_time_to_target": ts, "async_time_to_target": ta})
+        print(report(results[-1]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "results": results}, f, indent=1)
+    ray.shutdown()
+    return {"results": results}
+
+
+def report(res: dict) -> str:
+    s, a = res["sync"], res["async"]
+    ts, ta = res["sync_time_to_target"], res["async_time_to_target"]
+    lines = [f"target validation accuracy (sync final, step {s['curve'][-1][0]}): {res['target_acc']:.3f}"]
+    for name, run_, t in (("sync", s, ts), ("async", a, ta)):
+        curve = " ".join(f"{st}:{acc:.2f}@{w:.0f}s" for st, w, _, acc in run_["curve"])
+        reach = f"step {t[2]}, {t[0]:.1f} s ({t[1]:.1f} s without validation)" if t else "not reached"
+        lines.append(f"  {name:5s} start-up {run_['startup_s']:.0f} s, {run_['steps']} steps, "
+                     f"{run_['mean_step_s']:.3f} s/step, target: {reach}")
+        lines.append(f"        curve step:acc@wall {curve}")
+    if "mean_staleness" in a:
+        lines.append(f"  async mean staleness {a['mean_staleness']:.2f}, rollout idle {a['rollout_idle_frac']:.0%}, "
+                     f"trainer wait {a['train_wait_s']:.3f} s/step")
+    if ts and ta:
+        lines.append(f"  speed-up to target: {ts[0] / ta[0]:.2f}x wall, {ts[1] / ta[1]:.2f}x without validation; "
+                     f"per step {s['mean_step_s'] / a['mean_step_s']:.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,480 @@
+"""hybridrl vs Hugging Face TRL on the same GRPO workload, run side by side (A B A B).
+
+Workload (both libraries): the built-in arithmetic task's train prompts (chat messages, 9 tokens
+after the chat template), groups of `--n` samples per prompt, `--prompts` prompts per step,
+at most `--response-length` new tokens, temperature 1, AdamW lr `--lr` (betas 0.9/0.999, eps 1e-8,
+weight decay 0.01, constant schedule, grad-norm clip 1.0), one optimizer step per RL step, fp32,
+no KL term, exact-match reward on the number after "####". Same objective: token-mean
+("dapo") aggregation over the step's response tokens, advantages (r - mean_G) / std_G, PPO clip
+0.2, one epoch (the mapping of every knob is in docs/performance.md).
+
+Each run is a fresh child process with ONE torch thread (hybridrl: the Ray driver plus one worker
+process, `trainer.cpus_per_worker=1`); runs alternate hybridrl, TRL, hybridrl, TRL, ... so machine
+drift hits both alike. Reported per library (medians over rounds): generated tokens/s over the
+training loop (the first step is warm-up and left out), wall time per step, its split into
+generate / old log-prob / update / other, peak RSS of the run's whole process tree, the per-step
+training reward, and greedy exact match on the 200 validation prompts after the last step.
+
+Run:
+    python bench/compare_trl.py                       # tiny model, 2 rounds x 40 steps (~4 min)
+    python bench/compare_trl.py --model 30m --steps 6 --rounds 1
+    python bench/compare_trl.py --json out.json       # also write every number
+
+Needs `pip install -e .[bench]` (TRL; it keeps torch and transformers as they are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+DATA_SOURCE = "hybridrl/arith"
+
+
+# ------------------------------------------------------------------------------------ workload
+def workload_from_args(args) -> dict:
+    return {
+        "model": args.model,
+        "model_path": C.resolve_bench_model(args.model),
+        "prompts": args.prompts,
+        "n": args.n,
+        "response_length": args.response_length,
+        "lr": args.lr,
+        "steps": args.steps,
+        "eval": not args.no_eval,
+        "hybridrl_overrides": list(args.hybridrl_override or []),
+    }
+
+
+def builtin_data() -> dict:
+    from hybridrl.data.builtin_task import ensure_builtin_data
+
+    return ensure_builtin_data()
+
+
+def score(text: str, ground_truth: str) -> float:
+    from hybridrl.workers.reward.scorers import default_compute_score
+
+    out = default_compute_score(DATA_SOURCE, text, ground_truth)
+    return float(out["score"] if isinstance(out, dict) else out)
+
+
+# ------------------------------------------------------------------------------------ hybridrl
+def hybridrl_overrides(w: dict, seed: int, tmp: str) -> list[str]:
+    batch = w["prompts"] * w["n"]
+    return [
+        f"actor_rollout_ref.model.path={w['model_path']}",
+        f"data.train_batch_size={w['prompts']}",
+        f"data.max_response_length={w['response_length']}",
+        f"data.seed={seed}",
+        f"actor_rollout_ref.rollout.n={w['n']}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={w['prompts']}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch}",
+        f"actor_rollout_ref.actor.optim.lr={w['lr']}",
+        "actor_rollout_ref.actor.optim.weight_decay=0.01",
+        "actor_rollout_ref.actor.optim.clip_grad=1.0",
+        "actor_rollout_ref.actor.clip_ratio=0.2",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "actor_rollout_ref.actor.ppo_epochs=1",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "algorithm.use_kl_in_reward=false",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.norm_adv_by_std_in_grpo=true",
+        f"data.val_max_samples={200 if w['eval'] else 8}",
+        f"trainer.total_training_steps={w['steps']}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        "trainer.logger=[file]",
+        "trainer.progress_bar=false",
+        "trainer.make_report=false",
+        "trainer.n_gpus_per_node=1",
+        "trainer.cpus_per_worker=1",
+        f"trainer.seed={seed}",
+        f"trainer.default_local_dir={tmp}/ckpt",
+        *w["hybridrl_overrides"],
+    ]
+
+
+def compose_hybridrl_config(overrides: list[str]):
+    from hydra import compose, initialize_config_module
+
+    from hybridrl.trainer.ppo_config import load_config
+
+    with initialize_config_module("hybridrl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=overrides)
+    return load_config(cfg)
+
+
+def start_ray(num_cpus: int) -> None:
+    import ray
+
+    env = {k: v for k, v in C.ONE_THREAD_ENV.items()}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env})
+
+
+def run_hybridrl(w: dict, seed: int) -> dict:
+    """One hybridrl GRPO run in this process (Ray driver); returns per-step records."""
+    import torch
+
+    from hybridrl.trainer.setup import build_trainer
+
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["HYBRIDRL_LOG_DIR"] = os.path.join(tmp, "logs")
+        config = compose_hybridrl_config(hybridrl_overrides(w, seed, tmp))
+        start_ray(max(2, config.trainer.n_gpus_per_node * config.trainer.cpus_per_worker))
+        trainer = build_trainer(config)
+        ends: list[float] = []
+        log_step = trainer._log_step
+
+        def timed_log_step(batch, metrics, timing):  # wall clock at the end of each step
+            log_step(batch, metrics, timing)
+            ends.append(time.perf_counter())
+
+        trainer._log_step = timed_log_step
+        t_fit = time.perf_counter()
+        try:
+            final_val = trainer.fit()
+        finally:
+            trainer.tracker.finish()
+            trainer.workers.shutdown()
+        with open(os.path.join(tmp, "logs", "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in rows if "timing_s/step" in r]
+    batch = w["prompts"] * w["n"]
+    steps = []
+    prev = t_fit
+    for i, r in enumerate(rows):
+        wall = ends[i] - prev
+        prev = ends[i]
+        testing = r.get("timing_s/testing", 0.0)
+        steps.append(
+            {
+                "wall_s": wall - testing,
+                "gen_s": r.get("timing_s/gen", 0.0),
+                "weight_sync_s": r.get("timing_s/update_weights", 0.0),
+                "log_prob_s": r.get("timing_s/old_log_prob", 0.0) + r.get("timing_s/ref", 0.0),
+                "update_s": r.get("timing_s/update_actor", 0.0),
+                "gen_tokens": r["response_length/mean"] * batch,
+                "reward": r["critic/score/mean"],
+                "mfu_update": r.get("perf/mfu/actor"),
+            }
+        )
+    acc = next((v for k, v in final_val.items() if k.startswith("val-core/") and "/acc/mean@" in k), None)
+    import ray
+
+    ray.shutdown()
+    return {"steps": steps, "start_up_s": t_fit - t_start, "final_greedy_acc": acc if w["eval"] else None}
+
+
+# ------------------------------------------------------------------------------------ TRL
+def trl_dataset(path: str):
+    import pandas as pd
+    from datasets import Dataset
+
+    df = pd.read_parquet(path)
+    prompts = [[{"role": m["role"], "content": m["content"]} for m in p] for p in df["prompt"]]
+    truths = [rm["ground_truth"] for rm in df["reward_model"]]
+    return Dataset.from_dict({"prompt": prompts, "ground_truth": truths})
+
+
+def arith_reward(prompts, completions, ground_truth, **kwargs):
+    """TRL reward function: hybridrl's own scorer on the decoded completion."""
+    return [score(c[0]["content"] if isinstance(c, list) else c, gt) for c, gt in zip(completions, ground_truth)]
+
+
+def greedy_accuracy(model, tokenizer, val_path: str, max_new_tokens: int) -> float:
+    """Greedy exact match on the validation prompts with plain HF generate (one left-padded batch)."""
+    import pandas as pd
+    import torch
+
+    df = pd.read_parquet(val_path)
+    texts = [
+        tokenizer.apply_chat_template([dict(m) for m in p], add_generation_prompt=True, tokenize=False)
+        for p in df["prompt"]
+    ]
+    tokenizer.padding_side = "left"
+    enc = tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    truths = [rm["ground_truth"] for rm in df["reward_model"]]
+    return sum(score(c, t) for c, t in zip(completions, truths)) / len(truths)
+
+
+def run_trl(w: dict, seed: int) -> dict:
+    """One TRL GRPOTrainer run in this process; returns per-step records."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    paths = builtin_data()
+    timing = {"gen_s": 0.0, "log_prob_s": 0.0, "prepare_s": 0.0}
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate(self, prompts):
+            t = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                timing["gen_s"] += time.perf_counter() - t
+
+        def _get_per_token_logps_and_entropies(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return super()._get_per_token_logps_and_entropies(*a, **k)
+            finally:
+                if not torch.is_grad_enabled():  # old / reference log-probs, not the loss forward
+                    timing["log_prob_s"] += time.perf_counter() - t
+
+        def _prepare_inputs(self, generation_batch):
+            t = time.perf_counter()
+            try:
+                return super()._prepare_inputs(generation_batch)
+            finally:
+                timing["prepare_s"] += time.perf_counter() - t
+
+    ends: list[float] = []
+    splits: list[dict] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+            splits.append(dict(timing))
+            for k in timing:
+                timing[k] = 0.0
+
+    batch = w["prompts"] * w["n"]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = GRPOConfig(
+            output_dir=tmp,
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=1,
+            num_generations=w["n"],
+            max_completion_length=w["response_length"],
+            learning_rate=w["lr"],
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.01,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_epsilon=1e-8,
+            max_grad_norm=1.0,
+            beta=0.0,
+            loss_type="dapo",
+            scale_rewards="group",
+            epsilon=0.2,
+            num_iterations=1,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            bf16=False,
+            fp16=False,
+            use_cpu=True,
+            gradient_checkpointing=False,
+            max_steps=w["steps"],
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+            seed=seed,
+            data_seed=seed,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            log_completions=False,
+            use_vllm=False,
+            remove_unused_columns=False,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(w["model_path"])
+        model = AutoModelForCausalLM.from_pretrained(w["model_path"], dtype=torch.float32)
+        trainer = TimedGRPOTrainer(
+            model=model,
+            reward_funcs=arith_reward,
+            args=cfg,
+            train_dataset=trl_dataset(paths["train"]),
+            processing_class=tokenizer,
+            callbacks=[StepClock()],
+        )
+        t_fit = time.perf_counter()
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "reward" in h]
+        acc = greedy_accuracy(trainer.model, tokenizer, paths["val"], w["response_length"]) if w["eval"] else None
+    steps = []
+    prev = t_fit
+    for i, (end, split) in enumerate(zip(ends, splits)):
+        wall = end - prev
+        prev = end
+        log = logs[i] if i < len(logs) else {}
+        steps.append(
+            {
+                "wall_s": wall,
+                "gen_s": split["gen_s"],
+                "weight_sync_s": 0.0,
+                "log_prob_s": split["log_prob_s"],
+                "update_s": wall - split["prepare_s"],
+                "gen_tokens": log.get("completions/mean_length", float("nan")) * batch,
+                "reward": log.get("reward", float("nan")),
+                "mfu_update": None,
+            }
+        )
+    return {"steps": steps, "start_up_s": t_fit - t_start, "final_greedy_acc": acc}
+
+
+# ------------------------------------------------------------------------------------ summary
+def summarize(run: dict) -> dict:
+    """Per-run numbers; the first step (warm-up: allocator, lazy imports) is left out of rates."""
+    steps = run["steps"]
+    steady = steps[1:] if len(steps) > 1 else steps
+    wall = sum(s["wall_s"] for s in steady)
+    tokens = sum(s["gen_tokens"] for s in steady)
+    all_tokens = sum(s["gen_tokens"] for s in steps)
+    return {
+        "tokens_per_s": tokens / wall,
+        "tokens_per_s_incl_startup": all_tokens / run["child_wall_s"],
+        "step_s": C.median([s["wall_s"] for s in steady]),
+        "gen_s": C.median([s["gen_s"] for s in steady]),
+        "log_prob_s": C.median([s["log_prob_s"] for s in steady]),
+        "update_s": C.median([s["update_s"] for s in steady]),
+        "other_s": C.median([s["wall_s"] - s["gen_s"] - s["log_prob_s"] - s["update_s"] for s in steady]),
+        "first_step_s": steps[0]["wall_s"],
+        "start_up_s": run["start_up_s"],
+        "peak_rss_tree_mib": run["peak_rss_tree_mib"],
+        "peak_rss_max_proc_mib": run["peak_rss_max_proc_mib"],
+        "mean_reward": sum(s["reward"] for s in steps) / len(steps),
+        "final_greedy_acc": run["final_greedy_acc"],
+        "load_avg_after": run.get("load_avg_after"),
+    }
+
+
+def reward_curve(runs: list[dict], window: int) -> list[float]:
+    """Mean training reward per window of steps, averaged over the library's runs."""
+    n = min(len(r["steps"]) for r in runs)
+    out = []
+    for lo in range(0, n, window):
+        vals = [s["reward"] for r in runs for s in r["steps"][lo:lo + window]]
+        out.append(sum(vals) / len(vals))
+    return out
+
+
+def report(w: dict, runs: dict[str, list[dict]], info: dict) -> dict:
+    libs = list(runs)
+    per = {lib: [summarize(r) for r in runs[lib]] for lib in libs}
+    med = {lib: {k: C.median([s[k] for s in per[lib] if s[k] is not None]) for k in per[lib][0]} for lib in libs}
+    print()
+    print(f"workload: model {w['model']} ({w['model_path']}), {w['prompts']} prompts x {w['n']} samples, "
+          f"<= {w['response_length']} new tokens, lr {w['lr']}, {w['steps']} steps, fp32, 1 torch thread/process, "
+          f"{len(runs[libs[0]])} rounds (A B alternating); medians over rounds")
+    rows = []
+    labels = [
+        ("generated tokens/s (loop)", "tokens_per_s", 0),
+        ("generated tokens/s (incl. start-up)", "tokens_per_s_incl_startup", 0),
+        ("wall s / step", "step_s", 3),
+        ("  generate", "gen_s", 3),
+        ("  old log-prob", "log_prob_s", 3),
+        ("  update", "update_s", 3),
+        ("  other (reward, adv, dispatch, logging)", "other_s", 3),
+        ("first step s", "first_step_s", 3),
+        ("start-up s (imports, Ray, model load)", "start_up_s", 3),
+        ("peak RSS, process tree (MiB)", "peak_rss_tree_mib", 0),
+        ("peak RSS, largest process (MiB)", "peak_rss_max_proc_mib", 0),
+        ("mean training reward", "mean_reward", 3),
+        ("greedy val exact match (200 prompts)", "final_greedy_acc", 3),
+    ]
+    for name, key, _ in labels:
+        a, b = med["hybridrl"][key], med["trl"][key]
+        ratio = a / b if (a is not None and b not in (None, 0) and a == a and b == b) else None
+        rows.append([name, C.fmt(a), C.fmt(b), C.fmt(ratio)])
+    C.print_table(["metric", "hybridrl", "TRL", "hybridrl / TRL"], rows)
+    window = max(1, w["steps"] // 8)
+    curves = {lib: reward_curve(runs[lib], window) for lib in libs}
+    print(f"\ntraining reward, mean per {window} steps (averaged over rounds):")
+    C.print_table(
+        ["steps", *libs],
+        [[f"{i * window + 1}-{min((i + 1) * window, w['steps'])}", *(C.fmt(curves[lib][i]) for lib in libs)]
+         for i in range(len(curves[libs[0]]))],
+    )
+    speed = med["hybridrl"]["tokens_per_s"] / med["trl"]["tokens_per_s"]
+    rounds = ", ".join(f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}" for a, b in zip(per["hybridrl"], per["trl"]))
+    print(f"\nhybridrl / TRL generated tokens/s over the training loop: {speed:.2f}x (per round: {rounds})")
+    print(f"load average at the end: {[round(x, 2) for x in C.load_average()]}")
+    return {"machine": info, "workload": w, "per_run": per, "median": med, "reward_curves": curves,
+            "window": window, "speed_ratio": speed, "raw": runs}
+
+
+# ------------------------------------------------------------------------------------ main
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="tiny (built-in, 0.54M), 30m (random Qwen2) or a folder")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=8, help="group size (samples per prompt)")
+    p.add_argument("--response-length", type=int, default=12)
+    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (default 40; 30m: 6)")
+    p.add_argument("--rounds", type=int, default=None, help="A B rounds (default 2; 30m: 1)")
+    p.add_argument("--no-eval", action="store_true", help="skip the greedy validation after training")
+    p.add_argument("--only", choices=["hybridrl", "trl"], help="run one library (no ratio)")
+    p.add_argument("--hybridrl-override", action="append", help="extra hybridrl override key=value (repeat)")
+    p.add_argument("--json", help="write all numbers to this file")
+    p.add_argument("--child", choices=["hybridrl", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if args.child:  # one run inside a fresh process
+        w = json.loads(args.workload)
+        out = (run_hybridrl if args.child == "hybridrl" else run_trl)(w, args.seed)
+        Path(args.result).write_text(json.dumps(out))
+        return
+
+    big = args.model != "tiny"
+    args.steps = args.steps or (6 if big else 40)
+    args.rounds = args.rounds or (1 if big else 2)
+    if big and not args.no_eval:
+        args.no_eval = True  # a random-init model scores 0: evaluation would only cost time
+    info = C.print_header("hybridrl vs TRL GRPO (bench/compare_trl.py)")
+    builtin_data()
+    w = workload_from_args(args)
+    libs = [args.only] if args.only else ["hybridrl", "trl"]
+    runs: dict[str, list[dict]] = {lib: [] for lib in libs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for lib in libs:
+                print(f"-- round {r + 1}/{args.rounds}: {lib} (load avg {[round(x, 2) for x in C.load_average()]})",
+                      flush=True)
+                res = C.run_child(
+                    [__file__, "--child", lib, "--workload", json.dumps(w), "--seed", str(r),
+                     "--result", os.path.join(tmp, "result.json")],
+                    os.path.join(tmp, "result.json"),
+                )
+                res["load_avg_after"] = C.load_average()[0]
+                s = summarize(res)
+                print(f"   {lib}: {s['tokens_per_s']:.0f} generated tok/s, {s['step_s']:.3f} s/step, "
+                      f"reward {s['mean_reward']:.3f}, greedy acc {s['final_greedy_acc']}", flush=True)
+                runs[lib].append(res)
+    if args.only:
+        per = [summarize(r) for r in runs[args.only]]
+        print(json.dumps(per, indent=1, default=float))
+        C.write_json(args.json, {"machine": info, "workload": w, "per_run": per, "raw": runs})
+        return
+    C.write_json(args.json, report(w, runs, info))
+
+
+if __name__ == "__main__":
+    main()
