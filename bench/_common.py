@@ -39,9 +39,14 @@ ONE_THREAD_ENV = {
 }
 
 # The ~30M-parameter Qwen2 of the benchmarks: hidden 768, 12 heads of 64, 4 layers, MLP 2304, the
-# built-in 103-token tokenizer, tied embeddings. 30,754,560 parameters (29.9M outside embeddings).
-MODEL_30M = dict(hidden_size=768, num_hidden_layers=4, num_attention_heads=12, intermediate_size=2304,
-                 max_position_embeddings=512)
+# built-in 103-token tokenizer, tied embeddings: 30,766,080 parameters (30,686,976 outside embeddings).
+MODEL_30M = dict(
+    hidden_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=12,
+    intermediate_size=2304,
+    max_position_embeddings=512,
+)
 
 
 # ------------------------------------------------------------------------------------- machine
@@ -143,8 +148,9 @@ class TreeRSSSampler:
         self._thread.join()
 
 
-def run_child(args: Sequence[str], result_path: str | os.PathLike, env: dict | None = None,
-              timeout: float | None = None) -> dict:
+def run_child(
+    args: Sequence[str], result_path: str | os.PathLike, env: dict | None = None, timeout: float | None = None
+) -> dict:
     """Run `python <args>` with one torch thread; the child writes a JSON result to `result_path`.
 
     Returns the child's JSON plus `peak_rss_tree_mib` / `peak_rss_max_proc_mib` (sampled from
@@ -187,7 +193,9 @@ def ensure_model_30m(out_dir: str | os.PathLike | None = None, seed: int = 0) ->
 
     from hybridrl.models.builtin import build_model_config, get_builtin_model_path
 
-    root = Path(out_dir or os.environ.get("HYBRIDRL_BENCH_DIR", Path.home() / ".cache" / "hybridrl" / "bench"))
+    root = Path(
+        out_dir or os.environ.get("HYBRIDRL_BENCH_DIR", Path.home() / ".cache" / "hybridrl" / "bench")
+    )
     folder = root / f"qwen2_30m_seed{seed}"
     if (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists():
         return str(folder)

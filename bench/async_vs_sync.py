@@ -2,12 +2,13 @@
 
     python bench/async_vs_sync.py [--steps 60] [--val-every 10] [--eta 1] [--repeats 1]
 
-1. The synchronous trainer (main_ppo's quickstart config: one slot with both CPU cores, hybrid
-   engine) trains `--steps` steps, validating greedily on the full validation set every
+1. The synchronous trainer (main_ppo's quickstart config: one slot with `--sync-cpus` cores,
+   default both, hybrid engine) trains `--steps` steps, validating greedily on the full validation set every
    `--val-every` steps. Its final validation accuracy is the target.
 2. The asynchronous trainer (main_async: one core for the trainer, one for a rollout worker,
    eta = `--eta`) trains with the same data, batch, learning rate and validation schedule until a
-   validation reaches the target (at most `--max-steps-factor` x `--steps` steps).
+   validation reaches the target (at most `--max-steps-factor` x `--steps` steps), once per
+   `--variants` entry (VARIANTS below).
 
 Times are measured from the start of fit() (workers already started; start-up is reported
 separately), both including and excluding the time spent in validation. Runs alternate sync,
@@ -26,6 +27,13 @@ import tempfile
 import time
 
 VAL_KEY = "val-core/hybridrl/arith/acc/mean@1"
+# Asynchronous configurations (extra overrides); "default" is AReaL's: proximal log-probs
+# recomputed by the trainer and the decoupled loss.
+STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "publish_weights")
+VARIANTS = {
+    "default": [],
+    "no_recompute": ["async_training.recompute_logprob=false", "async_training.use_decoupled_loss=false"],
+}
 
 
 def common_overrides(args, tmp: str) -> list[str]:
@@ -40,6 +48,8 @@ def common_overrides(args, tmp: str) -> list[str]:
         "trainer.save_freq=-1",
         f"trainer.default_local_dir={tmp}/ckpt",
         f"trainer.seed={args.seed}",
+        f"data.seed={42 + args.seed}",
+        f"actor_rollout_ref.rollout.seed={args.seed}",
     ]
 
 
@@ -57,8 +67,15 @@ def build(kind: str, args, tmp: str, extra: list[str]):
     from hybridrl.trainer.async_trainer import build_async_trainer
     from hybridrl.trainer.main_async import compose_async_config
 
-    cfg = compose_async_config([*common_overrides(args, tmp), f"async_training.max_head_offpolicyness={args.eta}",
-                                *extra])
+    cfg = compose_async_config(
+        [
+            *common_overrides(args, tmp),
+            f"async_training.max_head_offpolicyness={args.eta}",
+            "trainer.cpus_per_worker=1",
+            "async_training.rollout_cpus_per_worker=1",
+            *extra,
+        ]
+    )
     return build_async_trainer(load_async_config(cfg))
 
 
@@ -97,8 +114,16 @@ def run(kind: str, args, extra: list[str], target: float | None, max_steps: int)
         trainer.tracker.finish()
         shutdown()
     steps = [h for h in trainer.history if "timing_s/step" in h]
-    out = {"kind": kind, "startup_s": startup, "fit_s": total, "val_s": clock["val"], "steps": len(steps),
-           "curve": curve, "mean_step_s": statistics.mean(h["timing_s/step"] for h in steps)}
+    out = {
+        "kind": kind,
+        "startup_s": startup,
+        "fit_s": total,
+        "val_s": clock["val"],
+        "steps": len(steps),
+        "curve": curve,
+        "mean_step_s": statistics.mean(h["timing_s/step"] for h in steps[1:]),
+        "breakdown_s": {k: statistics.mean(h.get(f"timing_s/{k}", 0.0) for h in steps[1:]) for k in STAGES},
+    }
     if kind == "async":
         out["mean_staleness"] = statistics.mean(h.get("async/staleness/mean", 0.0) for h in steps)
         out["rollout_idle_frac"] = statistics.mean(h.get("async/rollout_idle_frac", 0.0) for h in steps[1:])
@@ -115,13 +140,22 @@ def time_to(curve, target: float) -> tuple[float, float, int] | None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60, help="synchronous steps; its final accuracy is the target")
+    p.add_argument(
+        "--steps", type=int, default=60, help="synchronous steps; its final accuracy is the target"
+    )
     p.add_argument("--val-every", type=int, default=10)
     p.add_argument("--eta", type=int, default=1, help="async_training.max_head_offpolicyness")
     p.add_argument("--max-steps-factor", type=float, default=2.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--async-extra", nargs="*", default=[], help="extra overrides for the async run")
+    p.add_argument("--sync-cpus", type=int, default=2, help="trainer.cpus_per_worker of the synchronous run")
+    p.add_argument(
+        "--variants",
+        nargs="*",
+        default=["default", "no_recompute"],
+        choices=sorted(VARIANTS),
+        help="asynchronous configurations to run against the same synchronous target",
+    )
     p.add_argument("--out", default="bench_async_vs_sync.json")
     args = p.parse_args(argv)
 
@@ -129,40 +163,92 @@ def main(argv: list[str] | None = None) -> dict:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
-                                       "HF_HUB_OFFLINE": "1"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={
+            "env_vars": {
+                "RAY_AUTH_MODE": "disabled",
+                "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1",
+            }
+        },
+    )
     results = []
+    base_seed = args.seed
     for r in range(args.repeats):
-        sync = run("sync", args, [], None, args.steps)
+        args.seed = base_seed + r  # another data order and other samples each repeat
+        sync = run("sync", args, [f"trainer.cpus_per_worker={args.sync_cpus}"], None, args.steps)
         target = sync["curve"][-1][3]
-        asyn = run("async", args, list(args.async_extra), target, int(args.steps * args.max_steps_factor))
-        ts, ta = time_to(sync["curve"], target), time_to(asyn["curve"], target)
-        results.append({"repeat": r, "target_acc": target, "sync": sync, "async": asyn,
-                        "sync_time_to_target": ts, "async_time_to_target": ta})
-        print(report(results[-1]), flush=True)
+        ts = time_to(sync["curve"], target)
+        for name in args.variants:
+            asyn = run("async", args, list(VARIANTS[name]), target, int(args.steps * args.max_steps_factor))
+            ta = time_to(asyn["curve"], target)
+            results.append(
+                {
+                    "repeat": r,
+                    "seed": args.seed,
+                    "variant": name,
+                    "target_acc": target,
+                    "sync": sync,
+                    "async": asyn,
+                    "sync_time_to_target": ts,
+                    "async_time_to_target": ta,
+                }
+            )
+            print(report(results[-1]), flush=True)
+    print(summary(results), flush=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=1)
     ray.shutdown()
     return {"results": results}
 
 
+def summary(results: list[dict]) -> str:
+    """Medians over repeats, per variant: per-step throughput ratio and time-to-target ratio."""
+    lines = ["summary (median over repeats; ratios > 1 mean async is faster):"]
+    for name in dict.fromkeys(r["variant"] for r in results):
+        rs = [r for r in results if r["variant"] == name]
+        per_step = statistics.median(r["sync"]["mean_step_s"] / r["async"]["mean_step_s"] for r in rs)
+        reached = [r for r in rs if r["sync_time_to_target"] and r["async_time_to_target"]]
+        ttt = [r["sync_time_to_target"][1] / r["async_time_to_target"][1] for r in reached]
+        ttt_s = f"{statistics.median(ttt):.2f}x ({', '.join(f'{x:.2f}' for x in ttt)})" if ttt else "n/a"
+        lines.append(
+            f"  {name:13s} per step {per_step:.2f}x; time to target without validation {ttt_s}; "
+            f"target reached {len(reached)}/{len(rs)}"
+        )
+    return "\n".join(lines)
+
+
 def report(res: dict) -> str:
     s, a = res["sync"], res["async"]
     ts, ta = res["sync_time_to_target"], res["async_time_to_target"]
-    lines = [f"target validation accuracy (sync final, step {s['curve'][-1][0]}): {res['target_acc']:.3f}"]
+    lines = [
+        f"[{res['variant']}] target validation accuracy (sync final, step {s['curve'][-1][0]}): "
+        f"{res['target_acc']:.3f}"
+    ]
     for name, run_, t in (("sync", s, ts), ("async", a, ta)):
         curve = " ".join(f"{st}:{acc:.2f}@{w:.0f}s" for st, w, _, acc in run_["curve"])
         reach = f"step {t[2]}, {t[0]:.1f} s ({t[1]:.1f} s without validation)" if t else "not reached"
-        lines.append(f"  {name:5s} start-up {run_['startup_s']:.0f} s, {run_['steps']} steps, "
-                     f"{run_['mean_step_s']:.3f} s/step, target: {reach}")
+        lines.append(
+            f"  {name:5s} start-up {run_['startup_s']:.0f} s, {run_['steps']} steps, "
+            f"{run_['mean_step_s']:.3f} s/step, target: {reach}"
+        )
         lines.append(f"        curve step:acc@wall {curve}")
+        lines.append(
+            "        mean s/step: " + ", ".join(f"{k} {v:.3f}" for k, v in run_["breakdown_s"].items())
+        )
     if "mean_staleness" in a:
-        lines.append(f"  async mean staleness {a['mean_staleness']:.2f}, rollout idle {a['rollout_idle_frac']:.0%}, "
-                     f"trainer wait {a['train_wait_s']:.3f} s/step")
+        lines.append(
+            f"  async mean staleness {a['mean_staleness']:.2f}, rollout idle {a['rollout_idle_frac']:.0%}, "
+            f"trainer wait {a['train_wait_s']:.3f} s/step"
+        )
     if ts and ta:
-        lines.append(f"  speed-up to target: {ts[0] / ta[0]:.2f}x wall, {ts[1] / ta[1]:.2f}x without validation; "
-                     f"per step {s['mean_step_s'] / a['mean_step_s']:.2f}x")
+        lines.append(
+            f"  speed-up to target: {ts[0] / ta[0]:.2f}x wall, {ts[1] / ta[1]:.2f}x without validation; "
+            f"per step {s['mean_step_s'] / a['mean_step_s']:.2f}x"
+        )
     return "\n".join(lines)
 
 

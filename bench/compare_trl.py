@@ -50,6 +50,7 @@ def workload_from_args(args) -> dict:
         "lr": args.lr,
         "steps": args.steps,
         "eval": not args.no_eval,
+        "dtype": args.dtype,
         "hybridrl_overrides": list(args.hybridrl_override or []),
     }
 
@@ -102,8 +103,25 @@ def hybridrl_overrides(w: dict, seed: int, tmp: str) -> list[str]:
         "trainer.cpus_per_worker=1",
         f"trainer.seed={seed}",
         f"trainer.default_local_dir={tmp}/ckpt",
+        *DTYPE_OVERRIDES[w.get("dtype", "fp32")],
         *w["hybridrl_overrides"],
     ]
+
+
+# fp32: the defaults. bf16: fp32 master weights and optimizer, bf16 compute in the update and the
+# log-prob pass (FSDP2 mixed precision), bf16 rollout copy.
+DTYPE_OVERRIDES = {
+    "fp32": [
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+        "actor_rollout_ref.rollout.dtype=float32",
+    ],
+    "bf16": [
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+        "actor_rollout_ref.rollout.dtype=bfloat16",
+    ],
+}
 
 
 def compose_hybridrl_config(overrides: list[str]):
@@ -124,7 +142,7 @@ def start_ray(num_cpus: int) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env})
 
 
-def run_hybridrl(w: dict, seed: int) -> dict:
+def run_hybridrl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
     """One hybridrl GRPO run in this process (Ray driver); returns per-step records."""
     import torch
 
@@ -134,7 +152,8 @@ def run_hybridrl(w: dict, seed: int) -> dict:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["HYBRIDRL_LOG_DIR"] = os.path.join(tmp, "logs")
-        config = compose_hybridrl_config(hybridrl_overrides(w, seed, tmp))
+        config = compose_hybridrl_config(hybridrl_overrides(w, seed, tmp) + list(extra or []))
+        batch = config.data.train_batch_size * config.actor_rollout_ref.rollout.n  # rows per step
         start_ray(max(2, config.trainer.n_gpus_per_node * config.trainer.cpus_per_worker))
         trainer = build_trainer(config)
         ends: list[float] = []
@@ -154,7 +173,6 @@ def run_hybridrl(w: dict, seed: int) -> dict:
         with open(os.path.join(tmp, "logs", "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     rows = [r for r in rows if "timing_s/step" in r]
-    batch = w["prompts"] * w["n"]
     steps = []
     prev = t_fit
     for i, r in enumerate(rows):
@@ -177,7 +195,26 @@ def run_hybridrl(w: dict, seed: int) -> dict:
     import ray
 
     ray.shutdown()
-    return {"steps": steps, "start_up_s": t_fit - t_start, "final_greedy_acc": acc if w["eval"] else None}
+    return {
+        "steps": steps,
+        "start_up_s": t_fit - t_start,
+        "final_greedy_acc": acc if w["eval"] else None,
+        "overrides": [*w["hybridrl_overrides"], *(extra or [])],
+    }
+
+
+def max_prompt_tokens(model_path: str, train_path: str) -> int:
+    """The longest chat-templated prompt of the train file, in tokens (9 for the built-in task)."""
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompts = pd.read_parquet(train_path)["prompt"]
+    texts = {
+        tok.apply_chat_template([dict(m) for m in p], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    }
+    return max(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts)
 
 
 # ------------------------------------------------------------------------------------ TRL
@@ -193,7 +230,9 @@ def trl_dataset(path: str):
 
 def arith_reward(prompts, completions, ground_truth, **kwargs):
     """TRL reward function: hybridrl's own scorer on the decoded completion."""
-    return [score(c[0]["content"] if isinstance(c, list) else c, gt) for c, gt in zip(completions, ground_truth)]
+    return [
+        score(c[0]["content"] if isinstance(c, list) else c, gt) for c, gt in zip(completions, ground_truth)
+    ]
 
 
 def greedy_accuracy(model, tokenizer, val_path: str, max_new_tokens: int) -> float:
@@ -210,14 +249,19 @@ def greedy_accuracy(model, tokenizer, val_path: str, max_new_tokens: int) -> flo
     enc = tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True)
     model.eval()
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     truths = [rm["ground_truth"] for rm in df["reward_model"]]
     return sum(score(c, t) for c, t in zip(completions, truths)) / len(truths)
 
 
-def run_trl(w: dict, seed: int) -> dict:
+def run_trl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
     """One TRL GRPOTrainer run in this process; returns per-step records."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -285,7 +329,7 @@ def run_trl(w: dict, seed: int) -> dict:
             temperature=1.0,
             top_p=1.0,
             top_k=0,
-            bf16=False,
+            bf16=w.get("dtype", "fp32") == "bf16",  # autocast bf16 over fp32 weights
             fp16=False,
             use_cpu=True,
             gradient_checkpointing=False,
@@ -314,7 +358,11 @@ def run_trl(w: dict, seed: int) -> dict:
         t_fit = time.perf_counter()
         trainer.train()
         logs = [h for h in trainer.state.log_history if "reward" in h]
-        acc = greedy_accuracy(trainer.model, tokenizer, paths["val"], w["response_length"]) if w["eval"] else None
+        acc = (
+            greedy_accuracy(trainer.model, tokenizer, paths["val"], w["response_length"])
+            if w["eval"]
+            else None
+        )
     steps = []
     prev = t_fit
     for i, (end, split) in enumerate(zip(ends, splits)):
@@ -350,6 +398,7 @@ def summarize(run: dict) -> dict:
         "step_s": C.median([s["wall_s"] for s in steady]),
         "gen_s": C.median([s["gen_s"] for s in steady]),
         "log_prob_s": C.median([s["log_prob_s"] for s in steady]),
+        "weight_sync_s": C.median([s["weight_sync_s"] for s in steady]),
         "update_s": C.median([s["update_s"] for s in steady]),
         "other_s": C.median([s["wall_s"] - s["gen_s"] - s["log_prob_s"] - s["update_s"] for s in steady]),
         "first_step_s": steps[0]["wall_s"],
@@ -367,54 +416,79 @@ def reward_curve(runs: list[dict], window: int) -> list[float]:
     n = min(len(r["steps"]) for r in runs)
     out = []
     for lo in range(0, n, window):
-        vals = [s["reward"] for r in runs for s in r["steps"][lo:lo + window]]
+        vals = [s["reward"] for r in runs for s in r["steps"][lo : lo + window]]
         out.append(sum(vals) / len(vals))
     return out
 
 
 def report(w: dict, runs: dict[str, list[dict]], info: dict) -> dict:
-    libs = list(runs)
-    per = {lib: [summarize(r) for r in runs[lib]] for lib in libs}
-    med = {lib: {k: C.median([s[k] for s in per[lib] if s[k] is not None]) for k in per[lib][0]} for lib in libs}
+    names = list(runs)
+    per = {name: [summarize(r) for r in runs[name]] for name in names}
+    med = {
+        name: {k: C.median([s[k] for s in per[name] if s[k] is not None]) for k in per[name][0]}
+        for name in names
+    }
     print()
-    print(f"workload: model {w['model']} ({w['model_path']}), {w['prompts']} prompts x {w['n']} samples, "
-          f"<= {w['response_length']} new tokens, lr {w['lr']}, {w['steps']} steps, fp32, 1 torch thread/process, "
-          f"{len(runs[libs[0]])} rounds (A B alternating); medians over rounds")
-    rows = []
+    print(
+        f"workload: model {w['model']} ({w['model_path']}), {w['prompts']} prompts x {w['n']} samples, "
+        f"<= {w['response_length']} new tokens, lr {w['lr']}, {w['steps']} steps, {w.get('dtype', 'fp32')}, "
+        "1 torch thread/process, "
+        f"{len(runs[names[0]])} rounds ({' '.join(names)} alternating); medians over rounds"
+    )
+    for name in names:
+        if name != "trl":
+            print(f"  {name}: extra overrides {runs[name][0].get('overrides') or 'none (library defaults)'}")
     labels = [
-        ("generated tokens/s (loop)", "tokens_per_s", 0),
-        ("generated tokens/s (incl. start-up)", "tokens_per_s_incl_startup", 0),
-        ("wall s / step", "step_s", 3),
-        ("  generate", "gen_s", 3),
-        ("  old log-prob", "log_prob_s", 3),
-        ("  update", "update_s", 3),
-        ("  other (reward, adv, dispatch, logging)", "other_s", 3),
-        ("first step s", "first_step_s", 3),
-        ("start-up s (imports, Ray, model load)", "start_up_s", 3),
-        ("peak RSS, process tree (MiB)", "peak_rss_tree_mib", 0),
-        ("peak RSS, largest process (MiB)", "peak_rss_max_proc_mib", 0),
-        ("mean training reward", "mean_reward", 3),
-        ("greedy val exact match (200 prompts)", "final_greedy_acc", 3),
+        ("generated tokens/s (loop)", "tokens_per_s"),
+        ("generated tokens/s (incl. start-up)", "tokens_per_s_incl_startup"),
+        ("wall s / step", "step_s"),
+        ("  generate", "gen_s"),
+        ("    of which weight sync", "weight_sync_s"),
+        ("  old log-prob", "log_prob_s"),
+        ("  update", "update_s"),
+        ("  other (reward, adv, dispatch, logging)", "other_s"),
+        ("first step s", "first_step_s"),
+        ("start-up s (after imports: Ray, data, models)", "start_up_s"),
+        ("peak RSS, process tree (MiB)", "peak_rss_tree_mib"),
+        ("peak RSS, largest process (MiB)", "peak_rss_max_proc_mib"),
+        ("mean training reward", "mean_reward"),
+        ("greedy val exact match (200 prompts)", "final_greedy_acc"),
     ]
-    for name, key, _ in labels:
-        a, b = med["hybridrl"][key], med["trl"][key]
-        ratio = a / b if (a is not None and b not in (None, 0) and a == a and b == b) else None
-        rows.append([name, C.fmt(a), C.fmt(b), C.fmt(ratio)])
-    C.print_table(["metric", "hybridrl", "TRL", "hybridrl / TRL"], rows)
+    ours = [n for n in names if n != "trl"]
+    rows = []
+    for label, key in labels:
+        row = [label, *(C.fmt(med[n][key]) for n in names)]
+        for n in ours:
+            a, b = med[n][key], med["trl"][key]
+            row.append(C.fmt(a / b) if (a == a and b == b and b) else "-")
+        rows.append(row)
+    C.print_table(["metric", *names, *(f"{n} / trl" for n in ours)], rows)
     window = max(1, w["steps"] // 8)
-    curves = {lib: reward_curve(runs[lib], window) for lib in libs}
+    curves = {n: reward_curve(runs[n], window) for n in names}
     print(f"\ntraining reward, mean per {window} steps (averaged over rounds):")
     C.print_table(
-        ["steps", *libs],
-        [[f"{i * window + 1}-{min((i + 1) * window, w['steps'])}", *(C.fmt(curves[lib][i]) for lib in libs)]
-         for i in range(len(curves[libs[0]]))],
+        ["steps", *names],
+        [
+            [f"{i * window + 1}-{min((i + 1) * window, w['steps'])}", *(C.fmt(curves[n][i]) for n in names)]
+            for i in range(len(curves[names[0]]))
+        ],
     )
-    speed = med["hybridrl"]["tokens_per_s"] / med["trl"]["tokens_per_s"]
-    rounds = ", ".join(f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}" for a, b in zip(per["hybridrl"], per["trl"]))
-    print(f"\nhybridrl / TRL generated tokens/s over the training loop: {speed:.2f}x (per round: {rounds})")
+    speed = {}
+    for n in ours:
+        speed[n] = med[n]["tokens_per_s"] / med["trl"]["tokens_per_s"]
+        rounds = ", ".join(f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}" for a, b in zip(per[n], per["trl"]))
+        print(f"{n} / trl generated tokens/s over the training loop: {speed[n]:.2f}x (per round: {rounds})")
     print(f"load average at the end: {[round(x, 2) for x in C.load_average()]}")
-    return {"machine": info, "workload": w, "per_run": per, "median": med, "reward_curves": curves,
-            "window": window, "speed_ratio": speed, "raw": runs}
+    return {
+        "machine": info,
+        "workload": w,
+        "per_run": per,
+        "median": med,
+        "reward_curves": curves,
+        "window": window,
+        "speed_ratio": speed,
+        "raw": runs,
+    }
 
 
 # ------------------------------------------------------------------------------------ main
@@ -425,51 +499,86 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8, help="group size (samples per prompt)")
     p.add_argument("--response-length", type=int, default=12)
     p.add_argument("--lr", type=float, default=3e-5)
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (default 40; 30m: 6)")
-    p.add_argument("--rounds", type=int, default=None, help="A B rounds (default 2; 30m: 1)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (default 30; 30m: 5)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of alternating runs (default 2; 30m: 1)")
     p.add_argument("--no-eval", action="store_true", help="skip the greedy validation after training")
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="bf16: fp32 weights, bf16 compute (hybridrl: FSDP mixed precision + bf16 rollout; TRL: bf16=True)",
+    )
+    p.add_argument(
+        "--no-tight",
+        action="store_true",
+        help="leave out the hybridrl run with data.max_prompt_length set to the longest prompt",
+    )
     p.add_argument("--only", choices=["hybridrl", "trl"], help="run one library (no ratio)")
     p.add_argument("--hybridrl-override", action="append", help="extra hybridrl override key=value (repeat)")
     p.add_argument("--json", help="write all numbers to this file")
     p.add_argument("--child", choices=["hybridrl", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--extra", default="[]", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
 
     if args.child:  # one run inside a fresh process
         w = json.loads(args.workload)
-        out = (run_hybridrl if args.child == "hybridrl" else run_trl)(w, args.seed)
+        out = (run_hybridrl if args.child == "hybridrl" else run_trl)(w, args.seed, json.loads(args.extra))
         Path(args.result).write_text(json.dumps(out))
         return
 
     big = args.model != "tiny"
-    args.steps = args.steps or (6 if big else 40)
+    args.steps = args.steps or (5 if big else 30)
     args.rounds = args.rounds or (1 if big else 2)
     if big and not args.no_eval:
         args.no_eval = True  # a random-init model scores 0: evaluation would only cost time
     info = C.print_header("hybridrl vs TRL GRPO (bench/compare_trl.py)")
-    builtin_data()
+    paths = builtin_data()
     w = workload_from_args(args)
-    libs = [args.only] if args.only else ["hybridrl", "trl"]
-    runs: dict[str, list[dict]] = {lib: [] for lib in libs}
+    # (name, library, extra hybridrl overrides), run in this order every round
+    runners: list[tuple[str, str, list[str]]] = [("hybridrl", "hybridrl", []), ("trl", "trl", [])]
+    if not args.no_tight:
+        tight = max_prompt_tokens(w["model_path"], paths["train"])
+        runners.append(("hybridrl_tight", "hybridrl", [f"data.max_prompt_length={tight}"]))
+    if args.only:
+        runners = [r for r in runners if r[1] == args.only][:1]
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in runners}
     with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
         for r in range(args.rounds):
-            for lib in libs:
-                print(f"-- round {r + 1}/{args.rounds}: {lib} (load avg {[round(x, 2) for x in C.load_average()]})",
-                      flush=True)
+            for name, lib, extra in runners:
+                print(
+                    f"-- round {r + 1}/{args.rounds}: {name} (load avg {[round(x, 2) for x in C.load_average()]})",
+                    flush=True,
+                )
                 res = C.run_child(
-                    [__file__, "--child", lib, "--workload", json.dumps(w), "--seed", str(r),
-                     "--result", os.path.join(tmp, "result.json")],
-                    os.path.join(tmp, "result.json"),
+                    [
+                        __file__,
+                        "--child",
+                        lib,
+                        "--workload",
+                        json.dumps(w),
+                        "--extra",
+                        json.dumps(extra),
+                        "--seed",
+                        str(r),
+                        "--result",
+                        result,
+                    ],
+                    result,
                 )
                 res["load_avg_after"] = C.load_average()[0]
                 s = summarize(res)
-                print(f"   {lib}: {s['tokens_per_s']:.0f} generated tok/s, {s['step_s']:.3f} s/step, "
-                      f"reward {s['mean_reward']:.3f}, greedy acc {s['final_greedy_acc']}", flush=True)
-                runs[lib].append(res)
+                print(
+                    f"   {name}: {s['tokens_per_s']:.0f} generated tok/s, {s['step_s']:.3f} s/step, "
+                    f"reward {s['mean_reward']:.3f}, greedy acc {s['final_greedy_acc']}",
+                    flush=True,
+                )
+                runs[name].append(res)
     if args.only:
-        per = [summarize(r) for r in runs[args.only]]
+        per = {name: [summarize(x) for x in rs] for name, rs in runs.items()}
         print(json.dumps(per, indent=1, default=float))
         C.write_json(args.json, {"machine": info, "workload": w, "per_run": per, "raw": runs})
         return

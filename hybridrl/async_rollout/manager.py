@@ -168,7 +168,9 @@ class AsyncRolloutManager:
         """Load `weights` (an ObjectRef of the publish payload) of `version` and start the loop."""
         if self._thread is not None:
             raise RuntimeError("AsyncRolloutManager.start called twice")
-        self.staleness = StalenessManager(self.batch_size, self.eta, self.max_concurrent, start_version=version)
+        self.staleness = StalenessManager(
+            self.batch_size, self.eta, self.max_concurrent, start_version=version
+        )
         self._seq = version * self.batch_size  # group numbers continue across a resume
         self.publish(version, weights)
         self._last_batch_time = time.perf_counter()
@@ -181,7 +183,9 @@ class AsyncRolloutManager:
         """Queue prompts (one group each); rows need a unique non-tensor "uid". Never blocks."""
         self._require_started()
         if "uid" not in prompts.non_tensor_batch:
-            raise KeyError("AsyncRolloutManager.submit: prompts need a non-tensor 'uid' per row (the group id)")
+            raise KeyError(
+                "AsyncRolloutManager.submit: prompts need a non-tensor 'uid' per row (the group id)"
+            )
         with self._lock:
             for i in range(len(prompts)):
                 row = prompts.slice(i, i + 1)
@@ -218,7 +222,9 @@ class AsyncRolloutManager:
             if picked is not None:
                 break
             if timeout_s is not None and time.perf_counter() - t0 > timeout_s:
-                raise TimeoutError(f"wait_batch: batch {k} not ready after {timeout_s:.1f} s ({self.stats()})")
+                raise TimeoutError(
+                    f"wait_batch: batch {k} not ready after {timeout_s:.1f} s ({self.stats()})"
+                )
             try:
                 g = self._output.get(timeout=self.poll_s)
             except queue.Empty:
@@ -265,6 +271,7 @@ class AsyncRolloutManager:
                 "async/queue/results": float(len(self._results)),
                 "async/running": float(self.staleness.running if self.staleness else 0),
                 "async/inflight_chunks": float(len(self._inflight)),
+                "async/dispatched_chunks": float(self._dispatched_chunks),
                 "async/rollout_workers_alive": float(len(alive)),
                 "async/worker_failures": float(self._worker_failures),
                 "async/requeued_groups": float(self._requeued_groups),
@@ -411,7 +418,9 @@ class AsyncRolloutManager:
             self._wake.wait(self.poll_s)
             self._wake.clear()
             return
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.poll_s)
+        ready, _ = ray.wait(refs, num_returns=1, timeout=self.poll_s)
+        if ready and len(refs) > 1:  # take every chunk that is done, not only the first
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         for ref in ready:
             with self._lock:
                 chunk = self._inflight.pop(ref)
@@ -446,7 +455,9 @@ class AsyncRolloutManager:
                 rows = full.slice(i * n, (i + 1) * n)
                 uids = set(rows.non_tensor_batch["uid"].tolist())
                 if uids != {g.uid}:
-                    raise RuntimeError(f"rows {i * n}..{(i + 1) * n} of a chunk carry uids {uids}, expected {g.uid}")
+                    raise RuntimeError(
+                        f"rows {i * n}..{(i + 1) * n} of a chunk carry uids {uids}, expected {g.uid}"
+                    )
                 g.result = rows
                 self._spill.append(g)
             self.staleness.on_finish(len(chunk.groups))
@@ -489,7 +500,9 @@ class AsyncRolloutManager:
             except GetTimeoutError:
                 continue
             except RayError as err:
-                raise RuntimeError(f"rollout worker {w.rank} failed to load weights of version {version}:\n{err}") from None
+                raise RuntimeError(
+                    f"rollout worker {w.rank} failed to load weights of version {version}:\n{err}"
+                ) from None
             with self._lock:
                 self._load_refs = [x for x in self._load_refs if x[1] is not ref]
 
@@ -503,7 +516,9 @@ class AsyncRolloutManager:
             self._load_refs = [x for x in self._load_refs if x[0] is not w]
             alive = sum(x.alive for x in self._workers)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"[hybridrl.async] rollout worker {w.rank} died ({first}); {alive} left, its chunk is re-queued")
+        print(
+            f"[hybridrl.async] rollout worker {w.rank} died ({first}); {alive} left, its chunk is re-queued"
+        )
         if alive == 0:
             self._error = RolloutWorkersLostError(
                 f"all {len(self._workers)} rollout workers died (last: worker {w.rank}: {first}). Finished groups "

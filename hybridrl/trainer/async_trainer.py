@@ -173,7 +173,12 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
     for name in ("critic", "reward_model", "actor"):
         if name in views:
             views[name].init_model()
-    rollout_group._gather(rollout_init, "init_model", list(range(rollout_group.world_size)))
+    gather_refs(
+        rollout_init,
+        group=rollout_group.name,
+        method="init_model",
+        ranks=list(range(rollout_group.world_size)),
+    )
     return AsyncWorkers(
         actor_rollout=views["actor"],
         critic=views.get("critic"),

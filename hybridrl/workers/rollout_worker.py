@@ -65,7 +65,9 @@ class AsyncRolloutWorker(ActorRolloutRefWorker):
         from hybridrl.workers.rollout.weight_sync import sync_weights
 
         if payload is None or "weights" not in payload:
-            raise ValueError("load_weights: payload must be publish_weights()'s rank-0 result {'weights': ...}")
+            raise ValueError(
+                "load_weights: payload must be publish_weights()'s rank-0 result {'weights': ...}"
+            )
         t0 = time.perf_counter()
         sync_weights(self.rollout, iter(payload["weights"]))
         self.policy_version = int(version)
@@ -115,8 +117,16 @@ class AsyncActorWorker(ActorRolloutRefWorker):
         peak_flops: float | None = None,
     ) -> None:
         role = "actor_rollout_ref" if use_ref else "actor"
-        super().__init__(model, actor, ref, rollout, role=role, actor_batch_sizes=actor_batch_sizes,
-                         num_threads=num_threads, peak_flops=peak_flops)
+        super().__init__(
+            model,
+            actor,
+            ref,
+            rollout,
+            role=role,
+            actor_batch_sizes=actor_batch_sizes,
+            num_threads=num_threads,
+            peak_flops=peak_flops,
+        )
         self._is_rollout = False  # the rollout engines live in their own workers
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)

@@ -19,8 +19,14 @@ def ray_local():
             num_cpus=2,
             include_dashboard=False,
             log_to_driver=False,
-            runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
-                                      "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}},
+            runtime_env={
+                "env_vars": {
+                    "RAY_AUTH_MODE": "disabled",
+                    "TOKENIZERS_PARALLELISM": "false",
+                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                    "HF_HUB_OFFLINE": "1",
+                }
+            },
         )
     yield ray
     if started:

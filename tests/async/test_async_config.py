@@ -39,8 +39,15 @@ def test_defaults_are_derived_from_the_batch(base):
 
 
 def test_explicit_values_and_two_rollout_workers(base):
-    c = load(base, **{"async_training.max_head_offpolicyness": 3, "async_training.rollout_n_gpus_per_node": 2,
-                      "async_training.max_concurrent_rollouts": 12, "async_training.behave_imp_weight_cap": "null"})
+    c = load(
+        base,
+        **{
+            "async_training.max_head_offpolicyness": 3,
+            "async_training.rollout_n_gpus_per_node": 2,
+            "async_training.max_concurrent_rollouts": 12,
+            "async_training.behave_imp_weight_cap": "null",
+        },
+    )
     at = c.async_training
     assert (at.max_concurrent_rollouts, at.queue_size, at.chunk_size) == (12, 192, 4)
     assert c.actor_rollout_ref.actor.policy_loss.behave_imp_weight_cap is None
@@ -50,7 +57,9 @@ def test_without_decoupled_loss_the_actor_loss_is_left_alone(base):
     c = load(base, **{"async_training.use_decoupled_loss": "false"})
     assert c.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
     assert not c.actor_rollout_ref.rollout.calculate_log_probs
-    c = load(base, **{"async_training.use_decoupled_loss": "false", "async_training.recompute_logprob": "false"})
+    c = load(
+        base, **{"async_training.use_decoupled_loss": "false", "async_training.recompute_logprob": "false"}
+    )
     assert c.actor_rollout_ref.rollout.calculate_log_probs  # the behaviour log-probs are the old ones
 
 
@@ -62,7 +71,10 @@ def test_without_decoupled_loss_the_actor_loss_is_left_alone(base):
         ({"async_training.max_head_offpolicyness": -1}, "must be >= 0"),
         ({"async_training.queue_size": 0}, "queue_size=0 must be >= 1"),
         ({"async_training.behave_imp_weight_cap": 0}, "must be > 0"),
-        ({"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"}, "use_decoupled_loss=false to keep 'gspo'"),
+        (
+            {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"},
+            "use_decoupled_loss=false to keep 'gspo'",
+        ),
         ({"algorithm.filter_groups.enable": "true"}, "not supported in asynchronous mode"),
         ({"algorithm.adv_estimator": "remax"}, "not supported in asynchronous mode"),
         ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}, "must be 1 in asynchronous mode"),
@@ -79,9 +91,15 @@ def test_unknown_async_key_suggests_the_right_one(base):
 
 
 def test_command_line_accepts_async_keys_with_or_without_plus():
-    cfg = compose_async_config(["async_training.max_head_offpolicyness=2", "+async_training.queue_size=7",
-                                "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32"])
+    cfg = compose_async_config(
+        [
+            "async_training.max_head_offpolicyness=2",
+            "+async_training.queue_size=7",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+        ]
+    )
     c = load_async_config(cfg)
     assert (c.async_training.max_head_offpolicyness, c.async_training.queue_size) == (2, 7)
     assert c.data.train_batch_size == 4

@@ -81,8 +81,15 @@ def weights(version: int):
 
 
 def make(workers, batch, eta, **kw):
-    args = dict(rollout_n=N, consumer_batch_size=batch, max_head_offpolicyness=eta,
-                max_concurrent_rollouts=(eta + 1) * batch, queue_size=64, chunk_size=1, poll_s=0.005)
+    args = dict(
+        rollout_n=N,
+        consumer_batch_size=batch,
+        max_head_offpolicyness=eta,
+        max_concurrent_rollouts=(eta + 1) * batch,
+        queue_size=64,
+        chunk_size=1,
+        poll_s=0.005,
+    )
     args.update(kw)
     return AsyncRolloutManager(workers, **args)
 
@@ -120,13 +127,17 @@ def test_staleness_bound_with_out_of_order_workers(shared, eta):
     staleness: list[int] = []
     m.submit(prompts(0, (eta + 2) * 4))
     submitted[0] = (eta + 2) * 4
-    consumed = train(m, 4, eta, steps=8, submitted=submitted, on_step=lambda k, got: staleness.extend(got.staleness))
+    consumed = train(
+        m, 4, eta, steps=8, submitted=submitted, on_step=lambda k, got: staleness.extend(got.staleness)
+    )
     m.stop()
     flat = [u for b in consumed for u in b]
     assert len(flat) == len(set(flat)) == 32
     assert max(staleness) <= eta
     if eta == 0:  # synchronous semantics: batch k = the k-th block of prompts, all from version k
-        assert [sorted(b) for b in consumed] == [sorted(f"p{i}" for i in range(4 * k, 4 * k + 4)) for k in range(8)]
+        assert [sorted(b) for b in consumed] == [
+            sorted(f"p{i}" for i in range(4 * k, 4 * k + 4)) for k in range(8)
+        ]
         assert staleness == [0] * 32
     else:
         assert max(staleness) >= 1  # generation really ran ahead of training

@@ -33,7 +33,9 @@ def test_capacity_is_capped_by_concurrency():
 
 
 def test_start_version_counts_earlier_batches_as_done():
-    sm = StalenessManager(consumer_batch_size=4, max_head_offpolicyness=1, max_concurrent_rollouts=100, start_version=5)
+    sm = StalenessManager(
+        consumer_batch_size=4, max_head_offpolicyness=1, max_concurrent_rollouts=100, start_version=5
+    )
     assert sm.batch_index == 5
     assert sm.capacity(5) == 8  # (5 + 1 + 1) * 4 - 5 * 4
 
@@ -155,8 +157,9 @@ def test_simulated_staleness_never_exceeds_eta(eta):
     seen = set()
     max_seen = 0
     for seed in range(30):
-        batches = simulate(eta, batch_size=4, workers=3, chunk=1 + seed % 3, max_concurrent=64, n_batches=12,
-                           seed=seed)
+        batches = simulate(
+            eta, batch_size=4, workers=3, chunk=1 + seed % 3, max_concurrent=64, n_batches=12, seed=seed
+        )
         for k, batch in enumerate(batches):
             assert len(batch) == 4
             for gid, v in batch:
@@ -181,7 +184,8 @@ def test_without_the_consumer_rule_the_bound_breaks():
     """The gate alone (AReaL's formula) lets stragglers exceed eta when groups finish out of order."""
     worst = 0
     for seed in range(30):
-        batches = simulate(2, batch_size=1, workers=3, chunk=1, max_concurrent=64, n_batches=12, seed=seed,
-                           use_rule=False)
+        batches = simulate(
+            2, batch_size=1, workers=3, chunk=1, max_concurrent=64, n_batches=12, seed=seed, use_rule=False
+        )
         worst = max(worst, max(k - v for k, b in enumerate(batches) for _, v in b))
     assert worst > 2
