@@ -1,4 +1,4 @@
-"""hybridrl vs Hugging Face TRL on the same GRPO workload, run side by side (A B A B).
+"""hybridrl vs Hugging Face TRL on the same GRPO workload, run side by side (A B A B ...).
 
 Workload (both libraries): the built-in arithmetic task's train prompts (chat messages, 9 tokens
 after the chat template), groups of `--n` samples per prompt, `--prompts` prompts per step,
@@ -9,15 +9,19 @@ no KL term, exact-match reward on the number after "####". Same objective: token
 0.2, one epoch (the mapping of every knob is in docs/performance.md).
 
 Each run is a fresh child process with ONE torch thread (hybridrl: the Ray driver plus one worker
-process, `trainer.cpus_per_worker=1`); runs alternate hybridrl, TRL, hybridrl, TRL, ... so machine
-drift hits both alike. Reported per library (medians over rounds): generated tokens/s over the
-training loop (the first step is warm-up and left out), wall time per step, its split into
-generate / old log-prob / update / other, peak RSS of the run's whole process tree, the per-step
-training reward, and greedy exact match on the 200 validation prompts after the last step.
+process, `trainer.cpus_per_worker=1`). Three runners alternate every round so machine drift hits
+them alike: `hybridrl` (the library's default config plus the workload), `trl`, and
+`hybridrl_tight` (plus `data.max_prompt_length` = the longest prompt, 9 tokens, instead of the
+default 32; leave it out with --no-tight). Reported per runner (medians over rounds): generated
+tokens/s over the training loop (the first step is warm-up and left out) and including start-up,
+wall time per step, its split into generate / old log-prob / update / other, peak RSS of the run's
+whole process tree, the per-step training reward, and greedy exact match on the 200 validation
+prompts after the last step (the same prompts and scorer for both libraries); then the ratios.
 
 Run:
-    python bench/compare_trl.py                       # tiny model, 2 rounds x 40 steps (~4 min)
-    python bench/compare_trl.py --model 30m --steps 6 --rounds 1
+    python bench/compare_trl.py                       # tiny model, 2 rounds x 30 steps x 3 runners (~4.5 min)
+    python bench/compare_trl.py --model 30m           # ~30M random-init Qwen2, 1 round x 5 steps (~3 min)
+    python bench/compare_trl.py --dtype bf16 --model 30m --steps 4
     python bench/compare_trl.py --json out.json       # also write every number
 
 Needs `pip install -e .[bench]` (TRL; it keeps torch and transformers as they are).

@@ -134,7 +134,7 @@ class RayPPOTrainer:
             except StopIteration:
                 self._train_iter = None
                 self._epoch += 1
-        batch = DataProto.from_single_dict(batch_dict)
+        batch = trim_left_padding(DataProto.from_single_dict(batch_dict))
         batch.non_tensor_batch["uid"] = np.array(
             [str(uuid.UUID(int=random.getrandbits(128))) for _ in range(len(batch))], dtype=object
         )
@@ -334,7 +334,7 @@ class RayPPOTrainer:
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         sources, scores, extras, uids, samples = [], [], defaultdict(list), [], []
         for i, batch_dict in enumerate(self.val_loader):
-            prompts = DataProto.from_single_dict(batch_dict)
+            prompts = trim_left_padding(DataProto.from_single_dict(batch_dict))
             prompts.non_tensor_batch["uid"] = np.array(
                 [str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object
             )
@@ -465,6 +465,21 @@ class RayPPOTrainer:
 
 
 # ---------------------------------------------------------------- helpers
+def trim_left_padding(batch: DataProto) -> DataProto:
+    """Drop the prompt columns that are padding in every row (the dataset pads to max_prompt_length).
+
+    Exact: positions travel in `position_ids`, so generation, log-probs and updates see the same
+    tokens at the same positions, only without the all-padding columns (B, P) -> (B, P').
+    """
+    mask = batch.batch["attention_mask"]
+    used = mask.bool().any(dim=0).nonzero()
+    first = int(used[0]) if len(used) else 0
+    if first > 0:
+        for key in ("input_ids", "attention_mask", "position_ids"):
+            batch.batch[key] = batch.batch[key][:, first:].contiguous()
+    return batch
+
+
 def _attach_extra(batch: DataProto, extra: dict[str, list]) -> None:
     for k, v in extra.items():
         if len(v) == len(batch):
