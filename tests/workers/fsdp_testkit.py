@@ -133,7 +133,13 @@ def spawn(fn, world: int, tmp_path, *args) -> None:
             join=True,
             start_method="fork",
         )
-    except Exception as e:
+    except BaseException as e:  # incl. pytest-timeout's interrupt: never leave ranks blocked in a collective
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            child.kill()
+        if not isinstance(e, Exception):
+            raise
         msgs = []
         for r in range(world):
             p = os.path.join(err_dir, f"error_rank{r}.txt")
