@@ -22,7 +22,7 @@ EXTRAS = {
     "megatron": ["megatron-core"],
     "trackers": ["wandb", "tensorboard", "mlflow"],
     "math": ["math-verify"],
-    "bench": ["trl"],
+    "bench": ["trl>=1.16,<1.17", "datasets"],
 }
 
 setup(
