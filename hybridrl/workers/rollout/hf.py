@@ -131,9 +131,7 @@ class HFRollout(BaseRollout):
         prompt_len = ids.shape[1]
         gen_cfg = GenerationConfig(
             max_new_tokens=request.max_new_tokens,
-            # ignore_eos: `generate` falls back to the model's own EOS when eos_token_id is None,
-            # so forbid stopping instead (EOS logits are masked until max_new_tokens).
-            min_new_tokens=request.max_new_tokens if self.config.ignore_eos else 0,
+            min_new_tokens=0,
             do_sample=not spec.greedy,
             temperature=spec.temperature if not spec.greedy else None,
             top_k=(spec.top_k if spec.top_k > 0 else 0) if not spec.greedy else None,
