@@ -82,6 +82,7 @@ def init_ray(config: AsyncPPOConfig) -> None:
     kwargs: dict = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
     address = os.environ.get("RAY_ADDRESS")
     if address:
+        os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")  # merge with a job's runtime_env
         ray.init(address=address, **kwargs)
         return
     tr, at = config.trainer, config.async_training

@@ -61,6 +61,8 @@ def _init_ray(config: PPOConfig) -> None:
     address = os.environ.get("RAY_ADDRESS")
     kwargs: dict = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
     if address:
+        # Inside `ray job submit` the job may carry its own runtime_env: merge ours into it.
+        os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
         ray.init(address=address, **kwargs)
     else:
         slots = config.trainer.nnodes * config.trainer.n_gpus_per_node
