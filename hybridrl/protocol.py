@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from hybridrl.utils.tensordict_io import pack_tensordict, unpack_tensordict
+
 __all__ = [
     "DataProto",
     "DataProtoFuture",
@@ -197,52 +199,6 @@ def _union_numpy_dict(d1: dict[str, np.ndarray], d2: dict[str, np.ndarray]) -> d
             )
         d1.setdefault(key, value)
     return d1
-
-
-# ----------------------------------------------------------------------------------------------
-# tensor serialisation: a few large byte buffers, never per-row Python objects
-# ----------------------------------------------------------------------------------------------
-def _pack_tensordict(td: TensorDict) -> dict[str, Any]:
-    leaves = []
-    for key, value in td.items(include_nested=True, leaves_only=True):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"batch[{key!r}] is a {type(value).__name__}, not a tensor; keep non-tensor data in "
-                "non_tensor_batch."
-            )
-        t = value.detach()
-        buf = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        leaves.append((key, str(t.dtype).removeprefix("torch."), tuple(t.shape), str(t.device), buf))
-    return {
-        "batch_size": tuple(td.batch_size),
-        "device": None if td.device is None else str(td.device),
-        "leaves": leaves,
-    }
-
-
-def _restore_device(device: str | None) -> str | None:
-    """Keep the original device when this process has it, else fall back to CPU."""
-    if device is None or device.startswith("cpu"):
-        return device
-    kind = device.split(":")[0]
-    mod = getattr(torch, kind, None)
-    if mod is not None and hasattr(mod, "is_available") and mod.is_available():
-        return device
-    return "cpu"
-
-
-def _unpack_tensordict(state: dict[str, Any]) -> TensorDict:
-    device = _restore_device(state["device"])
-    td = TensorDict({}, batch_size=state["batch_size"], device=device)
-    for key, dtype_name, shape, tensor_device, buf in state["leaves"]:
-        if not buf.flags.writeable:  # e.g. zero-copy from the Ray object store
-            buf = buf.copy()
-        t = torch.from_numpy(buf).view(getattr(torch, dtype_name)).reshape(shape)
-        target = _restore_device(tensor_device)
-        if target != "cpu":
-            t = t.to(target)
-        td.set(key, t)
-    return td
 
 
 # ----------------------------------------------------------------------------------------------
@@ -621,13 +577,13 @@ class DataProto:
     # ---- pickling: tensors travel as one byte buffer each ------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         return {
-            "batch": None if self.batch is None else _pack_tensordict(self.batch),
+            "batch": None if self.batch is None else pack_tensordict(self.batch),
             "non_tensor_batch": self.non_tensor_batch,
             "meta_info": self.meta_info,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.batch = None if state["batch"] is None else _unpack_tensordict(state["batch"])
+        self.batch = None if state["batch"] is None else unpack_tensordict(state["batch"])
         self.non_tensor_batch = state["non_tensor_batch"]
         self.meta_info = state["meta_info"]
 
