@@ -11,13 +11,12 @@ Locally it starts an embedded Ray instance; with RAY_ADDRESS set it attaches to 
 
 from __future__ import annotations
 
-import math
-import os
 import sys
 
 from omegaconf import DictConfig, OmegaConf
 
 from hybridrl.trainer.async_config import AsyncPPOConfig, load_async_config, n_rollout_workers
+from hybridrl.trainer.main_ppo import start_ray, write_report
 
 # Applied before the user's overrides: one core for the trainer, one for the rollout worker.
 ASYNC_DEFAULTS = [
@@ -57,40 +56,17 @@ def run_async_config(config: AsyncPPOConfig) -> dict[str, float]:
         trainer.tracker.finish()
         trainer.async_workers.shutdown()
     if config.trainer.make_report:
-        from hybridrl.report import make_report
-
-        log_dir = trainer.tracker.log_dir
-        if log_dir and os.path.exists(os.path.join(log_dir, "metrics.jsonl")):
-            print(f"[hybridrl] report: {make_report(log_dir)}")
+        write_report(trainer.tracker)
     return metrics
 
 
 def init_ray(config: AsyncPPOConfig) -> None:
     """Start a local Ray with enough CPUs for both pools (or attach to RAY_ADDRESS)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    env = {
-        "TOKENIZERS_PARALLELISM": "false",
-        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-    }
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    kwargs: dict = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")  # merge with a job's runtime_env
-        ray.init(address=address, **kwargs)
-        return
     tr, at = config.trainer, config.async_training
-    need = (
+    start_ray(
         tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker
         + n_rollout_workers(config) * at.rollout_cpus_per_worker
     )
-    ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

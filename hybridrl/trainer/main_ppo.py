@@ -37,15 +37,20 @@ def run_ppo_config(config: PPOConfig) -> dict[str, float]:
         trainer.tracker.finish()
         trainer.workers.shutdown()
     if config.trainer.make_report:
-        from hybridrl.report import make_report
-
-        log_dir = trainer.tracker.log_dir
-        if log_dir and os.path.exists(os.path.join(log_dir, "metrics.jsonl")):
-            print(f"[hybridrl] report: {make_report(log_dir)}")
+        write_report(trainer.tracker)
     return metrics
 
 
 def _init_ray(config: PPOConfig) -> None:
+    tr = config.trainer
+    start_ray(tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker)
+
+
+def start_ray(cpus_needed: float) -> None:
+    """Attach to `RAY_ADDRESS` (a cluster, or inside `ray job submit`) or start a local Ray with at
+    least `cpus_needed` CPUs; either way the workers get the environment variables hybridrl needs."""
+    import math
+
     import ray
 
     if ray.is_initialized():
@@ -65,9 +70,17 @@ def _init_ray(config: PPOConfig) -> None:
         os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
         ray.init(address=address, **kwargs)
     else:
-        slots = config.trainer.nnodes * config.trainer.n_gpus_per_node
-        num_cpus = max(os.cpu_count() or 1, slots * config.trainer.cpus_per_worker)
+        num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
         ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
+
+
+def write_report(tracker) -> None:
+    """The PNG of the run's curves, next to the file logger's metrics.jsonl (if any)."""
+    from hybridrl.report import make_report
+
+    log_dir = tracker.log_dir
+    if log_dir and os.path.exists(os.path.join(log_dir, "metrics.jsonl")):
+        print(f"[hybridrl] report: {make_report(log_dir)}")
 
 
 if __name__ == "__main__":
