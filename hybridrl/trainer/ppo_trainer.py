@@ -34,6 +34,25 @@ from hybridrl.utils.metrics import (
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 
 
+def old_log_prob_is_redundant(config: Any) -> bool:
+    """True when the separate old-log-prob forward can be skipped without changing any number.
+
+    That is when the actor update is exactly on-policy: one PPO epoch over one mini-batch (the
+    whole step's batch), so the old log-probs equal the detached log-probs of the update's own
+    forward, and nothing reads them before the update (KL in the reward, rollout importance
+    sampling). `actor_rollout_ref.actor.skip_on_policy_old_log_prob=false` turns the skip off.
+    """
+    actor = config.actor_rollout_ref.actor
+    algo = config.algorithm
+    return bool(
+        actor.skip_on_policy_old_log_prob
+        and actor.ppo_epochs == 1
+        and actor.ppo_mini_batch_size >= config.data.train_batch_size
+        and not algo.use_kl_in_reward
+        and not algo.rollout_is
+    )
+
+
 class RayPPOTrainer:
     """Holds the PPO loop; the workers hold the models.
 
@@ -236,6 +255,8 @@ class RayPPOTrainer:
         metrics["perf/balance_max_min_ratio"] = max(sums) / max(min(sums), 1)
 
     def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
+        if old_log_prob_is_redundant(self.config):
+            return batch  # the update takes them from its own forward (exactly on-policy)
         with timer("old_log_prob", timing):
             out = self.workers.actor_rollout.compute_log_prob(batch)
         entropys = out.batch.pop("entropys", None) if "entropys" in out.batch.keys() else None

@@ -7,8 +7,8 @@ batch, all shards the same length.
 
 Batch keys (veRL names; B rows on this rank, P prompt, T response length):
     input_ids (B, P+T), attention_mask (B, P+T), position_ids (B, P+T), responses (B, T),
-    response_mask (B, T) (default: the response part of attention_mask), old_log_probs (B, T),
-    advantages (B, T); ref_log_prob (B, T) with use_kl_loss; optional rollout_is_weights (B, T)
+    response_mask (B, T) (default: the response part of attention_mask), old_log_probs (B, T)
+    (may be left out when the update is exactly on-policy: see `is_on_policy`), advantages (B, T); ref_log_prob (B, T) with use_kl_loss; optional rollout_is_weights (B, T)
     and rollout_log_probs (B, T) (the behaviour policy's, for the 'decoupled' loss).
 """
 
@@ -86,7 +86,7 @@ class PPOActor:
         self._flops_dims: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------------------------------
-    def _forward(self, micro: Any, temperature: float, calculate_entropy: bool):
+    def _forward(self, micro: Any, temperature: float, calculate_entropy: bool, entropy_grad: bool = True):
         c = self.config
         chunk = 2048 if (c.entropy_from_logits_with_chunking or c.entropy_checkpointing) else None
         return forward_log_probs(
@@ -96,6 +96,7 @@ class PPOActor:
             use_remove_padding=self.use_remove_padding,
             calculate_entropy=calculate_entropy,
             entropy_chunk_size=chunk,
+            entropy_grad=entropy_grad,
         )
 
     def compute_log_prob(
@@ -161,8 +162,27 @@ class PPOActor:
             "behave_imp_weight_cap": pl.behave_imp_weight_cap,
         }
 
+    def is_on_policy(self, rows: int) -> bool:
+        """True when an update over `rows` rows is one optimizer step on data from the current policy.
+
+        Then the old log-probs equal the detached log-probs of the update's own forward, and the
+        update may run without them (`actor.skip_on_policy_old_log_prob`).
+        """
+        bs = self.batch_sizes
+        return bs is not None and bs.epochs == 1 and rows <= bs.mini_batch_size
+
     def _select_train_keys(self, data: DataProto) -> DataProto:
-        keys = [*_FORWARD_KEYS, "old_log_probs", "advantages"]
+        keys = [*_FORWARD_KEYS, "advantages"]
+        if "old_log_probs" in data.batch.keys():
+            keys.append("old_log_probs")
+        elif not self.is_on_policy(len(data)):
+            bs = self.batch_sizes
+            raise KeyError(
+                "update_policy: the batch lacks 'old_log_probs', and this update is not exactly on-policy "
+                f"({len(data)} rows, mini-batch {bs.mini_batch_size if bs else None} rows, "
+                f"ppo_epochs {bs.epochs if bs else None}), so they cannot be taken from the update's own "
+                "forward: compute them first (compute_log_prob)"
+            )
         if self.config.use_kl_loss:
             if "ref_log_prob" not in data.batch.keys():
                 raise KeyError(
@@ -200,14 +220,17 @@ class PPOActor:
             key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
         )
         hparams = self._loss_hparams()
-        calc_entropy = c.entropy_coeff != 0
+        has_old = "old_log_probs" in batch.keys()
+        # Without old log-probs (exactly on-policy) the entropy metric the old-log-prob pass would
+        # have reported comes from this forward instead (not in the loss unless entropy_coeff != 0).
+        calc_entropy = c.entropy_coeff != 0 or not has_old
         means = TokenWeightedMeans(loss_scale)
         sums = {"actor/pg_loss": 0.0}
         for micro in micros:
             m_mask = response_mask_of(micro)
-            log_prob, entropy = self._forward(micro, temperature, calc_entropy)
+            log_prob, entropy = self._forward(micro, temperature, calc_entropy, c.entropy_coeff != 0)
             pg_loss, pg_metrics = self.policy_loss_fn(
-                micro["old_log_probs"],
+                micro["old_log_probs"] if has_old else log_prob.detach(),
                 log_prob,
                 micro["advantages"],
                 m_mask,
@@ -219,9 +242,10 @@ class PPOActor:
             )
             loss = pg_loss
             sums["actor/pg_loss"] += float(pg_loss.detach())
-            if calc_entropy:
+            if c.entropy_coeff != 0:
                 ent_loss = agg_loss(entropy, m_mask, c.loss_agg_mode, loss_scale=loss_scale)
                 loss = loss - c.entropy_coeff * ent_loss
+            if calc_entropy:
                 pg_metrics["entropy"] = (entropy.detach() * m_mask).sum() / m_mask.sum().clamp(min=1)
             if c.use_kl_loss:
                 kld = kl_penalty(log_prob, micro["ref_log_prob"], c.kl_loss_type)

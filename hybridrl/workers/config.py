@@ -174,6 +174,12 @@ class ActorConfig:
     optim.clip_grad when set. entropy_from_logits_with_chunking / entropy_checkpointing compute
     the entropy 2048 positions at a time, recomputed in backward. use_torch_compile is accepted
     for veRL compatibility and has no effect (the engine runs eagerly).
+
+    skip_on_policy_old_log_prob: when the update is exactly on-policy (ppo_epochs == 1 and one
+    mini-batch per step, i.e. ppo_mini_batch_size == data.train_batch_size, and nothing reads the
+    old log-probs before the update: no KL in the reward, no rollout importance sampling), the
+    trainer skips the separate old-log-prob forward and the update uses the detached log-probs of
+    its own forward, which are the same numbers. False always runs the separate pass.
     """
 
     strategy: str = "fsdp"
@@ -199,6 +205,7 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = 1
     entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
+    skip_on_policy_old_log_prob: bool = True
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)

@@ -48,6 +48,8 @@ def test_estimators_run_end_to_end(tmp_path, estimator, extra):
     assert_finite(train, CORE + ["critic/advantages/mean"])
     assert any(r["actor/grad_norm"] > 0 for r in train)
     assert any(k.startswith("val-core/hybridrl/arith/") for k in rows[-1])
+    # one epoch over one mini-batch: exactly on-policy, so no separate old-log-prob pass
+    assert not any("timing_s/old_log_prob" in r for r in train)
     if estimator == "gae":
         assert_finite(train, ["critic/vf_loss", "critic/values/mean", "critic/grad_norm"])
 
@@ -64,6 +66,7 @@ def test_kl_loss_and_kl_in_reward(tmp_path):
     )
     train = [r for r in rows if "actor/pg_loss" in r]
     assert_finite(train, ["actor/kl_loss", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"])
+    assert_finite(train, ["timing_s/old_log_prob"])  # the KL in the reward reads the old log-probs
     # step 1 samples from the reference itself, so its KL to the reference is 0.
     assert train[0]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)
 

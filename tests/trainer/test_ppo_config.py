@@ -67,3 +67,23 @@ def test_unknown_key_names_the_key_and_suggests():
 def test_bad_config_fails_at_start_up_naming_the_key(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config(_compose(overrides))
+
+
+_ON = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]
+
+
+@pytest.mark.parametrize(
+    "overrides, redundant",
+    [
+        (_ON, True),
+        (["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8"], False),
+        ([*_ON, "actor_rollout_ref.actor.ppo_epochs=2"], False),
+        ([*_ON, "algorithm.use_kl_in_reward=true"], False),
+        ([*_ON, "algorithm.rollout_is=true"], False),
+        ([*_ON, "actor_rollout_ref.actor.skip_on_policy_old_log_prob=false"], False),
+    ],
+)
+def test_old_log_prob_pass_is_skipped_only_when_exactly_on_policy(overrides, redundant):
+    from hybridrl.trainer.ppo_trainer import old_log_prob_is_redundant
+
+    assert old_log_prob_is_redundant(load_config(_compose(overrides))) is redundant

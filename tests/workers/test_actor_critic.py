@@ -175,6 +175,8 @@ def _actor_checks(rank, model_dir):
             assert 0 < ref_metrics["actor/pg_clipfrac"] < 1  # the check covers clipped and unclipped tokens
     del hsdp
 
+    _on_policy_checks(rank, cfg, engine2, sizes2, data)
+
     # --- update_policy lowers the PPO loss on a fixed batch (epochs, shuffle, several mini-batches) --
     upd_cfg = dataclasses.replace(
         cfg,
@@ -210,6 +212,45 @@ def _actor_checks(rank, model_dir):
     assert 0 < first["perf/mfu/actor"][0] < 1
     losses = [sum(m["actor/pg_loss"][:2]) / 2 for m in history]  # first epoch covers the whole batch
     assert losses[-1] < losses[0] - 0.05, losses
+
+
+def _on_policy_checks(rank, cfg, engine, sizes, data):
+    """Exactly on-policy (one epoch, one mini-batch): an update without old_log_probs, which takes
+    the detached log-probs of its own forward, gives the gradient and metrics of an update with
+    recomputed ones; an update that is not on-policy refuses a batch without them."""
+    from hybridrl.workers.actor import PPOActor
+
+    for entropy_coeff in (0.01, 0.0):
+        op_cfg = dataclasses.replace(cfg, entropy_coeff=entropy_coeff)
+        actor = PPOActor(op_cfg, engine.module, engine.optimizer, dp_size=2, batch_sizes=sizes)
+        local = data.chunk(2)[rank]
+        assert actor.is_on_policy(len(local))
+        current, _ = actor.compute_log_prob(local, micro_batch_size=4)
+        with_old = local.select(deepcopy=True)
+        with_old.batch["old_log_probs"] = current
+        without = local.select(deepcopy=True)
+        without.pop(batch_keys=["old_log_probs"])
+        m_with = actor.forward_backward(with_old)
+        g_with = _grads(engine.module)
+        engine.optimizer.zero_grad(set_to_none=True)
+        m_without = actor.forward_backward(without)
+        g_without = _grads(engine.module)
+        engine.optimizer.zero_grad(set_to_none=True)
+        for pname, g in g_with.items():
+            torch.testing.assert_close(
+                g_without[pname], g, rtol=1e-5, atol=1e-7, msg=lambda m, p=pname: f"{p}: {m}"
+            )
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac"):
+            assert m_without[key] == pytest.approx(m_with[key], rel=1e-5, abs=1e-7), key
+        assert m_without["actor/pg_clipfrac"] == 0.0
+        # the entropy metric the skipped old-log-prob pass would have given comes from the update
+        assert m_without["actor/entropy"] > 0
+        assert ("actor/entropy" in m_with) == (entropy_coeff != 0)
+    two_epochs = dataclasses.replace(sizes, epochs=2)
+    actor = PPOActor(cfg, engine.module, engine.optimizer, dp_size=2, batch_sizes=two_epochs)
+    assert not actor.is_on_policy(len(without))
+    with pytest.raises(KeyError, match="not exactly on-policy"):
+        actor.update_policy(without)
 
 
 def _critic_checks(rank, model_dir):

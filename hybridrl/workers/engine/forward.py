@@ -57,6 +57,7 @@ def forward_log_probs(
     use_remove_padding: bool = False,
     calculate_entropy: bool = False,
     entropy_chunk_size: int | None = None,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of the response tokens under `module`, logits / temperature.
 
@@ -65,6 +66,7 @@ def forward_log_probs(
             responses (B, T).
         temperature: the rollout's sampling temperature (> 0).
         entropy_chunk_size: compute the entropy this many positions at a time (bounds memory).
+        entropy_grad: False computes the entropy without a graph (a metric, not part of a loss).
 
     Returns:
         log_probs (B, T) float32; entropy (B, T) float32 or None. Values at padded response
@@ -75,11 +77,12 @@ def forward_log_probs(
     responses = batch["responses"]
     t = responses.shape[-1]
     out, packed = _run(module, batch, use_remove_padding)
-    ent_fn = entropy_from_logits
-    if entropy_chunk_size:
 
-        def ent_fn(x):
-            return entropy_from_logits_chunked(x, entropy_chunk_size)
+    def ent_fn(x: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            if entropy_chunk_size:
+                return entropy_from_logits_chunked(x, entropy_chunk_size)
+            return entropy_from_logits(x)
 
     if packed is None:
         logits = out.logits[:, -t - 1 : -1].float() / temperature
