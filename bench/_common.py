@@ -264,3 +264,43 @@ def write_json(path: str | os.PathLike | None, obj: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(obj, indent=1, default=float))
     print(f"results written to {path}")
+
+
+_MATMUL_CHILD = """
+import sys, time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(512, 512), torch.randn(512, 512)
+for _ in range(5):
+    a @ b
+n, t = 0, time.perf_counter()
+while time.perf_counter() - t < float(sys.argv[1]):
+    a @ b
+    n += 1
+print(2 * 512**3 * n / (time.perf_counter() - t))
+"""
+
+
+def parallel_capacity(seconds: float = 3.0) -> dict:
+    """How much one-thread matmul throughput two concurrent processes get against one alone.
+
+    `capacity` = (sum of both processes' FLOP/s) / (one process alone): 2.0 means two independent
+    cores, ~1.0 means the two "cores" share one core's compute (hyper-threads, a busy host). It
+    bounds what running two stages side by side (asynchronous rollout and training) can gain.
+    """
+
+    def spawn():
+        return subprocess.Popen(
+            [sys.executable, "-c", _MATMUL_CHILD, str(seconds)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **ONE_THREAD_ENV},
+        )
+
+    alone = float(spawn().communicate()[0])
+    pair = [spawn(), spawn()]
+    both = [float(p.communicate()[0]) for p in pair]
+    return {
+        "alone_gflops": alone / 1e9,
+        "pair_gflops": [x / 1e9 for x in both],
+        "capacity": sum(both) / alone,
+    }

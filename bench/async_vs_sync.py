@@ -159,6 +159,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="bench_async_vs_sync.json")
     args = p.parse_args(argv)
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _common as C
+
+    info = C.print_header("synchronous vs asynchronous GRPO (bench/async_vs_sync.py)")
+    cap = C.parallel_capacity()
+    print(
+        f"parallel capacity of this machine: one 1-thread matmul process {cap['alone_gflops']:.0f} GFLOP/s alone, "
+        f"two side by side {' + '.join(f'{x:.0f}' for x in cap['pair_gflops'])} GFLOP/s = "
+        f"{cap['capacity']:.2f}x one process (2.0 = two independent cores); overlapping two stages can "
+        "gain at most this",
+        flush=True,
+    )
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -200,7 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(report(results[-1]), flush=True)
     print(summary(results), flush=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=1)
+        json.dump(
+            {"args": vars(args), "machine": info, "parallel_capacity": cap, "results": results}, f, indent=1
+        )
     ray.shutdown()
     return {"results": results}
 

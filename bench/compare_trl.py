@@ -569,6 +569,13 @@ def main() -> None:
         lib, extra, env = VARIANTS[name]
         if name == "tight":
             extra = [f"data.max_prompt_length={max_prompt_tokens(w['model_path'], paths['train'])}"]
+        if name == "2ranks":  # each rank does its half of the rows in one micro-batch
+            half = w["prompts"] * w["n"] // 2
+            extra = [
+                *extra,
+                f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={half}",
+                f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={half}",
+            ]
         runners.append((f"hybridrl_{name}" if lib == "hybridrl" else name, lib, extra, env))
     if args.only:
         runners = [r for r in runners if r[1] == args.only][:1]

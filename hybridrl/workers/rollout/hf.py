@@ -65,10 +65,12 @@ class HFRollout(BaseRollout):
             model = AutoModelForCausalLM.from_pretrained(model_path, config=hf_config)
         model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         # A fresh generation config: the checkpoint's defaults (repetition_penalty, top_k=50,
-        # temperature, ...) must not leak into RL sampling; everything comes from `config`.
+        # temperature, ...) must not leak into RL sampling; everything comes from `config`. No
+        # EOS here: every call names its EOS ids, and `generate` would fall back to this default
+        # when a call passes none (ignore_eos), stopping at EOS after all.
         model.generation_config = GenerationConfig(
             pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_ids or None,
+            eos_token_id=None,
             bos_token_id=getattr(hf_config, "bos_token_id", None),
         )
         self.model = model

@@ -199,3 +199,31 @@ def test_update_weights_accepts_wrapped_names_and_tied_heads(tiny_model_dir, tok
     sync_weights(rollout, stream)
     for name, p in source_model.state_dict().items():
         assert torch.equal(rollout.model.state_dict()[name], p), name
+
+
+def test_ignore_eos_runs_every_row_to_the_limit_with_a_model_that_stops():
+    """The built-in model answers in ~9 tokens then emits EOS; ignore_eos must not stop there."""
+    from transformers import AutoTokenizer
+
+    from hybridrl.models.builtin import get_builtin_model_path
+
+    path = get_builtin_model_path()
+    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in ("12+34=", "50+7=")
+    ]
+    prompts = make_prompts(tok, texts, {"validate": True})
+    limit = 20
+    stopping = create_rollout(
+        _cfg(prompt_length=16, response_length=limit, load_format="auto"), path, tok, device="cpu"
+    )
+    lengths = stopping.generate_sequences(prompts).batch["response_mask"].sum(-1)
+    assert (lengths < limit).all(), lengths  # the model does stop at EOS on its own
+    free = create_rollout(
+        _cfg(prompt_length=16, response_length=limit, load_format="auto", ignore_eos=True),
+        path,
+        tok,
+        device="cpu",
+    )
+    assert (free.generate_sequences(prompts).batch["response_mask"].sum(-1) == limit).all()
