@@ -21,6 +21,7 @@ Run:
     python bench/mfu.py                      # ~2 min
     python bench/mfu.py --response-length 64 --prompts 16
     python bench/mfu.py --dtype bf16         # bf16 compute (FSDP mixed precision, bf16 rollout)
+    python bench/mfu.py --dtype bf16 --attn sdpa --reshard   # bf16 with the pre-auto defaults
     python bench/mfu.py --threads 2          # only on an otherwise idle machine
 """
 
@@ -123,7 +124,7 @@ def build(model_path: str, args):
     fsdp = FSDPConfig(
         model_dtype="fp32",
         mixed_precision=MixedPrecisionConfig(param_dtype=args.dtype, reduce_dtype="fp32"),
-        reshard_after_forward=not args.no_reshard,
+        reshard_after_forward=True if args.reshard else (False if args.no_reshard else None),
     )
     actor_cfg = ActorConfig(
         ppo_mini_batch_size=args.prompts,
@@ -173,6 +174,7 @@ def timed(fn, reps: int, warmup: int = 1):
 
 def run_stages(model_path: str, args) -> dict:
     from hybridrl.utils.flops import attention_dims, count_params, estimate_flops
+    from hybridrl.workers.engine.fsdp import resolve_reshard_after_forward
     from hybridrl.workers.rollout.weight_sync import sync_weights
 
     engine, actor, rollout, _ = build(model_path, args)
@@ -220,6 +222,8 @@ def run_stages(model_path: str, args) -> dict:
         "padded_seq_len": executed[0],
         "generated_tokens": gen_tokens,
         "mean_valid_tokens_per_row": sum(valid) / len(valid),
+        "attn_implementation": engine.module.config._attn_implementation,
+        "reshard_after_forward": resolve_reshard_after_forward(engine.fsdp_config, engine.mesh),
         "stages": {},
     }
     for name, seconds, tr, val, exe in (
@@ -291,8 +295,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--remove-padding", action="store_true", help="model.use_remove_padding=True")
-    p.add_argument("--attn", choices=["sdpa", "eager"], help="model.override_config.attn_implementation")
-    p.add_argument("--no-reshard", action="store_true", help="fsdp_config.reshard_after_forward=False")
+    p.add_argument(
+        "--attn",
+        choices=["sdpa", "eager"],
+        help="model.override_config.attn_implementation (default: the engine's choice, eager for bf16 on CPU)",
+    )
+    reshard = p.add_mutually_exclusive_group()
+    reshard.add_argument("--no-reshard", action="store_true", help="fsdp_config.reshard_after_forward=False")
+    reshard.add_argument(
+        "--reshard", action="store_true", help="fsdp_config.reshard_after_forward=True (default: auto)"
+    )
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --response-length tokens")
     p.add_argument("--json", help="write all numbers to this file")
     args = p.parse_args()
@@ -321,7 +333,8 @@ def main() -> None:
         f"\nmodel {args.model} ({res['params_non_embedding'] / 1e6:.1f}M non-embedding params, {res['layers']} "
         f"layers), {res['rows']} rows = {args.prompts} prompts x {args.n}, prompt {res['mean_prompt_tokens']:.0f} "
         f"tokens (padded row length {res['padded_seq_len']}), {res['generated_tokens']} generated tokens, "
-        f"{args.dtype}, {args.threads} thread(s); peak used: {peak / 1e9:.1f} GFLOP/s; median of {args.reps}"
+        f"{args.dtype}, {args.threads} thread(s); peak used: {peak / 1e9:.1f} GFLOP/s; median of {args.reps}; "
+        f"actor attention {res['attn_implementation']}, reshard_after_forward={res['reshard_after_forward']}"
     )
     rows = []
     for name, s in res["stages"].items():

@@ -83,12 +83,16 @@ class FSDPConfig:
     fsdp_size: ranks per shard group; -1 (or >= world size) shards over all ranks, 0 < fsdp_size
     < world builds a 2-D (replicate, shard) mesh (hybrid sharding). `model_dtype` is the dtype
     of the master weights; the optimizer runs in it.
+
+    reshard_after_forward: free each layer's gathered parameters after forward (True, veRL's
+    default) or keep them until backward (False); None (auto) is False when each shard group is
+    one CPU rank (nothing is sharded; keeping them saves a second cast in backward), else True.
     """
 
     param_offload: bool = False
     optimizer_offload: bool = False
     offload_policy: bool = False
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
     fsdp_size: int = -1
     model_dtype: str = "fp32"
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)

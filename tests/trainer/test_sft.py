@@ -214,7 +214,7 @@ def test_loss_decreases(tiny, tmp_path):
 
 def test_gradient_accumulation_is_exact(tiny, tmp_path):
     """Micro-batches of 16 (no accumulation) and of 4 (4-way accumulation) give the same gradient."""
-    from hybridrl.workers.engine.fsdp import _gather
+    from hybridrl.workers.engine.full_params import gather_full
 
     results = []
     for micro in (16, 4):
@@ -224,7 +224,7 @@ def test_gradient_accumulation_is_exact(tiny, tmp_path):
         trainer = make_trainer(cfg)
         out = trainer.accumulate_gradients(trainer._next_indices())
         grads = {
-            n: _gather(p.grad, torch.device("cpu")).clone()
+            n: gather_full(p.grad, torch.device("cpu")).clone()
             for n, p in trainer.engine.module.named_parameters()
         }
         results.append((out, grads))

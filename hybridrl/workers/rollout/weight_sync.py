@@ -1,7 +1,8 @@
 """Streaming weight sync from the training side into a rollout engine, in bounded buckets.
 
 The training side produces `(hf_name, full_tensor)` pairs one at a time (the FSDP engine's
-`iter_full_params` all-gathers one parameter per step). `sync_weights` pulls them into
+`iter_full_params` all-gathers a bucket of parameters per collective and yields them in order).
+`sync_weights` pulls them into
 buckets of at most `bucket_megabytes` (a tensor larger than that forms its own bucket), then
 streams each bucket to `rollout.update_weights`. So at most one bucket of gathered tensors is
 alive on the sender, and the engine consumes the stream without building a full state dict.
