@@ -124,7 +124,7 @@ class RayPPOTrainer:
             timing: dict[str, float] = {}
             self._gen_batches_this_step = 0
             with timer("step", timing):
-                batch = self._rollout_and_score(metrics, timing)
+                batch = trim_right_padding(self._rollout_and_score(metrics, timing))
                 self._balance_batch(batch, metrics)
                 batch = self._compute_old_log_prob(batch, metrics, timing)
                 batch = self._compute_ref_log_prob(batch, timing)
@@ -459,7 +459,15 @@ class RayPPOTrainer:
 
     # --------------------------------------------------------------- logging
     def _log_step(self, batch: DataProto, metrics: dict, timing: dict) -> None:
-        metrics.update(compute_data_metrics(batch, use_critic=self.use_critic))
+        d = self.config.data
+        metrics.update(
+            compute_data_metrics(
+                batch,
+                use_critic=self.use_critic,
+                max_prompt_length=d.max_prompt_length,
+                max_response_length=d.max_response_length,
+            )
+        )
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, self.workers.actor_rollout.world_size))
         metrics["training/global_step"] = self.global_steps
@@ -498,6 +506,34 @@ def trim_left_padding(batch: DataProto) -> DataProto:
     if first > 0:
         for key in ("input_ids", "attention_mask", "position_ids"):
             batch.batch[key] = batch.batch[key][:, first:].contiguous()
+    return batch
+
+
+def trim_right_padding(batch: DataProto) -> DataProto:
+    """Drop the trailing response columns that are padding in every row (rollouts pad to the limit).
+
+    Exact, like `trim_left_padding`: the old-log-prob pass, the critic and the update compute on
+    (B, P + T') instead of (B, P + T), T' the longest response of the batch. Every tensor of width
+    T (response-aligned: responses, response_mask, scores, rollout log-probs, ...) or P + T
+    (input_ids, attention_mask, position_ids) is cut; `prompts` is left alone. The untrimmed
+    width, the generation budget, is kept in meta_info["max_response_length"] for the losses that
+    divide by it (seq-mean-token-sum-norm).
+    """
+    b = batch.batch
+    t, s = b["responses"].shape[-1], b["attention_mask"].shape[-1]
+    batch.meta_info.setdefault("max_response_length", t)
+    used = b["attention_mask"][:, s - t :].bool().any(dim=0).nonzero()
+    keep = max(int(used[-1]) + 1 if len(used) else 0, 1)
+    if keep == t:
+        return batch
+    for key in list(b.keys()):
+        value = b[key]
+        if key == "prompts" or value.dim() < 2:
+            continue
+        if value.shape[1] == s:
+            b[key] = value[:, : s - t + keep].contiguous()
+        elif value.shape[1] == t:
+            b[key] = value[:, :keep].contiguous()
     return batch
 
 

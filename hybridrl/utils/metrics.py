@@ -96,14 +96,22 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     }
 
 
-def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]:
+def compute_data_metrics(
+    batch: DataProto,
+    use_critic: bool,
+    *,
+    max_prompt_length: int | None = None,
+    max_response_length: int | None = None,
+) -> dict[str, float]:
     """veRL's data metrics for one training batch.
 
     critic/score/* and critic/rewards/* are per-sequence sums of `token_level_scores` /
     `token_level_rewards`; critic/advantages|returns|values/* are over valid response tokens;
     critic/vf_explained_var = 1 - Var(returns - values) / (Var(returns) + 1e-5) with a critic.
     response_length/* and prompt_length/* count non-pad tokens; clip_ratio is the fraction of
-    samples that hit the maximum (T or P). Groups whose batch key is missing are left out, except
+    samples that hit the maximum (`max_response_length` / `max_prompt_length`, by default the
+    tensor widths T and P; the trainer passes the configured limits, since it trims all-padding
+    columns). Groups whose batch key is missing are left out, except
     `values` when `use_critic` (KeyError).
     """
     b = batch.batch
@@ -127,11 +135,13 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
             out["critic/vf_explained_var"] = float(1.0 - (returns - values).var() / (returns.var() + 1e-5))
     response_length = response_valid.sum(-1).float()
     out.update(_stats("response_length", response_length))
-    out["response_length/clip_ratio"] = float((response_length == response_valid.shape[-1]).float().mean())
+    t_max = max_response_length or response_valid.shape[-1]
+    out["response_length/clip_ratio"] = float((response_length >= t_max).float().mean())
     if prompt_valid is not None and prompt_valid.shape[-1] > 0:
         prompt_length = prompt_valid.sum(-1).float()
         out.update(_stats("prompt_length", prompt_length))
-        out["prompt_length/clip_ratio"] = float((prompt_length == prompt_valid.shape[-1]).float().mean())
+        p_max = max_prompt_length or prompt_valid.shape[-1]
+        out["prompt_length/clip_ratio"] = float((prompt_length >= p_max).float().mean())
     return out
 
 

@@ -209,7 +209,10 @@ class PPOActor:
         batch = mini_batch.batch.to(self.device)
         mask = response_mask_of(batch)
         loss_scale = global_loss_scale(
-            mask, dp_size=self.dp_size, dp_group=self.dp_group, max_response_length=mask.shape[-1]
+            mask,
+            dp_size=self.dp_size,
+            dp_group=self.dp_group,
+            max_response_length=mini_batch.meta_info.get("max_response_length", mask.shape[-1]),
         )
         micros, _ = split_micro_batches(
             batch,

@@ -176,6 +176,7 @@ def _actor_checks(rank, model_dir):
     del hsdp
 
     _on_policy_checks(rank, cfg, engine2, sizes2, data)
+    _trimmed_padding_checks(rank, cfg, engine2, sizes2, data)
 
     # --- update_policy lowers the PPO loss on a fixed batch (epochs, shuffle, several mini-batches) --
     upd_cfg = dataclasses.replace(
@@ -251,6 +252,41 @@ def _on_policy_checks(rank, cfg, engine, sizes, data):
     assert not actor.is_on_policy(len(without))
     with pytest.raises(KeyError, match="not exactly on-policy"):
         actor.update_policy(without)
+
+
+def _trimmed_padding_checks(rank, cfg, engine, sizes, data):
+    """The trainer cuts all-padding response columns (trim_right_padding); the update on the cut
+    batch has the gradient of the update on the padded one, for every loss aggregation, because
+    the generation budget travels in meta_info (seq-mean-token-sum-norm divides by it)."""
+    from hybridrl.protocol import DataProto
+    from hybridrl.trainer.ppo_trainer import trim_right_padding
+    from hybridrl.workers.actor import PPOActor
+
+    extra = 3  # widen the responses by 3 all-padding columns, as a rollout padded to its limit
+    tensors = {}
+    for key, value in data.batch.items():
+        pad = torch.zeros(value.shape[0], extra, dtype=value.dtype)
+        tensors[key] = torch.cat([value, pad], 1) if value.dim() == 2 else value
+    padded = DataProto.from_dict(tensors)
+    cut = trim_right_padding(padded.select(deepcopy=True))
+    assert cut.batch["responses"].shape[1] == data.batch["responses"].shape[1]
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        actor = PPOActor(
+            dataclasses.replace(cfg, loss_agg_mode=mode),
+            engine.module,
+            engine.optimizer,
+            dp_size=2,
+            batch_sizes=sizes,
+        )
+        grads = []
+        for batch in (padded, cut):
+            actor.forward_backward(batch.chunk(2)[rank])
+            grads.append(_grads(engine.module))
+            engine.optimizer.zero_grad(set_to_none=True)
+        for pname, g in grads[0].items():
+            torch.testing.assert_close(
+                grads[1][pname], g, rtol=1e-5, atol=1e-7, msg=lambda m, p=pname, md=mode: f"{md} {p}: {m}"
+            )
 
 
 def _critic_checks(rank, model_dir):
