@@ -19,6 +19,11 @@ so a chunk already generating finishes with its old weights and the next chunk u
 ones ("finish the chunk, then update": no generation is aborted). Every group is tagged with the
 version its chunk was generated with.
 
+An optional `postprocess(chunk) -> chunk` runs on every finished chunk in the background thread,
+before its groups are queued: the trainer scores rule-based rewards there, so reward computation
+overlaps training instead of sitting on the trainer's path (AReaL scores inside its rollout
+workflow). An exception there stops the loop and is raised by the next `wait_batch`.
+
 A worker that dies (RayActorError) is dropped; the groups of its unfinished chunk go back to the
 front of the queue and are generated again by the live workers, with their original uids. Results
 already collected are never lost, and a chunk's results are taken at most once, so no group is
@@ -36,6 +41,7 @@ import collections
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +119,8 @@ class AsyncRolloutManager:
         queue_size: bound of the input and output queues (in groups).
         chunk_size: groups per generate call on one worker.
         poll_s: how long the background loop waits for results in one round.
+        postprocess: applied to each finished chunk (all its rows, prompt data included) in the
+            background thread, e.g. reward scoring; must keep the rows and their order.
     """
 
     def __init__(
@@ -126,6 +134,7 @@ class AsyncRolloutManager:
         queue_size: int,
         chunk_size: int,
         poll_s: float = 0.02,
+        postprocess: Callable[[DataProto], DataProto] | None = None,
     ) -> None:
         if not workers:
             raise ValueError("AsyncRolloutManager needs at least one rollout worker")
@@ -138,6 +147,8 @@ class AsyncRolloutManager:
         self.max_concurrent = max_concurrent_rollouts
         self.chunk_size = chunk_size
         self.poll_s = poll_s
+        self.postprocess = postprocess
+        self._postprocess_s = 0.0  # seconds spent in postprocess since the last batch
         self._workers = [_Worker(rank, h) for rank, h in enumerate(workers)]
         self._pending: collections.deque[_Group] = collections.deque()
         self._input: queue.Queue[_Group] = queue.Queue(maxsize=queue_size)
@@ -346,6 +357,9 @@ class AsyncRolloutManager:
         metrics["async/rollout_idle_frac"] = min(max(1.0 - busy / span, 0.0), 1.0)
         metrics["async/rollout_busy_s"] = busy
         metrics["async/train_wait_s"] = wait_s
+        if self.postprocess is not None:
+            with self._lock:
+                metrics["async/postprocess_s"], self._postprocess_s = self._postprocess_s, 0.0
         return AsyncBatch(data, versions, staleness, metrics)
 
     # ------------------------------------------------------------------ background loop
@@ -447,6 +461,16 @@ class AsyncRolloutManager:
         busy = out.meta_info.get("worker_busy_s")
         out.meta_info = {}
         full = chunk.rest.union(out)
+        if self.postprocess is not None:
+            t0 = time.perf_counter()
+            full = self.postprocess(full)
+            if len(full) != len(chunk.groups) * self.rollout_n:
+                raise RuntimeError(
+                    f"postprocess returned {len(full)} rows for a chunk of {len(chunk.groups) * self.rollout_n}; "
+                    "it must keep every row in order"
+                )
+            with self._lock:
+                self._postprocess_s += time.perf_counter() - t0
         n = self.rollout_n
         with self._lock:
             if busy is not None:

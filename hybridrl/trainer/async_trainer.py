@@ -234,6 +234,9 @@ class AsyncPPOTrainer(RayPPOTrainer):
             max_concurrent_rollouts=at.max_concurrent_rollouts,
             queue_size=at.queue_size,
             chunk_size=at.chunk_size,
+            # rule-based rewards are scored as chunks finish, off the trainer's path; a reward
+            # model is a worker group on the training slots, so it stays on the trainer's path
+            postprocess=self._score_chunk if workers.reward_model is None else None,
         )
         self._manager_started = False
         self._last_publish = None
@@ -291,9 +294,17 @@ class AsyncPPOTrainer(RayPPOTrainer):
         self.consumed_versions.append(list(got.versions))
         batch = got.data
         batch.meta_info["global_steps"] = self.global_steps
-        batch, extra = self._compute_reward(batch, timing)
-        _attach_extra(batch, extra)
+        if "token_level_scores" not in batch.batch.keys():  # not scored by _score_chunk
+            batch, extra = self._compute_reward(batch, timing)
+            _attach_extra(batch, extra)
         return batch
+
+    def _score_chunk(self, chunk: DataProto) -> DataProto:
+        """Score one finished chunk (the manager's background thread): token_level_scores and the
+        reward function's extra columns, as `_compute_reward` does for a whole batch."""
+        chunk, extra = self._compute_reward(chunk, {})
+        _attach_extra(chunk, extra)
+        return chunk
 
     def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
         if self.async_config.recompute_logprob:

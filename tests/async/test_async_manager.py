@@ -215,3 +215,37 @@ def test_wait_batch_requires_one_publish_per_step(shared):
     with pytest.raises(RuntimeError, match="call publish"):
         m.wait_batch(timeout_s=1)
     m.stop()
+
+
+def test_postprocess_scores_every_chunk_in_the_background(shared):
+    """The hook sees each finished chunk once (whole groups, rows in order); its output reaches the
+    trainer; an exception in it surfaces from wait_batch instead of hanging the loop."""
+    seen: list[int] = []
+
+    def score(chunk: DataProto) -> DataProto:
+        seen.append(len(chunk))
+        chunk.batch["token_level_scores"] = chunk.batch["prompts"].float() * 10
+        return chunk
+
+    m = make(configured(shared[:2], (0.0, 0.003)), batch=2, eta=1, chunk_size=1, postprocess=score)
+    m.start(0, weights(0))
+    m.submit(prompts(0, 6))
+
+    def check(k, got):
+        b = got.data.batch
+        assert torch.equal(b["token_level_scores"], b["prompts"].float() * 10)
+        assert got.metrics["async/postprocess_s"] >= 0
+
+    train(m, 2, 1, steps=3, submitted=[6], on_step=check)
+    m.stop()
+    assert seen and all(n == N for n in seen)  # one call per chunk of one group
+
+    def broken(chunk: DataProto) -> DataProto:
+        raise ValueError("reward function crashed on purpose")
+
+    m = make(configured(shared[:1], (0.0, 0.001)), batch=2, eta=1, postprocess=broken)
+    m.start(0, weights(0))
+    m.submit(prompts(0, 4))
+    with pytest.raises(ValueError, match="crashed on purpose"):
+        m.wait_batch(timeout_s=30)
+    m.stop()
