@@ -31,14 +31,13 @@ section), resolves it, fills the derived values (`derive_async_config`) and vali
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from hybridrl.trainer.ppo_config import ConfigError, PPOConfig, derive_config, validate_config
+from hybridrl.trainer.sections import AsyncTrainingConfig
 
 __all__ = [
     "AsyncPPOConfig",
@@ -52,32 +51,8 @@ __all__ = [
 KEY = "async_training"
 
 
-@dataclass
-class AsyncTrainingConfig:
-    """`async_training`: see the module docstring for every key."""
-
-    max_concurrent_rollouts: int | None = None
-    queue_size: int | None = None
-    consumer_batch_size: int | None = None
-    max_head_offpolicyness: int = 1
-    recompute_logprob: bool = True
-    use_decoupled_loss: bool = True
-    behave_imp_weight_cap: float | None = 5.0
-    rollout_nnodes: int = 1
-    rollout_n_gpus_per_node: int = 1
-    rollout_cpus_per_worker: float = 1
-    chunk_size: int | None = None
-
-
-if "async_training" in {f.name for f in dataclasses.fields(PPOConfig)}:
-    AsyncPPOConfig = PPOConfig  # the PPO tree already carries the section
-else:
-
-    @dataclass
-    class AsyncPPOConfig(PPOConfig):  # type: ignore[no-redef]
-        """The PPO config tree plus `async_training`."""
-
-        async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+# The PPO tree carries the section (ppo_trainer.yaml lists its keys); main_ppo ignores it.
+AsyncPPOConfig = PPOConfig
 
 
 def n_rollout_workers(config: AsyncPPOConfig) -> int:

@@ -28,7 +28,15 @@ def run_ppo(cfg: DictConfig | dict | None = None) -> dict[str, float]:
 
 
 def run_ppo_config(config: PPOConfig) -> dict[str, float]:
+    from hybridrl.trainer.sections import AsyncTrainingConfig
     from hybridrl.trainer.setup import build_trainer
+
+    if config.async_training != AsyncTrainingConfig():
+        print(
+            "hybridrl: async_training.* is set but main_ppo trains synchronously and ignores it; "
+            "run python -m hybridrl.trainer.main_async for asynchronous training (docs/async.md)",
+            file=sys.stderr,
+        )
 
     trainer = build_trainer(config, init_ray=_init_ray)  # data and rewards are checked before Ray starts
     try:

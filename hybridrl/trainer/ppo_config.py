@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 
 from hybridrl.trainer.sections import (
     AlgorithmConfig,
+    AsyncTrainingConfig,
     CustomRewardFunctionConfig,
     DataConfig,
     RewardManagerKwargs,
@@ -46,6 +47,7 @@ class PPOConfig:
     reward_manager_kwargs: RewardManagerKwargs = field(default_factory=RewardManagerKwargs)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
 
 class ConfigError(ValueError):

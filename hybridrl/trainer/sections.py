@@ -137,3 +137,24 @@ class TrainerConfig:
     progress_bar: bool = True
     make_report: bool = True
     seed: int = 1
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """`async_training`: the asynchronous (AReaL-style) mode, read by `main_async` only.
+
+    Every key is explained in `hybridrl/trainer/async_config.py` and docs/async.md; `main_ppo`
+    (synchronous) ignores the section.
+    """
+
+    max_concurrent_rollouts: int | None = None
+    queue_size: int | None = None
+    consumer_batch_size: int | None = None
+    max_head_offpolicyness: int = 1
+    recompute_logprob: bool = True
+    use_decoupled_loss: bool = True
+    behave_imp_weight_cap: float | None = 5.0
+    rollout_nnodes: int = 1
+    rollout_n_gpus_per_node: int = 1
+    rollout_cpus_per_worker: float = 1
+    chunk_size: int | None = None
