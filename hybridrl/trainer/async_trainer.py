@@ -19,9 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
 from hybridrl import algos
 from hybridrl.async_rollout.manager import AsyncRolloutManager
 from hybridrl.protocol import DataProto
@@ -331,38 +328,21 @@ class AsyncPPOTrainer(RayPPOTrainer):
 # ---------------------------------------------------------------------------------------- build
 def build_async_trainer(config: AsyncPPOConfig) -> AsyncPPOTrainer:
     """Tokenizer, data, rewards, tracker, the two worker pools and the trainer (workers last)."""
-    import dataclasses
-    import os
-    import random
+    from hybridrl.trainer.setup import prepare_run
 
-    from hybridrl.trainer.setup import build_datasets, build_reward_fns, resolve_builtin, total_steps
-    from hybridrl.utils.tracking import Tracking
-    from hybridrl.workers.engine.fsdp import load_tokenizer
-
-    resolve_builtin(config)
-    seed = config.trainer.seed
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    tokenizer = load_tokenizer(config.actor_rollout_ref.model)
-    train_loader, val_loader = build_datasets(config, tokenizer)
-    steps = total_steps(config, len(train_loader))
-    config.trainer.total_training_steps = steps
-    config.actor_rollout_ref.actor.optim.total_training_steps = steps
-    config.critic.optim.total_training_steps = steps
-    reward_fn, val_reward_fn = build_reward_fns(config, tokenizer)
-    tracker = Tracking(
-        config.trainer.project_name,
-        config.trainer.experiment_name,
-        config.trainer.logger,
-        config=dataclasses.asdict(config),
-        log_dir=os.environ.get("HYBRIDRL_LOG_DIR"),
-    )
+    run = prepare_run(config)
     workers = start_async_workers(config)
     print(
         f"[hybridrl.async] {workers.actor_rollout.world_size} training slot(s), {n_rollout_workers(config)} "
         f"rollout slot(s), max_head_offpolicyness={config.async_training.max_head_offpolicyness}"
     )
     return AsyncPPOTrainer(
-        config, tokenizer, workers, train_loader, val_loader, reward_fn, val_reward_fn, tracker
+        config,
+        run.tokenizer,
+        workers,
+        run.train_loader,
+        run.val_loader,
+        run.reward_fn,
+        run.val_reward_fn,
+        run.tracker,
     )

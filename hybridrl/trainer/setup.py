@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -125,11 +126,23 @@ def build_reward_fns(config: PPOConfig, tokenizer):
     return train, val
 
 
-def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
-    """Everything a run needs, in order; workers start last (they are the slow part)."""
+@dataclasses.dataclass
+class RunParts:
+    """What every trainer needs besides its workers (built by `prepare_run`)."""
+
+    tokenizer: Any
+    train_loader: Any
+    val_loader: Any
+    reward_fn: Any
+    val_reward_fn: Any
+    tracker: Any
+
+
+def prepare_run(config: PPOConfig) -> RunParts:
+    """Seeds, tokenizer, data, step counts, reward functions and the tracker: the driver-side part
+    of a run, shared by the synchronous and the asynchronous trainer (workers start after it)."""
     import random
 
-    from hybridrl.trainer.workers_setup import start_workers
     from hybridrl.utils.tracking import Tracking
     from hybridrl.workers.engine.fsdp import load_tokenizer
 
@@ -152,12 +165,27 @@ def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
         config=dataclasses.asdict(config),
         log_dir=os.environ.get("HYBRIDRL_LOG_DIR"),
     )
+    return RunParts(tokenizer, train_loader, val_loader, reward_fn, val_reward_fn, tracker)
+
+
+def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
+    """Everything a run needs, in order; workers start last (they are the slow part)."""
+    from hybridrl.trainer.workers_setup import start_workers
+
+    run = prepare_run(config)
     peak = _peak_flops(config)
     if init_ray is not None:
         init_ray(config)
     workers = start_workers(config, peak_flops=peak)
     return RayPPOTrainer(
-        config, tokenizer, workers, train_loader, val_loader, reward_fn, val_reward_fn, tracker
+        config,
+        run.tokenizer,
+        workers,
+        run.train_loader,
+        run.val_loader,
+        run.reward_fn,
+        run.val_reward_fn,
+        run.tracker,
     )
 
 
