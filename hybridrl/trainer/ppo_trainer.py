@@ -33,6 +33,7 @@ from hybridrl.utils.metrics import (
     timer,
 )
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from hybridrl.workers.agent.runner import agent_step_metrics
 
 
 def old_log_prob_is_redundant(config: Any) -> bool:
@@ -469,6 +470,7 @@ class RayPPOTrainer:
                 max_response_length=d.max_response_length,
             )
         )
+        metrics.update(agent_step_metrics(batch))
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, self.workers.actor_rollout.world_size))
         metrics["training/global_step"] = self.global_steps

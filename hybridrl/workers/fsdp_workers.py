@@ -24,6 +24,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import Worker, register
 from hybridrl.single_controller.dispatch import Dispatch
 from hybridrl.utils.device import init_process_group
+from hybridrl.workers.agent.runner import AgentLoopRunner, uses_agent_loops
 from hybridrl.workers.config import (
     ActorConfig,
     CriticConfig,
@@ -83,6 +84,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor_engine = self.actor = self.ref_engine = self.ref_policy = self.rollout = None
         self._weights_stale = True
         self._lora_self_ref = False
+        self._agent_runner = None
 
     # ------------------------------------------------------------------ build
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -161,12 +163,20 @@ class ActorRolloutRefWorker(Worker):
         sync = self._sync_rollout_weights()
         self.rollout.resume_memory()
         timing["update_weights"] = sync.get("timing_s/update_weights", 0.0)
-        out = self.rollout.generate_sequences(prompts)
+        out = self._rollout_generate(prompts)
         if self.rollout_config.free_cache_engine:
             self.rollout.release_memory()
         timing["generate_sequences_worker"] = time.perf_counter() - t0
         out.meta_info["timing"] = timing
         return out
+
+    def _rollout_generate(self, prompts: DataProto) -> DataProto:
+        """Plain single-turn generation, or the agent loops (multi_turn / agent_name rows)."""
+        if not uses_agent_loops(self.rollout_config, prompts):
+            return self.rollout.generate_sequences(prompts)
+        if self._agent_runner is None:
+            self._agent_runner = AgentLoopRunner(self.rollout, self.rollout_config, self.rollout.tokenizer)
+        return self._agent_runner.generate_sequences(prompts)
 
     # ------------------------------------------------------------- log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

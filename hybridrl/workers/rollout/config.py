@@ -22,6 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.workers.agent.config import (
+    AgentConfig,
+    MultiTurnConfig,
+    validate_agent_config,
+    validate_multi_turn_config,
+)
+
 DUMMY_LOAD_FORMATS = ("dummy", "dummy_dtensor", "dummy_hf", "dummy_megatron")
 REAL_LOAD_FORMATS = ("auto", "hf", "safetensors", "pt", "dtensor")
 KEY = "actor_rollout_ref.rollout"
@@ -77,6 +84,8 @@ class RolloutConfig:
     engine_kwargs: EngineKwargs = field(default_factory=EngineKwargs)
     val_kwargs: SamplingOverrides = field(default_factory=SamplingOverrides)
     update_weights_bucket_megabytes: int = 512
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
         # Plain dicts (e.g. from a Python caller) become the typed sections.
@@ -84,6 +93,10 @@ class RolloutConfig:
             self.engine_kwargs = EngineKwargs(**self.engine_kwargs)
         if isinstance(self.val_kwargs, dict):
             self.val_kwargs = SamplingOverrides(**self.val_kwargs)
+        if isinstance(self.multi_turn, dict):
+            self.multi_turn = MultiTurnConfig(**self.multi_turn)
+        if isinstance(self.agent, dict):
+            self.agent = AgentConfig(**self.agent)
         validate_rollout_config(self)
 
     @property
@@ -160,3 +173,5 @@ def validate_rollout_config(cfg: RolloutConfig) -> None:
     _check(v.temperature >= 0, "val_kwargs.temperature", v.temperature, "use a value >= 0")
     _check(0 < v.top_p <= 1, "val_kwargs.top_p", v.top_p, "use a value in (0, 1]")
     _check(v.n >= 1, "val_kwargs.n", v.n, "use n >= 1")
+    validate_multi_turn_config(cfg.multi_turn)
+    validate_agent_config(cfg.agent)
