@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from hybridrl.trainer.sections import (
+from hybridrl.trainer.ppo.sections import (
     AlgorithmConfig,
     AsyncTrainingConfig,
     CustomRewardFunctionConfig,
