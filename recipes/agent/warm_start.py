@@ -1,8 +1,9 @@
 """SFT warm start of the built-in model on the built-in tool task (recipes/agent/run.sh, step 1).
 
-Starts from `builtin:tiny` and trains on conversations of hybridrl.data.agent_task: a fraction
-`--tool-fraction` of them call the calculator (hermes format), the rest answer directly (which
-the model cannot do well). The sequences are tokenised exactly as the tool agent builds them at
+Starts from `builtin:tiny` and trains on conversations of hybridrl.data.agent_task that call the
+calculator (hermes format), plus direct-answer prompts labelled on their first token only, so that
+the model starts an answer with a tool call with probability `--tool-fraction` (greedy decoding
+then answers directly, which the model cannot do). The sequences are tokenised exactly as the tool agent builds them at
 rollout time (prompt ids, generated turn ids + EOS, the chat template's tool-turn ids), and the
 loss covers the assistant turns only. The result is a model that *sometimes* calls the tool; GRPO
 then has to learn to call it every time.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
@@ -40,27 +40,60 @@ def encode(tokenizer, renderer, conversation: list[dict]) -> tuple[list[int], li
     return ids, labels
 
 
+def _pad(seqs, pad_id):
+    width = max(len(x) for x, _ in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
+    att = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (x, y) in enumerate(seqs):
+        ids[i, : len(x)], lab[i, : len(y)], att[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
+    return ids, att, lab
+
+
 def batches(tokenizer, renderer, steps: int, batch_size: int, tool_fraction: float, seed: int):
+    """Per step: `batch_size` tool-using conversations (every assistant token labelled) and enough
+    direct-answer prompts, labelled on their first assistant token only, that the first token of
+    an answer is the tool call with probability `tool_fraction`. So the model learns the whole
+    tool path from every example, while its *choice* to call stays at `tool_fraction`."""
     from hybridrl.data import agent_task
 
-    rng = random.Random(seed)
-    pairs = agent_task.sample_pairs(steps * batch_size, seed, "train")
+    n_direct = round(batch_size * (1 - tool_fraction) / tool_fraction)
+    pairs = agent_task.sample_pairs(steps * (batch_size + n_direct), seed, "train")
+    per = batch_size + n_direct
     for s in range(steps):
-        seqs = []
-        for a, b in pairs[s * batch_size : (s + 1) * batch_size]:
-            conv = (
-                agent_task.tool_conversation(a, b)
-                if rng.random() < tool_fraction
-                else agent_task.direct_conversation(a, b)
-            )
-            seqs.append(encode(tokenizer, renderer, conv))
-        width = max(len(x) for x, _ in seqs)
-        ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
-        lab = torch.full((len(seqs), width), -100, dtype=torch.long)
-        att = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, (x, y) in enumerate(seqs):
-            ids[i, : len(x)], lab[i, : len(y)], att[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
-        yield ids, att, lab
+        chunk = pairs[s * per : (s + 1) * per]
+        tool = [
+            encode(tokenizer, renderer, agent_task.tool_conversation(a, b)) for a, b in chunk[:batch_size]
+        ]
+        direct = []
+        for a, b in chunk[batch_size:]:
+            ids, labels = encode(tokenizer, renderer, agent_task.direct_conversation(a, b))
+            first = labels.index(next(x for x in labels if x != -100))
+            direct.append((ids[: first + 1], [-100] * first + [ids[first]]))
+        yield _pad(tool, tokenizer.pad_token_id), _pad(direct, tokenizer.pad_token_id)
+
+
+def first_label_mask(labels: torch.Tensor) -> torch.Tensor:
+    """(B, L) bool: the first labelled position of each row."""
+    valid = labels != -100
+    return valid & (valid.cumsum(-1) == 1)
+
+
+def step_loss(model, tool_batch, direct_batch) -> torch.Tensor:
+    """Mean CE over the tool conversations' tokens after the first assistant token, plus the mean
+    CE over every example's first assistant token (the call-or-answer choice)."""
+    firsts, rest = [], []
+    for ids, att, lab in (tool_batch, direct_batch):
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+        target = lab[:, 1:]
+        ce = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1).clamp(min=0), reduction="none"
+        ).view_as(target)
+        first = first_label_mask(target)
+        firsts.append(ce[first])
+        rest.append(ce[(target != -100) & ~first])
+    rest_t = torch.cat(rest)
+    return torch.cat(firsts).mean() + (rest_t.mean() if rest_t.numel() else 0.0)
 
 
 def main() -> None:
@@ -88,16 +121,16 @@ def main() -> None:
     model.train()
     t0 = time.perf_counter()
     loss = float("nan")
-    for step, (ids, att, lab) in enumerate(
+    for step, (tool_batch, direct_batch) in enumerate(
         batches(tokenizer, renderer, args.steps, args.batch_size, args.tool_fraction, args.seed)
     ):
-        out = model(input_ids=ids, attention_mask=att, labels=lab)
+        loss_t = step_loss(model, tool_batch, direct_batch)
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        loss_t.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        loss = out.loss.item()
+        loss = loss_t.item()
         if (step + 1) % 50 == 0:
             print(
                 f"warm start step {step + 1}/{args.steps} loss {loss:.4f} ({time.perf_counter() - t0:.0f}s)",

@@ -359,3 +359,39 @@ def test_slow_tool_does_not_block_other_trajectories(hf_engine, tokenizer):
     end = next(t for k, t in AskTool.events if k == "slow_end")
     asks_during = [t for k, t in AskTool.events if k == "ask" and start < t < end]
     assert len(asks_during) >= 2  # the other rows went through turns while the slow tool slept
+
+
+@pytest.mark.parametrize("use_remove_padding", [False, True])
+def test_rollout_log_probs_of_a_3_turn_trajectory_equal_the_fsdp_recompute(
+    hf_engine, tokenizer, use_remove_padding
+):
+    """Sampled at temperature 0.7 over 3 assistant turns; the FSDP actor's recompute over the whole
+    multi-turn sequence must give the same log-probs on every policy token."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from fsdp_testkit import free_port, init_dist
+
+    from hybridrl.models.builtin import get_builtin_model_path
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig, ModelConfig
+    from hybridrl.workers.engine.fsdp import FSDPEngine
+
+    runner = make_runner(hf_engine, tokenizer, [AskTool()], format="test_always_ask", max_assistant_turns=3)
+    runner.config.temperature = 0.7
+    out = runner.generate_sequences(prompts(tokenizer, ["12+34=", "56+10=", "20+30=", "44+44="]))
+    turns = out.meta_info["metrics"]["agent/assistant_turns/mean"]
+    assert (out.non_tensor_batch["num_turns"] == 6).any(), turns  # at least one full 3-turn trajectory
+    if not dist.is_initialized():
+        init_dist(0, 1, free_port())
+    fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))
+    model_cfg = ModelConfig(path=get_builtin_model_path(), use_remove_padding=use_remove_padding)
+    engine = FSDPEngine.build(model_cfg, fsdp, None, role="ref", load_tok=False)
+    actor = PPOActor(None, engine.module, dp_size=1, use_remove_padding=use_remove_padding)
+    recomputed, _ = actor.compute_log_prob(out, micro_batch_size=2, temperature=0.7)
+    mask = out.batch["response_mask"].bool()
+    assert int(mask.sum()) > 20
+    torch.testing.assert_close(out.batch["rollout_log_probs"][mask], recomputed[mask], atol=1e-4, rtol=0)
