@@ -1,14 +1,6 @@
-"""`python -m hybridrl.trainer.main_eval [key=value ...]`: score generated responses offline.
+"""Offline scoring of generated responses: mean/best/maj@N per data source (`main_eval` runs it).
 
-    python -m hybridrl.trainer.main_eval data.path=out.parquet data.response_key=responses \\
-        data.data_source_key=data_source data.reward_model_key=reward_model \\
-        custom_reward_function.path=my_reward.py
-
-Every response of every row is scored with the reward function of the row's data source (the
-built-in scorers, or `custom_reward_function.path`). Per data source it prints and returns
-mean@N (mean score), best@N (the best of the N responses: "any correct" for 0/1 scores) and
-maj@N (the score of the majority answer; answers are the scorer's "pred" when it returns a dict
-with one, else the response strings), using `hybridrl.utils.metrics.process_validation_metrics`.
+The command, its keys and what it prints are described in hybridrl/trainer/main_eval.py.
 """
 
 from __future__ import annotations
@@ -20,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig
+
+from hybridrl.utils.config_loader import ConfigError, load_structured
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
 
@@ -51,23 +45,11 @@ class EvalConfig:
 
 def load_eval_config(cfg: DictConfig | dict | list[str] | None = None) -> EvalConfig:
     """schema <- evaluation.yaml <- `cfg`; unknown keys fail naming the key."""
-    from hybridrl.trainer.sft.config import SFTConfigError, _merge
-
-    schema = OmegaConf.structured(EvalConfig)
-    yaml = OmegaConf.load(CONFIG_DIR / "evaluation.yaml")
-    yaml.pop("hydra", None)
-    yaml.pop("defaults", None)
-    base = _merge(schema, yaml, "evaluation.yaml")
-    user = (
-        OmegaConf.from_dotlist(list(cfg))
-        if isinstance(cfg, (list, tuple, ListConfig))
-        else OmegaConf.create(cfg if cfg is not None else {})
+    config: EvalConfig = load_structured(
+        EvalConfig, cfg, "hybridrl/trainer/config/evaluation.yaml", CONFIG_DIR / "evaluation.yaml"
     )
-    merged = _merge(base, user, "your overrides")
-    OmegaConf.resolve(merged)
-    config: EvalConfig = OmegaConf.to_object(merged)
     if config.data.path is None:
-        raise SFTConfigError("data.path is not set; point it at the parquet file written by main_generation")
+        raise ConfigError("data.path is not set; point it at the parquet file written by main_generation")
     return config
 
 
