@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.workers.config import FSDPConfig
 
@@ -172,10 +173,6 @@ def load_sft_config(cfg: DictConfig | dict | list[str] | None = None) -> SFTConf
 
 
 def is_builtin_model(path: str | None) -> bool:
-    try:
-        from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
-    except ImportError:  # pragma: no cover - the models package ships with hybridrl
-        BUILTIN_MODEL_ALIASES = ("builtin:tiny", "builtin")
     return path in BUILTIN_MODEL_ALIASES
 
 
