@@ -68,6 +68,18 @@ def derive_config(config: PPOConfig) -> None:
         rollout.prompt_length = config.data.max_prompt_length
     if rollout.response_length is None or rollout.response_length <= 0:
         rollout.response_length = config.data.max_response_length
+    config.trainer.cpus_per_worker = _cpus_per_worker(config.trainer)
+
+
+def _cpus_per_worker(tr) -> int:
+    """`trainer.cpus_per_worker` as a number: 'auto' shares this machine's CPUs among a node's slots
+    (with RAY_ADDRESS the driver's machine stands for every node: set the number on mixed clusters)."""
+    from hybridrl.utils.cpus import resolve_cpus_per_worker
+
+    try:
+        return resolve_cpus_per_worker(tr.cpus_per_worker, slots=max(1, tr.n_gpus_per_node))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def n_slots(config: PPOConfig) -> int:
