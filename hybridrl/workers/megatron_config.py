@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MEGATRON_STRATEGY", "MegatronConfig", "validate_megatron_config"]
+__all__ = ["MEGATRON_STRATEGY", "MegatronConfig", "data_parallel_size", "validate_megatron_config"]
 
 MEGATRON_STRATEGY = "megatron"
 
@@ -60,6 +60,14 @@ class MegatronConfig:
     @property
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+
+def data_parallel_size(strategy: str, cfg: MegatronConfig, world: int) -> int:
+    """The ranks that see distinct rows: all of them for FSDP, world / (TP * PP) for Megatron."""
+    if strategy != MEGATRON_STRATEGY:
+        return world
+    validate_megatron_config(cfg, f"(strategy={strategy})", world_size=world)
+    return world // cfg.model_parallel_size
 
 
 def _positive(key: str, name: str, value: int | None) -> None:
