@@ -25,6 +25,7 @@ from hybridrl.trainer.ppo.sections import (
 )
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
+from hybridrl.workers.megatron_config import data_parallel_size
 from hybridrl.workers.rollout.config import RolloutConfig
 
 
@@ -68,6 +69,18 @@ def derive_config(config: PPOConfig) -> None:
         rollout.prompt_length = config.data.max_prompt_length
     if rollout.response_length is None or rollout.response_length <= 0:
         rollout.response_length = config.data.max_response_length
+    config.trainer.cpus_per_worker = _cpus_per_worker(config.trainer)
+
+
+def _cpus_per_worker(tr) -> int:
+    """`trainer.cpus_per_worker` as a number: 'auto' shares this machine's CPUs among a node's slots
+    (with RAY_ADDRESS the driver's machine stands for every node: set the number on mixed clusters)."""
+    from hybridrl.utils.cpus import resolve_cpus_per_worker
+
+    try:
+        return resolve_cpus_per_worker(tr.cpus_per_worker, slots=max(1, tr.n_gpus_per_node))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def n_slots(config: PPOConfig) -> int:
@@ -114,7 +127,7 @@ def validate_config(config: PPOConfig) -> None:
             f"actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = {mini * n} rows must divide across "
             f"{world} ranks (trainer.nnodes * trainer.n_gpus_per_node); change one of them"
         )
-    per_rank_mini = mini * n // world
+    per_rank_mini = mini * n // data_parallel_size(arr.actor.strategy, arr.actor.megatron, world)
     micro = arr.actor.ppo_micro_batch_size_per_gpu
     if not arr.actor.use_dynamic_bsz and micro is not None and per_rank_mini % micro != 0:
         raise ConfigError(
@@ -168,6 +181,7 @@ def _validate_critic(config: PPOConfig, world: int) -> None:
             f"critic.ppo_mini_batch_size * rollout.n = {mini * n} must divide across {world} ranks"
         )
     micro = c.ppo_micro_batch_size_per_gpu
+    world = data_parallel_size(c.strategy, c.megatron, world)  # Megatron: only DP ranks split the batch
     if not c.use_dynamic_bsz and micro is not None and (mini * n // world) % micro != 0:
         raise ConfigError(
             f"per-rank critic mini-batch {mini * n // world} is not divisible by "
