@@ -7,29 +7,21 @@ it attaches to that cluster.
 
 from __future__ import annotations
 
-import sys
-
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from hybridrl.trainer.ppo.config import PPOConfig, load_config
 from hybridrl.trainer.ppo.launch import run_ppo_config
-
-
-@hydra.main(config_path="config", config_name="ppo_trainer", version_base=None)
-def main(cfg: DictConfig) -> None:
-    run_ppo(cfg)
+from hybridrl.utils.cli import hydra_cli
 
 
 def run_ppo(cfg: DictConfig | dict | None = None) -> dict[str, float]:
     """Load and validate the config, start Ray and the workers, train; returns final val metrics."""
-    config = load_config(cfg)
-    return run_ppo_config(config)
+    return run_ppo_config(load_config(cfg))
+
+
+def main() -> None:
+    hydra_cli(__doc__, "ppo_trainer", PPOConfig, run_ppo)
 
 
 if __name__ == "__main__":
-    if any(a in ("-h", "--help") for a in sys.argv[1:]):
-        print(__doc__)
-        print(OmegaConf.to_yaml(OmegaConf.structured(PPOConfig)))
-        sys.exit(0)
     main()

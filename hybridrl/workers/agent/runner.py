@@ -84,6 +84,13 @@ class AgentLoopRunner:
     """
 
     def __init__(self, rollout: Any, config: Any, tokenizer: Any) -> None:
+        if config.tensor_model_parallel_size > 1:
+            raise ValueError(
+                "the agent loops (multi_turn.enable / agent_name rows / rollout.agent.*) do not support "
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={config.tensor_model_parallel_size} yet: "
+                "the ranks of a TP engine would batch their trajectories' requests differently. Use "
+                "tensor_model_parallel_size=1 (data-parallel rollout replicas)."
+            )
         self.rollout = rollout
         self.config = config
         self.tokenizer = tokenizer
