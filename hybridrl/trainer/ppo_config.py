@@ -21,9 +21,11 @@ from hybridrl.trainer.sections import (
     AsyncTrainingConfig,
     CustomRewardFunctionConfig,
     DataConfig,
+    RayKwargsConfig,
     RewardManagerKwargs,
     TrainerConfig,
 )
+from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.workers.rollout.config import RolloutConfig
 
@@ -31,6 +33,7 @@ from hybridrl.workers.rollout.config import RolloutConfig
 @dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
+    nccl_timeout: int = 600  # seconds; the workers' process-group timeout
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -48,6 +51,8 @@ class PPOConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
 
 
 class ConfigError(ValueError):
@@ -65,8 +70,14 @@ def _all_keys(node, prefix: str = "") -> list[str]:
     return out
 
 
-def load_config(cfg: DictConfig | dict | None = None) -> PPOConfig:
-    """Merge `cfg` onto the schema, resolve it and validate it; returns a typed `PPOConfig`."""
+def load_config(cfg: DictConfig | dict | None = None, explicit_keys=None) -> PPOConfig:
+    """Merge `cfg` onto the schema, resolve it and validate it; returns a typed `PPOConfig`.
+
+    explicit_keys: the keys the user set (None: every key counts as set); see
+    `verl_compat.apply_verl_compat` (defaults that do not fit a small batch are adapted).
+    """
+    from hybridrl.trainer.verl_compat import apply_verl_compat
+
     schema = OmegaConf.structured(PPOConfig)
     user = OmegaConf.create(cfg or {})
     try:
@@ -82,8 +93,14 @@ def load_config(cfg: DictConfig | dict | None = None) -> PPOConfig:
     except ValidationError as e:
         raise ConfigError(f"bad value for config key '{getattr(e, 'full_key', '?')}': {e.msg}") from None
     OmegaConf.resolve(merged)
-    config: PPOConfig = OmegaConf.to_object(merged)
+    try:
+        config: PPOConfig = OmegaConf.to_object(merged)
+    except ValidationError as e:
+        raise ConfigError(str(e.__cause__ or e.msg).splitlines()[0]) from None
+    except ValueError as e:  # a section's own check (__post_init__) failed
+        raise ConfigError(str(e)) from None
     derive_config(config)
+    apply_verl_compat(config, explicit_keys)
     validate_config(config)
     return config
 

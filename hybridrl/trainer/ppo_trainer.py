@@ -51,6 +51,7 @@ def old_log_prob_is_redundant(config: Any) -> bool:
         and actor.ppo_mini_batch_size >= config.data.train_batch_size
         and not algo.use_kl_in_reward
         and not algo.rollout_is
+        and not rollout_correction_active(algo.rollout_correction)
     )
 
 
@@ -256,6 +257,10 @@ class RayPPOTrainer:
         metrics["perf/balance_max_min_ratio"] = max(sums) / max(min(sums), 1)
 
     def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
+        rc = self.config.algorithm.rollout_correction
+        if rc.bypass_mode:  # veRL's bypass: the engine's log-probs are the old log-probs
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            return apply_rollout_correction(rc, batch, metrics)
         if old_log_prob_is_redundant(self.config):
             return batch  # the update takes them from its own forward (exactly on-policy)
         with timer("old_log_prob", timing):
@@ -278,7 +283,7 @@ class RayPPOTrainer:
             )
             batch.batch["rollout_is_weights"] = weights
             metrics.update({f"rollout_is/{k}": float(v) for k, v in is_metrics.items()})
-        return batch
+        return apply_rollout_correction(rc, batch, metrics)
 
     def _compute_ref_log_prob(self, batch: DataProto, timing: dict) -> DataProto:
         if not self.use_reference_policy:
@@ -495,6 +500,31 @@ class RayPPOTrainer:
 
 
 # ---------------------------------------------------------------- helpers
+def rollout_correction_active(rc) -> bool:
+    return rc.rollout_is is not None or rc.rollout_rs is not None
+
+
+def apply_rollout_correction(rc, batch: DataProto, metrics: dict) -> DataProto:
+    """`algorithm.rollout_correction`: IS weights x rejection mask into `rollout_is_weights`."""
+    if not rollout_correction_active(rc):
+        return batch
+    lower, upper = algos.parse_rs_threshold(rc.rollout_rs_threshold, rc.rollout_is_threshold)
+    weights, rc_metrics = algos.compute_rollout_correction(
+        batch.batch["old_log_probs"],
+        batch.batch["rollout_log_probs"],
+        batch.batch["response_mask"],
+        rollout_is=rc.rollout_is,
+        rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+        rollout_rs=rc.rollout_rs,
+        rollout_rs_lower=lower,
+        rollout_rs_upper=upper,
+    )
+    batch.batch["rollout_is_weights"] = weights
+    metrics.update({f"rollout_corr/{k}": float(v) for k, v in rc_metrics.items()})
+    return batch
+
+
 def _attach_extra(batch: DataProto, extra: dict[str, list]) -> None:
     for k, v in extra.items():
         if len(v) == len(batch):

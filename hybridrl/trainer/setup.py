@@ -164,6 +164,7 @@ def prepare_run(config: PPOConfig) -> RunParts:
         config.trainer.logger,
         config=dataclasses.asdict(config),
         log_dir=os.environ.get("HYBRIDRL_LOG_DIR"),
+        console_every=config.trainer.log_freq,
     )
     return RunParts(tokenizer, train_loader, val_loader, reward_fn, val_reward_fn, tracker)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.utils.profiler import ProfilerConfig
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LR_SCHEDULER_TYPES = ("constant", "cosine")
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
@@ -188,6 +190,7 @@ class ActorConfig:
 
     strategy: str = "fsdp"
     ppo_mini_batch_size: int = 256
+    ppo_micro_batch_size: int | None = None  # deprecated global size: converted to the per-GPU key
     ppo_micro_batch_size_per_gpu: int | None = None
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
@@ -213,6 +216,7 @@ class ActorConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     @property
     def max_grad_norm(self) -> float:
@@ -224,11 +228,13 @@ class RefConfig:
     """`actor_rollout_ref.ref`: the frozen reference policy (forward only)."""
 
     strategy: str = "fsdp"
+    log_prob_micro_batch_size: int | None = None  # deprecated global size
     log_prob_micro_batch_size_per_gpu: int | None = None
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
     ulysses_sequence_parallel_size: int = 1
     fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
 
 @dataclass
@@ -248,6 +254,8 @@ class CriticConfig:
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = 256
+    ppo_micro_batch_size: int | None = None  # deprecated global sizes
+    forward_micro_batch_size: int | None = None
     ppo_micro_batch_size_per_gpu: int | None = None
     forward_micro_batch_size_per_gpu: int | None = None
     use_dynamic_bsz: bool = False
@@ -261,6 +269,7 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     ulysses_sequence_parallel_size: int = 1
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     @property
     def max_grad_norm(self) -> float:
@@ -288,6 +297,7 @@ class RewardModelConfig:
     enable: bool = False
     strategy: str = "fsdp"
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size: int | None = None  # deprecated global size
     micro_batch_size_per_gpu: int | None = None
     max_length: int | None = None
     use_dynamic_bsz: bool = False
