@@ -186,7 +186,7 @@ def compose_collecting(overrides: list[str]) -> tuple[object, list[str]]:
     from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException
 
-    from hybridrl.trainer import config_stage
+    from hybridrl.trainer.ppo import config_stage
 
     refused, todo = [], list(overrides)
     while True:
@@ -218,7 +218,7 @@ def stand_in_files(cfg, placeholder: str) -> list[str]:
 
 def check(overrides: list[str], root: Path, placeholder: str) -> dict:
     """hybridrl's config stage on one call: {'status': pass|fail, 'unknown': [...], 'error': str}."""
-    from hybridrl.trainer import config_stage
+    from hybridrl.trainer.ppo import config_stage
 
     cwd = os.getcwd()
     os.chdir(root)  # relative paths (custom reward files) resolve as in the script's folder

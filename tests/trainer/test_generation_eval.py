@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 import torch
 
-from hybridrl.trainer.main_eval import run_eval
-from hybridrl.trainer.main_generation import generate_responses, run_generation
-from hybridrl.trainer.main_sft import SFTConfigError
+from hybridrl.trainer.offline.evaluation import run_eval
+from hybridrl.trainer.offline.generation import generate_responses, run_generation
+from hybridrl.trainer.sft.config import SFTConfigError
 
 
 @pytest.fixture(autouse=True)
@@ -107,7 +107,7 @@ def test_greedy_matches_a_hand_written_argmax_loop(tiny, tmp_path):
 def test_batching_does_not_change_greedy_output(tiny):
     from transformers import AutoTokenizer
 
-    from hybridrl.trainer.main_generation import build_rollout, load_generation_config
+    from hybridrl.trainer.offline.generation import build_rollout, load_generation_config
 
     tok = AutoTokenizer.from_pretrained(tiny["model"])
     config = load_generation_config(
@@ -277,7 +277,7 @@ def test_greedy_eval_matches_the_builtin_models_own_evaluator(tmp_path):
 
     from hybridrl.data.builtin_task import make_rl_rows
     from hybridrl.models.builtin import evaluate_accuracy, get_builtin_model_path
-    from hybridrl.trainer.main_eval import GreedyEval
+    from hybridrl.trainer.offline.evaluation import GreedyEval
 
     try:
         path = get_builtin_model_path()

@@ -15,8 +15,9 @@ import pandas as pd
 import pytest
 import torch
 
-from hybridrl.trainer.main_sft import SFTConfigError, init_distributed, load_sft_config
-from hybridrl.trainer.sft_trainer import SFTTrainer, sft_lr_factor, sft_token_loss
+from hybridrl.trainer.sft.config import SFTConfigError, load_sft_config
+from hybridrl.trainer.sft.launch import init_distributed
+from hybridrl.trainer.sft.trainer import SFTTrainer, sft_lr_factor, sft_token_loss
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,7 +170,7 @@ def test_unknown_key_names_it_and_suggests():
 
 
 def test_command_line_keys_are_checked_before_hydra():
-    from hybridrl.trainer.main_sft import SFTConfig, check_override_keys
+    from hybridrl.trainer.sft.config import SFTConfig, check_override_keys
 
     ok = [
         "model.override_config.attn_implementation=eager",
@@ -423,7 +424,7 @@ def test_two_ranks_match_one_rank(tiny, tmp_path):
     for name in one:
         torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-6)
     # the 2-rank shards merge (in one process, no process group) into the same weights
-    from hybridrl.model_merger import merge_checkpoint
+    from hybridrl.trainer.offline.model_merger import merge_checkpoint
 
     merged_dir = merge_checkpoint(str(tmp_path / "two" / "global_step_2"), str(tmp_path / "merged"))
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).state_dict()

@@ -11,10 +11,10 @@ import torch
 from hydra import compose, initialize_config_module
 
 from hybridrl import algos
-from hybridrl.trainer.config_stage import check_startup, override_key, prepare_argv
-from hybridrl.trainer.main_ppo import merge_runtime_env
-from hybridrl.trainer.ppo_config import ConfigError
-from hybridrl.trainer.verl_compat import REFUSED, WARNED
+from hybridrl.trainer.ppo.config import ConfigError
+from hybridrl.trainer.ppo.config_stage import check_startup, override_key, prepare_argv
+from hybridrl.trainer.ppo.launch import merge_runtime_env
+from hybridrl.trainer.ppo.verl_compat import REFUSED, WARNED
 
 SMALL = [
     "data.train_batch_size=4",

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridrl.trainer import checkpointing as ckpt_io
-from hybridrl.trainer.main_sft import SFTConfig, SFTConfigError, is_builtin_model
+from hybridrl.trainer.sft.config import SFTConfig, SFTConfigError, is_builtin_model
+from hybridrl.utils import checkpointing as ckpt_io
 
 __all__ = ["SFTTrainer", "sft_lr_factor", "sft_token_loss", "resolve_data_files"]
 
@@ -143,7 +143,7 @@ def _trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class SFTTrainer:
     """Builds the engine, data and tracker from an `SFTConfig`; `fit()` trains.
 
-    Call after `hybridrl.trainer.main_sft.init_distributed` (every rank constructs one).
+    Call after `hybridrl.trainer.sft.launch.init_distributed` (every rank constructs one).
     """
 
     def __init__(self, config: SFTConfig) -> None:
@@ -403,7 +403,7 @@ class SFTTrainer:
         if self._gen_eval is not None:
             return self._gen_eval or None
         from hybridrl.data.rl_dataset import read_rows
-        from hybridrl.trainer.main_eval import GreedyEval, dig
+        from hybridrl.trainer.offline.evaluation import GreedyEval, dig
 
         g, d = self.config.generation_eval, self.config.data
         self._gen_eval = False

@@ -19,6 +19,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from hybridrl import algos
+from hybridrl.trainer.ppo.errors import ConfigError
+from hybridrl.utils.profiler import check_profiler
+from hybridrl.workers.rollout.config import RolloutConfig
+
 WARNED: set[str] = set()
 
 
@@ -30,8 +35,6 @@ def warn_once(message: str) -> None:
 
 
 def config_error(message: str) -> Exception:
-    from hybridrl.trainer.ppo_config import ConfigError
-
     return ConfigError(message)
 
 
@@ -100,12 +103,11 @@ def largest_divisor_at_most(n: int, cap: int) -> int:
 
 def fit_default_micro_batches(config: Any, explicit_keys) -> None:
     """A micro-batch default that does not fit the per-rank mini-batch shrinks to one that does."""
-    from hybridrl import algos
-
     world = config.trainer.nnodes * config.trainer.n_gpus_per_node
     n = config.actor_rollout_ref.rollout.n
     roles = ["actor_rollout_ref.actor"]
-    if algos.estimator_needs_critic(config.algorithm.adv_estimator):
+    est = config.algorithm.adv_estimator
+    if est in algos.list_adv_estimators() and algos.estimator_needs_critic(est):
         roles.append("critic")
     notes = []
     for role in roles:
@@ -267,8 +269,6 @@ ENGINE_ONLY = (
 
 def engine_only_warning(config: Any, explicit_keys) -> list[str]:
     """With rollout.name=hf, the vLLM/SGLang keys the user set: one warning listing them."""
-    from hybridrl.workers.rollout.config import RolloutConfig
-
     rollout = config.actor_rollout_ref.rollout
     if rollout.name != "hf":
         return []
@@ -304,9 +304,7 @@ def check_rollout_correction(config: Any) -> None:
             f"{key}.* needs the rollout engine's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=True"
         )
     try:
-        from hybridrl.algos import parse_rs_threshold
-
-        lower, upper = parse_rs_threshold(rc.rollout_rs_threshold, rc.rollout_is_threshold)
+        lower, upper = algos.parse_rs_threshold(rc.rollout_rs_threshold, rc.rollout_is_threshold)
     except ValueError:
         raise config_error(
             f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold!r}: use 'lower_upper' (e.g. 0.5_2.0) or a number"
@@ -318,8 +316,6 @@ def check_rollout_correction(config: Any) -> None:
 
 
 def check_profiler_keys(config: Any) -> None:
-    from hybridrl.utils.profiler import check_profiler
-
     arr = config.actor_rollout_ref
     roles = {
         "actor_rollout_ref.actor": arr.actor.profiler,

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from hybridrl.trainer.sections import (
+from hybridrl.trainer.ppo.errors import ConfigError
+from hybridrl.trainer.ppo.sections import (
     AlgorithmConfig,
     AsyncTrainingConfig,
     CustomRewardFunctionConfig,
@@ -25,6 +26,7 @@ from hybridrl.trainer.sections import (
     RewardManagerKwargs,
     TrainerConfig,
 )
+from hybridrl.trainer.ppo.verl_compat import apply_verl_compat
 from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.workers.rollout.config import RolloutConfig
@@ -55,10 +57,6 @@ class PPOConfig:
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
 
 
-class ConfigError(ValueError):
-    """A config problem found at start-up; the message names the key and the fix."""
-
-
 def _all_keys(node, prefix: str = "") -> list[str]:
     out = []
     for k in node:
@@ -76,8 +74,6 @@ def load_config(cfg: DictConfig | dict | None = None, explicit_keys=None) -> PPO
     explicit_keys: the keys the user set (None: every key counts as set); see
     `verl_compat.apply_verl_compat` (defaults that do not fit a small batch are adapted).
     """
-    from hybridrl.trainer.verl_compat import apply_verl_compat
-
     schema = OmegaConf.structured(PPOConfig)
     user = OmegaConf.create(cfg or {})
     try:

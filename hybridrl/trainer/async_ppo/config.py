@@ -36,8 +36,8 @@ import difflib
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from hybridrl.trainer.ppo_config import ConfigError, PPOConfig, derive_config, validate_config
-from hybridrl.trainer.sections import AsyncTrainingConfig
+from hybridrl.trainer.ppo.config import ConfigError, PPOConfig, derive_config, validate_config
+from hybridrl.trainer.ppo.sections import AsyncTrainingConfig
 
 __all__ = [
     "AsyncPPOConfig",

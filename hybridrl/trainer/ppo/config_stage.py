@@ -16,10 +16,11 @@ import os
 import sys
 from collections.abc import Iterable
 
-from hybridrl.trainer.ppo_config import ConfigError, PPOConfig, load_config
+from hybridrl import algos
+from hybridrl.trainer.ppo.config import ConfigError, PPOConfig, load_config
 from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
 
 
 def prepare_argv(argv: list[str]) -> list[str]:
@@ -60,8 +61,6 @@ def check_startup(cfg, explicit_keys: Iterable[str] | None = None) -> PPOConfig:
         explicit_keys: keys the user set; a default micro-batch size that does not fit a small
             mini-batch is only adapted when its key is not among them (None: all keys explicit).
     """
-    from hybridrl import algos
-
     config = load_config(cfg, explicit_keys=explicit_keys)
     arr = config.actor_rollout_ref
     world = config.trainer.nnodes * config.trainer.n_gpus_per_node
