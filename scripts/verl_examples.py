@@ -188,7 +188,7 @@ def compose_collecting(overrides: list[str]) -> tuple[object, list[str]]:
 
     from hybridrl.trainer.ppo import config_stage
 
-    refused, todo = [], list(overrides)
+    refused, todo = [], config_stage.prepare_argv(["main_ppo", *overrides])[1:]  # as the CLI does
     while True:
         try:
             with initialize_config_dir(config_dir=config_stage.CONFIG_DIR, version_base=None):
@@ -226,7 +226,7 @@ def check(overrides: list[str], root: Path, placeholder: str) -> dict:
     try:
         cfg, out["unknown"] = compose_collecting(overrides)
         out["stand_in"] = stand_in_files(cfg, placeholder)
-        config_stage.check_startup(cfg)
+        config_stage.check_startup(cfg, explicit_keys={key_of(o) for o in overrides})
     except Exception as e:  # noqa: BLE001 - every failure is data for the report
         out["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     finally:

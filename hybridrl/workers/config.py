@@ -178,8 +178,8 @@ class ActorConfig:
     rows per forward/backward on one rank; with use_dynamic_bsz, micro-batches are instead packed
     to at most ppo_max_token_len_per_gpu tokens. grad_clip (veRL's older key) overrides
     optim.clip_grad when set. entropy_from_logits_with_chunking / entropy_checkpointing compute
-    the entropy 2048 positions at a time, recomputed in backward. use_torch_compile is accepted
-    for veRL compatibility and has no effect (the engine runs eagerly).
+    the entropy 2048 positions at a time, recomputed in backward. use_torch_compile=True is
+    refused (the engine runs eagerly; see hybridrl/trainer/ppo/verl_compat.py REFUSED).
 
     skip_on_policy_old_log_prob: when the update is exactly on-policy (ppo_epochs == 1 and one
     mini-batch per step, i.e. ppo_mini_batch_size == data.train_batch_size, and nothing reads the
@@ -233,6 +233,7 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
     ulysses_sequence_parallel_size: int = 1
+    use_torch_compile: bool = False
     fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 

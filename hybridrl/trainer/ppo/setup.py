@@ -17,6 +17,7 @@ def resolve_builtin(config: PPOConfig) -> None:
     """Point unset data files at the built-in task and `builtin:*` model paths at the shipped model."""
     from hybridrl.data.builtin_task import ensure_builtin_data
     from hybridrl.models.builtin import resolve_model_path
+    from hybridrl.models.shm import copy_to_shm
 
     d = config.data
     if d.train_files is None or d.val_files is None:
@@ -33,6 +34,21 @@ def resolve_builtin(config: PPOConfig) -> None:
     if config.reward_model.model.path:
         rm = config.reward_model.model
         rm.path = resolve_model_path(rm.path, "reward_model.model.path")
+    if m.use_shm:
+        m.path = copy_to_shm(m.path, "actor_rollout_ref.model.use_shm")
+    if c.use_shm:
+        c.path = copy_to_shm(c.path, "critic.model.use_shm")
+
+
+def driver_tokenizer_config(config: PPOConfig):
+    """The model section the driver's tokenizer (data, reward decoding) is loaded from:
+    `data.tokenizer` (veRL) names another tokenizer, `data.trust_remote_code` allows its code."""
+    m, d = config.actor_rollout_ref.model, config.data
+    return dataclasses.replace(
+        m,
+        tokenizer_path=d.tokenizer or m.tokenizer_path,
+        trust_remote_code=m.trust_remote_code or d.trust_remote_code,
+    )
 
 
 def total_steps(config: PPOConfig, steps_per_epoch: int) -> int:
@@ -151,7 +167,7 @@ def prepare_run(config: PPOConfig) -> RunParts:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    tokenizer = load_tokenizer(config.actor_rollout_ref.model)
+    tokenizer = load_tokenizer(driver_tokenizer_config(config))
     train_loader, val_loader = build_datasets(config, tokenizer)
     steps = total_steps(config, len(train_loader))
     config.trainer.total_training_steps = steps

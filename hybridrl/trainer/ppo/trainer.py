@@ -10,8 +10,10 @@ touches model weights.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -22,6 +24,7 @@ import torch
 from hybridrl import algos
 from hybridrl.protocol import DataProto
 from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
+from hybridrl.trainer.ppo.profiling import StepProfilerDriver
 from hybridrl.trainer.ppo.workers import WorkerGroups
 from hybridrl.utils import checkpointing
 from hybridrl.utils.metrics import (
@@ -120,11 +123,13 @@ class RayPPOTrainer:
             if cfg.val_only:
                 return val
         progress = _progress_bar(cfg.progress_bar, self.total_training_steps, self.global_steps)
+        profiler = StepProfilerDriver(self.config, self.workers)
         while self.global_steps < self.total_training_steps:
             self.global_steps += 1
             metrics: dict[str, Any] = {}
             timing: dict[str, float] = {}
             self._gen_batches_this_step = 0
+            profiler.begin(self.global_steps)
             with timer("step", timing):
                 batch = trim_right_padding(self._rollout_and_score(metrics, timing))
                 self._balance_batch(batch, metrics)
@@ -135,6 +140,7 @@ class RayPPOTrainer:
                 self._update_critic(batch, metrics, timing)
                 self._update_actor(batch, metrics, timing)
                 self._dump_rollouts(batch)
+            profiler.end(self.global_steps)
             self._maybe_validate(metrics, timing)
             self._maybe_save_checkpoint(timing)
             self._log_step(batch, metrics, timing)
@@ -384,13 +390,17 @@ class RayPPOTrainer:
                 ).tolist()
             )
             uids.extend(batch.non_tensor_batch["uid"].tolist())
-            if len(samples) < self.config.trainer.log_val_generations:
+            if (
+                len(samples) < self.config.trainer.log_val_generations
+                or self.config.trainer.validation_data_dir
+            ):
                 samples.extend(_decode_samples(self.tokenizer, batch, seq_scores))
         extras["reward"] = scores
         if "acc" not in extras:
             extras["acc"] = scores
         val = process_validation_metrics(sources, uids, dict(extras))
         self.last_val_metrics = val
+        write_jsonl(self.config.trainer.validation_data_dir, self.global_steps, samples)
         if samples:
             self.tracker.log_generations(
                 samples[: self.config.trainer.log_val_generations], self.global_steps
@@ -430,6 +440,8 @@ class RayPPOTrainer:
         if cfg.remove_previous_ckpt_in_save:
             keep = 1
         checkpointing.prune(root, keep)
+        if self.use_critic:
+            checkpointing.prune_part(root, "critic", cfg.max_critic_ckpt_to_keep)
         return final
 
     def _load_checkpoint(self) -> None:
@@ -462,6 +474,9 @@ class RayPPOTrainer:
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
         print(f"[hybridrl] resumed from {path} (global step {self.global_steps})")
+        if cfg.del_local_ckpt_after_load:
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"[hybridrl] deleted {path} after loading it (trainer.del_local_ckpt_after_load)")
 
     # --------------------------------------------------------------- logging
     def _log_step(self, batch: DataProto, metrics: dict, timing: dict) -> None:
@@ -490,16 +505,21 @@ class RayPPOTrainer:
         out_dir = self.config.trainer.rollout_data_dir
         if not out_dir:
             return
-        import json
-
-        os.makedirs(out_dir, exist_ok=True)
         rows = _decode_samples(self.tokenizer, batch, batch.batch["token_level_scores"].sum(-1).tolist())
-        with open(os.path.join(out_dir, f"{self.global_steps}.jsonl"), "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(out_dir, self.global_steps, rows)
 
 
 # ---------------------------------------------------------------- helpers
+def write_jsonl(out_dir: str | None, step: int, rows: list[dict]) -> None:
+    """`out_dir/<step>.jsonl`, one decoded sample per line (rollout_data_dir, validation_data_dir)."""
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{step}.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
 def rollout_correction_active(rc) -> bool:
     return rc.rollout_is is not None or rc.rollout_rs is not None
 

@@ -215,6 +215,23 @@ REFUSED: tuple[Refused, ...] = (
         0,
         "FSDP2 shards per decoder layer; use wrap_policy.transformer_layer_cls_to_wrap",
     ),
+    Refused(
+        "actor_rollout_ref.actor.use_torch_compile",
+        False,
+        "the engine runs eagerly (torch.compile of the log-prob/entropy kernels is not wired in)",
+    ),
+    Refused("actor_rollout_ref.ref.use_torch_compile", False, "the engine runs eagerly"),
+    Refused(
+        "global_profiler.profile_continuous_steps",
+        False,
+        "each profiled step is its own torch.profiler trace",
+    ),
+    Refused(
+        "global_profiler.global_tool_config",
+        {},
+        "these are options of nsys/torch_memory, which are not "
+        "available; the torch profiler's options are <role>.profiler.tool_config.torch.contents",
+    ),
     Refused("trainer.default_hdfs_dir", None, "no HDFS client here; copy trainer.default_local_dir yourself"),
     Refused(
         "trainer.ray_wait_register_center_timeout",
@@ -270,13 +287,13 @@ ENGINE_ONLY = (
 def engine_only_warning(config: Any, explicit_keys) -> list[str]:
     """With rollout.name=hf, the vLLM/SGLang keys the user set: one warning listing them."""
     rollout = config.actor_rollout_ref.rollout
-    if rollout.name != "hf":
+    if rollout.name != "hf" or explicit_keys is None:  # unknown which keys the user set: stay quiet
         return []
     default = RolloutConfig(name="hf")
     base = "actor_rollout_ref.rollout."
     keys = [
         base + k for k in ENGINE_ONLY
-        if (explicit_keys is None or base + k in explicit_keys or any(e.startswith(base + k + ".") for e in explicit_keys))
+        if (base + k in explicit_keys or any(e.startswith(base + k + ".") for e in explicit_keys))
         and not _same(getattr(rollout, k), getattr(default, k))
     ]  # fmt: skip
     if keys:

@@ -62,6 +62,7 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
             role=role,
             actor_batch_sizes=normalize_actor_batch_sizes(arr.actor, rollout_n=n, dp_size=world),
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
     }
@@ -71,6 +72,7 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
             config=config.critic,
             batch_sizes=normalize_critic_batch_sizes(config.critic, dp_size=world, rollout_n=n),
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
     if config.reward_model.enable:
@@ -79,6 +81,7 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
             config=config.reward_model,
             policy_tokenizer_path=arr.model.path,
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
         )
     group = RayWorkerGroup(pool, create_colocated_worker_cls(classes), name_prefix="hybridrl")
     views = group.spawn(list(classes))
