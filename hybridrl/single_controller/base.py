@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from hybridrl.single_controller.dispatch import (
 )
 from hybridrl.single_controller.mesh import MeshCoord, MeshLayout
 from hybridrl.utils.device import get_device_name, get_visible_devices_keyword
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Dispatch",
@@ -169,6 +172,7 @@ class Worker:
         threads = os.environ.get("HYBRIDRL_NUM_THREADS")
         if threads:
             torch.set_num_threads(int(threads))
+            _announce_threads(self.rank)
         if get_device_name() == "cuda":
             torch.cuda.set_device(self.device)
 
@@ -267,6 +271,17 @@ class Worker:
             "torch_threads": torch.get_num_threads(),
             "device": str(self.device),
         }
+
+
+@functools.cache
+def _announce_threads(rank: int) -> None:
+    """Print (once per process) the torch thread count this worker process computes with."""
+    msg = (
+        f"[hybridrl] worker rank {rank} (pid {os.getpid()}): {torch.get_num_threads()} torch threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}"
+    )
+    logger.info(msg)
+    print(msg, flush=True)
 
 
 def _local_device_index(local_rank: int) -> int:

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig
 from hybridrl.trainer.async_ppo.launch import compose_async_config, run_async
+from hybridrl.utils.cli import check_command_line
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(__doc__)
         print(OmegaConf.to_yaml(OmegaConf.structured(AsyncPPOConfig).async_training))
         return {}
+    check_command_line(argv, AsyncPPOConfig, "ppo_trainer")
     return run_async(compose_async_config(argv))
 
 

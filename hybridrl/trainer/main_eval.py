@@ -13,28 +13,13 @@ with one, else the response strings), using `hybridrl.utils.metrics.process_vali
 
 from __future__ import annotations
 
-import sys
+from hybridrl.trainer.offline.evaluation import EvalConfig, run_eval
+from hybridrl.utils.cli import hydra_cli
 
-from omegaconf import DictConfig
 
-from hybridrl.trainer.offline.evaluation import CONFIG_DIR, EvalConfig, run_eval
+def main() -> None:
+    hydra_cli(__doc__, "evaluation", EvalConfig, run_eval)
+
 
 if __name__ == "__main__":
-    if any(a in ("-h", "--help") for a in sys.argv[1:]):
-        print(__doc__)
-        print((CONFIG_DIR / "evaluation.yaml").read_text())
-        sys.exit(0)
-    import hydra
-
-    from hybridrl.trainer.sft.config import SFTConfigError, check_override_keys
-
-    try:
-        check_override_keys(sys.argv[1:], EvalConfig, "evaluation")
-    except SFTConfigError as e:
-        sys.exit(f"SFTConfigError: {e}")
-
-    @hydra.main(config_path="config", config_name="evaluation", version_base=None)
-    def _main(cfg: DictConfig) -> None:
-        run_eval(cfg)
-
-    _main()
+    main()

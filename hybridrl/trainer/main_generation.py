@@ -17,28 +17,13 @@ validation prompts.
 
 from __future__ import annotations
 
-import sys
+from hybridrl.trainer.offline.generation import GenerationConfig, run_generation
+from hybridrl.utils.cli import hydra_cli
 
-from omegaconf import DictConfig
 
-from hybridrl.trainer.offline.generation import CONFIG_DIR, GenerationConfig, run_generation
+def main() -> None:
+    hydra_cli(__doc__, "generation", GenerationConfig, run_generation)
+
 
 if __name__ == "__main__":
-    if any(a in ("-h", "--help") for a in sys.argv[1:]):
-        print(__doc__)
-        print((CONFIG_DIR / "generation.yaml").read_text())
-        sys.exit(0)
-    import hydra
-
-    from hybridrl.trainer.sft.config import SFTConfigError, check_override_keys
-
-    try:
-        check_override_keys(sys.argv[1:], GenerationConfig, "generation")
-    except SFTConfigError as e:
-        sys.exit(f"SFTConfigError: {e}")
-
-    @hydra.main(config_path="config", config_name="generation", version_base=None)
-    def _main(cfg: DictConfig) -> None:
-        run_generation(cfg)
-
-    _main()
+    main()

@@ -12,36 +12,22 @@ with a message naming it.
 
 from __future__ import annotations
 
-import sys
-
-from omegaconf import DictConfig
-
-from hybridrl.trainer.sft.config import CONFIG_DIR, SFTConfig, SFTConfigError, check_override_keys
-from hybridrl.trainer.sft.launch import run_sft
+from hybridrl.trainer.sft.config import SFTConfig
+from hybridrl.trainer.sft.launch import run_sft, stop_distributed
+from hybridrl.utils.cli import hydra_cli
 
 
-def _hydra_main() -> None:
-    import hydra
-
+def run_and_stop(cfg) -> dict[str, float]:
+    """Train, then leave the process group (torchrun expects every rank to exit cleanly)."""
     try:
-        check_override_keys(sys.argv[1:], SFTConfig, "sft_trainer")
-    except SFTConfigError as e:
-        sys.exit(f"SFTConfigError: {e}")
+        return run_sft(cfg)
+    finally:
+        stop_distributed()
 
-    @hydra.main(config_path="config", config_name="sft_trainer", version_base=None)
-    def main(cfg: DictConfig) -> None:
-        run_sft(cfg)
-        import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    main()
+def main() -> None:
+    hydra_cli(__doc__, "sft_trainer", SFTConfig, run_and_stop)
 
 
 if __name__ == "__main__":
-    if any(a in ("-h", "--help") for a in sys.argv[1:]):
-        print(__doc__)
-        print((CONFIG_DIR / "sft_trainer.yaml").read_text())
-        sys.exit(0)
-    _hydra_main()
+    main()

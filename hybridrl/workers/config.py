@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridrl.utils.profiler import ProfilerConfig
+from hybridrl.workers.megatron_config import MEGATRON_STRATEGY, MegatronConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LR_SCHEDULER_TYPES = ("constant", "cosine")
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
+TRAIN_STRATEGIES = (*FSDP_STRATEGIES, MEGATRON_STRATEGY)  # megatron: workers/engine/megatron
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
 ACTOR_KEY = "actor_rollout_ref.actor"
@@ -217,6 +219,7 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     @property
     def max_grad_norm(self) -> float:
@@ -236,6 +239,7 @@ class RefConfig:
     use_torch_compile: bool = False
     fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
 
 @dataclass
@@ -271,6 +275,7 @@ class CriticConfig:
     ulysses_sequence_parallel_size: int = 1
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     @property
     def max_grad_norm(self) -> float:
@@ -336,10 +341,8 @@ class PerRankBatchSizes:
 
 
 def _check_common(key: str, *, strategy: str, loss_agg_mode: str, ulysses: int, epochs: int) -> None:
-    if strategy not in FSDP_STRATEGIES:
-        raise ValueError(
-            f"{key}.strategy={strategy!r} is not supported by the FSDP engine; use one of {FSDP_STRATEGIES}"
-        )
+    if strategy not in TRAIN_STRATEGIES:
+        raise ValueError(f"{key}.strategy={strategy!r} is not supported; use one of {TRAIN_STRATEGIES}")
     if ulysses != 1:
         raise ValueError(
             f"{key}.ulysses_sequence_parallel_size={ulysses}: Ulysses sequence parallelism is not implemented "

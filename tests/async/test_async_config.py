@@ -6,7 +6,7 @@ import pytest
 
 from hybridrl.trainer.async_ppo.config import load_async_config
 from hybridrl.trainer.async_ppo.launch import compose_async_config
-from hybridrl.trainer.ppo.config import ConfigError
+from hybridrl.utils.config_loader import ConfigError
 
 
 @pytest.fixture(scope="module")

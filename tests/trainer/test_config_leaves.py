@@ -33,6 +33,14 @@ SCOPES = {
     "generation": (GenerationConfig, "generation.yaml", ["trainer/offline/generation.py", "workers/rollout", *COMMON]),
     "evaluation": (EvalConfig, "evaluation.yaml", ["trainer/offline/evaluation.py", "workers/reward", *COMMON]),
 }  # fmt: skip
+# Keys of other issues' code that this test flagged when it landed; their owners make them comply
+# (honour or refuse), then the entry goes. Keep this list short and owned.
+PENDING = {
+    "actor_rollout_ref.actor.megatron.use_mbridge": "issue 15 (workers/megatron_config.py documents it as accepted)",
+    "actor_rollout_ref.ref.megatron.use_mbridge": "issue 15",
+    "critic.megatron.use_mbridge": "issue 15",
+}
+
 # Read under a computed name (the test cannot see them; each says where).
 DYNAMIC = {
     "data.train_max_samples": "RLDataConfig.from_verl reads f'{split}_max_samples'",
@@ -84,7 +92,7 @@ def test_every_leaf_is_read_or_refused(entry):
     yaml = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / yaml_name), resolve=False)
     keys = set(leaves(yaml)) | set(leaves(OmegaConf.to_container(OmegaConf.structured(schema))))
     refused = (
-        {r.key for r in REFUSED} | {old for old, _ in DEPRECATED_MICRO} | set(DYNAMIC)
+        {r.key for r in REFUSED} | {old for old, _ in DEPRECATED_MICRO} | set(DYNAMIC) | set(PENDING)
         if entry == "ppo"
         else set()
     )

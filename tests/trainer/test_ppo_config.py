@@ -6,7 +6,8 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from hybridrl.trainer.ppo.config import ConfigError, PPOConfig, load_config
+from hybridrl.trainer.ppo.config import PPOConfig, load_config
+from hybridrl.utils.config_loader import ConfigError
 
 
 def _compose(overrides=()):

@@ -15,9 +15,10 @@ import pandas as pd
 import pytest
 import torch
 
-from hybridrl.trainer.sft.config import SFTConfigError, load_sft_config
+from hybridrl.trainer.sft.config import load_sft_config
 from hybridrl.trainer.sft.launch import init_distributed
 from hybridrl.trainer.sft.trainer import SFTTrainer, sft_lr_factor, sft_token_loss
+from hybridrl.utils.config_loader import ConfigError
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,16 +162,17 @@ def test_lr_schedules_hand_values():
 # config
 # ----------------------------------------------------------------------------------------------
 def test_unknown_key_names_it_and_suggests():
-    with pytest.raises(SFTConfigError, match=r"data\.trian_files.*data\.train_files"):
+    with pytest.raises(ConfigError, match=r"data\.trian_files.*data\.train_files"):
         load_sft_config(["data.trian_files=x.parquet"])
-    with pytest.raises(SFTConfigError, match="optim.lr_scheduler='linear'"):
+    with pytest.raises(ConfigError, match="optim.lr_scheduler='linear'"):
         load_sft_config(["optim.lr_scheduler=linear"])
-    with pytest.raises(SFTConfigError, match="micro_batch_size_per_gpu"):
+    with pytest.raises(ConfigError, match="micro_batch_size_per_gpu"):
         load_sft_config(["data.micro_batch_size=8"])
 
 
 def test_command_line_keys_are_checked_before_hydra():
-    from hybridrl.trainer.sft.config import SFTConfig, check_override_keys
+    from hybridrl.trainer.sft.config import SFTConfig
+    from hybridrl.utils.config_loader import check_override_keys
 
     ok = [
         "model.override_config.attn_implementation=eager",
@@ -180,7 +182,7 @@ def test_command_line_keys_are_checked_before_hydra():
         "--config-name=sft_trainer",
     ]
     check_override_keys(ok, SFTConfig, "sft_trainer")
-    with pytest.raises(SFTConfigError, match=r"'optim\.lrr'.*Did you mean optim\.lr"):
+    with pytest.raises(ConfigError, match=r"'optim\.lrr'.*Did you mean optim\.lr"):
         check_override_keys(["optim.lrr=1"], SFTConfig, "sft_trainer")
 
 
@@ -195,7 +197,7 @@ def test_presets_follow_the_model(tiny):
     )
     explicit = load_sft_config(["optim.lr=3e-4"])
     assert explicit.optim.lr == 3e-4
-    with pytest.raises(SFTConfigError, match="data.train_files is not set"):
+    with pytest.raises(ConfigError, match="data.train_files is not set"):
         load_sft_config([f"model.partial_pretrain={tiny['model']}"])
 
 
@@ -384,7 +386,7 @@ def test_overlong_response_fails_at_start_naming_row(tiny, tmp_path):
 
 
 def test_batch_larger_than_data(tiny, tmp_path):
-    with pytest.raises(SFTConfigError, match="fewer than one batch"):
+    with pytest.raises(ConfigError, match="fewer than one batch"):
         make_trainer(overrides(tiny, tmp_path, data__train_batch_size=128))
 
 

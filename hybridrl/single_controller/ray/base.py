@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hybridrl.protocol import DataProto, DataProtoFuture
 from hybridrl.single_controller.base import Worker
 from hybridrl.single_controller.worker_group import WorkerDiedError, WorkerGroup, WorkerGroupError
+from hybridrl.utils.cpus import thread_env
 
 __all__ = [
     "RayClassWithInitArgs",
@@ -368,9 +369,12 @@ class RayWorkerGroup(WorkerGroup):
         actors, names = [], []
         # Ray sets OMP_NUM_THREADS from the actor's (fractional) CPU share unless given: give the
         # slot's thread count (a user's own OMP_NUM_THREADS wins).
+        # More than one thread also gets OMP_WAIT_POLICY=PASSIVE (hybridrl.utils.cpus.thread_env).
         threads = str(user_env_vars.get("OMP_NUM_THREADS", pool.num_threads))
+        omp_env = {k: v for k, v in thread_env(int(threads)).items() if k not in user_env_vars}
         for rank, slot in enumerate(slots):
             env_vars = {
+                **omp_env,
                 **user_env_vars,
                 "OMP_NUM_THREADS": threads,
                 "HYBRIDRL_NUM_THREADS": threads,

@@ -1,14 +1,6 @@
-"""`python -m hybridrl.trainer.main_eval [key=value ...]`: score generated responses offline.
+"""Offline scoring of generated responses: mean/best/maj@N per data source (`main_eval` runs it).
 
-    python -m hybridrl.trainer.main_eval data.path=out.parquet data.response_key=responses \\
-        data.data_source_key=data_source data.reward_model_key=reward_model \\
-        custom_reward_function.path=my_reward.py
-
-Every response of every row is scored with the reward function of the row's data source (the
-built-in scorers, or `custom_reward_function.path`). Per data source it prints and returns
-mean@N (mean score), best@N (the best of the N responses: "any correct" for 0/1 scores) and
-maj@N (the score of the majority answer; answers are the scorer's "pred" when it returns a dict
-with one, else the response strings), using `hybridrl.utils.metrics.process_validation_metrics`.
+The command, its keys and what it prints are described in hybridrl/trainer/main_eval.py.
 """
 
 from __future__ import annotations
@@ -20,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig
+
+from hybridrl.data.rl_dataset import read_rows
+from hybridrl.trainer.offline.generation import generate_responses
+from hybridrl.utils.config_loader import ConfigError, load_structured
+from hybridrl.utils.metrics import process_validation_metrics
+from hybridrl.workers.reward.custom import load_custom_reward_fn
+from hybridrl.workers.reward.scorers import default_compute_score
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
 
@@ -51,23 +50,11 @@ class EvalConfig:
 
 def load_eval_config(cfg: DictConfig | dict | list[str] | None = None) -> EvalConfig:
     """schema <- evaluation.yaml <- `cfg`; unknown keys fail naming the key."""
-    from hybridrl.trainer.sft.config import SFTConfigError, _merge
-
-    schema = OmegaConf.structured(EvalConfig)
-    yaml = OmegaConf.load(CONFIG_DIR / "evaluation.yaml")
-    yaml.pop("hydra", None)
-    yaml.pop("defaults", None)
-    base = _merge(schema, yaml, "evaluation.yaml")
-    user = (
-        OmegaConf.from_dotlist(list(cfg))
-        if isinstance(cfg, (list, tuple, ListConfig))
-        else OmegaConf.create(cfg if cfg is not None else {})
+    config: EvalConfig = load_structured(
+        EvalConfig, cfg, "hybridrl/trainer/config/evaluation.yaml", CONFIG_DIR / "evaluation.yaml"
     )
-    merged = _merge(base, user, "your overrides")
-    OmegaConf.resolve(merged)
-    config: EvalConfig = OmegaConf.to_object(merged)
     if config.data.path is None:
-        raise SFTConfigError("data.path is not set; point it at the parquet file written by main_generation")
+        raise ConfigError("data.path is not set; point it at the parquet file written by main_generation")
     return config
 
 
@@ -221,9 +208,6 @@ class GreedyEval:
 
     def score(self) -> dict[str, float]:
         """`val/greedy_acc` and `val-core/{data_source}/reward/mean@1` of the current weights."""
-        from hybridrl.trainer.offline.generation import generate_responses
-        from hybridrl.utils.metrics import process_validation_metrics
-        from hybridrl.workers.reward.scorers import default_compute_score
 
         if self.rollout is None:
             raise RuntimeError("GreedyEval.score before update_weights: load the weights to evaluate first")
@@ -248,10 +232,6 @@ class GreedyEval:
 
 def run_eval(cfg: DictConfig | dict | list[str] | None = None) -> dict[str, Any]:
     """Score, print and return {"metrics": process_validation_metrics output, "summary": per source}."""
-    from hybridrl.data.rl_dataset import read_rows
-    from hybridrl.utils.metrics import process_validation_metrics
-    from hybridrl.workers.reward.custom import load_custom_reward_fn
-    from hybridrl.workers.reward.scorers import default_compute_score
 
     config = load_eval_config(cfg)
     d, c = config.data, config.custom_reward_function

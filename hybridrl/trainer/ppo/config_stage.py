@@ -86,5 +86,5 @@ def exit_with_config_error(e: Exception) -> None:
     """Print `e` as one line and exit 1; with HYDRA_FULL_ERROR=1 re-raise it (full traceback)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise e
-    print(f"hybridrl: config error: {e}", file=sys.stderr)
+    print(f"ConfigError: {e}", file=sys.stderr)
     sys.exit(1)

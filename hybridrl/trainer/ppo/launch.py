@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from hybridrl.report import make_report
 from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.sections import AsyncTrainingConfig
 from hybridrl.trainer.ppo.setup import build_trainer
@@ -81,7 +82,6 @@ def start_ray(cpus_needed: float, ray_init=None) -> None:
 
 def write_report(tracker) -> None:
     """The PNG of the run's curves, next to the file logger's metrics.jsonl (if any)."""
-    from hybridrl.report import make_report
 
     log_dir = tracker.log_dir
     if log_dir and os.path.exists(os.path.join(log_dir, "metrics.jsonl")):

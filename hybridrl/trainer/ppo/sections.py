@@ -143,7 +143,7 @@ class TrainerConfig:
     validation_data_dir: str | None = None
     nnodes: int = 1
     n_gpus_per_node: int = 1
-    cpus_per_worker: int = 1  # CPU cores per device slot on CPU-only machines
+    cpus_per_worker: Any = "auto"  # CPU cores per slot on CPU-only machines; auto: hybridrl.utils.cpus
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = True

@@ -222,7 +222,7 @@ class RayPPOTrainer:
         fg = self.config.algorithm.filter_groups
         if not fg.enable:
             batch, extra = self._compute_reward(self._generate(self._next_prompt_batch(), timing), timing)
-            _attach_extra(batch, extra)
+            attach_reward_extra(batch, extra)
             return batch
         want = self.config.data.train_batch_size
         kept: list[DataProto] = []
@@ -237,7 +237,7 @@ class RayPPOTrainer:
                     "or disable algorithm.filter_groups.enable."
                 )
             batch, extra = self._compute_reward(self._generate(self._next_prompt_batch(), timing), timing)
-            _attach_extra(batch, extra)
+            attach_reward_extra(batch, extra)
             metric = _group_metric(batch, fg.metric)
             keep = algos.filter_groups_by_metric(batch.non_tensor_batch["uid"], metric)
             batch = batch.select_idxs(keep)
@@ -545,7 +545,8 @@ def apply_rollout_correction(rc, batch: DataProto, metrics: dict) -> DataProto:
     return batch
 
 
-def _attach_extra(batch: DataProto, extra: dict[str, list]) -> None:
+def attach_reward_extra(batch: DataProto, extra: dict[str, list]) -> None:
+    """Store the reward function's per-row extras (lists of len(batch)) as object columns of `batch`."""
     for k, v in extra.items():
         if len(v) == len(batch):
             batch.non_tensor_batch[k] = np.array(v, dtype=object)

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from hybridrl import algos
-from hybridrl.trainer.ppo.errors import ConfigError
+from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.profiler import check_profiler
 from hybridrl.workers.rollout.config import RolloutConfig
 

@@ -1,25 +1,20 @@
-"""`python -m hybridrl.trainer.main_sft [key=value ...]`: supervised fine-tuning with FSDP2.
+"""The SFT config schema (veRL's `sft_trainer.yaml` keys), its presets, loading and validation.
 
-One process per device slot, no Ray: run it directly for one slot (CPU or one GPU), or with
-`torchrun --nproc_per_node=N -m hybridrl.trainer.main_sft ...` for N slots. The same code runs
-on CPU (gloo) and GPUs (nccl). With no arguments it fine-tunes the built-in tiny model on the
-built-in task's SFT data on CPU and reports validation loss and greedy accuracy.
-
-Config keys follow veRL's `sft_trainer.yaml` (data.*, model.partial_pretrain, optim.*, trainer.*);
-see hybridrl/trainer/config/sft_trainer.yaml and docs/sft.md. An unknown key fails at start-up
-with a message naming it.
+`load_sft_config(cfg)` merges schema <- hybridrl/trainer/config/sft_trainer.yaml <- `cfg` through the
+shared loader (hybridrl/utils/config_loader.py), fills the keys left null from the presets and
+checks the whole; every problem raises ConfigError naming the key and the fix.
 """
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf import DictConfig
 
+from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
+from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.workers.config import FSDPConfig
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
@@ -32,8 +27,7 @@ BUILTIN_PRESET = {"optim.lr": 1e-3, "data.train_batch_size": 64, "data.micro_bat
 GENERAL_PRESET = {"optim.lr": 1e-5, "data.train_batch_size": 256, "data.micro_batch_size_per_gpu": 4}
 
 
-class SFTConfigError(ValueError):
-    """A config problem found at start-up; the message names the key and the fix."""
+SFTConfigError = ConfigError  # the name SFT code used before the loaders were unified
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,65 +154,7 @@ class SFTConfig:
 # ----------------------------------------------------------------------------------------------
 # loading
 # ----------------------------------------------------------------------------------------------
-def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    out = []
-    for k in node:
-        full = f"{prefix}{k}"
-        out.append(full)
-        v = None if OmegaConf.is_missing(node, k) else node[k]
-        if isinstance(v, DictConfig):
-            out.extend(_all_keys(v, full + "."))
-    return out
-
-
-def _merge(schema: DictConfig, user: Any, source: str) -> DictConfig:
-    try:
-        return OmegaConf.merge(schema, user)
-    except (ConfigKeyError, ConfigAttributeError) as e:
-        key = str(getattr(e, "full_key", None) or e)
-        close = difflib.get_close_matches(key, _all_keys(schema), n=3)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise SFTConfigError(
-            f"unknown SFT config key '{key}' ({source}).{hint} Every key is listed in "
-            "hybridrl/trainer/config/sft_trainer.yaml."
-        ) from None
-    except ValidationError as e:
-        raise SFTConfigError(
-            f"bad value for SFT config key '{getattr(e, 'full_key', '?')}': {e.msg}"
-        ) from None
-
-
-def _under_open_node(node: DictConfig, key: str, known: list[str]) -> bool:
-    """True when a parent of `key` is a free-form field (a dict or Any), e.g. model.override_config.x."""
-    parts = key.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        parent = ".".join(parts[:i])
-        if parent in known:
-            value = OmegaConf.select(node, parent)
-            return not isinstance(value, DictConfig) or OmegaConf.get_type(value) is dict
-    return False
-
-
-def check_override_keys(argv: list[str], schema: type, config_name: str) -> None:
-    """Fail on a command-line `key=value` whose key the schema lacks, suggesting close keys.
-
-    Hydra alone would only say "not in struct"; this names the key and its likely spelling.
-    Hydra's own options (`hydra.*`, `--...`) and `~key` deletions are left to Hydra.
-    """
-    node = OmegaConf.structured(schema)
-    known = _all_keys(node)
-    for arg in argv:
-        if arg.startswith(("-", "~")) or "=" not in arg:
-            continue
-        key = arg.split("=", 1)[0].lstrip("+")
-        if key.startswith("hydra.") or key in known or _under_open_node(node, key, known):
-            continue
-        close = difflib.get_close_matches(key, known, n=3)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise SFTConfigError(
-            f"unknown config key '{key}' on the command line.{hint} Every key is listed in "
-            f"hybridrl/trainer/config/{config_name}.yaml."
-        )
+SFT_KEYS_DOC = "hybridrl/trainer/config/sft_trainer.yaml"
 
 
 def load_sft_config(cfg: DictConfig | dict | list[str] | None = None) -> SFTConfig:
@@ -228,30 +164,15 @@ def load_sft_config(cfg: DictConfig | dict | list[str] | None = None) -> SFTConf
         cfg: a DictConfig/dict of overrides, or a list of dotlist strings ("optim.lr=1e-4").
 
     Raises:
-        SFTConfigError: an unknown key, a value of the wrong type, or an inconsistent setting.
+        ConfigError: an unknown key, a value of the wrong type, or an inconsistent setting.
     """
-    schema = OmegaConf.structured(SFTConfig)
-    yaml = OmegaConf.load(CONFIG_DIR / "sft_trainer.yaml")
-    yaml.pop("hydra", None)
-    yaml.pop("defaults", None)
-    base = _merge(schema, yaml, "sft_trainer.yaml")
-    if isinstance(cfg, (list, tuple, ListConfig)):
-        user = OmegaConf.from_dotlist(list(cfg))
-    else:
-        user = OmegaConf.create(cfg if cfg is not None else {})
-    merged = _merge(base, user, "your overrides")
-    OmegaConf.resolve(merged)
-    config: SFTConfig = OmegaConf.to_object(merged)
+    config: SFTConfig = load_structured(SFTConfig, cfg, SFT_KEYS_DOC, CONFIG_DIR / "sft_trainer.yaml")
     fill_presets(config)
     validate_sft_config(config)
     return config
 
 
 def is_builtin_model(path: str | None) -> bool:
-    try:
-        from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
-    except ImportError:  # pragma: no cover - the models package ships with hybridrl
-        BUILTIN_MODEL_ALIASES = ("builtin:tiny", "builtin")
     return path in BUILTIN_MODEL_ALIASES
 
 
@@ -267,14 +188,14 @@ def fill_presets(config: SFTConfig) -> None:
 
 def _choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
-        raise SFTConfigError(f"{key}={value!r} is not one of {list(choices)}")
+        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
 
 
 def validate_sft_config(config: SFTConfig) -> None:
     """Start-up checks that need no files or processes; each error names the key and the fix."""
     d, m, o, t = config.data, config.model, config.optim, config.trainer
     if d.micro_batch_size is not None:
-        raise SFTConfigError(
+        raise ConfigError(
             "data.micro_batch_size (a global count) was removed in veRL; set data.micro_batch_size_per_gpu instead"
         )
     _choice("data.truncation", d.truncation, ("error", "left", "right"))
@@ -293,7 +214,7 @@ def validate_sft_config(config: SFTConfig) -> None:
                 f"buffers as loaded and shards per decoder layer); leave it at {default!r}"
             )
     if o.optimizer.lower() != "adamw":
-        raise SFTConfigError(
+        raise ConfigError(
             f"optim.optimizer={o.optimizer!r}: only AdamW is implemented; set optim.optimizer=AdamW"
         )
     for key, value in (
@@ -303,37 +224,35 @@ def validate_sft_config(config: SFTConfig) -> None:
         ("trainer.nnodes", t.nnodes),
     ):
         if value is None or value < 1:
-            raise SFTConfigError(f"{key} must be >= 1, got {value}")
+            raise ConfigError(f"{key} must be >= 1, got {value}")
     if t.total_epochs < 1 and not t.total_training_steps:
-        raise SFTConfigError("trainer.total_epochs must be >= 1 (or set trainer.total_training_steps)")
+        raise ConfigError("trainer.total_epochs must be >= 1 (or set trainer.total_training_steps)")
     if t.total_training_steps is not None and t.total_training_steps < 1:
-        raise SFTConfigError(
-            f"trainer.total_training_steps must be >= 1 or null, got {t.total_training_steps}"
-        )
+        raise ConfigError(f"trainer.total_training_steps must be >= 1 or null, got {t.total_training_steps}")
     if o.lr is None or o.lr <= 0:
-        raise SFTConfigError(f"optim.lr must be > 0, got {o.lr}")
+        raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
     if len(o.betas) != 2:
-        raise SFTConfigError(f"optim.betas must hold two numbers, got {o.betas}")
+        raise ConfigError(f"optim.betas must hold two numbers, got {o.betas}")
     if not 0.0 <= o.lr_warmup_steps_ratio < 1.0:
-        raise SFTConfigError(f"optim.lr_warmup_steps_ratio must be in [0, 1), got {o.lr_warmup_steps_ratio}")
+        raise ConfigError(f"optim.lr_warmup_steps_ratio must be in [0, 1), got {o.lr_warmup_steps_ratio}")
     if not 0.0 <= o.stable_ratio <= 1.0:
-        raise SFTConfigError(f"optim.stable_ratio must be in [0, 1], got {o.stable_ratio}")
+        raise ConfigError(f"optim.stable_ratio must be in [0, 1], got {o.stable_ratio}")
     if m.lora_rank < 0:
-        raise SFTConfigError(f"model.lora_rank must be >= 0 (0 disables LoRA), got {m.lora_rank}")
+        raise ConfigError(f"model.lora_rank must be >= 0 (0 disables LoRA), got {m.lora_rank}")
     if m.use_liger:
-        raise SFTConfigError("model.use_liger=True is not implemented in hybridrl; set it to False")
+        raise ConfigError("model.use_liger=True is not implemented in hybridrl; set it to False")
     for name in ("save_contents", "load_contents"):
         bad = [c for c in getattr(t.checkpoint, name) if c not in CHECKPOINT_CONTENTS]
         if bad:
-            raise SFTConfigError(
+            raise ConfigError(
                 f"trainer.checkpoint.{name} has unknown entries {bad}; use a subset of {list(CHECKPOINT_CONTENTS)}"
             )
     if t.resume_mode == "resume_path" and not t.resume_from_path:
-        raise SFTConfigError(
+        raise ConfigError(
             "trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>"
         )
     if d.train_files is None and not is_builtin_model(m.partial_pretrain):
-        raise SFTConfigError(
+        raise ConfigError(
             "data.train_files is not set; point it at parquet/jsonl file(s) with the "
             f"'{d.prompt_key}'/'{d.response_key}' columns (the built-in task's data only fits model.partial_pretrain="
             "builtin:tiny)"

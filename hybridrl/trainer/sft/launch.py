@@ -7,8 +7,10 @@ import socket
 
 from omegaconf import DictConfig
 
-from hybridrl.trainer.sft.config import SFTConfig, SFTConfigError, load_sft_config
+from hybridrl.trainer.sft.config import SFTConfig, load_sft_config
 from hybridrl.trainer.sft.trainer import SFTTrainer
+from hybridrl.utils.config_loader import ConfigError
+from hybridrl.utils.device import init_process_group, is_cuda_available
 
 
 def _free_port() -> int:
@@ -33,15 +35,11 @@ def init_distributed(config: SFTConfig) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-    from hybridrl.utils.device import init_process_group, is_cuda_available
-
     t = config.trainer
     if t.device == "cuda" and not is_cuda_available():
-        raise SFTConfigError(
-            "trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu"
-        )
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
     if t.device == "cpu" and is_cuda_available():
-        raise SFTConfigError(
+        raise ConfigError(
             "trainer.device=cpu on a machine with GPUs: hide them instead (CUDA_VISIBLE_DEVICES= python -m ...)"
         )
     launched = "WORLD_SIZE" in os.environ
@@ -49,7 +47,7 @@ def init_distributed(config: SFTConfig) -> tuple[int, int]:
         if not launched:
             slots = t.nnodes * (t.n_gpus_per_node or 1)
             if slots > 1:
-                raise SFTConfigError(
+                raise ConfigError(
                     f"trainer.nnodes * trainer.n_gpus_per_node = {slots} slots, but this is a single process; "
                     f"launch with `torchrun --nproc_per_node={t.n_gpus_per_node} -m hybridrl.trainer.main_sft ...`"
                 )
@@ -58,7 +56,7 @@ def init_distributed(config: SFTConfig) -> tuple[int, int]:
         init_process_group(rank=0 if not launched else None, world_size=1 if not launched else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     if t.n_gpus_per_node is not None and launched and world != t.nnodes * t.n_gpus_per_node:
-        raise SFTConfigError(
+        raise ConfigError(
             f"the launcher started {world} processes but trainer.nnodes * trainer.n_gpus_per_node = "
             f"{t.nnodes * t.n_gpus_per_node}; make them agree (or leave trainer.n_gpus_per_node=null)"
         )
@@ -89,3 +87,11 @@ def run_sft_config(config: SFTConfig) -> dict[str, float]:
         return trainer.fit()
     finally:
         trainer.close()
+
+
+def stop_distributed() -> None:
+    """Leave the process group if one was started (every torchrun rank must exit cleanly)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
