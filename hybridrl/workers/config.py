@@ -311,6 +311,7 @@ class RewardModelConfig:
     reward_manager: str = "naive"
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     launch_reward_fn_async: bool = False
+    use_reward_loop: bool = False  # refused when True (hybridrl/trainer/ppo/verl_compat.py)
     ulysses_sequence_parallel_size: int = 1
 
 

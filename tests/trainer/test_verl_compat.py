@@ -168,3 +168,26 @@ def test_cli_config_error_is_one_line_exit_1_and_full_with_hydra_full_error():
     assert lines == [lines[-1]] and "hybrid_engine=False" in lines[-1] and "Leave it at True" in lines[-1]
     r = _cli("actor_rollout_ref.hybrid_engine=False", env={"HYDRA_FULL_ERROR": "1"})
     assert r.returncode == 1 and "Traceback" in r.stderr
+
+
+def test_ray_init_num_cpus_and_env_vars_reach_ray(monkeypatch):
+    """ray_kwargs.ray_init.num_cpus sizes the local Ray; runtime_env.env_vars reach the workers."""
+    import ray
+
+    from hybridrl.trainer.ppo.launch import start_ray
+    from hybridrl.trainer.ppo.sections import RayInitConfig
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if ray.is_initialized():
+        ray.shutdown()
+    start_ray(1, RayInitConfig(num_cpus=3, runtime_env={"env_vars": {"H13_FLAG": "on"}}))
+    try:
+        assert ray.cluster_resources()["CPU"] == 3
+
+        @ray.remote(num_cpus=0)
+        def read_env():
+            return os.environ.get("H13_FLAG"), os.environ.get("TOKENIZERS_PARALLELISM")
+
+        assert ray.get(read_env.remote()) == ("on", "false")  # the user's and hybridrl's variables
+    finally:
+        ray.shutdown()

@@ -177,6 +177,13 @@ REFUSED: tuple[Refused, ...] = (
     ),
     Refused("reward_model.model.use_shm", False, "load the reward model from a local folder"),
     Refused(
+        "reward_model.use_reward_loop",
+        False,
+        "veRL's reward loop (asynchronous reward workers, a reward model served by a rollout engine) is not "
+        "available; rewards come from the reward manager on the driver and the RewardModelWorker (veRL's legacy "
+        "path, use_reward_loop=False)",
+    ),
+    Refused(
         "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
         1,
         "Ulysses sequence parallelism is not implemented",
