@@ -216,19 +216,49 @@ def stand_in_files(cfg, placeholder: str) -> list[str]:
     return swapped
 
 
+def blocking_key(message: str) -> str | None:
+    for pat in (
+        r"unknown config key '([^']+)'",
+        r"^([a-z_]+(?:\.[a-z_0-9]+)+)[=:]",
+        r"([a-z_]+(?:\.[a-z_0-9]+)+)=",
+    ):
+        m = re.search(pat, message)
+        if m:
+            return m.group(1)
+    return None
+
+
 def check(overrides: list[str], root: Path, placeholder: str) -> dict:
-    """hybridrl's config stage on one call: {'status': pass|fail, 'unknown': [...], 'error': str}."""
+    """hybridrl's config stage on one call: {'status': pass|fail, 'unknown': [...], 'error': str}.
+
+    On a failure the override behind it is dropped and the stage runs again, so `unknown` lists
+    every key that blocks the script (not only the first); `error` is the first message."""
     from hybridrl.trainer.ppo import config_stage
 
     cwd = os.getcwd()
     os.chdir(root)  # relative paths (custom reward files) resolve as in the script's folder
     out = {"status": "pass", "unknown": [], "error": "", "stand_in": []}
+    todo = list(overrides)
     try:
-        cfg, out["unknown"] = compose_collecting(overrides)
-        out["stand_in"] = stand_in_files(cfg, placeholder)
-        config_stage.check_startup(cfg, explicit_keys={key_of(o) for o in overrides})
-    except Exception as e:  # noqa: BLE001 - every failure is data for the report
-        out["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        for _ in range(60):
+            cfg, refused = compose_collecting(todo)
+            out["unknown"] += refused
+            out["stand_in"] = stand_in_files(cfg, placeholder)
+            try:
+                config_stage.check_startup(cfg, explicit_keys={key_of(o) for o in todo})
+                break
+            except Exception as e:  # noqa: BLE001 - every failure is data for the report
+                msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                out["error"] = out["error"] or msg
+                key = blocking_key(str(e))
+                keep = [
+                    o for o in todo if not key or not (key_of(o) == key or key_of(o).startswith(key + "."))
+                ]
+                if key is None or len(keep) == len(todo):
+                    out["unknown"].append(key or msg[:80])
+                    break
+                out["unknown"].append(key)
+                todo = keep
     finally:
         os.chdir(cwd)
     if out["unknown"] or out["error"]:
