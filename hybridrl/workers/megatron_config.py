@@ -31,7 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MEGATRON_STRATEGY", "MegatronConfig", "data_parallel_size", "validate_megatron_config"]
+__all__ = [
+    "MEGATRON_STRATEGY",
+    "MegatronConfig",
+    "check_colocated_megatron",
+    "data_parallel_size",
+    "validate_megatron_config",
+]
 
 MEGATRON_STRATEGY = "megatron"
 
@@ -68,6 +74,27 @@ def data_parallel_size(strategy: str, cfg: MegatronConfig, world: int) -> int:
         return world
     validate_megatron_config(cfg, f"(strategy={strategy})", world_size=world)
     return world // cfg.model_parallel_size
+
+
+def check_colocated_megatron(roles: dict[str, tuple[str, MegatronConfig]]) -> None:
+    """Colocated Megatron roles (one process per slot) share Megatron's process groups: refuse
+    different (tp, pp, vpp) sizes at start-up. `roles`: config key -> (strategy, megatron config)."""
+    seen: dict[tuple, str] = {}
+    for key, (strategy, cfg) in roles.items():
+        if strategy != MEGATRON_STRATEGY:
+            continue
+        sizes = (
+            cfg.tensor_model_parallel_size,
+            cfg.pipeline_model_parallel_size,
+            cfg.virtual_pipeline_model_parallel_size,
+        )
+        if seen and sizes not in seen:
+            other = next(iter(seen.values()))
+            raise ValueError(
+                f"{key}.megatron (tp, pp, vpp)={sizes} differs from {other}.megatron's {next(iter(seen))}: colocated "
+                "Megatron roles share one set of process groups; give them the same parallel sizes"
+            )
+        seen.setdefault(sizes, key)
 
 
 def _positive(key: str, name: str, value: int | None) -> None:

@@ -14,7 +14,7 @@ from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourc
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
-from hybridrl.workers.megatron_config import data_parallel_size
+from hybridrl.workers.megatron_config import check_colocated_megatron, data_parallel_size
 
 
 @dataclass
@@ -49,6 +49,15 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
     )
 
     tr, arr = config.trainer, config.actor_rollout_ref
+    check_colocated_megatron(
+        {
+            "actor_rollout_ref.actor": (arr.actor.strategy, arr.actor.megatron),
+            "actor_rollout_ref.ref": (arr.ref.strategy, arr.ref.megatron),
+            "critic": (config.critic.strategy, config.critic.megatron)
+            if algos.estimator_needs_critic(config.algorithm.adv_estimator)
+            else ("fsdp", None),
+        }
+    )
     if uses_megatron(arr.actor.strategy):  # strategy=megatron (docs/megatron.md)
         ActorRolloutRefWorker = MegatronActorRolloutRefWorker  # noqa: N806
     if uses_megatron(config.critic.strategy):
