@@ -99,7 +99,7 @@ class ActorRolloutRefWorker(Worker):
         _setup_process(self.num_threads)
         self.model_config.validate()
         model_path = resolve_model_path(self.model_config.path, "actor_rollout_ref.model.path")
-        self._declare_meshes()
+        self._declare_training_mesh()
         if self._is_actor:
             self.actor_engine = FSDPEngine.build(
                 self.model_config, self.actor_config.fsdp_config, self.actor_config.optim, role="actor"
@@ -129,24 +129,22 @@ class ActorRolloutRefWorker(Worker):
         if self._is_rollout:
             self._build_rollout(model_path)
 
-    def _declare_meshes(self) -> None:
-        """The training mesh ("actor", also used by the reference) and the rollout mesh (dp x tp)."""
-        from hybridrl.workers.rollout.parallel import rollout_mesh, training_mesh
+    def _declare_training_mesh(self) -> None:
+        """The FSDP actor's mesh ("actor", also used by the reference): every rank data-parallel."""
+        from hybridrl.workers.rollout.parallel import training_mesh
 
         self.set_mesh("actor", training_mesh(self.world_size, self.actor_config.fsdp_config.fsdp_size))
-        self.set_mesh(
-            "rollout", rollout_mesh(self.world_size, self.rollout_config.tensor_model_parallel_size)
-        )
 
     def _build_rollout(self, model_path: str) -> None:
         from hybridrl.single_controller.mesh import new_subgroups
         from hybridrl.utils.device import get_device_name
         from hybridrl.workers.engine.fsdp import load_tokenizer
         from hybridrl.workers.rollout.base import create_rollout
-        from hybridrl.workers.rollout.parallel import bind_cpu_cores, weight_loader_for
+        from hybridrl.workers.rollout.parallel import bind_cpu_cores, rollout_mesh, weight_loader_for
 
         rc = self.rollout_config
         self._weight_loader = weight_loader_for(rc.load_format, self.actor_config.strategy)
+        self.set_mesh("rollout", rollout_mesh(self.world_size, rc.tensor_model_parallel_size))  # dp x tp
         if rc.tensor_model_parallel_size > 1:
             self._tp_group = new_subgroups(self.mesh_layout("rollout"), ["tp"], self.rank)
             if get_device_name() == "cpu":  # one core set per rank: TP ranks spin in lockstep
