@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hybridrl.protocol import DataProto, DataProtoFuture
 from hybridrl.single_controller.base import Worker
 from hybridrl.single_controller.worker_group import WorkerDiedError, WorkerGroup, WorkerGroupError
+from hybridrl.utils.cpus import thread_env
 
 __all__ = [
     "RayClassWithInitArgs",
@@ -368,9 +369,12 @@ class RayWorkerGroup(WorkerGroup):
         actors, names = [], []
         # Ray sets OMP_NUM_THREADS from the actor's (fractional) CPU share unless given: give the
         # slot's thread count (a user's own OMP_NUM_THREADS wins).
+        # More than one thread also gets OMP_WAIT_POLICY=PASSIVE (hybridrl.utils.cpus.thread_env).
         threads = str(user_env_vars.get("OMP_NUM_THREADS", pool.num_threads))
+        omp_env = {k: v for k, v in thread_env(int(threads)).items() if k not in user_env_vars}
         for rank, slot in enumerate(slots):
             env_vars = {
+                **omp_env,
                 **user_env_vars,
                 "OMP_NUM_THREADS": threads,
                 "HYBRIDRL_NUM_THREADS": threads,
@@ -434,6 +438,13 @@ class RayWorkerGroup(WorkerGroup):
                 f"worker group {self._name!r}: {self._cls.__name__} has no method {method!r}"
             ) from None
         return remote_method.remote(*args, **kwargs)
+
+    def _query_mesh(self, mesh: str) -> list[Any]:
+        role = getattr(self, "_prefix", "")[:-1] or None
+        refs = [a._hybridrl_mesh_info.remote(mesh, role) for a in self._actors]
+        return gather_refs(
+            refs, group=self._name, method="_hybridrl_mesh_info", ranks=list(range(self._world_size))
+        )
 
     def _share_args(self, rank_args: list[tuple], rank_kwargs: list[dict[str, Any]]) -> tuple[list, list]:
         """Put a DataProto / tensor / array that goes to several ranks into the object store once.
@@ -513,7 +524,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def _role_view(self, role: str, role_cls: type) -> RayWorkerGroup:
         view = object.__new__(type(self))
-        WorkerGroup.__init__(view, f"{self._name}/{role}", self._world_size)
+        WorkerGroup.__init__(view, f"{self._name}/{role}", self._world_size)  # own mesh cache per role
         view._cls, view._pool, view._actors, view._worker_names = (
             role_cls,
             self._pool,

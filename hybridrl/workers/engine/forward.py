@@ -9,11 +9,26 @@ With `use_remove_padding` the valid tokens are packed into one row (see
 `hybridrl.utils.torch_utils.pack_sequences`) and the per-token results are scattered back to
 (B, S) before the same slice; padded positions then read 0.
 
-Shapes: B batch, P prompt length, T response length, S = P + T, V vocabulary.
+Only what the loss needs is computed: the model's head (lm_head, or the critic's value head)
+is swapped for the duration of the forward by one that first selects the response-predicting
+positions of the last hidden states and then runs the projection there; for log-probs the
+projection, log-softmax, gather and entropy run through `lm_head.linear_log_probs`, a chunk of
+positions at a time, so the (B, S, V) logits never exist. This applies when the model's forward
+passes the head's output through untouched (`head_is_swappable`: Qwen2, Llama, Mistral, ...);
+models that post-process logits (soft-capping, scaling) take the plain path.
+
+Shapes: B batch, P prompt length, T response length, S = P + T, V vocabulary, H hidden size,
+K valid response tokens.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import functools
+import inspect
+import textwrap
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,11 +42,14 @@ from hybridrl.utils.torch_utils import (
     transformers_detects_packed_sequences,
     unpack_sequences,
 )
+from hybridrl.workers.engine.lm_head import linear_log_probs
 
 _DETECTS_PACKING = transformers_detects_packed_sequences()
 
 
-def _run(module: nn.Module, batch: Any, use_remove_padding: bool) -> tuple[Any, PackedBatch | None]:
+def _run(
+    module: nn.Module, batch: Any, use_remove_padding: bool, packed: PackedBatch | None = None
+) -> tuple[Any, PackedBatch | None]:
     """Forward on the padded batch, or on its packed valid tokens; returns (HF output, packing)."""
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     if not use_remove_padding:
@@ -40,13 +58,132 @@ def _run(module: nn.Module, batch: Any, use_remove_padding: bool) -> tuple[Any, 
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
         return out, None
-    packed = pack_sequences(input_ids, attention_mask)
+    packed = packed or pack_sequences(input_ids, attention_mask)
     kwargs: dict[str, Any] = {}
     if not _DETECTS_PACKING:
         dtype = next(module.parameters()).dtype
         kwargs["attention_mask"] = block_causal_mask(packed.seq_lens, dtype, input_ids.device)
     out = module(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **kwargs)
     return out, packed
+
+
+# ----------------------------------------------------------------------------------------------
+# swapping the head: compute it only at the response-predicting positions
+# ----------------------------------------------------------------------------------------------
+@functools.cache
+def _untouched_head_name(cls: type) -> str | None:
+    """Name of the head whose output `cls.forward` returns as logits unchanged, else None.
+
+    Read from the forward's syntax tree: exactly one assignment to `logits`, and it is
+    `logits = self.<head>(...)` (no soft-capping, scaling or upcast afterwards).
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    assigns = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        if any(isinstance(n, ast.Name) and n.id == "logits" for t in targets for n in ast.walk(t)):
+            assigns.append(node)
+    if len(assigns) != 1 or not isinstance(assigns[0], ast.Assign):
+        return None
+    call = assigns[0].value
+    func = call.func if isinstance(call, ast.Call) else None
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
+        return func.attr
+    return None
+
+
+def head_is_swappable(module: nn.Module) -> nn.Linear | None:
+    """The model's output head (an nn.Linear) when its forward returns the head output untouched.
+
+    `module` may be a PEFT model (its base model is inspected) or FSDP-wrapped. None: the model
+    post-processes its logits or its head is not a plain linear layer (e.g. a LoRA-wrapped
+    lm_head); callers then take the plain path.
+    """
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    name = _untouched_head_name(type(base))
+    head = getattr(base, name, None) if name else None
+    return head if type(head) is nn.Linear else None
+
+
+@contextlib.contextmanager
+def _head_replaced(head: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Run `fn(hidden)` instead of `head.forward` inside the block."""
+    head.forward = fn
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def response_positions(packed: PackedBatch, attention_mask: torch.Tensor, t: int):
+    """Where the valid response tokens are predicted in a packed row.
+
+    Args:
+        packed: the packing of the (B, S) batch.
+        attention_mask: (B, S); its last T columns mark the valid response tokens.
+        t: response length T.
+
+    Returns:
+        pred (K,) positions in the packed row that predict the K valid response tokens, and
+        flat (K,) their indices in the flattened (B, T) response layout.
+    """
+    b, s = packed.batch_size, packed.seqlen
+    nnz = packed.indices.numel()
+    where = torch.full((b * s,), -1, dtype=torch.long, device=packed.indices.device)
+    where[packed.indices] = torch.arange(nnz, device=where.device)
+    pred = where.view(b, s)[:, -t - 1 : -1]
+    valid = attention_mask[:, -t:].bool() & (pred >= 0)
+    flat = valid.reshape(-1).nonzero().squeeze(-1)
+    return pred.reshape(-1)[flat], flat
+
+
+def _selector(batch: Any, packed: PackedBatch | None, t: int):
+    """(select, scatter): hidden (B, S, H) / (1, nnz, H) -> (N, H) rows; (N, ...) -> (B, T, ...)."""
+    b = batch["responses"].shape[0]
+    if packed is None:  # every response position, as the plain path
+
+        def select(h: torch.Tensor) -> torch.Tensor:
+            return h[:, -t - 1 : -1].reshape(b * t, h.shape[-1])
+
+        return select, (lambda v: v.reshape(b, t, *v.shape[1:])), batch["responses"].reshape(-1)
+    pred, flat = response_positions(packed, batch["attention_mask"], t)
+
+    def scatter(v: torch.Tensor) -> torch.Tensor:
+        out = v.new_zeros((b * t, *v.shape[1:])).index_put((flat,), v)
+        return out.view(b, t, *v.shape[1:])
+
+    return (lambda h: h[0, pred]), scatter, batch["responses"].reshape(-1)[flat]
+
+
+def _fused_log_probs(module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad):
+    t = batch["responses"].shape[-1]
+    packed = pack_sequences(batch["input_ids"], batch["attention_mask"]) if use_remove_padding else None
+    select, scatter, labels = _selector(batch, packed, t)
+
+    def head_fn(h: torch.Tensor) -> torch.Tensor:
+        lp, ent = linear_log_probs(
+            select(h),
+            head.weight,
+            labels,
+            bias=head.bias,
+            temperature=temperature,
+            calculate_entropy=calculate_entropy,
+            entropy_grad=entropy_grad and torch.is_grad_enabled(),
+        )
+        return torch.stack([lp, ent], dim=-1) if ent is not None else lp[:, None]
+
+    with _head_replaced(head, head_fn):
+        out, _ = _run(module, batch, use_remove_padding, packed)
+    res = scatter(out.logits)  # (B, T, 1 or 2)
+    return res[..., 0], (res[..., 1] if calculate_entropy else None)
 
 
 def forward_log_probs(
@@ -58,6 +195,7 @@ def forward_log_probs(
     calculate_entropy: bool = False,
     entropy_chunk_size: int | None = None,
     entropy_grad: bool = True,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of the response tokens under `module`, logits / temperature.
 
@@ -65,8 +203,11 @@ def forward_log_probs(
         batch: TensorDict with input_ids (B, S), attention_mask (B, S), position_ids (B, S),
             responses (B, T).
         temperature: the rollout's sampling temperature (> 0).
-        entropy_chunk_size: compute the entropy this many positions at a time (bounds memory).
+        entropy_chunk_size: plain path only: the entropy this many positions at a time.
         entropy_grad: False computes the entropy without a graph (a metric, not part of a loss).
+        fused: compute the head only at the response positions, chunked (see the module
+            docstring); False, or a model whose head cannot be swapped, takes the plain path
+            (full logits, then the slice).
 
     Returns:
         log_probs (B, T) float32; entropy (B, T) float32 or None. Values at padded response
@@ -74,6 +215,11 @@ def forward_log_probs(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
+    head = head_is_swappable(module) if fused else None
+    if head is not None:
+        return _fused_log_probs(
+            module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad
+        )
     responses = batch["responses"]
     t = responses.shape[-1]
     out, packed = _run(module, batch, use_remove_padding)
@@ -98,17 +244,32 @@ def forward_log_probs(
     return log_probs, entropy
 
 
-def forward_values(module: nn.Module, batch: Any, *, use_remove_padding: bool = False) -> torch.Tensor:
+def forward_values(
+    module: nn.Module, batch: Any, *, use_remove_padding: bool = False, fused: bool = True
+) -> torch.Tensor:
     """Values of a token-classification critic (num_labels=1) at the response-predicting positions.
 
     Args:
         batch: TensorDict with input_ids (B, S), attention_mask (B, S), position_ids (B, S),
             responses (B, T).
+        fused: run the value head only at the response-predicting positions (when the model's
+            head can be swapped, see `head_is_swappable`); False: on every position, then slice.
 
     Returns:
         (B, T) float32: the value of the state before each response token.
     """
     t = batch["responses"].shape[-1]
+    head = head_is_swappable(module) if fused else None
+    if head is not None:
+        packed = pack_sequences(batch["input_ids"], batch["attention_mask"]) if use_remove_padding else None
+        select, scatter, _ = _selector(batch, packed, t)
+        if head.out_features != 1:
+            raise ValueError(
+                f"the critic must output one value per token (num_labels=1), got {head.out_features}"
+            )
+        with _head_replaced(head, lambda h: nn.functional.linear(select(h), head.weight, head.bias)):
+            out, _ = _run(module, batch, use_remove_padding, packed)
+        return scatter(out.logits)[..., 0].float()
     out, packed = _run(module, batch, use_remove_padding)
     logits = out.logits
     if logits.shape[-1] != 1:

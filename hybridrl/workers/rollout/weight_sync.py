@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["iter_buckets", "sync_weights", "tensor_nbytes"]
+__all__ = ["iter_buckets", "per_rank_sync_metrics", "sync_weights", "tensor_nbytes"]
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -96,3 +96,38 @@ def sync_weights(
         "weight_sync/max_bucket_bytes": float(stats["max_bucket_bytes"]),
         "weight_sync/gbytes_per_s": stats["bytes"] / max(elapsed, 1e-9) / 1e9,
     }
+
+
+def per_rank_sync_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Every rank's bytes and seconds of one sync, as min / max over the world (a collective on
+    the default group; {} without torch.distributed). With rollout TP each rank still receives
+    the full tensors and its engine keeps its slice, so the bytes are equal on every rank; the
+    seconds show the slowest rank the others wait for."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or not metrics:
+        return {}
+    mine = torch.tensor(
+        [metrics["weight_sync/bytes"], metrics["timing_s/update_weights"]], dtype=torch.float64
+    )
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    table = torch.stack(rows)
+    return {
+        "weight_sync/bytes_per_rank/min": float(table[:, 0].min()),
+        "weight_sync/bytes_per_rank/max": float(table[:, 0].max()),
+        "weight_sync/seconds_per_rank/min": float(table[:, 1].min()),
+        "weight_sync/seconds_per_rank/max": float(table[:, 1].max()),
+    }
+
+
+def weight_sync_step_metrics(rollout_metrics: dict[str, Any]) -> dict[str, float]:
+    """The `weight_sync/*` entries of a rollout output's meta_info["metrics"] (merged over the
+    collecting ranks into lists) as one number each: the max over ranks (bytes are equal on
+    every rank; for seconds the slowest rank is what the step waits for)."""
+    out = {}
+    for key, value in rollout_metrics.items():
+        if key.startswith("weight_sync/"):
+            values = value if isinstance(value, (list, tuple)) else [value]
+            out[key] = float(max(values))
+    return out

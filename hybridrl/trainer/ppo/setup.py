@@ -9,15 +9,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridrl.trainer.ppo_config import PPOConfig
-from hybridrl.trainer.ppo_trainer import RayPPOTrainer
+from hybridrl.data.builtin_task import ensure_builtin_data
+from hybridrl.data.rl_dataset import RLDataConfig, collate_fn, create_rl_dataset
+from hybridrl.data.sampler import ResumableSampler, RLDataLoader
+from hybridrl.models.builtin import resolve_model_path
+from hybridrl.trainer.ppo.config import PPOConfig
+from hybridrl.trainer.ppo.trainer import RayPPOTrainer
+from hybridrl.trainer.ppo.workers import start_workers
+from hybridrl.utils.flops import get_peak_flops
+from hybridrl.utils.torch_utils import str_to_dtype
+from hybridrl.utils.tracking import Tracking
+from hybridrl.workers.engine.fsdp import load_tokenizer
+from hybridrl.workers.reward.custom import load_custom_reward_fn
+from hybridrl.workers.reward.manager import load_reward_manager
 
 
 def resolve_builtin(config: PPOConfig) -> None:
     """Point unset data files at the built-in task and `builtin:*` model paths at the shipped model."""
-    from hybridrl.data.builtin_task import ensure_builtin_data
-    from hybridrl.models.builtin import resolve_model_path
-
     d = config.data
     if d.train_files is None or d.val_files is None:
         paths = ensure_builtin_data(d.builtin_data_dir)
@@ -44,8 +52,6 @@ def total_steps(config: PPOConfig, steps_per_epoch: int) -> int:
 
 
 def build_datasets(config: PPOConfig, tokenizer):
-    from hybridrl.data.rl_dataset import RLDataConfig, collate_fn, create_rl_dataset
-    from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 
     d = config.data
     raw = {f.name: getattr(d, f.name) for f in dataclasses.fields(d)}
@@ -99,8 +105,6 @@ class _OneEpoch:
 
 
 def build_reward_fns(config: PPOConfig, tokenizer):
-    from hybridrl.workers.reward.custom import load_custom_reward_fn
-    from hybridrl.workers.reward.manager import load_reward_manager
 
     crf = config.custom_reward_function
     compute_score = load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs)) if crf.path else None
@@ -143,9 +147,6 @@ def prepare_run(config: PPOConfig) -> RunParts:
     of a run, shared by the synchronous and the asynchronous trainer (workers start after it)."""
     import random
 
-    from hybridrl.utils.tracking import Tracking
-    from hybridrl.workers.engine.fsdp import load_tokenizer
-
     resolve_builtin(config)
     seed = config.trainer.seed
     random.seed(seed)
@@ -170,7 +171,6 @@ def prepare_run(config: PPOConfig) -> RunParts:
 
 def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     """Everything a run needs, in order; workers start last (they are the slow part)."""
-    from hybridrl.trainer.workers_setup import start_workers
 
     run = prepare_run(config)
     peak = _peak_flops(config)
@@ -190,8 +190,6 @@ def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
 
 
 def _peak_flops(config: PPOConfig) -> float | None:
-    from hybridrl.utils.flops import get_peak_flops
-    from hybridrl.utils.torch_utils import str_to_dtype
 
     mp = config.actor_rollout_ref.actor.fsdp_config
     dtype = (

@@ -9,14 +9,13 @@ error is one line naming the key and the fix.
 
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass, field
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf import DictConfig
 
-from hybridrl.trainer.sections import (
+from hybridrl import algos
+from hybridrl.trainer.ppo.sections import (
     AlgorithmConfig,
     AsyncTrainingConfig,
     CustomRewardFunctionConfig,
@@ -24,6 +23,7 @@ from hybridrl.trainer.sections import (
     RewardManagerKwargs,
     TrainerConfig,
 )
+from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.workers.megatron_config import data_parallel_size
 from hybridrl.workers.rollout.config import RolloutConfig
@@ -51,39 +51,12 @@ class PPOConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
 
-class ConfigError(ValueError):
-    """A config problem found at start-up; the message names the key and the fix."""
+PPO_KEYS_DOC = "hybridrl/trainer/config/ppo_trainer.yaml"
 
 
-def _all_keys(node, prefix: str = "") -> list[str]:
-    out = []
-    for k in node:
-        full = f"{prefix}{k}"
-        out.append(full)
-        v = node[k] if not OmegaConf.is_missing(node, k) else None
-        if isinstance(v, DictConfig):
-            out.extend(_all_keys(v, full + "."))
-    return out
-
-
-def load_config(cfg: DictConfig | dict | None = None) -> PPOConfig:
+def load_config(cfg: DictConfig | dict | list[str] | None = None) -> PPOConfig:
     """Merge `cfg` onto the schema, resolve it and validate it; returns a typed `PPOConfig`."""
-    schema = OmegaConf.structured(PPOConfig)
-    user = OmegaConf.create(cfg or {})
-    try:
-        merged = OmegaConf.merge(schema, user)
-    except (ConfigKeyError, ConfigAttributeError) as e:
-        key = getattr(e, "full_key", None) or str(e)
-        known = _all_keys(schema)
-        close = difflib.get_close_matches(str(key), known, n=3)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ConfigError(
-            f"unknown config key '{key}'.{hint} See hybridrl/trainer/config/ppo_trainer.yaml for every key."
-        ) from None
-    except ValidationError as e:
-        raise ConfigError(f"bad value for config key '{getattr(e, 'full_key', '?')}': {e.msg}") from None
-    OmegaConf.resolve(merged)
-    config: PPOConfig = OmegaConf.to_object(merged)
+    config: PPOConfig = load_structured(PPOConfig, cfg, PPO_KEYS_DOC)
     derive_config(config)
     validate_config(config)
     return config
@@ -96,6 +69,18 @@ def derive_config(config: PPOConfig) -> None:
         rollout.prompt_length = config.data.max_prompt_length
     if rollout.response_length is None or rollout.response_length <= 0:
         rollout.response_length = config.data.max_response_length
+    config.trainer.cpus_per_worker = _cpus_per_worker(config.trainer)
+
+
+def _cpus_per_worker(tr) -> int:
+    """`trainer.cpus_per_worker` as a number: 'auto' shares this machine's CPUs among a node's slots
+    (with RAY_ADDRESS the driver's machine stands for every node: set the number on mixed clusters)."""
+    from hybridrl.utils.cpus import resolve_cpus_per_worker
+
+    try:
+        return resolve_cpus_per_worker(tr.cpus_per_worker, slots=max(1, tr.n_gpus_per_node))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def n_slots(config: PPOConfig) -> int:
@@ -104,8 +89,6 @@ def n_slots(config: PPOConfig) -> int:
 
 def validate_config(config: PPOConfig) -> None:
     """Check the config as a whole; raise ConfigError naming the key and the fix."""
-    from hybridrl import algos
-
     d, arr, algo, tr = config.data, config.actor_rollout_ref, config.algorithm, config.trainer
     world = n_slots(config)
     if world < 1:
@@ -161,8 +144,7 @@ def validate_config(config: PPOConfig) -> None:
             "[hybridrl] warning: both algorithm.use_kl_in_reward and actor.use_kl_loss are on (KL counted twice)"
         )
     _check_choice("actor_rollout_ref.rollout.name", arr.rollout.name, ["hf", "vllm", "sglang"])
-    if arr.rollout.response_length > 0 and arr.rollout.response_length != d.max_response_length:
-        pass  # rollout.response_length may be set on its own; data.max_response_length is the default.
+    _validate_rollout_parallel(config, world)
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         for f in _as_list(files):
             if not os.path.exists(os.path.expanduser(str(f))):
@@ -182,6 +164,26 @@ def validate_config(config: PPOConfig) -> None:
     fg = algo.filter_groups
     if fg.enable and n < 2:
         raise ConfigError("algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2")
+
+
+def _validate_rollout_parallel(config: PPOConfig, world: int) -> None:
+    """Rollout TP divides the ranks and the model's heads, the engine supports it, load_format fits
+    the actor's strategy (hybridrl.workers.rollout.parallel)."""
+    from hybridrl.workers.rollout.parallel import check_rollout_parallel_config
+
+    arr = config.actor_rollout_ref
+    try:
+        check_rollout_parallel_config(
+            tp=arr.rollout.tensor_model_parallel_size,
+            world_size=world,
+            engine=arr.rollout.name,
+            load_format=arr.rollout.load_format,
+            strategy=arr.actor.strategy,
+            model_path=arr.model.path,
+            trust_remote_code=arr.model.trust_remote_code,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_critic(config: PPOConfig, world: int) -> None:

@@ -29,9 +29,10 @@ from hybridrl.single_controller.ray.base import (
     gather_refs,
 )
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
-from hybridrl.trainer.async_config import AsyncPPOConfig, n_rollout_workers
-from hybridrl.trainer.ppo_trainer import RayPPOTrainer, _attach_extra
-from hybridrl.trainer.workers_setup import WorkerGroups
+from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_workers
+from hybridrl.trainer.ppo.setup import prepare_run
+from hybridrl.trainer.ppo.trainer import RayPPOTrainer, attach_reward_extra
+from hybridrl.trainer.ppo.workers import WorkerGroups
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.utils.metrics import timer
 from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
@@ -293,14 +294,14 @@ class AsyncPPOTrainer(RayPPOTrainer):
         batch.meta_info["global_steps"] = self.global_steps
         if "token_level_scores" not in batch.batch.keys():  # not scored by _score_chunk
             batch, extra = self._compute_reward(batch, timing)
-            _attach_extra(batch, extra)
+            attach_reward_extra(batch, extra)
         return batch
 
     def _score_chunk(self, chunk: DataProto) -> DataProto:
         """Score one finished chunk (the manager's background thread): token_level_scores and the
         reward function's extra columns, as `_compute_reward` does for a whole batch."""
         chunk, extra = self._compute_reward(chunk, {})
-        _attach_extra(chunk, extra)
+        attach_reward_extra(chunk, extra)
         return chunk
 
     def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
@@ -328,8 +329,6 @@ class AsyncPPOTrainer(RayPPOTrainer):
 # ---------------------------------------------------------------------------------------- build
 def build_async_trainer(config: AsyncPPOConfig) -> AsyncPPOTrainer:
     """Tokenizer, data, rewards, tracker, the two worker pools and the trainer (workers last)."""
-    from hybridrl.trainer.setup import prepare_run
-
     run = prepare_run(config)
     workers = start_async_workers(config)
     print(

@@ -117,7 +117,7 @@ class TrainerConfig:
     validation_data_dir: str | None = None
     nnodes: int = 1
     n_gpus_per_node: int = 1
-    cpus_per_worker: int = 1  # CPU cores per device slot on CPU-only machines
+    cpus_per_worker: Any = "auto"  # CPU cores per slot on CPU-only machines; auto: hybridrl.utils.cpus
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = True
@@ -143,7 +143,7 @@ class TrainerConfig:
 class AsyncTrainingConfig:
     """`async_training`: the asynchronous (AReaL-style) mode, read by `main_async` only.
 
-    Every key is explained in `hybridrl/trainer/async_config.py` and docs/async.md; `main_ppo`
+    Every key is explained in `hybridrl/trainer/async_ppo/config.py` and docs/async.md; `main_ppo`
     (synchronous) ignores the section.
     """
 

@@ -21,9 +21,9 @@ import torch
 
 from hybridrl import algos
 from hybridrl.protocol import DataProto
-from hybridrl.trainer import checkpointing
-from hybridrl.trainer.padding import trim_left_padding, trim_right_padding
-from hybridrl.trainer.workers_setup import WorkerGroups
+from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
+from hybridrl.trainer.ppo.workers import WorkerGroups
+from hybridrl.utils import checkpointing
 from hybridrl.utils.metrics import (
     compute_data_metrics,
     compute_throughout_metrics,
@@ -33,6 +33,7 @@ from hybridrl.utils.metrics import (
     timer,
 )
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from hybridrl.workers.rollout.weight_sync import weight_sync_step_metrics
 
 
 def old_log_prob_is_redundant(config: Any) -> bool:
@@ -58,9 +59,9 @@ class RayPPOTrainer:
     """Holds the PPO loop; the workers hold the models.
 
     Args:
-        config: the validated, typed config tree (`hybridrl.trainer.ppo_config.PPOConfig`).
+        config: the validated, typed config tree (`hybridrl.trainer.ppo.config.PPOConfig`).
         tokenizer: the policy tokenizer (decoding for rewards and logs).
-        workers: the started worker groups (`hybridrl.trainer.workers_setup.start_workers`).
+        workers: the started worker groups (`hybridrl.trainer.ppo.workers.start_workers`).
         train_loader: resumable loader of prompt batches (`hybridrl.data.RLDataLoader`).
         val_loader: loader over the validation set, or None.
         reward_fn: reward manager for training batches.
@@ -171,6 +172,7 @@ class RayPPOTrainer:
         with timer("gen", timing):
             out = self.workers.actor_rollout.generate_sequences(gen_in)
         timing.update(out.meta_info.pop("timing", {}))
+        self._sync_metrics = weight_sync_step_metrics(out.meta_info.get("metrics", {}))
         batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
         batch = batch.union(out)
         if self.config.algorithm.adv_estimator == "remax":
@@ -215,7 +217,7 @@ class RayPPOTrainer:
         fg = self.config.algorithm.filter_groups
         if not fg.enable:
             batch, extra = self._compute_reward(self._generate(self._next_prompt_batch(), timing), timing)
-            _attach_extra(batch, extra)
+            attach_reward_extra(batch, extra)
             return batch
         want = self.config.data.train_batch_size
         kept: list[DataProto] = []
@@ -230,7 +232,7 @@ class RayPPOTrainer:
                     "or disable algorithm.filter_groups.enable."
                 )
             batch, extra = self._compute_reward(self._generate(self._next_prompt_batch(), timing), timing)
-            _attach_extra(batch, extra)
+            attach_reward_extra(batch, extra)
             metric = _group_metric(batch, fg.metric)
             keep = algos.filter_groups_by_metric(batch.non_tensor_batch["uid"], metric)
             batch = batch.select_idxs(keep)
@@ -471,6 +473,8 @@ class RayPPOTrainer:
         )
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, self.workers.actor_rollout.world_size))
+        metrics.update(getattr(self, "_sync_metrics", {}))  # the step's weight sync, per-rank min / max
+        self._sync_metrics = {}
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch
         clean = {
@@ -495,7 +499,8 @@ class RayPPOTrainer:
 
 
 # ---------------------------------------------------------------- helpers
-def _attach_extra(batch: DataProto, extra: dict[str, list]) -> None:
+def attach_reward_extra(batch: DataProto, extra: dict[str, list]) -> None:
+    """Store the reward function's per-row extras (lists of len(batch)) as object columns of `batch`."""
     for k, v in extra.items():
         if len(v) == len(batch):
             batch.non_tensor_batch[k] = np.array(v, dtype=object)

@@ -1,0 +1,140 @@
+"""Log-probs and entropy through the vocabulary projection, a chunk of positions at a time.
+
+`linear_log_probs(hidden, weight, labels)` equals
+
+    logits = (hidden @ weight.T + bias).float() / temperature          # (N, V)
+    log_probs = log_softmax(logits)[labels];  entropy = H(softmax(logits))
+
+but never holds more than one chunk of logits: the forward keeps only the per-position
+log-sum-exp, and the backward recomputes each chunk's logits from `hidden` and `weight` (the
+memory of the head is O(chunk_rows x V) instead of O(N x V), at the price of one more chunk
+matmul in the backward). The matmul runs in the dtype of `hidden` / `weight` (bf16 under FSDP
+mixed precision) and everything after it in float32, exactly as the plain path does; the weight
+gradient is accumulated over chunks in float32 and cast to the weight's dtype once.
+
+Shapes: N positions (only the response-predicting ones: the caller slices them before the head),
+H hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Budget of one chunk's float32 logits; the backward holds ~3 tensors of this size at once.
+CHUNK_BYTES = 64 * 2**20
+
+
+def default_chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Positions per chunk so that one (chunk, V) float32 tensor fits in `chunk_bytes` (>= 16)."""
+    return max(16, chunk_bytes // (4 * max(1, vocab_size)))
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
+    """(c, H) hidden -> (c, V) float32 logits / temperature (the matmul in the inputs' dtype)."""
+    return F.linear(h, weight, bias).float() / temperature
+
+
+class _ChunkedLinearLogProbs(torch.autograd.Function):
+    """Autograd function behind `linear_log_probs` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_rows, with_entropy, entropy_grad):
+        n = hidden.shape[0]
+        log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        for lo in range(0, n, chunk_rows):
+            hi = min(n, lo + chunk_rows)
+            z = _chunk_logits(hidden[lo:hi], weight, bias, temperature)
+            lse_c = torch.logsumexp(z, dim=-1)
+            lse[lo:hi] = lse_c
+            log_probs[lo:hi] = z.gather(1, labels[lo:hi, None])[:, 0] - lse_c
+            if with_entropy:  # -sum p log p (no cancellation for peaked distributions)
+                logp_all = z - lse_c[:, None]
+                entropy[lo:hi] = -(torch.exp(logp_all) * logp_all).sum(dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.entropy_grad = with_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if not ctx.entropy_grad:
+            g_ent = None
+        if g_logp is None and g_ent is None:
+            return (None,) * 8
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        t, n = ctx.temperature, hidden.shape[0]
+        for lo in range(0, n, ctx.chunk_rows):
+            hi = min(n, lo + ctx.chunk_rows)
+            h = hidden[lo:hi]
+            z = _chunk_logits(h, weight, bias, t)
+            logp_all = z - lse[lo:hi, None]
+            p = torch.exp(logp_all)
+            gz = torch.zeros_like(z)
+            if g_logp is not None:  # d log p(label) / dz = onehot(label) - p
+                g = g_logp[lo:hi, None].float()
+                gz = gz - p * g
+                gz.scatter_add_(1, labels[lo:hi, None], g)
+            if g_ent is not None:  # dH / dz = -p * (log p + H)
+                gz = gz - p * (logp_all + entropy[lo:hi, None]) * g_ent[lo:hi, None].float()
+            gz = (gz / t).to(weight.dtype)
+            if need_h:
+                grad_h[lo:hi] = gz @ weight
+            if need_w:
+                grad_w += (gz.t() @ h).float()
+            if need_b:
+                grad_b += gz.float().sum(dim=0)
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    entropy_grad: bool = True,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax((hidden @ weight.T + bias) / temperature)[labels] (and the entropy), chunked.
+
+    Args:
+        hidden: (N, H) hidden states of the positions that predict `labels`.
+        weight: (V, H) the output projection (lm_head / tied embedding).
+        labels: (N,) integer token ids.
+        bias: (V,) or None.
+        temperature: > 0; the logits are divided by it (the rollout's sampling temperature).
+        calculate_entropy: also return the entropy of each position's distribution.
+        entropy_grad: False returns the entropy without a gradient (a metric, not in the loss).
+        chunk_rows: positions per chunk (default: `default_chunk_rows(V)`).
+
+    Returns:
+        log_probs (N,) float32; entropy (N,) float32 or None. Differentiable w.r.t. hidden,
+        weight and bias; the backward recomputes one chunk of logits at a time.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be (N, H) and weight (V, H), got {tuple(hidden.shape)}, {tuple(weight.shape)}"
+        )
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels must be (N,) = ({hidden.shape[0]},), got {tuple(labels.shape)}")
+    rows = chunk_rows or default_chunk_rows(weight.shape[0])
+    log_probs, entropy = _ChunkedLinearLogProbs.apply(
+        hidden, weight, bias, labels.long(), float(temperature), int(rows), calculate_entropy, entropy_grad
+    )
+    return log_probs, (entropy if calculate_entropy else None)
