@@ -85,6 +85,7 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
                 dp_size=data_parallel_size(arr.actor.strategy, arr.actor.megatron, world),
             ),
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
     }
@@ -98,6 +99,7 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
                 rollout_n=n,
             ),
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
     if config.reward_model.enable:
@@ -106,6 +108,7 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
             config=config.reward_model,
             policy_tokenizer_path=arr.model.path,
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
         )
     group = RayWorkerGroup(pool, create_colocated_worker_cls(classes), name_prefix="hybridrl")
     views = group.spawn(list(classes))
