@@ -24,6 +24,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import Worker, register
 from hybridrl.single_controller.dispatch import Dispatch, make_mesh_dispatch
 from hybridrl.utils.device import init_process_group
+from hybridrl.workers.agent.runner import AgentLoopRunner, uses_agent_loops
 from hybridrl.workers.config import (
     ActorConfig,
     CriticConfig,
@@ -94,6 +95,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         self.actor_engine = self.actor = self.ref_engine = self.ref_policy = self.rollout = None
         self._weights_stale = True
         self._lora_self_ref = False
+        self._agent_runner = None
         self._tp_group = None
 
     # ------------------------------------------------------------------ build
@@ -207,7 +209,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
                 self._tp_group,
                 "generate_sequences",
             )
-        out = self.rollout.generate_sequences(prompts)
+        out = self._rollout_generate(prompts)
         out.meta_info.setdefault("metrics", {}).update(
             {k: v for k, v in sync.items() if k.startswith("weight_sync/")}
         )
@@ -216,6 +218,14 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         timing["generate_sequences_worker"] = time.perf_counter() - t0
         out.meta_info["timing"] = timing
         return out
+
+    def _rollout_generate(self, prompts: DataProto) -> DataProto:
+        """Plain single-turn generation, or the agent loops (multi_turn / agent_name rows)."""
+        if not uses_agent_loops(self.rollout_config, prompts):
+            return self.rollout.generate_sequences(prompts)
+        if self._agent_runner is None:
+            self._agent_runner = AgentLoopRunner(self.rollout, self.rollout_config, self.rollout.tokenizer)
+        return self._agent_runner.generate_sequences(prompts)
 
     # ------------------------------------------------------------- log-probs
     @register(dispatch_mode=ON_ACTOR_MESH)

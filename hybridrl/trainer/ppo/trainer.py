@@ -36,6 +36,7 @@ from hybridrl.utils.metrics import (
     timer,
 )
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from hybridrl.workers.agent.runner import agent_step_metrics
 from hybridrl.workers.rollout.weight_sync import weight_sync_step_metrics
 
 
@@ -491,6 +492,7 @@ class RayPPOTrainer:
                 max_response_length=d.max_response_length,
             )
         )
+        metrics.update(agent_step_metrics(batch))
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, self.workers.actor_rollout.world_size))
         metrics.update(getattr(self, "_sync_metrics", {}))  # the step's weight sync, per-rank min / max
