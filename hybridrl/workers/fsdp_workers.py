@@ -24,6 +24,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import Worker, register
 from hybridrl.single_controller.dispatch import Dispatch, make_mesh_dispatch
 from hybridrl.utils.device import init_process_group
+from hybridrl.workers.agent.runner import AgentLoopRunner, uses_agent_loops
 from hybridrl.workers.config import (
     ActorConfig,
     CriticConfig,
@@ -94,6 +95,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         self.actor_engine = self.actor = self.ref_engine = self.ref_policy = self.rollout = None
         self._weights_stale = True
         self._lora_self_ref = False
+        self._agent_runner = None
         self._tp_group = None
 
     # ------------------------------------------------------------------ build
@@ -106,7 +108,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         _setup_process(self.num_threads, self.pg_timeout_s)
         self.model_config.validate()
         model_path = resolve_model_path(self.model_config.path, "actor_rollout_ref.model.path")
-        self._declare_meshes()
+        self._declare_training_mesh()
         if self._is_actor:
             self.actor_engine = FSDPEngine.build(
                 self.model_config, self.actor_config.fsdp_config, self.actor_config.optim, role="actor"
@@ -136,24 +138,22 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         if self._is_rollout:
             self._build_rollout(model_path)
 
-    def _declare_meshes(self) -> None:
-        """The training mesh ("actor", also used by the reference) and the rollout mesh (dp x tp)."""
-        from hybridrl.workers.rollout.parallel import rollout_mesh, training_mesh
+    def _declare_training_mesh(self) -> None:
+        """The FSDP actor's mesh ("actor", also used by the reference): every rank data-parallel."""
+        from hybridrl.workers.rollout.parallel import training_mesh
 
         self.set_mesh("actor", training_mesh(self.world_size, self.actor_config.fsdp_config.fsdp_size))
-        self.set_mesh(
-            "rollout", rollout_mesh(self.world_size, self.rollout_config.tensor_model_parallel_size)
-        )
 
     def _build_rollout(self, model_path: str) -> None:
         from hybridrl.single_controller.mesh import new_subgroups
         from hybridrl.utils.device import get_device_name
         from hybridrl.workers.engine.fsdp import load_tokenizer
         from hybridrl.workers.rollout.base import create_rollout
-        from hybridrl.workers.rollout.parallel import bind_cpu_cores, weight_loader_for
+        from hybridrl.workers.rollout.parallel import bind_cpu_cores, rollout_mesh, weight_loader_for
 
         rc = self.rollout_config
         self._weight_loader = weight_loader_for(rc.load_format, self.actor_config.strategy)
+        self.set_mesh("rollout", rollout_mesh(self.world_size, rc.tensor_model_parallel_size))  # dp x tp
         if rc.tensor_model_parallel_size > 1:
             self._tp_group = new_subgroups(self.mesh_layout("rollout"), ["tp"], self.rank)
             if get_device_name() == "cpu":  # one core set per rank: TP ranks spin in lockstep
@@ -209,7 +209,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
                 self._tp_group,
                 "generate_sequences",
             )
-        out = self.rollout.generate_sequences(prompts)
+        out = self._rollout_generate(prompts)
         out.meta_info.setdefault("metrics", {}).update(
             {k: v for k, v in sync.items() if k.startswith("weight_sync/")}
         )
@@ -218,6 +218,14 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         timing["generate_sequences_worker"] = time.perf_counter() - t0
         out.meta_info["timing"] = timing
         return out
+
+    def _rollout_generate(self, prompts: DataProto) -> DataProto:
+        """Plain single-turn generation, or the agent loops (multi_turn / agent_name rows)."""
+        if not uses_agent_loops(self.rollout_config, prompts):
+            return self.rollout.generate_sequences(prompts)
+        if self._agent_runner is None:
+            self._agent_runner = AgentLoopRunner(self.rollout, self.rollout_config, self.rollout.tokenizer)
+        return self._agent_runner.generate_sequences(prompts)
 
     # ------------------------------------------------------------- log-probs
     @register(dispatch_mode=ON_ACTOR_MESH)

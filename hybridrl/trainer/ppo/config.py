@@ -160,6 +160,7 @@ def validate_config(config: PPOConfig) -> None:
             "[hybridrl] warning: both algorithm.use_kl_in_reward and actor.use_kl_loss are on (KL counted twice)"
         )
     _check_choice("actor_rollout_ref.rollout.name", arr.rollout.name, ["hf", "vllm", "sglang"])
+    _validate_rollout_parallel(config, world)
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         for f in _as_list(files):
             if not os.path.exists(os.path.expanduser(str(f))):
@@ -179,6 +180,26 @@ def validate_config(config: PPOConfig) -> None:
     fg = algo.filter_groups
     if fg.enable and n < 2:
         raise ConfigError("algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2")
+
+
+def _validate_rollout_parallel(config: PPOConfig, world: int) -> None:
+    """Rollout TP divides the ranks and the model's heads, the engine supports it, load_format fits
+    the actor's strategy (hybridrl.workers.rollout.parallel)."""
+    from hybridrl.workers.rollout.parallel import check_rollout_parallel_config
+
+    arr = config.actor_rollout_ref
+    try:
+        check_rollout_parallel_config(
+            tp=arr.rollout.tensor_model_parallel_size,
+            world_size=world,
+            engine=arr.rollout.name,
+            load_format=arr.rollout.load_format,
+            strategy=arr.actor.strategy,
+            model_path=arr.model.path,
+            trust_remote_code=arr.model.trust_remote_code,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_critic(config: PPOConfig, world: int) -> None:

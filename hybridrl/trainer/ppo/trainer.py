@@ -36,6 +36,8 @@ from hybridrl.utils.metrics import (
     timer,
 )
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from hybridrl.workers.agent.runner import agent_step_metrics
+from hybridrl.workers.rollout.weight_sync import weight_sync_step_metrics
 
 
 def old_log_prob_is_redundant(config: Any) -> bool:
@@ -178,6 +180,7 @@ class RayPPOTrainer:
         with timer("gen", timing):
             out = self.workers.actor_rollout.generate_sequences(gen_in)
         timing.update(out.meta_info.pop("timing", {}))
+        self._sync_metrics = weight_sync_step_metrics(out.meta_info.get("metrics", {}))
         batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
         batch = batch.union(out)
         if self.config.algorithm.adv_estimator == "remax":
@@ -489,8 +492,11 @@ class RayPPOTrainer:
                 max_response_length=d.max_response_length,
             )
         )
+        metrics.update(agent_step_metrics(batch))
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, self.workers.actor_rollout.world_size))
+        metrics.update(getattr(self, "_sync_metrics", {}))  # the step's weight sync, per-rank min / max
+        self._sync_metrics = {}
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch
         clean = {

@@ -32,6 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.workers.agent.config import (
+    AgentConfig,
+    MultiTurnConfig,
+    validate_agent_config,
+    validate_multi_turn_config,
+)
+
 DUMMY_LOAD_FORMATS = ("dummy", "dummy_dtensor", "dummy_hf", "dummy_megatron")
 REAL_LOAD_FORMATS = ("auto", "hf", "safetensors", "pt", "dtensor")
 KEY = "actor_rollout_ref.rollout"
@@ -108,6 +115,8 @@ class RolloutConfig:
     update_weights_bucket_megabytes: int = 512
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     layered_summon: bool = False  # weight-sync buckets end at decoder-layer boundaries
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
         # Plain dicts (e.g. from a Python caller) become the typed sections.
@@ -120,6 +129,10 @@ class RolloutConfig:
             self.update_weights_bucket_megabytes = ce.update_weights_bucket_megabytes
         if isinstance(self.val_kwargs, dict):
             self.val_kwargs = SamplingOverrides(**self.val_kwargs)
+        if isinstance(self.multi_turn, dict):
+            self.multi_turn = MultiTurnConfig(**self.multi_turn)
+        if isinstance(self.agent, dict):
+            self.agent = AgentConfig(**self.agent)
         validate_rollout_config(self)
 
     @property
@@ -209,3 +222,5 @@ def validate_rollout_config(cfg: RolloutConfig) -> None:
     _check(v.temperature >= 0, "val_kwargs.temperature", v.temperature, "use a value >= 0")
     _check(0 < v.top_p <= 1, "val_kwargs.top_p", v.top_p, "use a value in (0, 1]")
     _check(v.n >= 1, "val_kwargs.n", v.n, "use n >= 1")
+    validate_multi_turn_config(cfg.multi_turn)
+    validate_agent_config(cfg.agent)

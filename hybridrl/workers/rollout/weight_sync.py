@@ -134,3 +134,15 @@ def per_rank_sync_metrics(metrics: dict[str, float]) -> dict[str, float]:
         "weight_sync/seconds_per_rank/min": float(table[:, 1].min()),
         "weight_sync/seconds_per_rank/max": float(table[:, 1].max()),
     }
+
+
+def weight_sync_step_metrics(rollout_metrics: dict[str, Any]) -> dict[str, float]:
+    """The `weight_sync/*` entries of a rollout output's meta_info["metrics"] (merged over the
+    collecting ranks into lists) as one number each: the max over ranks (bytes are equal on
+    every rank; for seconds the slowest rank is what the step waits for)."""
+    out = {}
+    for key, value in rollout_metrics.items():
+        if key.startswith("weight_sync/"):
+            values = value if isinstance(value, (list, tuple)) else [value]
+            out[key] = float(max(values))
+    return out
