@@ -170,11 +170,11 @@ def prepare_run(config: PPOConfig) -> RunParts:
 
 def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     """Everything a run needs, in order; workers start last (they are the slow part)."""
-    from hybridrl.trainer.workers_setup import start_workers
+    from hybridrl.trainer.workers_setup import start_workers, uses_ray
 
     run = prepare_run(config)
     peak = _peak_flops(config)
-    if init_ray is not None:
+    if init_ray is not None and uses_ray(config):
         init_ray(config)
     workers = start_workers(config, peak_flops=peak)
     return RayPPOTrainer(
