@@ -36,9 +36,8 @@ PHASES = ("imports", "config", "prepare_run", "peak_flops", "ray_init", "workers
 
 def child(backend: str, out: str) -> None:
     t0 = time.perf_counter()
-    from hydra import compose, initialize_config_module
-
     import transformers  # noqa: F401  (imported before the clock, as TRL's benchmark does)
+    from hydra import compose, initialize_config_module
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     import hybridrl.workers.fsdp_workers  # noqa: F401
