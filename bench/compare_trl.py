@@ -139,7 +139,7 @@ DTYPE_OVERRIDES = {
 def compose_hybridrl_config(overrides: list[str]):
     from hydra import compose, initialize_config_module
 
-    from hybridrl.trainer.ppo_config import load_config
+    from hybridrl.trainer.ppo.config import load_config
 
     with initialize_config_module("hybridrl.trainer.config", version_base=None):
         cfg = compose("ppo_trainer", overrides=overrides)
@@ -158,7 +158,7 @@ def run_hybridrl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
     """One hybridrl GRPO run in this process (Ray driver); returns per-step records."""
     import torch
 
-    from hybridrl.trainer.setup import build_trainer
+    from hybridrl.trainer.ppo.setup import build_trainer
 
     torch.set_num_threads(1)
     t_start = time.perf_counter()

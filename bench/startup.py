@@ -41,10 +41,10 @@ def child(backend: str, out: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     import hybridrl.workers.fsdp_workers  # noqa: F401
-    from hybridrl.trainer import setup as S
-    from hybridrl.trainer.main_ppo import start_ray
-    from hybridrl.trainer.ppo_config import load_config
-    from hybridrl.trainer.workers_setup import start_workers, uses_ray
+    from hybridrl.trainer.ppo import setup as S
+    from hybridrl.trainer.ppo.config import load_config
+    from hybridrl.trainer.ppo.launch import start_ray
+    from hybridrl.trainer.ppo.workers import start_workers, uses_ray
 
     t = {"imports": time.perf_counter() - t0}
 

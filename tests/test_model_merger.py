@@ -8,7 +8,13 @@ import pandas as pd
 import pytest
 import torch
 
-from hybridrl.model_merger import MergeError, compare_with_hf, main, merge_checkpoint, merge_lora
+from hybridrl.trainer.offline.model_merger import (
+    MergeError,
+    compare_with_hf,
+    main,
+    merge_checkpoint,
+    merge_lora,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -38,8 +44,9 @@ def tiny(tmp_path_factory):
 
 def train(tiny, out_dir, **model_extra):
     """Two SFT steps with a checkpoint at step 2; returns (trainer, checkpoint folder)."""
-    from hybridrl.trainer.main_sft import init_distributed, load_sft_config
-    from hybridrl.trainer.sft_trainer import SFTTrainer
+    from hybridrl.trainer.sft.config import load_sft_config
+    from hybridrl.trainer.sft.launch import init_distributed
+    from hybridrl.trainer.sft.trainer import SFTTrainer
 
     config = load_sft_config(
         {

@@ -9,9 +9,12 @@ from hybridrl.single_controller.dispatch import (
     Dispatch,
     DispatchMode,
     DispatchPlan,
+    MeshDispatchInfo,
     get_dispatch_mode,
+    make_mesh_dispatch,
     register_dispatch_mode,
 )
+from hybridrl.single_controller.mesh import MeshCoord, MeshLayout, new_subgroups
 from hybridrl.single_controller.worker_group import WorkerDiedError, WorkerGroup, WorkerGroupError
 
 __all__ = [
@@ -19,6 +22,9 @@ __all__ = [
     "DispatchMode",
     "DispatchPlan",
     "Execute",
+    "MeshCoord",
+    "MeshDispatchInfo",
+    "MeshLayout",
     "RegisterSpec",
     "Worker",
     "WorkerDiedError",
@@ -26,6 +32,8 @@ __all__ = [
     "WorkerGroupError",
     "get_dispatch_mode",
     "get_register_spec",
+    "make_mesh_dispatch",
+    "new_subgroups",
     "register",
     "register_dispatch_mode",
 ]

@@ -30,6 +30,7 @@ from hybridrl.single_controller.dispatch import (
     get_dispatch_mode,
     register_dispatch_mode,
 )
+from hybridrl.single_controller.mesh import MeshCoord, MeshLayout
 from hybridrl.utils.device import get_device_name, get_visible_devices_keyword
 
 logger = logging.getLogger(__name__)
@@ -112,19 +113,15 @@ def register(
         if not callable(fn) or inspect.isclass(fn):
             raise TypeError(f"@register decorates worker methods, got {fn!r}")
 
-        if materialize_futures:
-
-            @functools.wraps(fn)
-            def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        @functools.wraps(fn)
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if materialize_futures:
                 args = tuple(_materialize(a) for a in args)
                 kwargs = {k: _materialize(v) for k, v in kwargs.items()}
-                return fn(self, *args, **kwargs)
-
-        else:
-
-            @functools.wraps(fn)
-            def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-                return fn(self, *args, **kwargs)
+            out = fn(self, *args, **kwargs)
+            if mode.mesh is not None and not self.mesh_coord(mode.mesh).is_collector:
+                return None  # the driver keeps the collector's result only: do not ship copies
+            return out
 
         setattr(method, REGISTER_ATTR, spec)
         return method  # type: ignore[return-value]
@@ -182,6 +179,44 @@ class Worker:
     @property
     def rank(self) -> int:
         return _env_int("RANK", 0)
+
+    # ---- named device meshes -------------------------------------------------------------------
+    def set_mesh(self, name: str, layout: MeshLayout) -> MeshCoord:
+        """Declare this worker's place in the mesh ``name`` (e.g. "actor", "rollout"); methods
+        registered with ``make_mesh_dispatch(name)`` dispatch over it. Every rank of the group
+        declares the same layout; returns this rank's coordinates."""
+        if not isinstance(layout, MeshLayout):
+            raise TypeError(f"set_mesh({name!r}, ...) needs a MeshLayout, got {type(layout).__name__}")
+        if layout.world_size != self.world_size:
+            raise ValueError(
+                f"set_mesh({name!r}): layout {layout} covers {layout.world_size} ranks but the worker group "
+                f"has {self.world_size}; build it with MeshLayout.create(world_size={self.world_size}, ...)"
+            )
+        meshes = self.__dict__.setdefault("_hybridrl_meshes", {})
+        meshes[name] = (layout, layout.coord(self.rank))
+        return meshes[name][1]
+
+    def mesh_layout(self, name: str) -> MeshLayout:
+        """The layout declared under ``name`` (KeyError naming the declared ones otherwise)."""
+        return self._mesh_entry(name)[0]
+
+    def mesh_coord(self, name: str) -> MeshCoord:
+        """This rank's coordinates in the mesh declared under ``name``."""
+        return self._mesh_entry(name)[1]
+
+    def _mesh_entry(self, name: str) -> tuple[MeshLayout, MeshCoord]:
+        meshes = self.__dict__.get("_hybridrl_meshes", {})
+        if name not in meshes:
+            raise KeyError(
+                f"{type(self).__name__} (rank {self.rank}) has not declared a mesh {name!r} (declared: "
+                f"{sorted(meshes)}); call self.set_mesh({name!r}, MeshLayout.create(...)) before using it"
+            )
+        return meshes[name]
+
+    def _hybridrl_mesh_info(self, name: str, role: str | None = None) -> MeshCoord | None:
+        """This rank's coordinates in mesh ``name`` or None (for the driver's dispatch)."""
+        entry = self.__dict__.get("_hybridrl_meshes", {}).get(name)
+        return None if entry is None else entry[1]
 
     @property
     def world_size(self) -> int:

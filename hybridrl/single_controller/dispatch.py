@@ -27,7 +27,9 @@ __all__ = [
     "Dispatch",
     "DispatchMode",
     "DispatchPlan",
+    "MeshDispatchInfo",
     "get_dispatch_mode",
+    "make_mesh_dispatch",
     "register_dispatch_mode",
 ]
 
@@ -60,12 +62,15 @@ class DispatchPlan:
 @dataclass(frozen=True)
 class DispatchMode:
     """A named (dispatch_fn, collect_fn) pair. ``returns_data_proto`` marks modes whose collected
-    result is a DataProto; their non-blocking calls return a DataProtoFuture."""
+    result is a DataProto; their non-blocking calls return a DataProtoFuture. ``mesh`` names the
+    device mesh of a mesh-aware mode (see :func:`make_mesh_dispatch`): its dispatch_fn gets a
+    :class:`MeshDispatchInfo` instead of the world size."""
 
     name: str
     dispatch_fn: Callable[..., DispatchPlan] = field(repr=False, compare=False)
     collect_fn: Callable[[list[Any], Any], Any] = field(repr=False, compare=False)
     returns_data_proto: bool = False
+    mesh: str | None = None
 
     def __repr__(self) -> str:
         return f"Dispatch.{self.name}"
@@ -117,6 +122,7 @@ def register_dispatch_mode(
     collect_fn: Callable[[list[Any], Any], Any],
     *,
     returns_data_proto: bool = False,
+    mesh: str | None = None,
 ) -> DispatchMode:
     """Add a dispatch mode, available afterwards as ``Dispatch.<name>``.
 
@@ -126,6 +132,8 @@ def register_dispatch_mode(
         collect_fn: ``collect_fn(outputs, context) -> result``; outputs in the plan's rank order.
         returns_data_proto: the collected result is a DataProto (non-blocking calls then return
             a DataProtoFuture that a following DP_COMPUTE_PROTO call can chunk lazily).
+        mesh: name of a device mesh the workers declare; dispatch_fn is then called as
+            ``dispatch_fn(info: MeshDispatchInfo, *args, **kwargs)``.
 
     Returns:
         The new mode (also ``Dispatch.<name>``).
@@ -138,7 +146,7 @@ def register_dispatch_mode(
         )
     if not callable(dispatch_fn) or not callable(collect_fn):
         raise TypeError("register_dispatch_mode: dispatch_fn and collect_fn must be callables")
-    mode = DispatchMode(name, dispatch_fn, collect_fn, returns_data_proto)
+    mode = DispatchMode(name, dispatch_fn, collect_fn, returns_data_proto, mesh)
     Dispatch._modes[name] = mode
     setattr(Dispatch, name, mode)
     return mode
@@ -314,3 +322,94 @@ register_dispatch_mode(
     returns_data_proto=True,
 )
 register_dispatch_mode("DP_COMPUTE_METRIC", dispatch_dp_compute_metric, collect_list)
+
+
+# ----------------------------------------------------------------------------------------------
+# mesh-aware dispatch: split over a named mesh's data-parallel groups, collect once per group
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MeshDispatchInfo:
+    """What the driver knows about one named mesh of a worker group (built from every rank's
+    MeshCoord by the worker group).
+
+    Attributes:
+        mesh: the mesh name.
+        dp_rank_of: dp group index of each global rank (length world_size).
+        collector_of: for each dp group 0..dp_size-1, the global rank whose result is kept.
+    """
+
+    mesh: str
+    dp_rank_of: tuple[int, ...]
+    collector_of: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.dp_rank_of)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.collector_of)
+
+    @classmethod
+    def from_coords(cls, mesh: str, coords: Sequence[Any]) -> MeshDispatchInfo:
+        """Check per-rank MeshCoords (one collector per dp group, dp ranks 0..dp_size-1) and build."""
+        dp_sizes = {c.dp_size for c in coords}
+        if len(dp_sizes) != 1:
+            raise ValueError(
+                f"mesh {mesh!r}: ranks disagree on the dp size ({sorted(dp_sizes)}); declare one layout"
+            )
+        dp_size = dp_sizes.pop()
+        collectors: dict[int, list[int]] = {d: [] for d in range(dp_size)}
+        for rank, c in enumerate(coords):
+            if not 0 <= c.dp_rank < dp_size:
+                raise ValueError(
+                    f"mesh {mesh!r}: rank {rank} reports dp_rank {c.dp_rank} outside 0..{dp_size - 1}"
+                )
+            if c.is_collector:
+                collectors[c.dp_rank].append(rank)
+        bad = {d: r for d, r in collectors.items() if len(r) != 1}
+        if bad:
+            raise ValueError(
+                f"mesh {mesh!r}: every dp group needs exactly one collecting rank; dp group -> collectors: {bad}"
+            )
+        return cls(mesh, tuple(c.dp_rank for c in coords), tuple(r[0] for _, r in sorted(collectors.items())))
+
+
+def dispatch_mesh_proto(info: MeshDispatchInfo, *args: Any, **kwargs: Any) -> DispatchPlan:
+    """Split DataProto / DataProtoFuture arguments into info.dp_size chunks (padding DataProtos
+    as DP_COMPUTE_PROTO does); rank r gets chunk ``info.dp_rank_of[r]``, so every rank of one
+    tp/pp group sees the same rows. Other arguments go unchanged to every rank."""
+    by_dp = _split_protos(f"mesh {info.mesh!r}", info.dp_size, args, kwargs, pad=True)
+    rank_args = [by_dp.rank_args[d] for d in info.dp_rank_of]
+    rank_kwargs = [by_dp.rank_kwargs[d] for d in info.dp_rank_of]
+    return DispatchPlan(rank_args, rank_kwargs, context=(by_dp.context, info.collector_of))
+
+
+def collect_mesh_proto(outputs: list[Any], context: tuple[int, tuple[int, ...]]) -> DataProto:
+    """Keep the collector's output of each dp group (in dp order), concatenate, unpad."""
+    pad_size, collector_of = context
+    return concat_and_unpad([outputs[r] for r in collector_of], pad_size)
+
+
+def mesh_mode_name(mesh: str) -> str:
+    return f"MESH_PROTO_{mesh.upper()}"
+
+
+def make_mesh_dispatch(mesh: str) -> DispatchMode:
+    """The DataProto dispatch mode over the mesh a worker declared as ``mesh`` (created once).
+
+    Use it as ``@register(dispatch_mode=make_mesh_dispatch("rollout"))``: the batch is split over
+    that mesh's dp groups, every rank of a group gets the same chunk, the result of the group's
+    collecting rank is kept (the others return None to the driver), in dp order, padding removed.
+    Non-blocking calls return DataProtoFutures as DP_COMPUTE_PROTO does.
+    """
+    if not isinstance(mesh, str) or not mesh.isidentifier():
+        raise ValueError(
+            f"make_mesh_dispatch: mesh name must be an identifier such as 'rollout', got {mesh!r}"
+        )
+    name = mesh_mode_name(mesh)
+    if name in Dispatch._modes:
+        return Dispatch._modes[name]
+    return register_dispatch_mode(
+        name, dispatch_mesh_proto, collect_mesh_proto, returns_data_proto=True, mesh=mesh
+    )

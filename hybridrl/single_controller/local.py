@@ -136,6 +136,10 @@ class LocalWorkerGroup(WorkerGroup):
             self._rng.state = get_rng_state()
             set_rng_state(driver_rng)
 
+    def _query_mesh(self, mesh: str) -> list[Any]:
+        role = self._prefix[:-1] or None
+        return [self._worker._hybridrl_mesh_info(mesh, role)]
+
     def _gather(self, handles: Sequence[Any], method: str, ranks: Sequence[int]) -> list[Any]:
         return _values(handles, self._name, method)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridrl.single_controller.base import Execute, RegisterSpec, registered_methods
-from hybridrl.single_controller.dispatch import DispatchPlan, proto_collect_fn
+from hybridrl.single_controller.dispatch import DispatchPlan, MeshDispatchInfo, proto_collect_fn
 
 __all__ = ["WorkerDiedError", "WorkerGroup", "WorkerGroupError"]
 
@@ -63,6 +63,7 @@ class WorkerGroup:
         self._name = name
         self._world_size = world_size
         self._method_names: list[str] = []
+        self._mesh_infos: dict[str, MeshDispatchInfo] = {}
 
     @property
     def name(self) -> str:
@@ -82,6 +83,10 @@ class WorkerGroup:
         raise NotImplementedError
 
     def _gather(self, handles: Sequence[Any], method: str, ranks: Sequence[int]) -> list[Any]:
+        raise NotImplementedError
+
+    def _query_mesh(self, mesh: str) -> list[Any]:
+        """Every rank's MeshCoord for ``mesh`` (None where a rank has not declared it)."""
         raise NotImplementedError
 
     def _share_args(self, rank_args: list[tuple], rank_kwargs: list[dict[str, Any]]) -> tuple[list, list]:
@@ -124,10 +129,37 @@ class WorkerGroup:
         method.__hybridrl_register__ = spec  # type: ignore[attr-defined]
         return method
 
+    # ---- meshes ------------------------------------------------------------------------------
+    def mesh_coords(self, mesh: str) -> list[Any]:
+        """Every rank's MeshCoord in the mesh the workers declared as ``mesh`` (rank order)."""
+        coords = self._query_mesh(mesh)
+        missing = [r for r, c in enumerate(coords) if c is None]
+        if missing:
+            raise RuntimeError(
+                f"worker group {self._name!r}: ranks {missing} have not declared mesh {mesh!r}; the worker must "
+                f"call self.set_mesh({mesh!r}, MeshLayout.create(...)) (e.g. in init_model) before a method "
+                f"registered with make_mesh_dispatch({mesh!r}) is called"
+            )
+        return coords
+
+    def mesh_info(self, mesh: str) -> MeshDispatchInfo:
+        """Dispatch view of a mesh (dp group of each rank, collecting rank of each dp group),
+        read from the workers on first use and cached."""
+        if mesh not in self._mesh_infos:
+            self._mesh_infos[mesh] = MeshDispatchInfo.from_coords(mesh, self.mesh_coords(mesh))
+        return self._mesh_infos[mesh]
+
+    def dp_size(self, mesh: str) -> int:
+        """Number of data-parallel groups of ``mesh`` (a batch for it must be a multiple to avoid padding)."""
+        return self.mesh_info(mesh).dp_size
+
     # ---- calling -----------------------------------------------------------------------------
     def _call(self, method: str, spec: RegisterSpec, args: tuple, kwargs: dict[str, Any]) -> Any:
         mode = spec.dispatch_mode
-        plan = mode.dispatch_fn(self._world_size, *args, **kwargs)
+        if mode.mesh is not None:
+            plan = mode.dispatch_fn(self.mesh_info(mode.mesh), *args, **kwargs)
+        else:
+            plan = mode.dispatch_fn(self._world_size, *args, **kwargs)
         if not isinstance(plan, DispatchPlan):
             raise TypeError(
                 f"dispatch function of {mode!r} returned {type(plan).__name__}, expected a DispatchPlan"

@@ -4,7 +4,7 @@ Same keys as main_ppo (hybridrl/trainer/config/ppo_trainer.yaml) plus `async_tra
 (docs/async.md). Rollout workers run in their own resource pool (async_training.rollout_*) and
 the trainer in trainer.nnodes x trainer.n_gpus_per_node slots. With no arguments it trains the
 built-in tiny model on the built-in task on CPU with one training and one rollout slot of one
-core each (ASYNC_DEFAULTS below), eta = max_head_offpolicyness = 1.
+core each (ASYNC_DEFAULTS in hybridrl/trainer/async_ppo/launch.py), eta = max_head_offpolicyness = 1.
 
 Locally it starts an embedded Ray instance; with RAY_ADDRESS set it attaches to that cluster.
 """
@@ -13,60 +13,11 @@ from __future__ import annotations
 
 import sys
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from hybridrl.trainer.async_config import AsyncPPOConfig, load_async_config, n_rollout_workers
-from hybridrl.trainer.main_ppo import start_ray, write_report
-
-# Applied before the user's overrides: one core for the trainer, one for the rollout worker.
-ASYNC_DEFAULTS = [
-    "trainer.cpus_per_worker=1",
-    "trainer.experiment_name=builtin_async_grpo",
-]
-
-
-def compose_async_config(overrides: list[str] | None = None) -> DictConfig:
-    """ppo_trainer.yaml + ASYNC_DEFAULTS + `overrides` (Hydra syntax; async_training.* keys too)."""
-    from hydra import compose, initialize_config_module
-
-    overrides = list(overrides or [])
-    is_async = [o for o in overrides if o.lstrip("+").startswith("async_training.")]
-    rest = [o for o in overrides if o not in is_async]
-    with initialize_config_module("hybridrl.trainer.config", version_base=None):
-        cfg = compose("ppo_trainer", overrides=[*ASYNC_DEFAULTS, *rest])
-    OmegaConf.set_struct(cfg, False)
-    if is_async:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in is_async]))
-    return cfg
-
-
-def run_async(cfg: DictConfig | dict | None = None) -> dict[str, float]:
-    """Load and validate the config, start Ray and both worker pools, train; returns final val metrics."""
-    return run_async_config(load_async_config(cfg))
-
-
-def run_async_config(config: AsyncPPOConfig) -> dict[str, float]:
-    from hybridrl.trainer.async_trainer import build_async_trainer
-
-    init_ray(config)
-    trainer = build_async_trainer(config)
-    try:
-        metrics = trainer.fit()
-    finally:
-        trainer.tracker.finish()
-        trainer.async_workers.shutdown()
-    if config.trainer.make_report:
-        write_report(trainer.tracker)
-    return metrics
-
-
-def init_ray(config: AsyncPPOConfig) -> None:
-    """Start a local Ray with enough CPUs for both pools (or attach to RAY_ADDRESS)."""
-    tr, at = config.trainer, config.async_training
-    start_ray(
-        tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker
-        + n_rollout_workers(config) * at.rollout_cpus_per_worker
-    )
+from hybridrl.trainer.async_ppo.config import AsyncPPOConfig
+from hybridrl.trainer.async_ppo.launch import compose_async_config, run_async
+from hybridrl.utils.cli import check_command_line
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -75,6 +26,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(__doc__)
         print(OmegaConf.to_yaml(OmegaConf.structured(AsyncPPOConfig).async_training))
         return {}
+    check_command_line(argv, AsyncPPOConfig, "ppo_trainer")
     return run_async(compose_async_config(argv))
 
 

@@ -7,93 +7,21 @@ it attaches to that cluster.
 
 from __future__ import annotations
 
-import os
-import sys
+from omegaconf import DictConfig
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
-from hybridrl.trainer.ppo_config import PPOConfig, load_config
-
-
-@hydra.main(config_path="config", config_name="ppo_trainer", version_base=None)
-def main(cfg: DictConfig) -> None:
-    run_ppo(cfg)
+from hybridrl.trainer.ppo.config import PPOConfig, load_config
+from hybridrl.trainer.ppo.launch import run_ppo_config
+from hybridrl.utils.cli import hydra_cli
 
 
 def run_ppo(cfg: DictConfig | dict | None = None) -> dict[str, float]:
     """Load and validate the config, start Ray and the workers, train; returns final val metrics."""
-    config = load_config(cfg)
-    return run_ppo_config(config)
+    return run_ppo_config(load_config(cfg))
 
 
-def run_ppo_config(config: PPOConfig) -> dict[str, float]:
-    from hybridrl.trainer.sections import AsyncTrainingConfig
-    from hybridrl.trainer.setup import build_trainer
-
-    if config.async_training != AsyncTrainingConfig():
-        print(
-            "hybridrl: async_training.* is set but main_ppo trains synchronously and ignores it; "
-            "run python -m hybridrl.trainer.main_async for asynchronous training (docs/async.md)",
-            file=sys.stderr,
-        )
-
-    trainer = build_trainer(config, init_ray=_init_ray)  # data and rewards are checked before Ray starts
-    try:
-        metrics = trainer.fit()
-    finally:
-        trainer.tracker.finish()
-        trainer.workers.shutdown()
-    if config.trainer.make_report:
-        write_report(trainer.tracker)
-    return metrics
-
-
-def _init_ray(config: PPOConfig) -> None:
-    tr = config.trainer
-    start_ray(tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker)
-
-
-def start_ray(cpus_needed: float) -> None:
-    """Attach to `RAY_ADDRESS` (a cluster, or inside `ray job submit`) or start a local Ray with at
-    least `cpus_needed` CPUs; either way the workers get the environment variables hybridrl needs."""
-    import math
-
-    import ray
-
-    if ray.is_initialized():
-        return
-    env = {
-        "TOKENIZERS_PARALLELISM": "false",
-        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-    }
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    address = os.environ.get("RAY_ADDRESS")
-    kwargs: dict = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
-    if address:
-        # Inside `ray job submit` the job may carry its own runtime_env: merge ours into it.
-        os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
-        ray.init(address=address, **kwargs)
-    else:
-        num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
-
-
-def write_report(tracker) -> None:
-    """The PNG of the run's curves, next to the file logger's metrics.jsonl (if any)."""
-    from hybridrl.report import make_report
-
-    log_dir = tracker.log_dir
-    if log_dir and os.path.exists(os.path.join(log_dir, "metrics.jsonl")):
-        print(f"[hybridrl] report: {make_report(log_dir)}")
+def main() -> None:
+    hydra_cli(__doc__, "ppo_trainer", PPOConfig, run_ppo)
 
 
 if __name__ == "__main__":
-    if any(a in ("-h", "--help") for a in sys.argv[1:]):
-        print(__doc__)
-        print(OmegaConf.to_yaml(OmegaConf.structured(PPOConfig)))
-        sys.exit(0)
     main()

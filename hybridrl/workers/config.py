@@ -16,9 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.workers.megatron_config import MEGATRON_STRATEGY, MegatronConfig
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LR_SCHEDULER_TYPES = ("constant", "cosine")
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
+TRAIN_STRATEGIES = (*FSDP_STRATEGIES, MEGATRON_STRATEGY)  # megatron: workers/engine/megatron
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
 ACTOR_KEY = "actor_rollout_ref.actor"
@@ -213,6 +216,7 @@ class ActorConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     @property
     def max_grad_norm(self) -> float:
@@ -229,6 +233,7 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: int = 16384
     ulysses_sequence_parallel_size: int = 1
     fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
 
 @dataclass
@@ -261,6 +266,7 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     ulysses_sequence_parallel_size: int = 1
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     @property
     def max_grad_norm(self) -> float:
@@ -325,10 +331,8 @@ class PerRankBatchSizes:
 
 
 def _check_common(key: str, *, strategy: str, loss_agg_mode: str, ulysses: int, epochs: int) -> None:
-    if strategy not in FSDP_STRATEGIES:
-        raise ValueError(
-            f"{key}.strategy={strategy!r} is not supported by the FSDP engine; use one of {FSDP_STRATEGIES}"
-        )
+    if strategy not in TRAIN_STRATEGIES:
+        raise ValueError(f"{key}.strategy={strategy!r} is not supported; use one of {TRAIN_STRATEGIES}")
     if ulysses != 1:
         raise ValueError(
             f"{key}.ulysses_sequence_parallel_size={ulysses}: Ulysses sequence parallelism is not implemented "

@@ -22,7 +22,7 @@ import torch
 from hybridrl.models.weight_map import to_torch_dtype
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import Worker, register
-from hybridrl.single_controller.dispatch import Dispatch
+from hybridrl.single_controller.dispatch import Dispatch, make_mesh_dispatch
 from hybridrl.utils.device import init_process_group
 from hybridrl.workers.config import (
     ActorConfig,
@@ -35,6 +35,10 @@ from hybridrl.workers.config import (
 from hybridrl.workers.rollout.config import RolloutConfig
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+# Training calls split over the FSDP mesh (every rank data-parallel), rollout calls over dp x tp.
+ON_ACTOR_MESH = make_mesh_dispatch("actor")
+ON_ROLLOUT_MESH = make_mesh_dispatch("rollout")
+ON_CRITIC_MESH = make_mesh_dispatch("critic")
 _PG_TIMEOUT_S = float(os.environ.get("HYBRIDRL_PG_TIMEOUT_S", 600))
 
 
@@ -83,6 +87,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor_engine = self.actor = self.ref_engine = self.ref_policy = self.rollout = None
         self._weights_stale = True
         self._lora_self_ref = False
+        self._tp_group = None
 
     # ------------------------------------------------------------------ build
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -94,6 +99,7 @@ class ActorRolloutRefWorker(Worker):
         _setup_process(self.num_threads)
         self.model_config.validate()
         model_path = resolve_model_path(self.model_config.path, "actor_rollout_ref.model.path")
+        self._declare_meshes()
         if self._is_actor:
             self.actor_engine = FSDPEngine.build(
                 self.model_config, self.actor_config.fsdp_config, self.actor_config.optim, role="actor"
@@ -123,37 +129,65 @@ class ActorRolloutRefWorker(Worker):
         if self._is_rollout:
             self._build_rollout(model_path)
 
+    def _declare_meshes(self) -> None:
+        """The training mesh ("actor", also used by the reference) and the rollout mesh (dp x tp)."""
+        from hybridrl.workers.rollout.parallel import rollout_mesh, training_mesh
+
+        self.set_mesh("actor", training_mesh(self.world_size, self.actor_config.fsdp_config.fsdp_size))
+        self.set_mesh(
+            "rollout", rollout_mesh(self.world_size, self.rollout_config.tensor_model_parallel_size)
+        )
+
     def _build_rollout(self, model_path: str) -> None:
+        from hybridrl.single_controller.mesh import new_subgroups
+        from hybridrl.utils.device import get_device_name
         from hybridrl.workers.engine.fsdp import load_tokenizer
         from hybridrl.workers.rollout.base import create_rollout
+        from hybridrl.workers.rollout.parallel import bind_cpu_cores, weight_loader_for
 
+        rc = self.rollout_config
+        self._weight_loader = weight_loader_for(rc.load_format, self.actor_config.strategy)
+        if rc.tensor_model_parallel_size > 1:
+            self._tp_group = new_subgroups(self.mesh_layout("rollout"), ["tp"], self.rank)
+            if get_device_name() == "cpu":  # one core set per rank: TP ranks spin in lockstep
+                bind_cpu_cores(self.local_rank, self.local_world_size, self.num_threads or 1)
         tokenizer = (
             self.actor_engine.tokenizer if self.actor_engine is not None else None
         ) or load_tokenizer(self.model_config)
-        self.rollout = create_rollout(self.rollout_config, model_path, tokenizer)
+        self.rollout = create_rollout(rc, model_path, tokenizer)
         self._weights_stale = self.actor_engine is not None
 
     def _sync_rollout_weights(self) -> dict[str, float]:
-        """The hybrid-engine switch: stream the gathered FSDP weights into the rollout engine."""
-        from hybridrl.workers.rollout.weight_sync import sync_weights
+        """The hybrid-engine switch: gather the FSDP shards into full tensors, one bucket at a time
+        (load_format's loader: "dtensor" buckets, or the "hf" full state dict), and let the engine
+        of each TP rank load its slice; per-rank bytes and seconds come back as metrics."""
+        from hybridrl.workers.engine.full_params import iter_state_dict_params
+        from hybridrl.workers.rollout.weight_sync import per_rank_sync_metrics, sync_weights
 
         if not self._weights_stale or self.actor_engine is None:
             return {}
         self.actor_engine.onload()
-        named = self.actor_engine.iter_full_params(dtype=to_torch_dtype(self.rollout_config.dtype))
+        dtype = to_torch_dtype(self.rollout_config.dtype)
+        if self._weight_loader == "hf":
+            named = iter_state_dict_params(self.actor_engine.module, dtype=dtype)
+        else:
+            named = self.actor_engine.iter_full_params(dtype=dtype)
         metrics = sync_weights(self.rollout, named)
         self.actor_engine.offload()
         self._weights_stale = False
-        return metrics
+        return {**metrics, **per_rank_sync_metrics(metrics)}
 
     # -------------------------------------------------------------- generate
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=ON_ROLLOUT_MESH)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Generate one response per prompt row (see hybridrl.workers.rollout.base for the contract).
 
-        `meta_info["validate"]` selects `rollout.val_kwargs`; `meta_info["greedy"]` forces greedy
-        decoding (the ReMax baseline).
+        Dispatched over the rollout mesh: the ranks of one TP engine get the same rows and the
+        engine's tp rank 0 returns them. `meta_info["validate"]` selects `rollout.val_kwargs`;
+        `meta_info["greedy"]` forces greedy decoding (the ReMax baseline).
         """
+        from hybridrl.workers.rollout.parallel import check_same_rows
+
         if self.rollout is None:
             raise RuntimeError(f"generate_sequences called on a worker with role={self.role!r} (no rollout)")
         timing: dict[str, float] = {}
@@ -161,7 +195,17 @@ class ActorRolloutRefWorker(Worker):
         sync = self._sync_rollout_weights()
         self.rollout.resume_memory()
         timing["update_weights"] = sync.get("timing_s/update_weights", 0.0)
+        if self._tp_group is not None:
+            check_same_rows(
+                prompts.batch["input_ids"],
+                prompts.batch["attention_mask"],
+                self._tp_group,
+                "generate_sequences",
+            )
         out = self.rollout.generate_sequences(prompts)
+        out.meta_info.setdefault("metrics", {}).update(
+            {k: v for k, v in sync.items() if k.startswith("weight_sync/")}
+        )
         if self.rollout_config.free_cache_engine:
             self.rollout.release_memory()
         timing["generate_sequences_worker"] = time.perf_counter() - t0
@@ -169,7 +213,7 @@ class ActorRolloutRefWorker(Worker):
         return out
 
     # ------------------------------------------------------------- log-probs
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=ON_ACTOR_MESH)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Old log-probs and entropy of the responses under the current actor: old_log_probs, entropys (B, T)."""
         if self.actor is None:
@@ -187,7 +231,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor_engine.offload()
         return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=ON_ACTOR_MESH)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """Log-probs of the responses under the frozen reference policy: ref_log_prob (B, T)."""
         c, r = self.ref_config, self.rollout_config
@@ -212,7 +256,7 @@ class ActorRolloutRefWorker(Worker):
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- update
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=ON_ACTOR_MESH)
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches over micro-batches; returns meta_info["metrics"]."""
         if self.actor is None:
@@ -276,9 +320,11 @@ class CriticWorker(Worker):
     def init_model(self) -> None:
         from hybridrl.workers.critic import PPOCritic
         from hybridrl.workers.engine.fsdp import FSDPEngine
+        from hybridrl.workers.rollout.parallel import training_mesh
 
         _setup_process(self.num_threads)
         c = self.config
+        self.set_mesh("critic", training_mesh(self.world_size, c.model.fsdp_config.fsdp_size))
         self.engine = FSDPEngine.build(
             c.model, c.model.fsdp_config, c.optim, role="critic", key="critic.model"
         )
@@ -293,7 +339,7 @@ class CriticWorker(Worker):
             peak_flops=self.peak_flops,
         )
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=ON_CRITIC_MESH)
     def compute_values(self, data: DataProto) -> DataProto:
         """values (B, T) of the response tokens."""
         self.engine.onload()
@@ -301,7 +347,7 @@ class CriticWorker(Worker):
         self.engine.offload()
         return DataProto.from_dict({"values": values})
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=ON_CRITIC_MESH)
     def update_critic(self, data: DataProto) -> DataProto:
         self.engine.onload(with_optimizer=True)
         metrics = self.critic.update_critic(data)

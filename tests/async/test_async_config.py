@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrl.trainer.async_config import load_async_config
-from hybridrl.trainer.main_async import compose_async_config
-from hybridrl.trainer.ppo_config import ConfigError
+from hybridrl.trainer.async_ppo.config import load_async_config
+from hybridrl.trainer.async_ppo.launch import compose_async_config
+from hybridrl.utils.config_loader import ConfigError
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from hybridrl.trainer.async_config import load_async_config
-from hybridrl.trainer.main_async import compose_async_config
+from hybridrl.trainer.async_ppo.config import load_async_config
+from hybridrl.trainer.async_ppo.launch import compose_async_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
@@ -32,7 +32,7 @@ SMALL = [
 
 
 def run_async(overrides, tmp_path):
-    from hybridrl.trainer.async_trainer import build_async_trainer
+    from hybridrl.trainer.async_ppo.trainer import build_async_trainer
 
     cfg = compose_async_config([*SMALL, f"trainer.default_local_dir={tmp_path}/ckpt", *overrides])
     trainer = build_async_trainer(load_async_config(cfg))
@@ -47,8 +47,8 @@ def run_async(overrides, tmp_path):
 def run_sync(overrides, tmp_path):
     from hydra import compose, initialize_config_module
 
-    from hybridrl.trainer.ppo_config import load_config
-    from hybridrl.trainer.setup import build_trainer
+    from hybridrl.trainer.ppo.config import load_config
+    from hybridrl.trainer.ppo.setup import build_trainer
 
     with initialize_config_module("hybridrl.trainer.config", version_base=None):
         cfg = compose(

@@ -8,8 +8,8 @@ import os
 
 from hydra import compose, initialize_config_module
 
-from hybridrl.trainer.main_ppo import run_ppo_config
-from hybridrl.trainer.ppo_config import load_config
+from hybridrl.trainer.ppo.config import load_config
+from hybridrl.trainer.ppo.launch import run_ppo_config
 
 # A few seconds per step on 2 CPU cores: 4 prompts x 4 responses, short validation.
 SMALL = [

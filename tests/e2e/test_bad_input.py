@@ -7,8 +7,8 @@ import os
 import pandas as pd
 import pytest
 
-from hybridrl.trainer import checkpointing
-from hybridrl.trainer.main_ppo import run_ppo_config
+from hybridrl.trainer.ppo.launch import run_ppo_config
+from hybridrl.utils import checkpointing
 from tests.e2e.ppo_runs import compose_config, run
 
 

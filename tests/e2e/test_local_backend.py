@@ -12,7 +12,7 @@ import math
 import pytest
 
 from hybridrl.single_controller.backend import resolve_backend
-from hybridrl.trainer.ppo_config import ConfigError
+from hybridrl.trainer.ppo.config import ConfigError
 from tests.e2e.ppo_runs import assert_finite, compose_config, run
 
 pytestmark = pytest.mark.usefixtures("ray_local")

@@ -13,7 +13,9 @@ from hybridrl.single_controller import (
     Dispatch,
     DispatchPlan,
     Execute,
+    MeshLayout,
     Worker,
+    make_mesh_dispatch,
     register,
     register_dispatch_mode,
 )
@@ -211,3 +213,54 @@ class BrokenInit(Worker):
     def __init__(self) -> None:
         super().__init__()
         raise RuntimeError("cannot load the model")
+
+
+# ---- mesh-aware dispatch ----------------------------------------------------------------------
+MESH_ROWS = make_mesh_dispatch("rows")
+MESH_TRAIN = make_mesh_dispatch("train")
+
+
+class ToyMeshWorker(Worker):
+    """Declares a mesh "rows" (dims given to the constructor) and a pure-dp mesh "train"; records
+    the rows every rank saw so tests can compare the ranks of one tp/pp group."""
+
+    def __init__(self, dims: dict[str, int], collect: dict[str, int] | None = None, declare: bool = True):
+        super().__init__()
+        self.seen: list[list[int]] = []
+        self.dims, self.collect = dims, collect
+        if declare:
+            self.declare()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def declare(self) -> dict[str, int]:
+        self.set_mesh("rows", MeshLayout.create(self.world_size, self.dims, collect=self.collect))
+        self.set_mesh("train", MeshLayout.create(self.world_size, {"dp": self.world_size}))
+        return self.mesh_coord("rows").coords
+
+    @register(MESH_ROWS)
+    def rows(self, data: DataProto) -> DataProto:
+        """x + 1000 * dp_rank, and the global rank that produced each row."""
+        self.seen.append(data.batch["x"].tolist())
+        c = self.mesh_coord("rows")
+        return DataProto.from_dict(
+            {
+                "x": data.batch["x"],
+                "y": data.batch["x"] + 1000 * c.dp_rank,
+                "rank": torch.full((len(data),), self.rank),
+            },
+            non_tensors=dict(data.non_tensor_batch),
+        )
+
+    @register(MESH_ROWS, blocking=False)
+    def rows_async(self, data: DataProto) -> DataProto:
+        return self.rows(data)
+
+    @register(MESH_TRAIN)
+    def train_rows(self, data: DataProto) -> DataProto:
+        self.seen.append(data.batch["x"].tolist())
+        return DataProto.from_dict({"x": data.batch["x"] * 10, "rank": torch.full((len(data),), self.rank)})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def pop_seen(self) -> list[list[int]]:
+        seen, self.seen = self.seen, []
+        return seen

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 import torch
 
-from hybridrl.trainer.main_eval import run_eval
-from hybridrl.trainer.main_generation import generate_responses, run_generation
-from hybridrl.trainer.main_sft import SFTConfigError
+from hybridrl.trainer.offline.evaluation import run_eval
+from hybridrl.trainer.offline.generation import generate_responses, run_generation
+from hybridrl.utils.config_loader import ConfigError
 
 
 @pytest.fixture(autouse=True)
@@ -107,7 +107,7 @@ def test_greedy_matches_a_hand_written_argmax_loop(tiny, tmp_path):
 def test_batching_does_not_change_greedy_output(tiny):
     from transformers import AutoTokenizer
 
-    from hybridrl.trainer.main_generation import build_rollout, load_generation_config
+    from hybridrl.trainer.offline.generation import build_rollout, load_generation_config
 
     tok = AutoTokenizer.from_pretrained(tiny["model"])
     config = load_generation_config(
@@ -125,9 +125,9 @@ def test_batching_does_not_change_greedy_output(tiny):
 
 
 def test_generation_config_errors(tiny, tmp_path):
-    with pytest.raises(SFTConfigError, match=r"rollout\.temprature.*rollout\.temperature"):
+    with pytest.raises(ConfigError, match=r"rollout\.temprature.*rollout\.temperature"):
         run_generation({**gen_args(tiny, tmp_path / "x.parquet"), "rollout": {"temprature": 1.0}})
-    with pytest.raises(SFTConfigError, match="rollout.name='sglang'"):
+    with pytest.raises(ConfigError, match="rollout.name='sglang'"):
         run_generation(gen_args(tiny, tmp_path / "x.parquet", rollout__name="sglang"))
     with pytest.raises(ValueError, match=r"prompts\.parquet' row 0.*rollout\.prompt_length=4"):
         run_generation(gen_args(tiny, tmp_path / "x.parquet", rollout__prompt_length=4))
@@ -208,7 +208,7 @@ def test_eval_single_response_strings_and_output_file(tmp_path):
 
 
 def test_eval_errors_name_the_problem(tmp_path):
-    with pytest.raises(SFTConfigError, match="data.path is not set"):
+    with pytest.raises(ConfigError, match="data.path is not set"):
         run_eval({})
     rows = [{"data_source": "hybridrl/arith", "reward_model": {"ground_truth": "2"}, "answers": ["#### 2"]}]
     with pytest.raises(KeyError, match=r"r\.parquet.*no column 'responses'"):
@@ -277,7 +277,7 @@ def test_greedy_eval_matches_the_builtin_models_own_evaluator(tmp_path):
 
     from hybridrl.data.builtin_task import make_rl_rows
     from hybridrl.models.builtin import evaluate_accuracy, get_builtin_model_path
-    from hybridrl.trainer.main_eval import GreedyEval
+    from hybridrl.trainer.offline.evaluation import GreedyEval
 
     try:
         path = get_builtin_model_path()

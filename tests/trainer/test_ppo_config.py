@@ -6,7 +6,8 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from hybridrl.trainer.ppo_config import ConfigError, PPOConfig, load_config
+from hybridrl.trainer.ppo.config import PPOConfig, load_config
+from hybridrl.utils.config_loader import ConfigError
 
 
 def _compose(overrides=()):
@@ -84,6 +85,6 @@ _ON = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=
     ],
 )
 def test_old_log_prob_pass_is_skipped_only_when_exactly_on_policy(overrides, redundant):
-    from hybridrl.trainer.ppo_trainer import old_log_prob_is_redundant
+    from hybridrl.trainer.ppo.trainer import old_log_prob_is_redundant
 
     assert old_log_prob_is_redundant(load_config(_compose(overrides))) is redundant

@@ -15,8 +15,10 @@ import pandas as pd
 import pytest
 import torch
 
-from hybridrl.trainer.main_sft import SFTConfigError, init_distributed, load_sft_config
-from hybridrl.trainer.sft_trainer import SFTTrainer, sft_lr_factor, sft_token_loss
+from hybridrl.trainer.sft.config import load_sft_config
+from hybridrl.trainer.sft.launch import init_distributed
+from hybridrl.trainer.sft.trainer import SFTTrainer, sft_lr_factor, sft_token_loss
+from hybridrl.utils.config_loader import ConfigError
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,16 +162,17 @@ def test_lr_schedules_hand_values():
 # config
 # ----------------------------------------------------------------------------------------------
 def test_unknown_key_names_it_and_suggests():
-    with pytest.raises(SFTConfigError, match=r"data\.trian_files.*data\.train_files"):
+    with pytest.raises(ConfigError, match=r"data\.trian_files.*data\.train_files"):
         load_sft_config(["data.trian_files=x.parquet"])
-    with pytest.raises(SFTConfigError, match="optim.lr_scheduler='linear'"):
+    with pytest.raises(ConfigError, match="optim.lr_scheduler='linear'"):
         load_sft_config(["optim.lr_scheduler=linear"])
-    with pytest.raises(SFTConfigError, match="micro_batch_size_per_gpu"):
+    with pytest.raises(ConfigError, match="micro_batch_size_per_gpu"):
         load_sft_config(["data.micro_batch_size=8"])
 
 
 def test_command_line_keys_are_checked_before_hydra():
-    from hybridrl.trainer.main_sft import SFTConfig, check_override_keys
+    from hybridrl.trainer.sft.config import SFTConfig
+    from hybridrl.utils.config_loader import check_override_keys
 
     ok = [
         "model.override_config.attn_implementation=eager",
@@ -179,7 +182,7 @@ def test_command_line_keys_are_checked_before_hydra():
         "--config-name=sft_trainer",
     ]
     check_override_keys(ok, SFTConfig, "sft_trainer")
-    with pytest.raises(SFTConfigError, match=r"'optim\.lrr'.*Did you mean optim\.lr"):
+    with pytest.raises(ConfigError, match=r"'optim\.lrr'.*Did you mean optim\.lr"):
         check_override_keys(["optim.lrr=1"], SFTConfig, "sft_trainer")
 
 
@@ -194,7 +197,7 @@ def test_presets_follow_the_model(tiny):
     )
     explicit = load_sft_config(["optim.lr=3e-4"])
     assert explicit.optim.lr == 3e-4
-    with pytest.raises(SFTConfigError, match="data.train_files is not set"):
+    with pytest.raises(ConfigError, match="data.train_files is not set"):
         load_sft_config([f"model.partial_pretrain={tiny['model']}"])
 
 
@@ -383,7 +386,7 @@ def test_overlong_response_fails_at_start_naming_row(tiny, tmp_path):
 
 
 def test_batch_larger_than_data(tiny, tmp_path):
-    with pytest.raises(SFTConfigError, match="fewer than one batch"):
+    with pytest.raises(ConfigError, match="fewer than one batch"):
         make_trainer(overrides(tiny, tmp_path, data__train_batch_size=128))
 
 
@@ -423,7 +426,7 @@ def test_two_ranks_match_one_rank(tiny, tmp_path):
     for name in one:
         torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-6)
     # the 2-rank shards merge (in one process, no process group) into the same weights
-    from hybridrl.model_merger import merge_checkpoint
+    from hybridrl.trainer.offline.model_merger import merge_checkpoint
 
     merged_dir = merge_checkpoint(str(tmp_path / "two" / "global_step_2"), str(tmp_path / "merged"))
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).state_dict()

@@ -1,7 +1,7 @@
 import torch
 
 from hybridrl.protocol import DataProto
-from hybridrl.trainer.padding import trim_left_padding
+from hybridrl.trainer.ppo.padding import trim_left_padding
 
 
 def test_trim_left_padding_drops_only_all_pad_columns():
@@ -46,7 +46,7 @@ def _rollout_batch():
 
 
 def test_trim_right_padding_cuts_response_aligned_tensors_to_the_longest_response():
-    from hybridrl.trainer.padding import trim_right_padding
+    from hybridrl.trainer.ppo.padding import trim_right_padding
 
     out = trim_right_padding(_rollout_batch())
     b = out.batch
@@ -62,7 +62,7 @@ def test_trim_right_padding_cuts_response_aligned_tensors_to_the_longest_respons
 
 
 def test_trim_right_padding_keeps_a_full_width_batch_and_an_empty_response_column():
-    from hybridrl.trainer.padding import trim_right_padding
+    from hybridrl.trainer.ppo.padding import trim_right_padding
 
     full = _rollout_batch()
     full.batch["attention_mask"][0, -1] = 1
@@ -73,7 +73,7 @@ def test_trim_right_padding_keeps_a_full_width_batch_and_an_empty_response_colum
 
 
 def test_clip_ratio_metrics_use_the_configured_limits_after_trimming():
-    from hybridrl.trainer.padding import trim_right_padding
+    from hybridrl.trainer.ppo.padding import trim_right_padding
     from hybridrl.utils.metrics import compute_data_metrics
 
     batch = trim_right_padding(_rollout_batch())

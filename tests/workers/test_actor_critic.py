@@ -259,7 +259,7 @@ def _trimmed_padding_checks(rank, cfg, engine, sizes, data):
     batch has the gradient of the update on the padded one, for every loss aggregation, because
     the generation budget travels in meta_info (seq-mean-token-sum-norm divides by it)."""
     from hybridrl.protocol import DataProto
-    from hybridrl.trainer.padding import trim_right_padding
+    from hybridrl.trainer.ppo.padding import trim_right_padding
     from hybridrl.workers.actor import PPOActor
 
     extra = 3  # widen the responses by 3 all-padding columns, as a rollout padded to its limit

@@ -439,6 +439,13 @@ class RayWorkerGroup(WorkerGroup):
             ) from None
         return remote_method.remote(*args, **kwargs)
 
+    def _query_mesh(self, mesh: str) -> list[Any]:
+        role = getattr(self, "_prefix", "")[:-1] or None
+        refs = [a._hybridrl_mesh_info.remote(mesh, role) for a in self._actors]
+        return gather_refs(
+            refs, group=self._name, method="_hybridrl_mesh_info", ranks=list(range(self._world_size))
+        )
+
     def _share_args(self, rank_args: list[tuple], rank_kwargs: list[dict[str, Any]]) -> tuple[list, list]:
         """Put a DataProto / tensor / array that goes to several ranks into the object store once.
 
@@ -517,7 +524,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def _role_view(self, role: str, role_cls: type) -> RayWorkerGroup:
         view = object.__new__(type(self))
-        WorkerGroup.__init__(view, f"{self._name}/{role}", self._world_size)
+        WorkerGroup.__init__(view, f"{self._name}/{role}", self._world_size)  # own mesh cache per role
         view._cls, view._pool, view._actors, view._worker_names = (
             role_cls,
             self._pool,

@@ -32,6 +32,12 @@ class ColocatedWorker(Worker):
         for role, (cls, args, kwargs) in role_init.items():
             self._hybridrl_roles[role] = cls(*args, **kwargs)
 
+    def _hybridrl_mesh_info(self, name: str, role: str | None = None) -> Any:
+        """Mesh coordinates as the role's object declared them (the process's own without role)."""
+        if role is None:
+            return super()._hybridrl_mesh_info(name)
+        return self._hybridrl_roles[role]._hybridrl_mesh_info(name)
+
     def get_role(self, role: str) -> Worker:
         """The object of one role inside this process."""
         return self._hybridrl_roles[role]

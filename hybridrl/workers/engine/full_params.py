@@ -20,7 +20,7 @@ from torch import nn
 
 from hybridrl.utils.device import get_torch_device
 
-__all__ = ["GATHER_BUCKET_BYTES", "gather_full", "iter_full_params"]
+__all__ = ["GATHER_BUCKET_BYTES", "gather_full", "iter_full_params", "iter_state_dict_params"]
 
 # Full (gathered) bytes per collective. Small enough that the send and receive buffers stay
 # below glibc's mmap threshold (32 MiB) and are reused instead of page-faulted in afresh (on this
@@ -192,3 +192,20 @@ def _merge_lora(name: str, full: torch.Tensor, lora_layers: dict, adapters: dict
             b = adapters[f"{prefix}.lora_B.{adapter}.weight"].to(full.dtype)
             full = full + (b @ a) * layer.scaling[adapter]
     return name.removeprefix("base_model.model.").replace(".base_layer.", "."), full
+
+
+def iter_state_dict_params(
+    module: nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of the module's full HF state dict, materialised on every rank at once
+    (the "hf" loader of veRL's load_format=dummy_hf / hf: simpler, but the whole model is alive
+    twice; the default "dtensor" loader, `iter_full_params`, holds one bucket at a time). A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if _is_peft(module):
+        raise ValueError(
+            "load_format=dummy_hf / hf cannot sync a LoRA actor (adapters must be merged); use dummy_dtensor"
+        )
+    _reshard(module)
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    yield from _cast(state.items(), dtype, None)

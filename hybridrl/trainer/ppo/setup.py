@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridrl.trainer.ppo_config import PPOConfig
-from hybridrl.trainer.ppo_trainer import RayPPOTrainer
+from hybridrl.trainer.ppo.config import PPOConfig
+from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 
 
 def resolve_builtin(config: PPOConfig) -> None:
@@ -170,7 +170,7 @@ def prepare_run(config: PPOConfig) -> RunParts:
 
 def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     """Everything a run needs, in order; workers start last (they are the slow part)."""
-    from hybridrl.trainer.workers_setup import start_workers, uses_ray
+    from hybridrl.trainer.ppo.workers import start_workers, uses_ray
 
     run = prepare_run(config)
     peak = _peak_flops(config)

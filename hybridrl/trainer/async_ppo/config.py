@@ -31,13 +31,11 @@ section), resolves it, fills the derived values (`derive_async_config`) and vali
 
 from __future__ import annotations
 
-import difflib
+from omegaconf import DictConfig
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
-
-from hybridrl.trainer.ppo_config import ConfigError, PPOConfig, derive_config, validate_config
-from hybridrl.trainer.sections import AsyncTrainingConfig
+from hybridrl.trainer.ppo.config import PPO_KEYS_DOC, PPOConfig, derive_config, validate_config
+from hybridrl.trainer.ppo.sections import AsyncTrainingConfig
+from hybridrl.utils.config_loader import ConfigError, load_structured
 
 __all__ = [
     "AsyncPPOConfig",
@@ -60,38 +58,16 @@ def n_rollout_workers(config: AsyncPPOConfig) -> int:
     return at.rollout_nnodes * at.rollout_n_gpus_per_node
 
 
-def load_async_config(cfg: DictConfig | dict | None = None) -> AsyncPPOConfig:
+def load_async_config(cfg: DictConfig | dict | list[str] | None = None) -> AsyncPPOConfig:
     """Merge `cfg` onto the schema, resolve, derive and validate; returns a typed AsyncPPOConfig."""
-    schema = OmegaConf.structured(AsyncPPOConfig)
-    user = OmegaConf.create(cfg or {})
-    try:
-        merged = OmegaConf.merge(schema, user)
-    except (ConfigKeyError, ConfigAttributeError) as e:
-        key = str(getattr(e, "full_key", None) or e)
-        close = difflib.get_close_matches(key, _all_keys(schema), n=3)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ConfigError(
-            f"unknown config key '{key}'.{hint} See docs/async.md for the async_training keys."
-        ) from None
-    except ValidationError as e:
-        raise ConfigError(f"bad value for config key '{getattr(e, 'full_key', '?')}': {e.msg}") from None
-    OmegaConf.resolve(merged)
-    config: AsyncPPOConfig = OmegaConf.to_object(merged)
+    config: AsyncPPOConfig = load_structured(
+        AsyncPPOConfig, cfg, f"{PPO_KEYS_DOC} (async_training: docs/async.md)"
+    )
     derive_config(config)
     validate_async_config(config)  # before derive_async_config: it checks the user's own values
     derive_async_config(config)
     validate_config(config)
     return config
-
-
-def _all_keys(node, prefix: str = "") -> list[str]:
-    out = []
-    for k in node:
-        out.append(f"{prefix}{k}")
-        v = node[k] if not OmegaConf.is_missing(node, k) else None
-        if isinstance(v, DictConfig):
-            out.extend(_all_keys(v, f"{prefix}{k}."))
-    return out
 
 
 def validate_async_config(config: AsyncPPOConfig) -> None:

@@ -9,14 +9,13 @@ error is one line naming the key and the fix.
 
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass, field
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf import DictConfig
 
-from hybridrl.trainer.sections import (
+from hybridrl import algos
+from hybridrl.trainer.ppo.sections import (
     AlgorithmConfig,
     AsyncTrainingConfig,
     CustomRewardFunctionConfig,
@@ -24,7 +23,9 @@ from hybridrl.trainer.sections import (
     RewardManagerKwargs,
     TrainerConfig,
 )
+from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
+from hybridrl.workers.megatron_config import data_parallel_size
 from hybridrl.workers.rollout.config import RolloutConfig
 
 
@@ -50,39 +51,12 @@ class PPOConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
 
-class ConfigError(ValueError):
-    """A config problem found at start-up; the message names the key and the fix."""
+PPO_KEYS_DOC = "hybridrl/trainer/config/ppo_trainer.yaml"
 
 
-def _all_keys(node, prefix: str = "") -> list[str]:
-    out = []
-    for k in node:
-        full = f"{prefix}{k}"
-        out.append(full)
-        v = node[k] if not OmegaConf.is_missing(node, k) else None
-        if isinstance(v, DictConfig):
-            out.extend(_all_keys(v, full + "."))
-    return out
-
-
-def load_config(cfg: DictConfig | dict | None = None) -> PPOConfig:
+def load_config(cfg: DictConfig | dict | list[str] | None = None) -> PPOConfig:
     """Merge `cfg` onto the schema, resolve it and validate it; returns a typed `PPOConfig`."""
-    schema = OmegaConf.structured(PPOConfig)
-    user = OmegaConf.create(cfg or {})
-    try:
-        merged = OmegaConf.merge(schema, user)
-    except (ConfigKeyError, ConfigAttributeError) as e:
-        key = getattr(e, "full_key", None) or str(e)
-        known = _all_keys(schema)
-        close = difflib.get_close_matches(str(key), known, n=3)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ConfigError(
-            f"unknown config key '{key}'.{hint} See hybridrl/trainer/config/ppo_trainer.yaml for every key."
-        ) from None
-    except ValidationError as e:
-        raise ConfigError(f"bad value for config key '{getattr(e, 'full_key', '?')}': {e.msg}") from None
-    OmegaConf.resolve(merged)
-    config: PPOConfig = OmegaConf.to_object(merged)
+    config: PPOConfig = load_structured(PPOConfig, cfg, PPO_KEYS_DOC)
     derive_config(config)
     validate_config(config)
     return config
@@ -125,8 +99,6 @@ def n_slots(config: PPOConfig) -> int:
 
 def validate_config(config: PPOConfig) -> None:
     """Check the config as a whole; raise ConfigError naming the key and the fix."""
-    from hybridrl import algos
-
     d, arr, algo, tr = config.data, config.actor_rollout_ref, config.algorithm, config.trainer
     world = n_slots(config)
     if world < 1:
@@ -165,7 +137,7 @@ def validate_config(config: PPOConfig) -> None:
             f"actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = {mini * n} rows must divide across "
             f"{world} ranks (trainer.nnodes * trainer.n_gpus_per_node); change one of them"
         )
-    per_rank_mini = mini * n // world
+    per_rank_mini = mini * n // data_parallel_size(arr.actor.strategy, arr.actor.megatron, world)
     micro = arr.actor.ppo_micro_batch_size_per_gpu
     if not arr.actor.use_dynamic_bsz and micro is not None and per_rank_mini % micro != 0:
         raise ConfigError(
@@ -182,8 +154,6 @@ def validate_config(config: PPOConfig) -> None:
             "[hybridrl] warning: both algorithm.use_kl_in_reward and actor.use_kl_loss are on (KL counted twice)"
         )
     _check_choice("actor_rollout_ref.rollout.name", arr.rollout.name, ["hf", "vllm", "sglang"])
-    if arr.rollout.response_length > 0 and arr.rollout.response_length != d.max_response_length:
-        pass  # rollout.response_length may be set on its own; data.max_response_length is the default.
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         for f in _as_list(files):
             if not os.path.exists(os.path.expanduser(str(f))):
@@ -221,6 +191,7 @@ def _validate_critic(config: PPOConfig, world: int) -> None:
             f"critic.ppo_mini_batch_size * rollout.n = {mini * n} must divide across {world} ranks"
         )
     micro = c.ppo_micro_batch_size_per_gpu
+    world = data_parallel_size(c.strategy, c.megatron, world)  # Megatron: only DP ranks split the batch
     if not c.use_dynamic_bsz and micro is not None and (mini * n // world) % micro != 0:
         raise ConfigError(
             f"per-rank critic mini-batch {mini * n // world} is not divisible by "

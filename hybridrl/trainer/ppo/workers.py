@@ -16,6 +16,7 @@ from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourc
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
+from hybridrl.workers.megatron_config import data_parallel_size
 
 
 @dataclass
@@ -43,8 +44,17 @@ def _use_gpu(config) -> bool:
 def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
     """Reserve `nnodes x n_gpus_per_node` slots, start the colocated workers, build their models."""
     from hybridrl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+    from hybridrl.workers.megatron_workers import (
+        MegatronActorRolloutRefWorker,
+        MegatronCriticWorker,
+        uses_megatron,
+    )
 
     tr, arr = config.trainer, config.actor_rollout_ref
+    if uses_megatron(arr.actor.strategy):  # strategy=megatron (docs/megatron.md)
+        ActorRolloutRefWorker = MegatronActorRolloutRefWorker  # noqa: N806
+    if uses_megatron(config.critic.strategy):
+        CriticWorker = MegatronCriticWorker  # noqa: N806
     use_gpu = _use_gpu(config)
     world = tr.nnodes * tr.n_gpus_per_node
     threads = max(1, int(tr.cpus_per_worker)) if not use_gpu else None
@@ -59,7 +69,11 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
             ref=arr.ref,
             rollout=arr.rollout,
             role=role,
-            actor_batch_sizes=normalize_actor_batch_sizes(arr.actor, rollout_n=n, dp_size=world),
+            actor_batch_sizes=normalize_actor_batch_sizes(
+                arr.actor,
+                rollout_n=n,
+                dp_size=data_parallel_size(arr.actor.strategy, arr.actor.megatron, world),
+            ),
             num_threads=threads,
             peak_flops=peak_flops,
         )
@@ -68,7 +82,11 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
         classes["critic"] = RayClassWithInitArgs(
             CriticWorker,
             config=config.critic,
-            batch_sizes=normalize_critic_batch_sizes(config.critic, dp_size=world, rollout_n=n),
+            batch_sizes=normalize_critic_batch_sizes(
+                config.critic,
+                dp_size=data_parallel_size(config.critic.strategy, config.critic.megatron, world),
+                rollout_n=n,
+            ),
             num_threads=threads,
             peak_flops=peak_flops,
         )

@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridrl.trainer import checkpointing as ckpt_io
-from hybridrl.trainer.main_sft import SFTConfig, SFTConfigError, is_builtin_model
+from hybridrl.trainer.sft.config import SFTConfig, is_builtin_model
+from hybridrl.utils import checkpointing as ckpt_io
+from hybridrl.utils.config_loader import ConfigError
 
 __all__ = ["SFTTrainer", "sft_lr_factor", "sft_token_loss", "resolve_data_files"]
 
@@ -107,7 +108,7 @@ def resolve_data_files(config: SFTConfig) -> tuple[Any, Any]:
     if d.train_files is not None:
         return d.train_files, d.val_files
     if not is_builtin_model(config.model.partial_pretrain):
-        raise SFTConfigError("data.train_files is not set; point it at parquet/jsonl file(s)")
+        raise ConfigError("data.train_files is not set; point it at parquet/jsonl file(s)")
     from hybridrl.data.builtin_task import ensure_builtin_data
 
     paths = ensure_builtin_data(d.builtin_data_dir)
@@ -143,7 +144,7 @@ def _trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class SFTTrainer:
     """Builds the engine, data and tracker from an `SFTConfig`; `fit()` trains.
 
-    Call after `hybridrl.trainer.main_sft.init_distributed` (every rank constructs one).
+    Call after `hybridrl.trainer.sft.launch.init_distributed` (every rank constructs one).
     """
 
     def __init__(self, config: SFTConfig) -> None:
@@ -229,13 +230,13 @@ class SFTTrainer:
 
         d = self.config.data
         if d.train_batch_size % self.world:
-            raise SFTConfigError(
+            raise ConfigError(
                 f"data.train_batch_size={d.train_batch_size} must be divisible by the number of ranks "
                 f"({self.world}); make it a multiple of {self.world}"
             )
         n = len(self.train_dataset)
         if n < d.train_batch_size:
-            raise SFTConfigError(
+            raise ConfigError(
                 f"data.train_files has {n} rows, fewer than one batch (data.train_batch_size="
                 f"{d.train_batch_size}); lower data.train_batch_size or add data"
             )
@@ -403,7 +404,7 @@ class SFTTrainer:
         if self._gen_eval is not None:
             return self._gen_eval or None
         from hybridrl.data.rl_dataset import read_rows
-        from hybridrl.trainer.main_eval import GreedyEval, dig
+        from hybridrl.trainer.offline.evaluation import GreedyEval, dig
 
         g, d = self.config.generation_eval, self.config.data
         self._gen_eval = False

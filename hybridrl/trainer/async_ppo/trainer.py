@@ -29,9 +29,9 @@ from hybridrl.single_controller.ray.base import (
     gather_refs,
 )
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
-from hybridrl.trainer.async_config import AsyncPPOConfig, n_rollout_workers
-from hybridrl.trainer.ppo_trainer import RayPPOTrainer, _attach_extra
-from hybridrl.trainer.workers_setup import WorkerGroups
+from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_workers
+from hybridrl.trainer.ppo.trainer import RayPPOTrainer, _attach_extra
+from hybridrl.trainer.ppo.workers import WorkerGroups
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.utils.metrics import timer
 from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
@@ -328,7 +328,7 @@ class AsyncPPOTrainer(RayPPOTrainer):
 # ---------------------------------------------------------------------------------------- build
 def build_async_trainer(config: AsyncPPOConfig) -> AsyncPPOTrainer:
     """Tokenizer, data, rewards, tracker, the two worker pools and the trainer (workers last)."""
-    from hybridrl.trainer.setup import prepare_run
+    from hybridrl.trainer.ppo.setup import prepare_run
 
     run = prepare_run(config)
     workers = start_async_workers(config)

@@ -21,9 +21,9 @@ import torch
 
 from hybridrl import algos
 from hybridrl.protocol import DataProto
-from hybridrl.trainer import checkpointing
-from hybridrl.trainer.padding import trim_left_padding, trim_right_padding
-from hybridrl.trainer.workers_setup import WorkerGroups
+from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
+from hybridrl.trainer.ppo.workers import WorkerGroups
+from hybridrl.utils import checkpointing
 from hybridrl.utils.metrics import (
     compute_data_metrics,
     compute_throughout_metrics,
@@ -58,9 +58,9 @@ class RayPPOTrainer:
     """Holds the PPO loop; the workers hold the models.
 
     Args:
-        config: the validated, typed config tree (`hybridrl.trainer.ppo_config.PPOConfig`).
+        config: the validated, typed config tree (`hybridrl.trainer.ppo.config.PPOConfig`).
         tokenizer: the policy tokenizer (decoding for rewards and logs).
-        workers: the started worker groups (`hybridrl.trainer.workers_setup.start_workers`).
+        workers: the started worker groups (`hybridrl.trainer.ppo.workers.start_workers`).
         train_loader: resumable loader of prompt batches (`hybridrl.data.RLDataLoader`).
         val_loader: loader over the validation set, or None.
         reward_fn: reward manager for training batches.

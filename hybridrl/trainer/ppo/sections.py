@@ -144,7 +144,7 @@ class TrainerConfig:
 class AsyncTrainingConfig:
     """`async_training`: the asynchronous (AReaL-style) mode, read by `main_async` only.
 
-    Every key is explained in `hybridrl/trainer/async_config.py` and docs/async.md; `main_ppo`
+    Every key is explained in `hybridrl/trainer/async_ppo/config.py` and docs/async.md; `main_ppo`
     (synchronous) ignores the section.
     """
 

@@ -1,0 +1,57 @@
+"""Run an asynchronous PPO config: compose it, start Ray for both pools, build the trainer, fit."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, load_async_config, n_rollout_workers
+from hybridrl.trainer.async_ppo.trainer import build_async_trainer
+from hybridrl.trainer.ppo.launch import start_ray, write_report
+
+# Applied before the user's overrides: one core for the trainer, one for the rollout worker.
+ASYNC_DEFAULTS = [
+    "trainer.cpus_per_worker=1",
+    "trainer.experiment_name=builtin_async_grpo",
+]
+
+
+def compose_async_config(overrides: list[str] | None = None) -> DictConfig:
+    """ppo_trainer.yaml + ASYNC_DEFAULTS + `overrides` (Hydra syntax; async_training.* keys too)."""
+    from hydra import compose, initialize_config_module
+
+    overrides = list(overrides or [])
+    is_async = [o for o in overrides if o.lstrip("+").startswith("async_training.")]
+    rest = [o for o in overrides if o not in is_async]
+    with initialize_config_module("hybridrl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=[*ASYNC_DEFAULTS, *rest])
+    OmegaConf.set_struct(cfg, False)
+    if is_async:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in is_async]))
+    return cfg
+
+
+def run_async(cfg: DictConfig | dict | None = None) -> dict[str, float]:
+    """Load and validate the config, start Ray and both worker pools, train; returns final val metrics."""
+    return run_async_config(load_async_config(cfg))
+
+
+def run_async_config(config: AsyncPPOConfig) -> dict[str, float]:
+    init_ray(config)
+    trainer = build_async_trainer(config)
+    try:
+        metrics = trainer.fit()
+    finally:
+        trainer.tracker.finish()
+        trainer.async_workers.shutdown()
+    if config.trainer.make_report:
+        write_report(trainer.tracker)
+    return metrics
+
+
+def init_ray(config: AsyncPPOConfig) -> None:
+    """Start a local Ray with enough CPUs for both pools (or attach to RAY_ADDRESS)."""
+    tr, at = config.trainer, config.async_training
+    start_ray(
+        tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker
+        + n_rollout_workers(config) * at.rollout_cpus_per_worker
+    )

@@ -1,0 +1,252 @@
+"""The SFT config schema (veRL's `sft_trainer.yaml` keys), its presets, loading and validation.
+
+`load_sft_config(cfg)` merges schema <- hybridrl/trainer/config/sft_trainer.yaml <- `cfg` through the
+shared loader (hybridrl/utils/config_loader.py), fills the keys left null from the presets and
+checks the whole; every problem raises ConfigError naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from hybridrl.utils.config_loader import ConfigError, load_structured
+from hybridrl.workers.config import FSDPConfig
+
+CONFIG_DIR = Path(__file__).parent.parent / "config"
+LR_SCHEDULERS = ("cosine", "wsd", "constant")
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+# Values used for keys left null, for the built-in tiny model and for any other model.
+# (The tiny model needs a much larger learning rate than veRL's 1e-5 to learn in minutes.)
+BUILTIN_PRESET = {"optim.lr": 1e-3, "data.train_batch_size": 64, "data.micro_batch_size_per_gpu": 64}
+GENERAL_PRESET = {"optim.lr": 1e-5, "data.train_batch_size": 256, "data.micro_batch_size_per_gpu": 4}
+
+
+SFTConfigError = ConfigError  # the name SFT code used before the loaders were unified
+
+
+# ----------------------------------------------------------------------------------------------
+# schema
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class SFTMultiTurnConfig:
+    enable: bool = False
+    messages_key: str = "messages"
+
+
+@dataclass
+class SFTDataSection:
+    train_files: Any = None  # str | list[str]; None -> the built-in task's SFT train file
+    val_files: Any = None  # None -> the built-in task's SFT val file when training on it
+    builtin_data_dir: str | None = None
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    prompt_dict_keys: list[str] | None = None
+    response_dict_keys: list[str] | None = None
+    multiturn: SFTMultiTurnConfig = field(default_factory=SFTMultiTurnConfig)
+    max_length: int = 1024
+    truncation: str = "error"
+    train_batch_size: int | None = None
+    micro_batch_size_per_gpu: int | None = None
+    micro_batch_size: int | None = None  # veRL's removed global key: rejected with a hint
+    use_chat_template: bool = True
+    chat_template: str | None = None
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    train_max_samples: int = -1
+    val_max_samples: int = -1
+    shuffle: bool = True
+
+
+@dataclass
+class SFTFSDPConfig(FSDPConfig):
+    """FSDPConfig plus veRL SFT's names: cpu_offload / offload_params keep shards on the host."""
+
+    cpu_offload: bool = False
+    offload_params: bool = False
+
+
+@dataclass
+class SFTModelSection:
+    partial_pretrain: str = "builtin:tiny"
+    tokenizer_path: str | None = None
+    trust_remote_code: bool = False
+    external_lib: str | None = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = False
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+    use_liger: bool = False
+    strategy: str = "fsdp2"
+    fsdp_config: SFTFSDPConfig = field(default_factory=SFTFSDPConfig)
+
+
+@dataclass
+class SFTOptimSection:
+    optimizer: str = "AdamW"
+    lr: float | None = None
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.1
+    clip_grad: float = 1.0
+    lr_scheduler: str = "cosine"
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+    stable_ratio: float = 0.9
+
+
+@dataclass
+class SFTCheckpointSection:
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra", "hf_model"])
+    load_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+
+
+@dataclass
+class SFTTrainerSection:
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    project_name: str = "hybridrl-sft"
+    experiment_name: str = "sft"
+    logger: Any = field(default_factory=lambda: ["console"])
+    log_dir: str | None = None
+    total_epochs: int = 4
+    total_training_steps: int | None = None
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = True
+    resume_mode: str = "auto"
+    resume_from_path: str | None = None
+    max_ckpt_to_keep: int | None = None
+    checkpoint: SFTCheckpointSection = field(default_factory=SFTCheckpointSection)
+    nnodes: int = 1
+    n_gpus_per_node: int | None = None
+    seed: int = 1
+    device: str = "auto"
+
+
+@dataclass
+class SFTGenerationEvalSection:
+    """Greedy accuracy on the validation prompts (needs data_source and ground-truth columns)."""
+
+    enable: bool = True
+    max_samples: int = 200
+    max_new_tokens: int = 32
+    batch_size: int = 64
+    data_source_key: str = "data_source"
+    ground_truth_key: str = "ground_truth"  # a column, or a dotted path such as reward_model.ground_truth
+
+
+@dataclass
+class SFTConfig:
+    data: SFTDataSection = field(default_factory=SFTDataSection)
+    model: SFTModelSection = field(default_factory=SFTModelSection)
+    optim: SFTOptimSection = field(default_factory=SFTOptimSection)
+    trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
+    generation_eval: SFTGenerationEvalSection = field(default_factory=SFTGenerationEvalSection)
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------------------
+SFT_KEYS_DOC = "hybridrl/trainer/config/sft_trainer.yaml"
+
+
+def load_sft_config(cfg: DictConfig | dict | list[str] | None = None) -> SFTConfig:
+    """The typed config: schema <- sft_trainer.yaml <- `cfg`, resolved, preset-filled and validated.
+
+    Args:
+        cfg: a DictConfig/dict of overrides, or a list of dotlist strings ("optim.lr=1e-4").
+
+    Raises:
+        ConfigError: an unknown key, a value of the wrong type, or an inconsistent setting.
+    """
+    config: SFTConfig = load_structured(SFTConfig, cfg, SFT_KEYS_DOC, CONFIG_DIR / "sft_trainer.yaml")
+    fill_presets(config)
+    validate_sft_config(config)
+    return config
+
+
+def is_builtin_model(path: str | None) -> bool:
+    try:
+        from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
+    except ImportError:  # pragma: no cover - the models package ships with hybridrl
+        BUILTIN_MODEL_ALIASES = ("builtin:tiny", "builtin")
+    return path in BUILTIN_MODEL_ALIASES
+
+
+def fill_presets(config: SFTConfig) -> None:
+    """Fill keys left null from BUILTIN_PRESET (built-in model) or GENERAL_PRESET."""
+    preset = BUILTIN_PRESET if is_builtin_model(config.model.partial_pretrain) else GENERAL_PRESET
+    for dotted, value in preset.items():
+        section, name = dotted.split(".")
+        obj = getattr(config, section)
+        if getattr(obj, name) is None:
+            setattr(obj, name, value)
+
+
+def _choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
+
+
+def validate_sft_config(config: SFTConfig) -> None:
+    """Start-up checks that need no files or processes; each error names the key and the fix."""
+    d, m, o, t = config.data, config.model, config.optim, config.trainer
+    if d.micro_batch_size is not None:
+        raise ConfigError(
+            "data.micro_batch_size (a global count) was removed in veRL; set data.micro_batch_size_per_gpu instead"
+        )
+    _choice("data.truncation", d.truncation, ("error", "left", "right"))
+    _choice("optim.lr_scheduler", o.lr_scheduler, LR_SCHEDULERS)
+    _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
+    _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
+    _choice("model.strategy", m.strategy, ("fsdp", "fsdp2"))
+    if o.optimizer.lower() != "adamw":
+        raise ConfigError(
+            f"optim.optimizer={o.optimizer!r}: only AdamW is implemented; set optim.optimizer=AdamW"
+        )
+    for key, value in (
+        ("data.train_batch_size", d.train_batch_size),
+        ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
+        ("data.max_length", d.max_length),
+        ("trainer.nnodes", t.nnodes),
+    ):
+        if value is None or value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if t.total_epochs < 1 and not t.total_training_steps:
+        raise ConfigError("trainer.total_epochs must be >= 1 (or set trainer.total_training_steps)")
+    if t.total_training_steps is not None and t.total_training_steps < 1:
+        raise ConfigError(f"trainer.total_training_steps must be >= 1 or null, got {t.total_training_steps}")
+    if o.lr is None or o.lr <= 0:
+        raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
+    if len(o.betas) != 2:
+        raise ConfigError(f"optim.betas must hold two numbers, got {o.betas}")
+    if not 0.0 <= o.lr_warmup_steps_ratio < 1.0:
+        raise ConfigError(f"optim.lr_warmup_steps_ratio must be in [0, 1), got {o.lr_warmup_steps_ratio}")
+    if not 0.0 <= o.stable_ratio <= 1.0:
+        raise ConfigError(f"optim.stable_ratio must be in [0, 1], got {o.stable_ratio}")
+    if m.lora_rank < 0:
+        raise ConfigError(f"model.lora_rank must be >= 0 (0 disables LoRA), got {m.lora_rank}")
+    if m.use_liger:
+        raise ConfigError("model.use_liger=True is not implemented in hybridrl; set it to False")
+    for name in ("save_contents", "load_contents"):
+        bad = [c for c in getattr(t.checkpoint, name) if c not in CHECKPOINT_CONTENTS]
+        if bad:
+            raise ConfigError(
+                f"trainer.checkpoint.{name} has unknown entries {bad}; use a subset of {list(CHECKPOINT_CONTENTS)}"
+            )
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        raise ConfigError(
+            "trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>"
+        )
+    if d.train_files is None and not is_builtin_model(m.partial_pretrain):
+        raise ConfigError(
+            "data.train_files is not set; point it at parquet/jsonl file(s) with the "
+            f"'{d.prompt_key}'/'{d.response_key}' columns (the built-in task's data only fits model.partial_pretrain="
+            "builtin:tiny)"
+        )

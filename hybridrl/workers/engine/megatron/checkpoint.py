@@ -1,0 +1,231 @@
+"""Checkpoints of a MegatronEngine with Megatron's dist_checkpointing (resharding), and HF export.
+
+Layout of a checkpoint directory `<path>` (written to `<path>.tmp`, renamed when all ranks are
+done, as the FSDP checkpoints: an interrupted save never leaves a half-written `<path>`):
+    dist/                  dist_checkpointing of model (+ optimizer) sharded state dicts
+    extra_state_rank{r}.pt lr schedule + RNG states of rank r + the caller's extra
+    huggingface/           full model as a Hugging Face folder (contents 'hf_model')
+    meta.json              global step, contents, world size, parallel sizes, role
+
+The model and optimizer are saved as global (sharded) tensors, so a checkpoint saved at one
+TP/PP/DP layout loads at another (e.g. TP=2 -> TP=1). The optimizer is saved with
+`fully_sharded_model_space` for Megatron's distributed optimizer (reshardable). Loading
+Megatron's distributed optimizer gives every parameter the same `step` tensor object, so one
+Adam step would advance all of them N times: each `step` is cloned after the load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
+from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu
+
+__all__ = ["export_hf_folder", "load_checkpoint", "load_dist_weights", "save_checkpoint"]
+
+DEFAULT_CONTENTS = ("model", "optimizer", "extra")
+KNOWN_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+_OPT_META = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+
+
+def _contents(contents) -> set[str]:
+    chosen = set(DEFAULT_CONTENTS if contents is None else contents)
+    unknown = chosen - set(KNOWN_CONTENTS)
+    if unknown:
+        raise ValueError(f"unknown checkpoint contents {sorted(unknown)}; use a subset of {KNOWN_CONTENTS}")
+    return chosen
+
+
+def _inner(chunk):
+    return getattr(chunk, "module", chunk)  # DDP's own sharded_state_dict adds a 'module.' prefix
+
+
+def _model_sharded(engine) -> dict[str, Any]:
+    chunks = engine.chunks
+    if len(chunks) == 1:
+        return {"model": _inner(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": _inner(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _sharded(engine, with_optimizer: bool, is_loading: bool) -> dict[str, Any]:
+    sd = _model_sharded(engine)
+    if with_optimizer:
+        model_sd = {k: v for k, v in sd.items()}
+        sd["optimizer"] = engine.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=_OPT_META
+        )
+    return sd
+
+
+def save_checkpoint(engine, path: str, *, contents=None, global_step: int | None = None, extra=None) -> None:
+    """Write model (+ optimizer, lr schedule, RNG) of `engine` to `path`, atomically (a collective)."""
+    from megatron.core import dist_checkpointing
+
+    chosen = _contents(contents)
+    with_opt = "optimizer" in chosen and engine.optimizer is not None
+    path = os.path.abspath(path.rstrip("/"))
+    tmp = path + ".tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "dist"))
+    dist.barrier()
+    if "model" in chosen or with_opt:
+        sd = _sharded(engine, with_opt, is_loading=False)
+        if "model" not in chosen:
+            sd = {"optimizer": sd["optimizer"]}
+        with cuda_to_cpu():
+            dist_checkpointing.save(sd, os.path.join(tmp, "dist"))
+    if "extra" in chosen:
+        state = {
+            "rng": get_rng_state(),
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "extra": extra,
+        }
+        torch.save(state, os.path.join(tmp, f"extra_state_rank{rank}.pt"))
+    if "hf_model" in chosen:
+        export_hf_folder(engine, os.path.join(tmp, "huggingface"))
+    dist.barrier()
+    if rank == 0:
+        m = engine.megatron_config
+        meta = {
+            "global_step": global_step,
+            "contents": sorted(chosen if with_opt else chosen - {"optimizer"}),
+            "world_size": dist.get_world_size(),
+            "tensor_model_parallel_size": m.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": m.pipeline_model_parallel_size,
+            "role": engine.role,
+            "backend": "megatron",
+        }
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f)
+        old = path + ".old"
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def _untie_steps(optimizer) -> None:
+    """Give each parameter its own Adam `step` tensor (the load shares one object between all)."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None:
+            continue
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def _ensure_optimizer_state(engine) -> None:
+    """Create Adam's state (zeros) before a load: Megatron's optimizer loads into existing state."""
+    for sub in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        init = getattr(sub, "init_state_fn", None)
+        inner = getattr(sub, "optimizer", None)
+        if init is not None and inner is not None and not inner.state:
+            with cuda_to_cpu():
+                init(inner, sub.config)
+
+
+def _read_meta(path: str) -> dict[str, Any]:
+    meta_file = os.path.join(path, "meta.json")
+    if not os.path.exists(meta_file):
+        raise FileNotFoundError(
+            f"no checkpoint at {path} (meta.json missing); point resume at a directory written by save_checkpoint"
+        )
+    with open(meta_file) as f:
+        return json.load(f)
+
+
+def load_checkpoint(engine, path: str, *, contents=None) -> dict[str, Any]:
+    """Restore what `save_checkpoint` wrote (any TP/PP layout for model and optimizer; a collective)."""
+    from megatron.core import dist_checkpointing
+
+    chosen = _contents(contents) - {"hf_model"}
+    path = os.path.abspath(path.rstrip("/"))
+    meta = _read_meta(path)
+    with_opt = "optimizer" in chosen and engine.optimizer is not None
+    missing = (chosen - {"optimizer"} | ({"optimizer"} if with_opt else set())) - set(meta["contents"])
+    if missing:
+        raise ValueError(
+            f"checkpoint {path} does not hold {sorted(missing)} (it has {meta['contents']}); "
+            "drop them from checkpoint.load_contents"
+        )
+    if with_opt:
+        _ensure_optimizer_state(engine)
+    if "model" in chosen or with_opt:
+        sd = _sharded(engine, with_opt, is_loading=True)
+        if "model" not in chosen:
+            sd = {"optimizer": sd["optimizer"]}
+        with cuda_to_cpu(), torch.no_grad():
+            loaded = dist_checkpointing.load(sd, os.path.join(path, "dist"))
+            if "model" in chosen:
+                for i, chunk in enumerate(engine.chunks):
+                    _inner(chunk).load_state_dict(loaded["model" if len(engine.chunks) == 1 else f"model{i}"])
+            if with_opt:
+                engine.optimizer.load_state_dict(loaded["optimizer"])
+                _untie_steps(engine.optimizer)
+    extra = None
+    if "extra" in chosen:
+        f = os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt")
+        if not os.path.exists(f):
+            raise FileNotFoundError(
+                f"{f} is missing: the checkpoint was saved with {meta['world_size']} ranks; resume with the same "
+                "number of ranks, or drop 'extra' from checkpoint.load_contents"
+            )
+        state = torch.load(f, weights_only=False)
+        set_rng_state(state["rng"])
+        if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        extra = state["extra"]
+    dist.barrier()
+    return {"global_step": meta.get("global_step"), "extra": extra}
+
+
+def load_dist_weights(chunks: list[Any], path: str) -> None:
+    """Initial weights from a Megatron dist checkpoint folder (`megatron.dist_checkpointing_path`).
+
+    Accepts a hybridrl checkpoint (its `dist/` sub-folder) or a plain dist_checkpointing folder
+    whose model state dict is saved under 'model' (veRL's layout).
+    """
+    from megatron.core import dist_checkpointing
+
+    folder = os.path.join(path, "dist") if os.path.isdir(os.path.join(path, "dist")) else path
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"megatron.dist_checkpointing_path={path!r}: no such folder")
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    sd = {k: _inner(c).sharded_state_dict() for k, c in zip(keys, chunks)}
+    with cuda_to_cpu(), torch.no_grad():
+        loaded = dist_checkpointing.load(sd, folder)
+        for k, c in zip(keys, chunks):
+            _inner(c).load_state_dict(loaded[k])
+
+
+def export_hf_folder(engine, out_dir: str) -> None:
+    """Save the full model as a Hugging Face folder on rank 0 (a collective: call on every rank)."""
+    from hybridrl.workers.engine.fsdp import build_hf_model
+
+    full = dict(engine.iter_full_params(device="cpu"))
+    if dist.get_rank() == 0:
+        import dataclasses
+
+        cfg = dataclasses.replace(engine.model_config, init_from_scratch=True, lora_rank=0)
+        model = build_hf_model(cfg, role=engine.role if engine.role != "ref" else "actor", key="export")
+        missing, unexpected = model.load_state_dict(full, strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and engine.spec.tie_word_embeddings)]
+        if missing or unexpected:
+            raise RuntimeError(f"HF export: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        model.tie_weights()
+        os.makedirs(out_dir, exist_ok=True)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        if engine.tokenizer is not None:
+            engine.tokenizer.save_pretrained(out_dir)
+    dist.barrier()

@@ -1,0 +1,324 @@
+"""MegatronEngine: a Megatron-core GPT model of one role with Megatron's DDP, optimizer and schedules.
+
+The engine the workers build for `strategy=megatron` (actor, ref, critic), beside `FSDPEngine`.
+It holds this rank's model chunks (one per virtual pipeline stage; wrapped in Megatron's
+DistributedDataParallel when trained), Megatron's optimizer (AdamW, plain or distributed) and an
+lr schedule with the FSDP engine's semantics. Weights come from the role's Hugging Face folder
+(`model.path`, or 'builtin:tiny') through hybridrl's own HF <-> Megatron mapping (convert.py), or
+from a Megatron dist checkpoint (`megatron.use_dist_checkpointing`).
+
+Megatron's weight-decay rule applies: biases and norm weights get no weight decay (the FSDP
+engine decays every parameter); with weight_decay=0 the two engines take identical steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.workers.config import ModelConfig, OptimConfig
+from hybridrl.workers.engine.megatron.convert import ArchSpec, arch_spec
+from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu, needs_cpu_shims
+from hybridrl.workers.engine.megatron.forward import run_schedule
+from hybridrl.workers.engine.megatron.model import (
+    build_model,
+    init_parallel,
+    iter_hf_params,
+    load_hf_weights,
+    transformer_config,
+)
+from hybridrl.workers.engine.optim import lr_factor, num_warmup_steps
+from hybridrl.workers.megatron_config import MegatronConfig, validate_megatron_config
+
+__all__ = ["MegatronEngine", "ParamGroupLR"]
+
+
+class ParamGroupLR:
+    """The FSDP engine's lr schedule (optim.lr_factor) over a Megatron optimizer's param groups.
+
+    torch's LambdaLR accepts only torch optimizers; this keeps its interface (step, get_last_lr,
+    state_dict, load_state_dict) and its semantics (lr = base_lr * factor(step), step 0 first).
+    """
+
+    def __init__(self, optimizer: Any, config: OptimConfig, key: str) -> None:
+        self.optimizer = optimizer
+        self.base_lr = float(config.lr)
+        if config.scheduler_type == "cosine" and config.total_training_steps <= 0:
+            raise ValueError(f"{key}.lr_scheduler_type=cosine needs {key}.total_training_steps > 0")
+        self.factor = functools.partial(
+            lr_factor,
+            warmup_steps=num_warmup_steps(config, key),
+            scheduler_type=config.scheduler_type,
+            total_steps=config.total_training_steps,
+            min_lr_ratio=config.min_lr_ratio,
+            num_cycles=config.num_cycles,
+        )
+        self.last_epoch = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        lr = self.base_lr * self.factor(self.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            group["max_lr"] = lr  # Megatron's param-group field
+            group["min_lr"] = lr
+
+    def get_last_lr(self) -> list[float]:
+        return [self.base_lr * self.factor(self.last_epoch)]
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.last_epoch, "base_lr": self.base_lr}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_epoch = int(state["last_epoch"])
+        self.base_lr = float(state["base_lr"])
+        self._apply()
+
+
+def _build_optimizer(chunks: list[Any], optim: OptimConfig, mcfg: MegatronConfig):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=float(optim.betas[0]),
+        adam_beta2=float(optim.betas[1]),
+        adam_eps=optim.eps,
+        clip_grad=0.0,  # clipped by MegatronEngine.step
+        use_distributed_optimizer=mcfg.use_distributed_optimizer,
+        params_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+    )
+    with cuda_to_cpu():
+        return get_megatron_optimizer(ocfg, chunks)
+
+
+def _wrap_ddp(chunks: list[Any], tcfg: Any, mcfg: MegatronConfig) -> list[Any]:
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=mcfg.use_distributed_optimizer,
+    )
+    tcfg.finalize_model_grads_func = finalize_model_grads
+    wrapped = []
+    with cuda_to_cpu():
+        for i, chunk in enumerate(chunks):
+            wrapped.append(
+                DistributedDataParallel(
+                    config=tcfg, ddp_config=ddp_cfg, module=chunk, disable_bucketing=i > 0
+                )
+            )
+    return wrapped
+
+
+def _hf_state_dict(model_config: ModelConfig, role: str, key: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """The role's HF model weights (critic: the token-classification model, head included) and config."""
+    from hybridrl.workers.engine.fsdp import build_hf_model
+
+    hf = build_hf_model(model_config, role=role, dtype=torch.float32, key=key)
+    return {k: v.detach() for k, v in hf.state_dict().items()}, hf.config
+
+
+@dataclass
+class MegatronEngine:
+    """Megatron model chunks of one role on this rank, with optimizer and lr schedule (None for ref)."""
+
+    chunks: list[Any]
+    spec: ArchSpec
+    hf_config: Any
+    megatron_config: MegatronConfig
+    model_config: ModelConfig
+    role: str
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    tokenizer: Any = None
+    max_grad_norm: float = 0.0
+
+    @classmethod
+    def build(
+        cls,
+        model_config: ModelConfig,
+        megatron_config: MegatronConfig,
+        optim_config: OptimConfig | None = None,
+        *,
+        role: str = "actor",
+        key: str = "actor_rollout_ref.actor.megatron",
+        model_key: str = "actor_rollout_ref.model",
+        optim_key: str | None = None,
+        max_grad_norm: float = 0.0,
+        load_tok: bool = True,
+    ) -> MegatronEngine:
+        """Build this rank's part of the model of `role` (a collective over all ranks)."""
+        from hybridrl.workers.engine.fsdp import load_tokenizer
+
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronEngine.build needs torch.distributed: call init_process_group first")
+        validate_megatron_config(
+            megatron_config, key, world_size=dist.get_world_size(), on_gpu=not needs_cpu_shims()
+        )
+        init_parallel(megatron_config, key)
+        hf_sd, hf_config = _hf_state_dict(model_config, role, model_key)
+        spec = arch_spec(hf_config)
+        _check_divisible(spec, megatron_config, key)
+        tcfg = transformer_config(spec, megatron_config, torch.float32, key)
+        chunks = build_model(spec, tcfg, role, megatron_config.seed)
+        load_hf_weights(chunks, hf_sd, spec, role)
+        del hf_sd
+        trained = optim_config is not None and role in ("actor", "critic")
+        if trained:
+            chunks = _wrap_ddp(chunks, tcfg, megatron_config)
+        if megatron_config.use_dist_checkpointing:
+            from hybridrl.workers.engine.megatron.checkpoint import load_dist_weights
+
+            load_dist_weights(chunks, megatron_config.dist_checkpointing_path)
+        optimizer = lr_scheduler = None
+        if trained:
+            optim_key = optim_key or ("critic.optim" if role == "critic" else "actor_rollout_ref.actor.optim")
+            optimizer = _build_optimizer(chunks, optim_config, megatron_config)
+            lr_scheduler = ParamGroupLR(optimizer, optim_config, optim_key)
+        tokenizer = None
+        if load_tok:
+            with contextlib.suppress(OSError, ValueError):
+                tokenizer = load_tokenizer(model_config, model_key)
+        return cls(
+            chunks,
+            spec,
+            hf_config,
+            megatron_config,
+            model_config,
+            role,
+            optimizer,
+            lr_scheduler,
+            tokenizer,
+            max_grad_norm,
+        )
+
+    # -- parallel layout --------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size()
+
+    @property
+    def dp_group(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group() if self.dp_size > 1 else None
+
+    @property
+    def is_last_stage(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+    def tp_info(self) -> tuple[int, Any]:
+        """(tp rank, tp group or None) for vocabulary-parallel math."""
+        from megatron.core import parallel_state as ps
+
+        tp = ps.get_tensor_model_parallel_world_size()
+        return ps.get_tensor_model_parallel_rank(), (ps.get_tensor_model_parallel_group() if tp > 1 else None)
+
+    # -- compute ----------------------------------------------------------------------------
+    def run(self, micros: list[Any], loss_fn, *, forward_only: bool) -> list[Any]:
+        """`run_schedule` in eval mode (forward_only) or train mode; last-stage results."""
+        for chunk in self.chunks:
+            chunk.train(not forward_only)
+        if forward_only:
+            with torch.no_grad():
+                return run_schedule(self.chunks, micros, loss_fn, forward_only=True)
+        return run_schedule(self.chunks, micros, loss_fn, forward_only=False)
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> tuple[float, bool]:
+        """Clip (Megatron's norm over TP/PP/DP) and step; skip a non-finite norm. (grad_norm, stepped).
+
+        Megatron's ChainedOptimizer.step, with the FSDP engine's rule added: a non-finite gradient
+        norm skips the step (Megatron's fp32 optimizer would apply it).
+        """
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        with cuda_to_cpu():
+            found_inf = opt.prepare_grads()
+            grad_norm = float(opt.get_grad_norm())
+            stepped = math.isfinite(grad_norm) and not found_inf
+            if stepped:
+                for sub in opt.chained_optimizers:
+                    params = sub.get_parameters()
+                    if params and self.max_grad_norm and self.max_grad_norm > 0:
+                        clip_grad_by_total_norm_fp32(
+                            params, max_norm=self.max_grad_norm, total_norm=grad_norm
+                        )
+                opt.step_with_ready_grads()
+            else:
+                print(f"[hybridrl] warning: gradient norm is {grad_norm}; skipping this optimizer step")
+        self.zero_grad()
+        return grad_norm, stepped
+
+    # -- offload (validated: no-ops on CPU) ----------------------------------------------------
+    def offload(self) -> None:
+        """Nothing to move on CPU (offloading on GPU is refused at start-up)."""
+
+    def onload(self, with_optimizer: bool = False) -> None:
+        """Nothing to move on CPU (offloading on GPU is refused at start-up)."""
+
+    # -- weights ------------------------------------------------------------------------------
+    def iter_full_params(
+        self, dtype: torch.dtype | None = None, device=None, **_: Any
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of the whole model on every rank (gathers TP shards and PP stages)."""
+        chunks = [getattr(c, "module", c) for c in self.chunks]
+        for name, t in iter_hf_params(chunks, self.spec, self.role):
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            yield name, (t.to(device) if device is not None else t)
+
+    def save_checkpoint(self, path: str, contents=None, global_step: int | None = None, extra=None) -> None:
+        from hybridrl.workers.engine.megatron.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, contents=contents, global_step=global_step, extra=extra)
+
+    def load_checkpoint(self, path: str, contents=None) -> dict[str, Any]:
+        from hybridrl.workers.engine.megatron.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, contents=contents)
+
+
+def _check_divisible(spec: ArchSpec, cfg: MegatronConfig, key: str) -> None:
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    vpp = cfg.virtual_pipeline_model_parallel_size or 1
+    if spec.num_kv_heads % tp or spec.num_heads % tp:
+        raise ValueError(
+            f"{key}.tensor_model_parallel_size={tp} must divide the attention heads ({spec.num_heads}) and the "
+            f"key/value heads ({spec.num_kv_heads})"
+        )
+    if spec.num_layers % (pp * vpp):
+        raise ValueError(
+            f"{key}: pipeline_model_parallel_size * virtual_pipeline_model_parallel_size = {pp * vpp} must divide "
+            f"the number of layers ({spec.num_layers})"
+        )

@@ -1,0 +1,301 @@
+"""Build Megatron-core GPT models from a Hugging Face config and move weights in and out.
+
+`init_parallel` sets up Megatron's process groups (order tp-cp-ep-dp-pp: the TP ranks of one
+model replica are consecutive ranks). `build_model` builds the GPTModel chunks of this rank (one
+per virtual pipeline stage) with the CPU-safe settings (local layer spec with RMSNorm, every
+fusion off; see cpu_shims). `load_hf_weights` copies a Hugging Face state dict into them;
+`iter_hf_params` gathers the TP shards and PP stages back into full HF tensors, a layer at a time.
+
+The critic is the same GPT backbone with the LM head replaced by `ValueHead` (a replicated
+Linear(H, 1) with bias, the `score` head of AutoModelForTokenClassification).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridrl.workers.engine.megatron.convert import (
+    ArchSpec,
+    hf_layer_to_megatron,
+    megatron_layer_to_hf,
+    pad_rows,
+    padded_vocab_size,
+    shard_dim,
+)
+from hybridrl.workers.engine.megatron.cpu_shims import apply_cpu_shims, cuda_to_cpu
+from hybridrl.workers.megatron_config import MegatronConfig
+
+__all__ = [
+    "ValueHead",
+    "build_model",
+    "init_parallel",
+    "iter_hf_params",
+    "load_hf_weights",
+    "transformer_config",
+]
+
+_LAYER_PREFIX = "decoder.layers."
+
+
+def init_parallel(cfg: MegatronConfig, key: str) -> None:
+    """Initialise Megatron's model-parallel groups once per process (same sizes for every role)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    apply_cpu_shims()
+    sizes = (
+        cfg.tensor_model_parallel_size,
+        cfg.pipeline_model_parallel_size,
+        cfg.virtual_pipeline_model_parallel_size,
+    )
+    if ps.model_parallel_is_initialized():
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_virtual_pipeline_model_parallel_world_size(),
+        )
+        if have != sizes:
+            raise ValueError(
+                f"{key}: (tp, pp, vpp)={sizes} differs from {have} already used by another role in this process; "
+                "colocated Megatron roles must use the same parallel sizes"
+            )
+        return
+    with cuda_to_cpu():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=sizes[0],
+            pipeline_model_parallel_size=sizes[1],
+            virtual_pipeline_model_parallel_size=sizes[2],
+        )
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=True)
+
+
+def transformer_config(spec: ArchSpec, cfg: MegatronConfig, dtype: torch.dtype, key: str):
+    """The TransformerConfig of `spec` with the engine's settings and `override_transformer_config`."""
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=spec.initializer_range,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        sequence_parallel=False,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # (no MoE; the default allgather refuses variable lengths)
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        attention_softmax_in_fp32=True,
+        transformer_impl="local",
+    )
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    for name, value in (cfg.override_transformer_config or {}).items():
+        if name not in fields:
+            raise ValueError(
+                f"{key}.override_transformer_config.{name}: megatron-core's TransformerConfig has no field {name!r}"
+            )
+        kwargs[name] = value
+    return TransformerConfig(**kwargs)
+
+
+class ValueHead(nn.Module):
+    """The critic's head: Linear(H, 1) with bias, replicated on every tensor-parallel rank.
+
+    Called like Megatron's output layer: `head(hidden, weight=None, ...) -> (values, None)`.
+    """
+
+    def __init__(self, hidden_size: int, std: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype).normal_(0.0, std))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, hidden: torch.Tensor, weight: Any = None, **_: Any) -> tuple[torch.Tensor, None]:
+        return nn.functional.linear(hidden, self.weight, self.bias), None
+
+
+def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int) -> list[nn.Module]:
+    """This rank's GPTModel chunks (one per virtual pipeline stage), randomly initialised from `seed`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    tp = ps.get_tensor_model_parallel_world_size()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    critic = role == "critic"
+    chunks = []
+    torch.manual_seed(seed)
+    for stage in range(vpp):
+        vp_stage = stage if vpp > 1 else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        with cuda_to_cpu():
+            model = GPTModel(
+                config=tcfg,
+                transformer_layer_spec=layer_spec,
+                vocab_size=padded_vocab_size(spec.vocab_size, tp),
+                max_sequence_length=spec.max_position_embeddings,
+                pre_process=pre,
+                post_process=post,
+                parallel_output=True,
+                share_embeddings_and_output_weights=spec.tie_word_embeddings and not critic,
+                position_embedding_type="rope",
+                rotary_base=spec.rope_theta,
+                vp_stage=vp_stage,
+            )
+        if critic and post:
+            model.output_layer = ValueHead(spec.hidden_size, spec.initializer_range, tcfg.params_dtype)
+        model.requires_grad_(role in ("actor", "critic"))
+        chunks.append(model)
+    return chunks
+
+
+def _tp_shard(name: str, full: torch.Tensor, tp: int, rank: int, critic: bool) -> torch.Tensor:
+    dim = None if (critic and name.startswith("output_layer.")) else shard_dim(name)
+    return full if dim is None else full.chunk(tp, dim=dim)[rank]
+
+
+def _megatron_full_tensors(
+    hf: dict[str, torch.Tensor], spec: ArchSpec, tp: int, critic: bool
+) -> dict[str, torch.Tensor]:
+    """All full Megatron tensors (global layer numbers) of a HF state dict."""
+    vocab = padded_vocab_size(spec.vocab_size, tp)
+    out = {"embedding.word_embeddings.weight": pad_rows(hf["model.embed_tokens.weight"], vocab)}
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if critic:
+        out["output_layer.weight"] = hf["score.weight"]
+        out["output_layer.bias"] = hf["score.bias"]
+    else:
+        head = hf["model.embed_tokens.weight"] if spec.tie_word_embeddings else hf["lm_head.weight"]
+        out["output_layer.weight"] = pad_rows(head, vocab)
+    for i in range(spec.num_layers):
+        prefix = f"model.layers.{i}."
+        layer = {k[len(prefix) :]: v for k, v in hf.items() if k.startswith(prefix)}
+        for name, t in hf_layer_to_megatron(layer, spec, tp).items():
+            out[f"{_LAYER_PREFIX}{i}.{name}"] = t
+    return out
+
+
+def _global_name(local: str, chunk: nn.Module) -> str:
+    """A chunk's parameter name with its layer index made global (layer_number is 1-based)."""
+    if not local.startswith(_LAYER_PREFIX):
+        return local
+    idx, rest = local[len(_LAYER_PREFIX) :].split(".", 1)
+    layer = chunk.decoder.layers[int(idx)]
+    return f"{_LAYER_PREFIX}{layer.layer_number - 1}.{rest}"
+
+
+def load_hf_weights(chunks: list[nn.Module], hf: dict[str, torch.Tensor], spec: ArchSpec, role: str) -> None:
+    """Copy a full HF state dict into this rank's chunks (each rank takes its TP shard / PP layers)."""
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    critic = role == "critic"
+    full = _megatron_full_tensors(hf, spec, tp, critic)
+    with torch.no_grad():
+        for chunk in chunks:
+            for local, param in chunk.state_dict(keep_vars=True).items():
+                if local.endswith("._extra_state") or not isinstance(param, torch.Tensor):
+                    continue
+                name = _global_name(local, chunk)
+                if name not in full:
+                    raise KeyError(f"Megatron parameter {name!r} has no Hugging Face source tensor")
+                param.copy_(_tp_shard(name, full[name], tp, rank, critic).to(param.dtype))
+
+
+def _gather_tp(name: str, local: torch.Tensor, critic: bool) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    dim = None if (critic and name.startswith("output_layer.")) else shard_dim(name)
+    if tp == 1 or dim is None:
+        return local
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=dim)
+
+
+def _stage_tensors(chunks: list[nn.Module], critic: bool) -> dict[str, torch.Tensor]:
+    """{global Megatron name: TP-gathered tensor} of this PP stage's chunks."""
+    out: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        for local, param in chunk.named_parameters():
+            out[_global_name(local, chunk)] = _gather_tp(_global_name(local, chunk), param.detach(), critic)
+    return out
+
+
+def _broadcast_stages(mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every PP stage's tensors on every stage (names/shapes via objects, data via broadcasts)."""
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        return mine
+    group = ps.get_pipeline_model_parallel_group()
+    meta = [None] * pp
+    dist.all_gather_object(meta, [(n, tuple(t.shape), t.dtype) for n, t in mine.items()], group=group)
+    ranks = dist.get_process_group_ranks(group)
+    out: dict[str, torch.Tensor] = {}
+    for stage, entries in enumerate(meta):
+        for name, shape, dtype in entries:
+            t = (
+                mine[name].contiguous()
+                if stage == ps.get_pipeline_model_parallel_rank()
+                else torch.empty(shape, dtype=dtype)
+            )
+            dist.broadcast(t, src=ranks[stage], group=group)
+            out.setdefault(name, t)
+    return out
+
+
+def iter_hf_params(chunks: list[nn.Module], spec: ArchSpec, role: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of the whole model on every rank (a collective over TP and PP).
+
+    Tied embeddings appear once (`model.embed_tokens.weight`), as in the FSDP engine. The padded
+    vocabulary rows are cut off.
+    """
+    from megatron.core import parallel_state as ps
+
+    critic = role == "critic"
+    tp = ps.get_tensor_model_parallel_world_size()
+    full = _broadcast_stages(_stage_tensors(chunks, critic))
+    v = spec.vocab_size
+    yield "model.embed_tokens.weight", full["embedding.word_embeddings.weight"][:v]
+    for i in range(spec.num_layers):
+        prefix = f"{_LAYER_PREFIX}{i}."
+        layer = {k[len(prefix) :]: t for k, t in full.items() if k.startswith(prefix)}
+        for name, t in megatron_layer_to_hf(layer, spec, tp).items():
+            yield f"model.layers.{i}.{name}", t
+    yield "model.norm.weight", full["decoder.final_layernorm.weight"]
+    if critic:
+        yield "score.weight", full["output_layer.weight"]
+        yield "score.bias", full["output_layer.bias"]
+    elif not spec.tie_word_embeddings:
+        yield "lm_head.weight", full["output_layer.weight"][:v]

@@ -1,0 +1,120 @@
+"""`*.megatron` sections (actor, ref, critic): veRL's Megatron keys and what hybridrl does with them.
+
+Every key is honoured or refused at start-up by `validate_megatron_config`:
+
+    tensor_model_parallel_size / pipeline_model_parallel_size   honoured (TP, PP with 1F1B)
+    virtual_pipeline_model_parallel_size                        honoured (interleaved 1F1B; needs
+                                                                the micro-batch count % PP == 0)
+    context_parallel_size, expert_model_parallel_size,          only 1 (None for ETP): refused
+    expert_tensor_parallel_size                                 otherwise (no CP / MoE support)
+    sequence_parallel                                           ignored at TP=1 (as in Megatron);
+                                                                refused at TP>1 (the local layer
+                                                                spec has no sequence-parallel norms)
+    use_distributed_optimizer                                   honoured (Megatron's DistributedOptimizer)
+    param_offload / grad_offload / optimizer_offload            no-ops on CPU (everything is in host
+                                                                memory, like the FSDP engine's);
+                                                                refused on GPU (not implemented)
+    use_mbridge                                                 accepted: hybridrl always converts
+                                                                HF <-> Megatron with its own bridge
+                                                                (megatron/convert.py), which is what
+                                                                use_mbridge=True asks veRL for
+    seed                                                        honoured (init and Megatron's RNG tracker)
+    override_transformer_config.*                               applied to the TransformerConfig;
+                                                                an unknown field is refused
+    use_dist_checkpointing + dist_checkpointing_path            honoured: the initial weights are read
+                                                                from that Megatron dist checkpoint
+                                                                instead of the HF folder
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MEGATRON_STRATEGY", "MegatronConfig", "data_parallel_size", "validate_megatron_config"]
+
+MEGATRON_STRATEGY = "megatron"
+
+
+@dataclass
+class MegatronConfig:
+    """veRL's `actor_rollout_ref.actor.megatron` (and `ref.megatron`, `critic.megatron`)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    use_mbridge: bool = False
+    seed: int = 42
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
+    use_dist_checkpointing: bool = False
+    dist_checkpointing_path: str | None = None
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+
+def data_parallel_size(strategy: str, cfg: MegatronConfig, world: int) -> int:
+    """The ranks that see distinct rows: all of them for FSDP, world / (TP * PP) for Megatron."""
+    if strategy != MEGATRON_STRATEGY:
+        return world
+    validate_megatron_config(cfg, f"(strategy={strategy})", world_size=world)
+    return world // cfg.model_parallel_size
+
+
+def _positive(key: str, name: str, value: int | None) -> None:
+    if value is not None and int(value) < 1:
+        raise ValueError(f"{key}.{name} must be >= 1, got {value}")
+
+
+def validate_megatron_config(
+    cfg: MegatronConfig, key: str, *, world_size: int | None = None, on_gpu: bool = False
+) -> None:
+    """Refuse what the Megatron engine does not do, naming the key and the fix."""
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+    ):
+        _positive(key, name, getattr(cfg, name))
+    if cfg.context_parallel_size != 1:
+        raise ValueError(
+            f"{key}.context_parallel_size={cfg.context_parallel_size}: context parallelism is not supported by "
+            "hybridrl's Megatron engine; set it to 1"
+        )
+    if cfg.expert_model_parallel_size != 1 or cfg.expert_tensor_parallel_size not in (None, 1):
+        raise ValueError(
+            f"{key}.expert_model_parallel_size / expert_tensor_parallel_size: expert parallelism (MoE) is not "
+            "supported by hybridrl's Megatron engine; set expert_model_parallel_size=1 and "
+            "expert_tensor_parallel_size=null"
+        )
+    if cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1:
+        raise ValueError(
+            f"{key}.sequence_parallel=True: sequence parallelism needs Transformer Engine's norms, and this engine "
+            "builds Megatron's local layer spec; set it to False"
+        )
+    if on_gpu and (cfg.param_offload or cfg.grad_offload or cfg.optimizer_offload):
+        raise ValueError(
+            f"{key}.param_offload / grad_offload / optimizer_offload: offloading is not implemented for the Megatron "
+            "engine on GPU; set them to False"
+        )
+    if cfg.use_dist_checkpointing and not cfg.dist_checkpointing_path:
+        raise ValueError(f"{key}.use_dist_checkpointing=True needs {key}.dist_checkpointing_path")
+    vpp = cfg.virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp > 1 and cfg.pipeline_model_parallel_size < 2:
+        raise ValueError(
+            f"{key}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2"
+        )
+    if world_size is not None and world_size % cfg.model_parallel_size:
+        raise ValueError(
+            f"{key}: tensor_model_parallel_size * pipeline_model_parallel_size = {cfg.model_parallel_size} must "
+            f"divide the number of ranks ({world_size}); change the sizes or trainer.n_gpus_per_node"
+        )

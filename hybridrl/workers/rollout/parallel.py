@@ -1,0 +1,162 @@
+"""Rollout tensor parallelism inside the colocated workers: meshes, checks, core binding, loaders.
+
+* Meshes: the training mesh of an FSDP actor is data-parallel over every rank
+  (``{"ddp": world / fsdp_size, "fsdp": fsdp_size}``, both dims data-parallel); the rollout mesh
+  is ``{"dp": world / tp, "tp": tp}`` with tp innermost, the grouping vLLM's
+  ``external_launcher`` uses (ranks ``[k*tp, (k+1)*tp)`` form engine k).
+* :func:`validate_rollout_parallel`: TP must divide the ranks and the model's attention and KV
+  heads, and the engine must support TP (``hf`` does not); checked on the driver before Ray
+  starts, messages name the numbers and the fix.
+* :func:`bind_cpu_cores`: on CPU, each rank of a TP engine is pinned to its own cores (vLLM's
+  CPU ranks spin in OpenMP; two ranks on one core stall each other), and
+  ``VLLM_CPU_OMP_THREADS_BIND`` is set to that rank's list.
+* :func:`weight_loader_for`: which gather a weight sync uses, from ``load_format`` as veRL
+  documents it (``dummy_dtensor`` / ``dtensor`` / real formats: bucketed DTensor gather;
+  ``dummy_hf`` / ``hf``: a full HF state dict; ``dummy_megatron``: the Megatron engine's own).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import torch
+
+from hybridrl.single_controller.mesh import MeshLayout
+
+__all__ = [
+    "TP_ENGINES",
+    "bind_cpu_cores",
+    "check_same_rows",
+    "rollout_mesh",
+    "training_mesh",
+    "validate_rollout_parallel",
+    "weight_loader_for",
+]
+
+TP_ENGINES = ("vllm", "sglang")
+KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
+
+def rollout_mesh(world_size: int, tp: int) -> MeshLayout:
+    """``dp x tp`` over the worker group: world / tp engines of tp ranks each (tp innermost)."""
+    return MeshLayout.create(world_size, {"dp": -1, "tp": tp})
+
+
+def training_mesh(world_size: int, fsdp_size: int = -1) -> MeshLayout:
+    """The FSDP engine's mesh: every rank is data-parallel (replicate ``ddp`` x shard ``fsdp``)."""
+    shard = world_size if fsdp_size <= 0 or fsdp_size >= world_size else fsdp_size
+    return MeshLayout.create(world_size, {"ddp": -1, "fsdp": shard}, dp_dims=("ddp", "fsdp"))
+
+
+def validate_rollout_parallel(
+    tp: int,
+    world_size: int,
+    engine: str,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+) -> None:
+    """Raise ValueError (naming the numbers and the fix) if ``tp`` cannot run on this setup.
+
+    Args:
+        tp: rollout.tensor_model_parallel_size.
+        world_size: ranks of the colocated worker group (nnodes * n_gpus_per_node).
+        engine: rollout.name.
+        num_attention_heads / num_key_value_heads: from the model's config (None: not checked).
+    """
+    if tp < 1:
+        raise ValueError(f"{KEY}={tp}: use an integer >= 1")
+    if tp == 1:
+        return
+    if engine not in TP_ENGINES:
+        raise ValueError(
+            f"{KEY}={tp} with actor_rollout_ref.rollout.name={engine}: the {engine} engine generates with one "
+            f"rank per model copy; use rollout.name=vllm (or sglang on GPUs) for tensor parallelism, or set {KEY}=1"
+        )
+    if world_size % tp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"{KEY}={tp} does not divide the {world_size} ranks (trainer.nnodes * trainer.n_gpus_per_node): "
+            f"world / TP engines must be whole; use one of {divisors}"
+        )
+    for what, heads in (("attention heads", num_attention_heads), ("KV heads", num_key_value_heads)):
+        if heads is not None and heads % tp:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0 and world_size % d == 0]
+            raise ValueError(
+                f"{KEY}={tp} does not divide the model's {heads} {what} (each TP rank holds heads / TP of "
+                f"them); use one of {divisors}"
+            )
+
+
+def model_heads(hf_config: Any) -> tuple[int, int]:
+    """(attention heads, KV heads) of an HF config (its text config for multimodal models)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = int(text.num_attention_heads)
+    return heads, int(getattr(text, "num_key_value_heads", None) or heads)
+
+
+def bind_cpu_cores(local_rank: int, local_world_size: int, threads: int) -> list[int]:
+    """Pin this process to its own ``threads`` cores of the allowed set (on CPU only).
+
+    Rank r of the node takes cores ``[r * threads, (r + 1) * threads)`` of the sorted allowed
+    set; when the node has fewer cores than ranks x threads, they wrap around. Sets
+    ``VLLM_CPU_OMP_THREADS_BIND`` to the chosen list (vLLM's name for the same thing).
+
+    Returns:
+        the cores this process is bound to.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) >= local_world_size * threads:
+        cores = allowed[local_rank * threads : (local_rank + 1) * threads]
+    else:
+        cores = [allowed[(local_rank * threads + i) % len(allowed)] for i in range(threads)]
+    os.sched_setaffinity(0, cores)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
+    return cores
+
+
+def _rows_digest(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    h = hashlib.sha256()
+    h.update(str(tuple(input_ids.shape)).encode())
+    h.update((input_ids * attention_mask).cpu().contiguous().numpy().tobytes())
+    return torch.tensor(list(h.digest()[:8]), dtype=torch.int64)
+
+
+def check_same_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: Any, what: str) -> None:
+    """Fail (instead of hanging or generating garbage) when the ranks of one TP engine were given
+    different prompts: one small all-gather of a digest over ``group``."""
+    import torch.distributed as dist
+
+    mine = _rows_digest(input_ids, attention_mask)
+    all_digests = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(all_digests, mine, group=group)
+    if any(not torch.equal(d, mine) for d in all_digests):
+        raise RuntimeError(
+            f"{what}: the ranks of one tensor-parallel engine received different prompts; dispatch it over the "
+            'rollout mesh (register(dispatch_mode=make_mesh_dispatch("rollout")))'
+        )
+
+
+def weight_loader_for(load_format: str, strategy: str = "fsdp") -> str:
+    """The gather a weight sync uses: "dtensor", "hf" or "megatron" (veRL's load_format meanings).
+
+    Raises:
+        ValueError: dummy_megatron with an FSDP actor (or dtensor/hf formats with a Megatron one).
+    """
+    megatron = strategy == "megatron"
+    if load_format == "dummy_megatron":
+        if not megatron:
+            raise ValueError(
+                "actor_rollout_ref.rollout.load_format=dummy_megatron syncs from a Megatron actor, but "
+                f"actor.strategy={strategy}; use load_format=dummy_dtensor (or dummy_hf) with FSDP"
+            )
+        return "megatron"
+    if megatron:
+        if load_format in ("dummy_dtensor", "dtensor", "dummy_hf"):
+            raise ValueError(
+                f"actor_rollout_ref.rollout.load_format={load_format} is an FSDP loader, but actor.strategy="
+                "megatron; use load_format=dummy_megatron (or auto to load the checkpoint first)"
+            )
+        return "megatron"
+    return "hf" if load_format in ("dummy_hf", "hf") else "dtensor"

@@ -1,0 +1,199 @@
+"""Megatron engine vs the FSDP engine and vs Hugging Face, on real megatron-core over 2 gloo ranks.
+
+One spawn per layout: TP=2 (the PPO update equals the FSDP 2-rank update: same loss, same
+updated weights; log-probs equal HF's; the critic's values and update equal FSDP's) and PP=2
+(log-probs equal HF's, 1F1B update equals the TP=2 one through the same checks against FSDP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fsdp_testkit import make_batch, make_tiny_model_dir, spawn  # noqa: E402
+
+ROWS = 8
+TOL = 1e-5
+
+
+def _batch(seed: int = 5):
+    from hybridrl.protocol import DataProto
+
+    g = torch.Generator().manual_seed(7)
+    b = make_batch(ROWS, seed=seed)
+    t = b["responses"].shape[1]
+    b["old_log_probs"] = -3.0 + 0.3 * torch.randn(ROWS, t, generator=g)
+    b["ref_log_prob"] = -3.0 + 0.2 * torch.randn(ROWS, t, generator=g)
+    b["advantages"] = torch.randn(ROWS, t, generator=g)
+    b["values"] = 0.1 * torch.randn(ROWS, t, generator=g)
+    b["returns"] = torch.randn(ROWS, t, generator=g)
+    return DataProto.from_dict(b)
+
+
+def _configs(model_dir: str, tp: int, pp: int):
+    from hybridrl.workers.config import (
+        ActorConfig,
+        CriticConfig,
+        FSDPConfig,
+        MixedPrecisionConfig,
+        ModelConfig,
+        OptimConfig,
+    )
+    from hybridrl.workers.megatron_config import MegatronConfig
+
+    fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))
+    # eps 1e-3: Adam's first step is ~lr * sign(g); with eps 1e-8 the float round-off of gradients that
+    # are 0 in exact arithmetic (e.g. the key bias's) would be amplified to ~lr-sized moves in both engines.
+    # weight_decay 0: Megatron exempts biases and norms from weight decay, the FSDP engine does not.
+    optim = OptimConfig(lr=2e-3, clip_grad=0.5, weight_decay=0.0, eps=1e-3)
+    actor = ActorConfig(
+        ppo_mini_batch_size=ROWS,
+        ppo_micro_batch_size_per_gpu=2,
+        optim=optim,
+        fsdp_config=fsdp,
+        use_kl_loss=True,
+        kl_loss_coef=0.5,
+        entropy_coeff=0.01,
+    )
+    model = ModelConfig(path=model_dir)
+    critic = CriticConfig(ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=2, optim=optim)
+    critic = dataclasses.replace(
+        critic, model=dataclasses.replace(critic.model, path=model_dir, fsdp_config=fsdp)
+    )
+    mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    return model, actor, critic, mcfg
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def _check_actor(rank, model_dir, tp, pp, out):
+    import torch.distributed as dist
+
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.config import normalize_actor_batch_sizes
+    from hybridrl.workers.engine.fsdp import FSDPEngine
+    from hybridrl.workers.engine.megatron.engine import MegatronEngine
+    from hybridrl.workers.engine.megatron.roles import MegatronPPOActor
+
+    model, cfg, _, mcfg = _configs(model_dir, tp, pp)
+    data = _batch()
+    mine = data.chunk(2)[rank]
+    fsdp = FSDPEngine.build(model, cfg.fsdp_config, cfg.optim, load_tok=False)
+    f_actor = PPOActor(
+        cfg,
+        fsdp.module,
+        fsdp.optimizer,
+        fsdp.lr_scheduler,
+        dp_size=2,
+        batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=2),
+    )
+    meg = MegatronEngine.build(model, mcfg, cfg.optim, max_grad_norm=cfg.max_grad_norm, load_tok=False)
+    assert meg.dp_size == 1
+    m_actor = MegatronPPOActor(cfg, meg, batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=1))
+
+    f_lp, f_ent = f_actor.compute_log_prob(mine, calculate_entropy=True, micro_batch_size=2)
+    f_lp_all = [torch.empty_like(f_lp) for _ in range(2)]
+    dist.all_gather(f_lp_all, f_lp)
+    m_lp, m_ent = m_actor.compute_log_prob(data, calculate_entropy=True, micro_batch_size=3)
+    mask = data.batch["response_mask"].bool()
+    out["lp_diff"] = float((torch.cat(f_lp_all) - m_lp)[mask].abs().max())
+    out["ent_diff"] = float(
+        (f_ent - m_ent[rank * 4 : rank * 4 + 4])[mask[rank * 4 : rank * 4 + 4]].abs().max()
+    )
+
+    f_metrics = f_actor.update_policy(mine)
+    m_metrics = m_actor.update_policy(data)
+    out["pg_loss"] = (f_metrics["actor/pg_loss"][0], m_metrics["actor/pg_loss"][0])
+    out["kl_loss"] = (f_metrics["actor/kl_loss"][0], m_metrics["actor/kl_loss"][0])
+    out["grad_norm"] = (f_metrics["actor/grad_norm"][0], m_metrics["actor/grad_norm"][0])
+    f_w = dict(fsdp.iter_full_params())
+    m_w = dict(meg.iter_full_params())
+    assert set(f_w) == set(m_w), sorted(set(f_w) ^ set(m_w))
+    out["weight_rel"] = max(_rel(m_w[k], f_w[k]) for k in f_w)
+    init = _initial(model_dir)
+    out["update_rel"] = max(_rel(m_w[k] - init[k], f_w[k] - init[k]) for k in f_w)
+    out["weight_moved"] = max(float((m_w[k] - v).abs().max()) for k, v in init.items() if k in m_w)
+
+
+def _initial(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+
+
+def _check_critic(rank, model_dir, tp, pp, out):
+    from hybridrl.workers.config import normalize_critic_batch_sizes
+    from hybridrl.workers.critic import PPOCritic
+    from hybridrl.workers.engine.fsdp import FSDPEngine
+    from hybridrl.workers.engine.megatron.engine import MegatronEngine
+    from hybridrl.workers.engine.megatron.roles import MegatronPPOCritic
+
+    _, _, cfg, mcfg = _configs(model_dir, tp, pp)
+    data = _batch()
+    mine = data.chunk(2)[rank]
+    torch.manual_seed(3)  # the fresh value head: the same init in both engines
+    fsdp = FSDPEngine.build(
+        cfg.model, cfg.model.fsdp_config, cfg.optim, role="critic", key="critic.model", load_tok=False
+    )
+    torch.manual_seed(3)
+    meg = MegatronEngine.build(
+        cfg.model,
+        mcfg,
+        cfg.optim,
+        role="critic",
+        key="critic.megatron",
+        model_key="critic.model",
+        max_grad_norm=cfg.max_grad_norm,
+        load_tok=False,
+    )
+    f = PPOCritic(
+        cfg,
+        fsdp.module,
+        fsdp.optimizer,
+        fsdp.lr_scheduler,
+        dp_size=2,
+        batch_sizes=normalize_critic_batch_sizes(cfg, dp_size=2),
+    )
+    m = MegatronPPOCritic(cfg, meg, batch_sizes=normalize_critic_batch_sizes(cfg, dp_size=1))
+    fv = f.compute_values(mine)
+    mv = m.compute_values(data)[rank * 4 : rank * 4 + 4]
+    out["value_diff"] = float((fv - mv).abs().max())
+    fm = f.update_critic(mine)
+    mm = m.update_critic(data)
+    out["vf_loss"] = (fm["critic/vf_loss"][0], mm["critic/vf_loss"][0])
+    f_w = dict(fsdp.iter_full_params())
+    m_w = dict(meg.iter_full_params())
+    assert set(f_w) == set(m_w), sorted(set(f_w) ^ set(m_w))
+    out["critic_weight_rel"] = max(_rel(m_w[k], f_w[k]) for k in f_w)
+
+
+def _run(rank, world, model_dir, tp, pp, result_dir):
+    out: dict = {}
+    _check_actor(rank, model_dir, tp, pp, out)
+    _check_critic(rank, model_dir, tp, pp, out)
+    torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_megatron_matches_fsdp(tmp_path, tp, pp):
+    model_dir = make_tiny_model_dir(str(tmp_path / "model"))
+    spawn(_run, 2, tmp_path, model_dir, tp, pp, str(tmp_path))
+    for rank in range(2):
+        out = torch.load(tmp_path / f"rank{rank}.pt")
+        print(rank, out)
+        assert out["lp_diff"] < TOL and out["ent_diff"] < TOL
+        for name in ("pg_loss", "kl_loss", "grad_norm", "vf_loss"):
+            f, m = out[name]
+            assert abs(f - m) <= TOL * max(1.0, abs(f)), (name, f, m)
+        assert out["weight_moved"] > 1e-4  # the update did change the weights
+        assert out["weight_rel"] < TOL, out["weight_rel"]
+        assert out["critic_weight_rel"] < TOL
+        assert out["value_diff"] < TOL
