@@ -6,6 +6,7 @@ hybrid engine switches between training and generation on the same device.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,8 @@ from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 from hybridrl.workers.megatron_config import data_parallel_size
+
+LOCAL_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @dataclass
@@ -126,6 +129,8 @@ def _start_group(config, spec, use_gpu: bool, threads: int | None):
     tr = config.trainer
     if not uses_ray(config):
         print(f"[hybridrl] trainer.backend={tr.backend}: the worker runs in the driver process (one slot)")
+        for key, value in LOCAL_ENV.items():  # what start_ray gives Ray workers
+            os.environ.setdefault(key, value)
         return LocalWorkerGroup(spec, name_prefix="hybridrl", num_threads=threads), None
     pool = RayResourcePool(
         [tr.n_gpus_per_node] * tr.nnodes, use_gpu=use_gpu, cpus_per_slot=tr.cpus_per_worker
