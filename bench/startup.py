@@ -8,7 +8,7 @@ Each round starts a fresh child per variant that builds the zero-argument PPO ru
     peak_flops    the one-slot matmul peak for the MFU metric
     ray_init      ray.init (0 with the local backend)
     workers       worker process(es) and models, rollout engine (start_workers)
-    first_step    one training step (generation, update), to show nothing got slower
+    first_step    with --first-step: one training step and the final validation
 Variants: `local` (trainer.backend=local, the default for one CPU slot) and `ray`
 (trainer.backend=ray). "after imports" = config + prepare_run + peak_flops + ray_init + workers.
 
@@ -34,7 +34,7 @@ import _common as C  # noqa: E402
 PHASES = ("imports", "config", "prepare_run", "peak_flops", "ray_init", "workers", "first_step")
 
 
-def child(backend: str, out: str) -> None:
+def child(backend: str, out: str, first_step: bool) -> None:
     t0 = time.perf_counter()
     import transformers  # noqa: F401  (imported before the clock, as TRL's benchmark does)
     from hydra import compose, initialize_config_module
@@ -78,22 +78,24 @@ def child(backend: str, out: str) -> None:
         now = lap("ray_init", now)
         workers = start_workers(config, peak_flops=peak)
         now = lap("workers", now)
-        trainer = S.RayPPOTrainer(
-            config,
-            run.tokenizer,
-            workers,
-            run.train_loader,
-            run.val_loader,
-            run.reward_fn,
-            run.val_reward_fn,
-            run.tracker,
-        )
-        try:
-            trainer.fit()
-        finally:
-            trainer.tracker.finish()
-            workers.shutdown()
-        lap("first_step", now)
+        if first_step:
+            trainer = S.RayPPOTrainer(
+                config,
+                run.tokenizer,
+                workers,
+                run.train_loader,
+                run.val_loader,
+                run.reward_fn,
+                run.val_reward_fn,
+                run.tracker,
+            )
+            try:
+                trainer.fit()
+            finally:
+                trainer.tracker.finish()
+        run.tracker.finish()
+        workers.shutdown()
+        t["first_step"] = time.perf_counter() - now if first_step else 0.0
     Path(out).write_text(json.dumps(t))
 
 
@@ -101,11 +103,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default="local,ray")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--first-step", action="store_true", help="also time one training step (+ final validation)"
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child, args.out)
+        child(args.child, args.out, args.first_step)
         return
     C.print_header("zero-argument start-up by phase (bench/startup.py)")
     names = args.variants.split(",")
@@ -116,7 +121,19 @@ def main() -> None:
             for n in names:
                 load = C.load_average()[0]
                 env = {**os.environ, "PYTHONPATH": str(C.REPO)}
-                subprocess.run([sys.executable, __file__, "--child", n, "--out", out], env=env, check=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        n,
+                        "--out",
+                        out,
+                        *(["--first-step"] if args.first_step else []),
+                    ],
+                    env=env,
+                    check=True,
+                )
                 t = json.loads(Path(out).read_text())
                 t["after_imports"] = sum(
                     t[k] for k in ("config", "prepare_run", "peak_flops", "ray_init", "workers")
