@@ -41,6 +41,11 @@ def str_to_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[key]
 
 
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """Canonical name engines accept: 'bf16' -> 'bfloat16', torch.float32 -> 'float32'."""
+    return str(str_to_dtype(dtype)).removeprefix("torch.")
+
+
 def compute_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position of each token among the valid tokens of its row (0 on left padding).
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridrl.trainer.ppo_config import ConfigError, load_config
+from hybridrl.trainer.ppo.config import ConfigError, load_config
 from hybridrl.utils.cpus import auto_cpus_per_worker, available_cpus, resolve_cpus_per_worker, thread_env
 
 

@@ -30,7 +30,8 @@ from hybridrl.single_controller.ray.base import (
 )
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_workers
-from hybridrl.trainer.ppo.trainer import RayPPOTrainer, _attach_extra
+from hybridrl.trainer.ppo.setup import prepare_run
+from hybridrl.trainer.ppo.trainer import RayPPOTrainer, attach_reward_extra
 from hybridrl.trainer.ppo.workers import WorkerGroups
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.utils.metrics import timer
@@ -142,6 +143,7 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
             config=config.critic,
             batch_sizes=normalize_critic_batch_sizes(config.critic, dp_size=world, rollout_n=n),
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
     if config.reward_model.enable:
@@ -150,6 +152,7 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
             config=config.reward_model,
             policy_tokenizer_path=arr.model.path,
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
         )
     train_group = RayWorkerGroup(
         train_pool, create_colocated_worker_cls(classes), name_prefix="hybridrl_train"
@@ -293,14 +296,14 @@ class AsyncPPOTrainer(RayPPOTrainer):
         batch.meta_info["global_steps"] = self.global_steps
         if "token_level_scores" not in batch.batch.keys():  # not scored by _score_chunk
             batch, extra = self._compute_reward(batch, timing)
-            _attach_extra(batch, extra)
+            attach_reward_extra(batch, extra)
         return batch
 
     def _score_chunk(self, chunk: DataProto) -> DataProto:
         """Score one finished chunk (the manager's background thread): token_level_scores and the
         reward function's extra columns, as `_compute_reward` does for a whole batch."""
         chunk, extra = self._compute_reward(chunk, {})
-        _attach_extra(chunk, extra)
+        attach_reward_extra(chunk, extra)
         return chunk
 
     def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
@@ -328,8 +331,6 @@ class AsyncPPOTrainer(RayPPOTrainer):
 # ---------------------------------------------------------------------------------------- build
 def build_async_trainer(config: AsyncPPOConfig) -> AsyncPPOTrainer:
     """Tokenizer, data, rewards, tracker, the two worker pools and the trainer (workers last)."""
-    from hybridrl.trainer.ppo.setup import prepare_run
-
     run = prepare_run(config)
     workers = start_async_workers(config)
     print(

@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.workers.config import FSDPConfig
 
@@ -172,10 +173,6 @@ def load_sft_config(cfg: DictConfig | dict | list[str] | None = None) -> SFTConf
 
 
 def is_builtin_model(path: str | None) -> bool:
-    try:
-        from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
-    except ImportError:  # pragma: no cover - the models package ships with hybridrl
-        BUILTIN_MODEL_ALIASES = ("builtin:tiny", "builtin")
     return path in BUILTIN_MODEL_ALIASES
 
 
@@ -206,6 +203,16 @@ def validate_sft_config(config: SFTConfig) -> None:
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _choice("model.strategy", m.strategy, ("fsdp", "fsdp2"))
+    fsdp = m.fsdp_config
+    for key, value, default in (
+        ("model.fsdp_config.mixed_precision.buffer_dtype", fsdp.mixed_precision.buffer_dtype, "fp32"),
+        ("model.fsdp_config.wrap_policy.min_num_params", fsdp.wrap_policy.min_num_params, 0),
+    ):
+        if value != default:
+            raise SFTConfigError(
+                f"{key}={value!r} is accepted for veRL compatibility but not supported here (FSDP2 keeps "
+                f"buffers as loaded and shards per decoder layer); leave it at {default!r}"
+            )
     if o.optimizer.lower() != "adamw":
         raise ConfigError(
             f"optim.optimizer={o.optimizer!r}: only AdamW is implemented; set optim.optimizer=AdamW"

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
+from hybridrl.workers.engine.full_params import iter_full_params
 
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")
 KNOWN_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -195,8 +196,6 @@ def export_hf_model(module: nn.Module, out_dir: str, tokenizer: Any = None) -> N
 
     LoRA adapters are merged into the base weights, so the folder loads as a plain model.
     """
-    from hybridrl.workers.engine.fsdp import iter_full_params
-
     full: dict[str, torch.Tensor] = {}
     for name, tensor in iter_full_params(module, device="cpu"):
         if _rank() == 0:

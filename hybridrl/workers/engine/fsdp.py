@@ -38,6 +38,7 @@ from torch import nn
 from hybridrl.utils.device import get_device_name, get_torch_device
 from hybridrl.utils.torch_utils import str_to_dtype
 from hybridrl.workers.config import FSDPConfig, ModelConfig, OptimConfig
+from hybridrl.workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from hybridrl.workers.engine.full_params import GATHER_BUCKET_BYTES, iter_full_params
 
 logger = logging.getLogger(__name__)
@@ -493,8 +494,6 @@ class FSDPEngine:
         return iter_full_params(self.module, dtype=dtype, device=device, bucket_bytes=bucket_bytes)
 
     def save_checkpoint(self, path: str, contents=None, global_step: int | None = None, extra=None) -> None:
-        from hybridrl.workers.engine.checkpoint import save_checkpoint
-
         save_checkpoint(
             path,
             self.module,
@@ -507,6 +506,4 @@ class FSDPEngine:
         )
 
     def load_checkpoint(self, path: str, contents=None) -> dict[str, Any]:
-        from hybridrl.workers.engine.checkpoint import load_checkpoint
-
         return load_checkpoint(path, self.module, self.optimizer, self.lr_scheduler, contents=contents)
