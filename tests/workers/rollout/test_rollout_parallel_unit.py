@@ -136,3 +136,16 @@ def test_tp_ranks_with_different_prompts_fail_loudly(tmp_path):
     from fsdp_testkit import spawn
 
     spawn(_same_rows_checks, 2, tmp_path)
+
+
+def test_hf_engine_refuses_tp_when_built_directly(tmp_path):
+    from rollout_testlib import make_tiny_qwen2
+
+    from hybridrl.workers.rollout import RolloutConfig, create_rollout
+
+    _, tok = make_tiny_qwen2(str(tmp_path))
+    cfg = RolloutConfig(
+        name="hf", dtype="float32", prompt_length=8, response_length=4, tensor_model_parallel_size=2
+    )
+    with pytest.raises(ValueError, match="rollout.name=hf.*use rollout.name=vllm"):
+        create_rollout(cfg, str(tmp_path), tok, device="cpu")
