@@ -59,15 +59,7 @@ class MegatronConfig:
     optimizer_offload: bool = False
     use_mbridge: bool = False
     seed: int = 42
-    # veRL lists the recompute keys (so `...override_transformer_config.recompute_granularity=full`
-    # needs no `+`); None is TransformerConfig's own default
-    override_transformer_config: dict[str, Any] = field(
-        default_factory=lambda: {
-            "recompute_granularity": None,
-            "recompute_method": None,
-            "recompute_num_layers": None,
-        }
-    )
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
     use_dist_checkpointing: bool = False
     dist_checkpointing_path: str | None = None
 

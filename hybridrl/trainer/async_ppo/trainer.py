@@ -143,6 +143,7 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
             config=config.critic,
             batch_sizes=normalize_critic_batch_sizes(config.critic, dp_size=world, rollout_n=n),
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
     if config.reward_model.enable:
@@ -151,6 +152,7 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
             config=config.reward_model,
             policy_tokenizer_path=arr.model.path,
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
         )
     train_group = RayWorkerGroup(
         train_pool, create_colocated_worker_cls(classes), name_prefix="hybridrl_train"

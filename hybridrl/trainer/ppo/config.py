@@ -20,10 +20,13 @@ from hybridrl.trainer.ppo.sections import (
     AsyncTrainingConfig,
     CustomRewardFunctionConfig,
     DataConfig,
+    RayKwargsConfig,
     RewardManagerKwargs,
     TrainerConfig,
 )
+from hybridrl.trainer.ppo.verl_compat import apply_verl_compat
 from hybridrl.utils.config_loader import ConfigError, load_structured
+from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.workers.megatron_config import data_parallel_size
 from hybridrl.workers.rollout.config import RolloutConfig
@@ -32,6 +35,7 @@ from hybridrl.workers.rollout.config import RolloutConfig
 @dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
+    nccl_timeout: int = 600  # seconds; the workers' process-group timeout
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -49,15 +53,27 @@ class PPOConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
 
 
 PPO_KEYS_DOC = "hybridrl/trainer/config/ppo_trainer.yaml"
 
 
-def load_config(cfg: DictConfig | dict | list[str] | None = None) -> PPOConfig:
-    """Merge `cfg` onto the schema, resolve it and validate it; returns a typed `PPOConfig`."""
-    config: PPOConfig = load_structured(PPOConfig, cfg, PPO_KEYS_DOC)
+def load_config(cfg: DictConfig | dict | list[str] | None = None, explicit_keys=None) -> PPOConfig:
+    """Merge `cfg` onto the schema, resolve it and validate it; returns a typed `PPOConfig`.
+
+    explicit_keys: the keys the user set (None: every key counts as set); see
+    `verl_compat.apply_verl_compat` (defaults that do not fit a small batch are adapted).
+    """
+    try:
+        config: PPOConfig = load_structured(PPOConfig, cfg, PPO_KEYS_DOC)
+    except ConfigError:
+        raise
+    except ValueError as e:  # a section's own check (__post_init__) failed
+        raise ConfigError(str(e)) from None
     derive_config(config)
+    apply_verl_compat(config, explicit_keys)
     validate_config(config)
     return config
 
@@ -70,6 +86,16 @@ def derive_config(config: PPOConfig) -> None:
     if rollout.response_length is None or rollout.response_length <= 0:
         rollout.response_length = config.data.max_response_length
     config.trainer.cpus_per_worker = _cpus_per_worker(config.trainer)
+    _check_backend(config.trainer)
+
+
+def _check_backend(tr) -> None:
+    from hybridrl.single_controller.backend import resolve_backend
+
+    try:  # names and slot count only; 'auto' is decided when the workers start
+        resolve_backend(tr.backend, slots=tr.nnodes * tr.n_gpus_per_node, use_gpu=False)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _cpus_per_worker(tr) -> int:

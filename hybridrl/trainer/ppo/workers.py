@@ -6,15 +6,20 @@ hybrid engine switches between training and generation on the same device.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from hybridrl import algos
+from hybridrl.single_controller.backend import resolve_backend
+from hybridrl.single_controller.local import LocalWorkerGroup
 from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 from hybridrl.workers.megatron_config import check_colocated_megatron, data_parallel_size
+
+LOCAL_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @dataclass
@@ -63,11 +68,8 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
     if uses_megatron(config.critic.strategy):
         CriticWorker = MegatronCriticWorker  # noqa: N806
     use_gpu = _use_gpu(config)
-    pool = RayResourcePool(
-        [tr.n_gpus_per_node] * tr.nnodes, use_gpu=use_gpu, cpus_per_slot=tr.cpus_per_worker
-    )
-    world = pool.world_size
-    threads = pool.num_threads if not use_gpu else None
+    world = tr.nnodes * tr.n_gpus_per_node
+    threads = max(1, int(tr.cpus_per_worker)) if not use_gpu else None
     n = arr.rollout.n
     use_ref = config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
     role = "actor_rollout_ref" if use_ref else "actor_rollout"
@@ -85,6 +87,7 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
                 dp_size=data_parallel_size(arr.actor.strategy, arr.actor.megatron, world),
             ),
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
     }
@@ -98,6 +101,7 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
                 rollout_n=n,
             ),
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
     if config.reward_model.enable:
@@ -106,8 +110,9 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
             config=config.reward_model,
             policy_tokenizer_path=arr.model.path,
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
         )
-    group = RayWorkerGroup(pool, create_colocated_worker_cls(classes), name_prefix="hybridrl")
+    group, pool = _start_group(config, create_colocated_worker_cls(classes), use_gpu, threads)
     views = group.spawn(list(classes))
     groups = WorkerGroups(
         actor_rollout=views["actor_rollout"],
@@ -121,3 +126,25 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
         if name in views:
             views[name].init_model()
     return groups
+
+
+def uses_ray(config) -> bool:
+    """True when the run's workers are Ray actors (`trainer.backend`, see single_controller.backend)."""
+    tr = config.trainer
+    return (
+        resolve_backend(tr.backend, slots=tr.nnodes * tr.n_gpus_per_node, use_gpu=_use_gpu(config)) == "ray"
+    )
+
+
+def _start_group(config, spec, use_gpu: bool, threads: int | None):
+    """(group, pool): one Ray actor per slot, or the single worker in this process (pool None)."""
+    tr = config.trainer
+    if not uses_ray(config):
+        print(f"[hybridrl] trainer.backend={tr.backend}: the worker runs in the driver process (one slot)")
+        for key, value in LOCAL_ENV.items():  # what start_ray gives Ray workers
+            os.environ.setdefault(key, value)
+        return LocalWorkerGroup(spec, name_prefix="hybridrl", num_threads=threads), None
+    pool = RayResourcePool(
+        [tr.n_gpus_per_node] * tr.nnodes, use_gpu=use_gpu, cpus_per_slot=tr.cpus_per_worker
+    )
+    return RayWorkerGroup(pool, spec, name_prefix="hybridrl"), pool

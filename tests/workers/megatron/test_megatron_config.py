@@ -64,7 +64,7 @@ def test_keys_compose_and_ppo_megatron_trainer(tmp_path):
     over = [
         "trainer.n_gpus_per_node=2",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-        "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
     ]
     with initialize_config_module("hybridrl.trainer.config", version_base=None):
         cfg = load_config(compose("ppo_megatron_trainer", overrides=over))
@@ -72,4 +72,4 @@ def test_keys_compose_and_ppo_megatron_trainer(tmp_path):
     assert (arr.actor.strategy, arr.ref.strategy, cfg.critic.strategy) == ("megatron",) * 3
     assert arr.actor.megatron.tensor_model_parallel_size == 2
     assert arr.ref.megatron.tensor_model_parallel_size == 2  # the reference follows the actor
-    assert arr.actor.megatron.override_transformer_config["recompute_granularity"] == "full"
+    assert arr.actor.megatron.override_transformer_config == {"recompute_granularity": "full"}
