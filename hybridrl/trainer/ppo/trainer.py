@@ -32,7 +32,9 @@ from hybridrl.utils.metrics import (
     reduce_metrics,
     timer,
 )
+from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
 
 
 def old_log_prob_is_redundant(config: Any) -> bool:
@@ -413,11 +415,7 @@ class RayPPOTrainer:
             "epoch": self._epoch,
             "dataloader": self.train_loader.state_dict(),
             "kl_ctrl": self.kl_ctrl_in_reward.state_dict() if self.kl_ctrl_in_reward else None,
-            "rng": {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-            },
+            "rng": get_rng_state(),
         }
         torch.save(state, os.path.join(tmp, "data.pt"))
         final = checkpointing.finalize(root, self.global_steps)
@@ -446,16 +444,14 @@ class RayPPOTrainer:
         self.workers.actor_rollout.load_checkpoint(os.path.join(path, "actor"))
         if self.use_critic:
             self.workers.critic.load_checkpoint(os.path.join(path, "critic"))
-        state = torch.load(os.path.join(path, "data.pt"), weights_only=False)
+        state = load_state_file(os.path.join(path, "data.pt"))
         self.global_steps = state["global_steps"]
         self._epoch = state["epoch"]
         self.train_loader.load_state_dict(state["dataloader"])
         self._train_iter = None
         if self.kl_ctrl_in_reward is not None and state["kl_ctrl"] is not None:
             self.kl_ctrl_in_reward.load_state_dict(state["kl_ctrl"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
+        set_rng_state(state["rng"])
         print(f"[hybridrl] resumed from {path} (global step {self.global_steps})")
 
     # --------------------------------------------------------------- logging
