@@ -70,6 +70,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_megatron_sigkill_resume_matches_uninterrupted(tmp_path):
     _finish(_launch(RESUME_ARGS, tmp_path / "a_ckpt", tmp_path / "a_logs"))
     full = {r["step"]: r for r in read_metrics(tmp_path / "a_logs" / "metrics.jsonl") if "actor/pg_loss" in r}
@@ -96,6 +97,7 @@ def test_megatron_sigkill_resume_matches_uninterrupted(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.timeout(1200)
 def test_megatron_tp2_vllm_learns(tmp_path):
     """The issue's acceptance command, 120 steps (about 4 minutes here): >= +10 points validation."""
     logs = tmp_path / "logs"

@@ -232,7 +232,10 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("merge", "test"):
         p = sub.add_parser(name)
         p.add_argument(
-            "--backend", default="fsdp", choices=["fsdp"], help="checkpoint format (fsdp: DCP shards)"
+            "--backend",
+            default="fsdp",
+            choices=["fsdp", "megatron"],
+            help="checkpoint format (fsdp: DCP shards; megatron: dist_checkpointing, docs/megatron.md)",
         )
         p.add_argument("--local_dir", required=True, help="checkpoint folder with model/ shards")
         p.add_argument(
@@ -249,7 +252,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "merge":
+        if args.command == "merge" and args.backend == "megatron":
+            from hybridrl.workers.engine.megatron.merge import merge_megatron_checkpoint
+
+            merge_megatron_checkpoint(args.local_dir, args.target_dir, args.hf_model_path, args.dtype)
+        elif args.backend == "megatron":
+            raise MergeError("`test` supports --backend fsdp only; merge, then compare the folders")
+        elif args.command == "merge":
             merge_checkpoint(args.local_dir, args.target_dir, args.hf_model_path, args.dtype)
         else:
             compare_with_hf(args.local_dir, args.test_hf_dir, args.hf_model_path)

@@ -20,10 +20,13 @@ from hybridrl.trainer.ppo.sections import (
     AsyncTrainingConfig,
     CustomRewardFunctionConfig,
     DataConfig,
+    RayKwargsConfig,
     RewardManagerKwargs,
     TrainerConfig,
 )
+from hybridrl.trainer.ppo.verl_compat import apply_verl_compat
 from hybridrl.utils.config_loader import ConfigError, load_structured
+from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.workers.megatron_config import data_parallel_size
 from hybridrl.workers.rollout.config import RolloutConfig
@@ -32,6 +35,7 @@ from hybridrl.workers.rollout.config import RolloutConfig
 @dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
+    nccl_timeout: int = 600  # seconds; the workers' process-group timeout
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -49,15 +53,27 @@ class PPOConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
 
 
 PPO_KEYS_DOC = "hybridrl/trainer/config/ppo_trainer.yaml"
 
 
-def load_config(cfg: DictConfig | dict | list[str] | None = None) -> PPOConfig:
-    """Merge `cfg` onto the schema, resolve it and validate it; returns a typed `PPOConfig`."""
-    config: PPOConfig = load_structured(PPOConfig, cfg, PPO_KEYS_DOC)
+def load_config(cfg: DictConfig | dict | list[str] | None = None, explicit_keys=None) -> PPOConfig:
+    """Merge `cfg` onto the schema, resolve it and validate it; returns a typed `PPOConfig`.
+
+    explicit_keys: the keys the user set (None: every key counts as set); see
+    `verl_compat.apply_verl_compat` (defaults that do not fit a small batch are adapted).
+    """
+    try:
+        config: PPOConfig = load_structured(PPOConfig, cfg, PPO_KEYS_DOC)
+    except ConfigError:
+        raise
+    except ValueError as e:  # a section's own check (__post_init__) failed
+        raise ConfigError(str(e)) from None
     derive_config(config)
+    apply_verl_compat(config, explicit_keys)
     validate_config(config)
     return config
 
@@ -144,6 +160,7 @@ def validate_config(config: PPOConfig) -> None:
             "[hybridrl] warning: both algorithm.use_kl_in_reward and actor.use_kl_loss are on (KL counted twice)"
         )
     _check_choice("actor_rollout_ref.rollout.name", arr.rollout.name, ["hf", "vllm", "sglang"])
+    _validate_rollout_parallel(config, world)
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         for f in _as_list(files):
             if not os.path.exists(os.path.expanduser(str(f))):
@@ -163,6 +180,26 @@ def validate_config(config: PPOConfig) -> None:
     fg = algo.filter_groups
     if fg.enable and n < 2:
         raise ConfigError("algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2")
+
+
+def _validate_rollout_parallel(config: PPOConfig, world: int) -> None:
+    """Rollout TP divides the ranks and the model's heads, the engine supports it, load_format fits
+    the actor's strategy (hybridrl.workers.rollout.parallel)."""
+    from hybridrl.workers.rollout.parallel import check_rollout_parallel_config
+
+    arr = config.actor_rollout_ref
+    try:
+        check_rollout_parallel_config(
+            tp=arr.rollout.tensor_model_parallel_size,
+            world_size=world,
+            engine=arr.rollout.name,
+            load_format=arr.rollout.load_format,
+            strategy=arr.actor.strategy,
+            model_path=arr.model.path,
+            trust_remote_code=arr.model.trust_remote_code,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_critic(config: PPOConfig, world: int) -> None:

@@ -10,8 +10,10 @@ touches model weights.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -22,6 +24,7 @@ import torch
 from hybridrl import algos
 from hybridrl.protocol import DataProto
 from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
+from hybridrl.trainer.ppo.profiling import StepProfilerDriver
 from hybridrl.trainer.ppo.workers import WorkerGroups
 from hybridrl.utils import checkpointing
 from hybridrl.utils.metrics import (
@@ -35,6 +38,8 @@ from hybridrl.utils.metrics import (
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
+from hybridrl.workers.agent.runner import agent_step_metrics
+from hybridrl.workers.rollout.weight_sync import weight_sync_step_metrics
 
 
 def old_log_prob_is_redundant(config: Any) -> bool:
@@ -53,6 +58,7 @@ def old_log_prob_is_redundant(config: Any) -> bool:
         and actor.ppo_mini_batch_size >= config.data.train_batch_size
         and not algo.use_kl_in_reward
         and not algo.rollout_is
+        and not rollout_correction_active(algo.rollout_correction)
     )
 
 
@@ -121,11 +127,13 @@ class RayPPOTrainer:
             if cfg.val_only:
                 return val
         progress = _progress_bar(cfg.progress_bar, self.total_training_steps, self.global_steps)
+        profiler = StepProfilerDriver(self.config, self.workers)
         while self.global_steps < self.total_training_steps:
             self.global_steps += 1
             metrics: dict[str, Any] = {}
             timing: dict[str, float] = {}
             self._gen_batches_this_step = 0
+            profiler.begin(self.global_steps)
             with timer("step", timing):
                 batch = trim_right_padding(self._rollout_and_score(metrics, timing))
                 self._balance_batch(batch, metrics)
@@ -136,6 +144,7 @@ class RayPPOTrainer:
                 self._update_critic(batch, metrics, timing)
                 self._update_actor(batch, metrics, timing)
                 self._dump_rollouts(batch)
+            profiler.end(self.global_steps)
             self._maybe_validate(metrics, timing)
             self._maybe_save_checkpoint(timing)
             self._log_step(batch, metrics, timing)
@@ -173,6 +182,7 @@ class RayPPOTrainer:
         with timer("gen", timing):
             out = self.workers.actor_rollout.generate_sequences(gen_in)
         timing.update(out.meta_info.pop("timing", {}))
+        self._sync_metrics = weight_sync_step_metrics(out.meta_info.get("metrics", {}))
         batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
         batch = batch.union(out)
         if self.config.algorithm.adv_estimator == "remax":
@@ -258,6 +268,10 @@ class RayPPOTrainer:
         metrics["perf/balance_max_min_ratio"] = max(sums) / max(min(sums), 1)
 
     def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
+        rc = self.config.algorithm.rollout_correction
+        if rc.bypass_mode:  # veRL's bypass: the engine's log-probs are the old log-probs
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            return apply_rollout_correction(rc, batch, metrics)
         if old_log_prob_is_redundant(self.config):
             return batch  # the update takes them from its own forward (exactly on-policy)
         with timer("old_log_prob", timing):
@@ -280,7 +294,7 @@ class RayPPOTrainer:
             )
             batch.batch["rollout_is_weights"] = weights
             metrics.update({f"rollout_is/{k}": float(v) for k, v in is_metrics.items()})
-        return batch
+        return apply_rollout_correction(rc, batch, metrics)
 
     def _compute_ref_log_prob(self, batch: DataProto, timing: dict) -> DataProto:
         if not self.use_reference_policy:
@@ -381,13 +395,17 @@ class RayPPOTrainer:
                 ).tolist()
             )
             uids.extend(batch.non_tensor_batch["uid"].tolist())
-            if len(samples) < self.config.trainer.log_val_generations:
+            if (
+                len(samples) < self.config.trainer.log_val_generations
+                or self.config.trainer.validation_data_dir
+            ):
                 samples.extend(_decode_samples(self.tokenizer, batch, seq_scores))
         extras["reward"] = scores
         if "acc" not in extras:
             extras["acc"] = scores
         val = process_validation_metrics(sources, uids, dict(extras))
         self.last_val_metrics = val
+        write_jsonl(self.config.trainer.validation_data_dir, self.global_steps, samples)
         if samples:
             self.tracker.log_generations(
                 samples[: self.config.trainer.log_val_generations], self.global_steps
@@ -423,6 +441,8 @@ class RayPPOTrainer:
         if cfg.remove_previous_ckpt_in_save:
             keep = 1
         checkpointing.prune(root, keep)
+        if self.use_critic:
+            checkpointing.prune_part(root, "critic", cfg.max_critic_ckpt_to_keep)
         return final
 
     def _load_checkpoint(self) -> None:
@@ -453,6 +473,9 @@ class RayPPOTrainer:
             self.kl_ctrl_in_reward.load_state_dict(state["kl_ctrl"])
         set_rng_state(state["rng"])
         print(f"[hybridrl] resumed from {path} (global step {self.global_steps})")
+        if cfg.del_local_ckpt_after_load:
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"[hybridrl] deleted {path} after loading it (trainer.del_local_ckpt_after_load)")
 
     # --------------------------------------------------------------- logging
     def _log_step(self, batch: DataProto, metrics: dict, timing: dict) -> None:
@@ -465,8 +488,11 @@ class RayPPOTrainer:
                 max_response_length=d.max_response_length,
             )
         )
+        metrics.update(agent_step_metrics(batch))
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, self.workers.actor_rollout.world_size))
+        metrics.update(getattr(self, "_sync_metrics", {}))  # the step's weight sync, per-rank min / max
+        self._sync_metrics = {}
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch
         clean = {
@@ -481,16 +507,46 @@ class RayPPOTrainer:
         out_dir = self.config.trainer.rollout_data_dir
         if not out_dir:
             return
-        import json
-
-        os.makedirs(out_dir, exist_ok=True)
         rows = _decode_samples(self.tokenizer, batch, batch.batch["token_level_scores"].sum(-1).tolist())
-        with open(os.path.join(out_dir, f"{self.global_steps}.jsonl"), "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(out_dir, self.global_steps, rows)
 
 
 # ---------------------------------------------------------------- helpers
+def write_jsonl(out_dir: str | None, step: int, rows: list[dict]) -> None:
+    """`out_dir/<step>.jsonl`, one decoded sample per line (rollout_data_dir, validation_data_dir)."""
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{step}.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def rollout_correction_active(rc) -> bool:
+    return rc.rollout_is is not None or rc.rollout_rs is not None
+
+
+def apply_rollout_correction(rc, batch: DataProto, metrics: dict) -> DataProto:
+    """`algorithm.rollout_correction`: IS weights x rejection mask into `rollout_is_weights`."""
+    if not rollout_correction_active(rc):
+        return batch
+    lower, upper = algos.parse_rs_threshold(rc.rollout_rs_threshold, rc.rollout_is_threshold)
+    weights, rc_metrics = algos.compute_rollout_correction(
+        batch.batch["old_log_probs"],
+        batch.batch["rollout_log_probs"],
+        batch.batch["response_mask"],
+        rollout_is=rc.rollout_is,
+        rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+        rollout_rs=rc.rollout_rs,
+        rollout_rs_lower=lower,
+        rollout_rs_upper=upper,
+    )
+    batch.batch["rollout_is_weights"] = weights
+    metrics.update({f"rollout_corr/{k}": float(v) for k, v in rc_metrics.items()})
+    return batch
+
+
 def attach_reward_extra(batch: DataProto, extra: dict[str, list]) -> None:
     """Store the reward function's per-row extras (lists of len(batch)) as object columns of `batch`."""
     for k, v in extra.items():

@@ -86,6 +86,7 @@ def role_classes(config, world: int, threads: int | None, peak_flops: float | No
                 dp_size=data_parallel_size(arr.actor.strategy, arr.actor.megatron, world),
             ),
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
     }
@@ -107,6 +108,7 @@ def support_role_classes(
                 config.critic, dp_size=critic_dp, rollout_n=config.actor_rollout_ref.rollout.n
             ),
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
     if config.reward_model.enable:
@@ -115,6 +117,7 @@ def support_role_classes(
             config=config.reward_model,
             policy_tokenizer_path=config.actor_rollout_ref.model.path,
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
         )
     return classes
 

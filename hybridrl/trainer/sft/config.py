@@ -203,6 +203,16 @@ def validate_sft_config(config: SFTConfig) -> None:
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _choice("model.strategy", m.strategy, ("fsdp", "fsdp2"))
+    fsdp = m.fsdp_config
+    for key, value, default in (
+        ("model.fsdp_config.mixed_precision.buffer_dtype", fsdp.mixed_precision.buffer_dtype, "fp32"),
+        ("model.fsdp_config.wrap_policy.min_num_params", fsdp.wrap_policy.min_num_params, 0),
+    ):
+        if value != default:
+            raise SFTConfigError(
+                f"{key}={value!r} is accepted for veRL compatibility but not supported here (FSDP2 keeps "
+                f"buffers as loaded and shards per decoder layer); leave it at {default!r}"
+            )
     if o.optimizer.lower() != "adamw":
         raise ConfigError(
             f"optim.optimizer={o.optimizer!r}: only AdamW is implemented; set optim.optimizer=AdamW"
