@@ -30,8 +30,9 @@ from hybridrl.single_controller.ray.base import (
 )
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_workers
+from hybridrl.trainer.ppo.batch_steps import attach_reward_extra
 from hybridrl.trainer.ppo.setup import prepare_run, trainer_of
-from hybridrl.trainer.ppo.trainer import RayPPOTrainer, attach_reward_extra
+from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 from hybridrl.trainer.ppo.workers import WorkerGroups, support_role_classes, use_gpu
 from hybridrl.utils.metrics import timer
 from hybridrl.workers.config import normalize_actor_batch_sizes
