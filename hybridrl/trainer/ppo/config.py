@@ -86,6 +86,16 @@ def derive_config(config: PPOConfig) -> None:
     if rollout.response_length is None or rollout.response_length <= 0:
         rollout.response_length = config.data.max_response_length
     config.trainer.cpus_per_worker = _cpus_per_worker(config.trainer)
+    _check_backend(config.trainer)
+
+
+def _check_backend(tr) -> None:
+    from hybridrl.single_controller.backend import resolve_backend
+
+    try:  # names and slot count only; 'auto' is decided when the workers start
+        resolve_backend(tr.backend, slots=tr.nnodes * tr.n_gpus_per_node, use_gpu=False)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _cpus_per_worker(tr) -> int:

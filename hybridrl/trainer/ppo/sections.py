@@ -143,6 +143,7 @@ class TrainerConfig:
     validation_data_dir: str | None = None
     nnodes: int = 1
     n_gpus_per_node: int = 1
+    backend: str = "auto"  # auto | ray | local (one slot in the driver): hybridrl.single_controller.backend
     cpus_per_worker: Any = "auto"  # CPU cores per slot on CPU-only machines; auto: hybridrl.utils.cpus
     save_freq: int = -1
     test_freq: int = -1

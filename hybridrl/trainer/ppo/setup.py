@@ -16,7 +16,7 @@ from hybridrl.models.builtin import resolve_model_path
 from hybridrl.models.shm import copy_to_shm
 from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
-from hybridrl.trainer.ppo.workers import start_workers
+from hybridrl.trainer.ppo.workers import start_workers, uses_ray
 from hybridrl.utils.flops import get_peak_flops
 from hybridrl.utils.torch_utils import str_to_dtype
 from hybridrl.utils.tracking import Tracking
@@ -191,7 +191,7 @@ def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
 
     run = prepare_run(config)
     peak = _peak_flops(config)
-    if init_ray is not None:
+    if init_ray is not None and uses_ray(config):
         init_ray(config)
     return trainer_of(RayPPOTrainer, config, run, start_workers(config, peak_flops=peak))
 

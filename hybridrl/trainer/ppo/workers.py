@@ -6,15 +6,20 @@ hybrid engine switches between training and generation on the same device.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from hybridrl import algos
+from hybridrl.single_controller.backend import resolve_backend
+from hybridrl.single_controller.local import LocalWorkerGroup
 from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 from hybridrl.workers.megatron_config import check_colocated_megatron, data_parallel_size
+
+LOCAL_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @dataclass
@@ -126,9 +131,9 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
     """Reserve `nnodes x n_gpus_per_node` slots, start the colocated workers, build their models."""
     tr = config.trainer
     gpu = use_gpu(config)
-    pool = RayResourcePool([tr.n_gpus_per_node] * tr.nnodes, use_gpu=gpu, cpus_per_slot=tr.cpus_per_worker)
-    classes = role_classes(config, pool.world_size, pool.num_threads if not gpu else None, peak_flops)
-    group = RayWorkerGroup(pool, create_colocated_worker_cls(classes), name_prefix="hybridrl")
+    threads = max(1, int(tr.cpus_per_worker)) if not gpu else None
+    classes = role_classes(config, tr.nnodes * tr.n_gpus_per_node, threads, peak_flops)
+    group, pool = _start_group(config, create_colocated_worker_cls(classes), gpu, threads)
     views = group.spawn(list(classes))
     groups = WorkerGroups(
         actor_rollout=views["actor_rollout"],
@@ -142,3 +147,23 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
         if name in views:
             views[name].init_model()
     return groups
+
+
+def uses_ray(config) -> bool:
+    """True when the run's workers are Ray actors (`trainer.backend`, see single_controller.backend)."""
+    tr = config.trainer
+    return resolve_backend(tr.backend, slots=tr.nnodes * tr.n_gpus_per_node, use_gpu=use_gpu(config)) == "ray"
+
+
+def _start_group(config, spec, use_gpu: bool, threads: int | None):
+    """(group, pool): one Ray actor per slot, or the single worker in this process (pool None)."""
+    tr = config.trainer
+    if not uses_ray(config):
+        print(f"[hybridrl] trainer.backend={tr.backend}: the worker runs in the driver process (one slot)")
+        for key, value in LOCAL_ENV.items():  # what start_ray gives Ray workers
+            os.environ.setdefault(key, value)
+        return LocalWorkerGroup(spec, name_prefix="hybridrl", num_threads=threads), None
+    pool = RayResourcePool(
+        [tr.n_gpus_per_node] * tr.nnodes, use_gpu=use_gpu, cpus_per_slot=tr.cpus_per_worker
+    )
+    return RayWorkerGroup(pool, spec, name_prefix="hybridrl"), pool
