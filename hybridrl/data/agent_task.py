@@ -1,6 +1,7 @@
 """The built-in tool task: 3-digit by 2-digit products, with a calculator tool.
 
-A question is ``"a*b="`` with ``a`` in ``[100, 999]`` and ``b`` in ``[10, 99]``; the answer is the
+A question is ``"a*b="`` with ``a`` in ``[100, 999]`` and ``b`` in ``[10, 99]`` and a five-digit product
+(``a*b >= 10000``: every copy the model makes is then at a fixed distance); the answer is the
 product after ``####`` (scored like the built-in task: the integer after the last ``####``). The
 built-in 0.5M-parameter model cannot multiply, but it can learn to call the calculator and copy
 its result. A tool-using trajectory (hermes format, the tool ``calc`` of
@@ -31,7 +32,8 @@ TOOL_NAME = "calc"
 A_RANGE = (100, 999)
 B_RANGE = (10, 99)
 VAL_BUCKETS = 10
-TASK_VERSION = 1
+MIN_PRODUCT = 10000
+TASK_VERSION = 2
 
 __all__ = [
     "AGENT_DATA_SOURCE",
@@ -50,14 +52,14 @@ def pair_split(a: int, b: int) -> str:
 
 
 def sample_pairs(n: int, seed: int, split: str) -> list[tuple[int, int]]:
-    """``n`` distinct-as-possible pairs of ``split``, drawn by rejection from a seeded RNG."""
+    """``n`` pairs of ``split`` with a five-digit product, drawn by rejection from a seeded RNG."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     rng = random.Random(f"agent:{split}:{seed}")
     out: list[tuple[int, int]] = []
     while len(out) < n:
         a, b = rng.randint(*A_RANGE), rng.randint(*B_RANGE)
-        if pair_split(a, b) == split:
+        if a * b >= MIN_PRODUCT and pair_split(a, b) == split:
             out.append((a, b))
     return out
 

@@ -139,7 +139,8 @@ class ModelConfig:
     init_from_scratch: build the architecture from `path`'s config with random weights.
     override_config: set on the HF config before building (e.g. {attention_dropout: 0.0,
       attn_implementation: eager}).
-    lora_rank: > 0 wraps the model with a PEFT LoRA adapter (lora_alpha, target_modules).
+    lora_rank: > 0 wraps the model with a PEFT LoRA adapter (lora_alpha, target_modules);
+      lora_adapter_path loads a saved adapter instead (its own rank and targets).
     use_shm: accepted for veRL compatibility; loading always reads `path` directly.
     """
 
@@ -158,6 +159,9 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
+    lora_adapter_path: str | None = (
+        None  # a saved PEFT adapter to start from (replaces lora_rank/alpha/targets)
+    )
     custom_chat_template: str | None = None
 
     def validate(self, key: str = "actor_rollout_ref.model") -> None:

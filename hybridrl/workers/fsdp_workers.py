@@ -124,7 +124,9 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
                 peak_flops=self.peak_flops,
             )
         if self._is_ref:
-            self._lora_self_ref = self._is_actor and self.model_config.lora_rank > 0
+            self._lora_self_ref = self._is_actor and (
+                self.model_config.lora_rank > 0 or bool(self.model_config.lora_adapter_path)
+            )
             if not self._lora_self_ref:
                 self.ref_engine = FSDPEngine.build(
                     self.model_config, self.ref_config.fsdp_config, None, role="ref"

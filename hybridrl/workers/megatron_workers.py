@@ -62,7 +62,7 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
 
         _setup(self.num_threads)
         self.model_config.validate()
-        if self.model_config.lora_rank > 0:
+        if self.model_config.lora_rank > 0 or self.model_config.lora_adapter_path:
             raise ValueError(
                 "actor_rollout_ref.model.lora_rank > 0 is not supported with strategy=megatron; use fsdp"
             )

@@ -10,7 +10,7 @@
 # 2. GRPO with the tool agent (actor_rollout_ref.rollout.multi_turn.*, a veRL-format tool yaml,
 #    per-row agent_name / extra_info.tools_kwargs from hybridrl.data.agent_task): the calls earn the
 #    reward, so the policy learns to call the tool every time and to copy its result.
-# Validation (greedy, 200 held-out products) every 10 steps; tool calls per trajectory
+# Validation (greedy, 200 held-out products) every 5 steps; tool calls per trajectory
 # (tool/calls_per_traj), tool error rate (tool/error_rate), num_turns/* are logged every step to
 # $AGENT_OUT/logs/metrics.jsonl. docs/agent.md has the measured numbers.
 set -euo pipefail
@@ -44,7 +44,7 @@ python -m "hybridrl.trainer.$TRAINER" \
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 \
     actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 \
     actor_rollout_ref.model.path="$SFT" \
-    actor_rollout_ref.actor.optim.lr=5e-5 \
+    actor_rollout_ref.actor.optim.lr=1e-4 \
     actor_rollout_ref.rollout.name=hf \
     actor_rollout_ref.rollout.multi_turn.enable=true \
     actor_rollout_ref.rollout.multi_turn.tool_config_path=recipes/agent/calculator_tool.yaml \
@@ -53,7 +53,7 @@ python -m "hybridrl.trainer.$TRAINER" \
     actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode=ignore_strippable \
     actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent \
     trainer.nnodes=1 trainer.n_gpus_per_node=1 trainer.cpus_per_worker=1 \
-    trainer.total_training_steps="${AGENT_STEPS:-60}" trainer.test_freq=10 \
+    trainer.total_training_steps="${AGENT_STEPS:-60}" trainer.test_freq=5 \
     trainer.logger='[console,file]' trainer.progress_bar=false \
     trainer.experiment_name="agent_grpo_$TRAINER" trainer.resume_mode=disable \
     "${ASYNC[@]}" "$@"

@@ -104,6 +104,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--tool-fraction", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--init", default="builtin:tiny", help="model to start from (default: the built-in model)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -112,7 +115,7 @@ def main() -> None:
     from hybridrl.models.builtin import get_builtin_model_path
     from hybridrl.workers.agent.tokenization import ToolTurnRenderer
 
-    src = get_builtin_model_path()
+    src = get_builtin_model_path() if args.init in ("builtin", "builtin:tiny") else args.init
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     renderer = ToolTurnRenderer(tokenizer)

@@ -35,11 +35,7 @@ SCOPES = {
 }  # fmt: skip
 # Keys of other issues' code that this test flagged when it landed; their owners make them comply
 # (honour or refuse), then the entry goes. Keep this list short and owned.
-PENDING = {
-    "actor_rollout_ref.actor.megatron.use_mbridge": "issue 15 (workers/megatron_config.py documents it as accepted)",
-    "actor_rollout_ref.ref.megatron.use_mbridge": "issue 15",
-    "critic.megatron.use_mbridge": "issue 15",
-}
+PENDING: dict[str, str] = {}
 
 # Read under a computed name (the test cannot see them; each says where).
 DYNAMIC = {

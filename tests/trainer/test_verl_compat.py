@@ -191,3 +191,14 @@ def test_ray_init_num_cpus_and_env_vars_reach_ray(monkeypatch):
         assert ray.get(read_env.remote()) == ("on", "false")  # the user's and hybridrl's variables
     finally:
         ray.shutdown()
+
+
+def test_rollout_mode_async_generates_through_the_agent_loops():
+    from hybridrl.protocol import DataProto
+    from hybridrl.workers.agent.runner import uses_agent_loops
+    from hybridrl.workers.rollout import RolloutConfig
+
+    batch = DataProto.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+    assert uses_agent_loops(RolloutConfig(name="hf", mode="async"), batch)
+    assert not uses_agent_loops(RolloutConfig(name="hf", mode="sync"), batch)
+    assert _check(["actor_rollout_ref.rollout.mode=async"]).actor_rollout_ref.rollout.mode == "async"

@@ -141,12 +141,6 @@ REFUSED: tuple[Refused, ...] = (
         "hybridrl always colocates training and rollout (hybrid engine)",
     ),
     Refused(
-        "actor_rollout_ref.rollout.mode",
-        "sync",
-        "the rollout engine runs in-process and synchronously; the asynchronous server/agent-loop mode is not "
-        "available (for asynchronous training use python -m hybridrl.trainer.main_async)",
-    ),
-    Refused(
         "data.return_raw_input_ids",
         False,
         "the RL dataset does not return raw input ids; the reward model "

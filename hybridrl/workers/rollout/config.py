@@ -12,6 +12,9 @@ Notes on a few keys:
 - `load_format`: "dummy" (or veRL's "dummy_dtensor" / "dummy_hf" / "dummy_megatron") starts
   the engine with random weights and relies on the first weight sync; "auto", "hf" or
   "safetensors" load the checkpoint at `model_path`.
+- `mode`: `sync` generates with the engine directly; `async` (veRL's default) generates through
+  the agent loops (`hybridrl/workers/agent`, `single_turn_agent` unless configured otherwise), as
+  veRL's async mode does.
 - `enable_chunked_prefill`, `enable_prefix_caching`, `disable_log_stats`, `scheduling_policy`,
   `logprobs_mode`, `cudagraph_capture_sizes`: vLLM engine arguments veRL exposes at the top level
   (passed to `vllm.LLM`; `engine_kwargs.vllm` still wins). With `name=hf` they do nothing and the

@@ -225,6 +225,7 @@ def test_agent_task_rows_carry_agent_name_and_tools_kwargs():
     for r in rows:
         a, b = map(int, r["prompt"][0]["content"].rstrip("=").split("*"))
         assert 100 <= a <= 999 and 10 <= b <= 99 and agent_task.pair_split(a, b) == "train"
+        assert len(str(a * b)) == 5
         assert r["reward_model"]["ground_truth"] == str(a * b)
         assert r["agent_name"] == "tool_agent"
         assert r["extra_info"]["tools_kwargs"]["calc"]["create_kwargs"]["ground_truth"] == str(a * b)
