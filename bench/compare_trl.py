@@ -49,13 +49,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 DATA_SOURCE = "hybridrl/arith"
+REAL = "real100m"  # the real-vocabulary workload (bench/real_model.py)
 
 
 # ------------------------------------------------------------------------------------ workload
 def workload_from_args(args) -> dict:
     return {
         "model": args.model,
-        "model_path": C.resolve_bench_model(args.model),
+        "model_path": _model_path(args.model),
+        "threads": args.threads,
         "prompts": args.prompts,
         "n": args.n,
         "response_length": args.response_length,
@@ -67,10 +69,37 @@ def workload_from_args(args) -> dict:
     }
 
 
+def _model_path(name: str) -> str:
+    if name == REAL:
+        from real_model import ensure_real_model
+
+        return ensure_real_model()["model"]
+    return C.resolve_bench_model(name)
+
+
+def thread_env(threads: int) -> dict:
+    """Environment of both libraries' children: `threads` torch threads; idle OpenMP threads sleep
+    (OMP_WAIT_POLICY=PASSIVE, hybridrl's default) for both when there is more than one."""
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if threads > 1:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
+
+
 def builtin_data() -> dict:
     from hybridrl.data.builtin_task import ensure_builtin_data
 
     return ensure_builtin_data()
+
+
+def workload_data(w: dict) -> dict:
+    """train/val parquet files of the workload: the built-in task, or its ~60-token variant."""
+    if w["model"] == REAL:
+        from real_model import ensure_real_model
+
+        paths = ensure_real_model()
+        return {"train": paths["train"], "val": paths["val"]}
+    return builtin_data()
 
 
 def score(text: str, ground_truth: str) -> float:
@@ -112,10 +141,11 @@ def hybridrl_overrides(w: dict, seed: int, tmp: str) -> list[str]:
         "trainer.progress_bar=false",
         "trainer.make_report=false",
         "trainer.n_gpus_per_node=1",
-        "trainer.cpus_per_worker=1",
+        f"trainer.cpus_per_worker={w.get('threads', 1)}",
         f"trainer.seed={seed}",
         f"trainer.default_local_dir={tmp}/ckpt",
         *DTYPE_OVERRIDES[w.get("dtype", "fp32")],
+        *w.get("data_overrides", []),
         *w["hybridrl_overrides"],
     ]
 
@@ -157,7 +187,10 @@ def start_ray(num_cpus: int) -> None:
 def run_hybridrl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
     """One hybridrl GRPO run in this process (Ray driver); returns per-step records."""
     import torch
+    import transformers  # noqa: F401  (imported before the clock, as run_trl imports TRL)
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
+    import hybridrl.workers.fsdp_workers  # noqa: F401
     from hybridrl.trainer.ppo.setup import build_trainer
 
     torch.set_num_threads(1)
@@ -166,8 +199,8 @@ def run_hybridrl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
         os.environ["HYBRIDRL_LOG_DIR"] = os.path.join(tmp, "logs")
         config = compose_hybridrl_config(hybridrl_overrides(w, seed, tmp) + list(extra or []))
         batch = config.data.train_batch_size * config.actor_rollout_ref.rollout.n  # rows per step
-        start_ray(max(2, config.trainer.n_gpus_per_node * config.trainer.cpus_per_worker))
-        trainer = build_trainer(config)
+        cpus = max(2, config.trainer.n_gpus_per_node * config.trainer.cpus_per_worker)
+        trainer = build_trainer(config, init_ray=lambda _c: start_ray(cpus))  # not for trainer.backend local
         ends: list[float] = []
         log_step = trainer._log_step
 
@@ -204,9 +237,10 @@ def run_hybridrl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
             }
         )
     acc = next((v for k, v in final_val.items() if k.startswith("val-core/") and "/acc/mean@" in k), None)
-    import ray
+    import sys as _sys
 
-    ray.shutdown()
+    if "ray" in _sys.modules and _sys.modules["ray"].is_initialized():
+        _sys.modules["ray"].shutdown()
     return {
         "steps": steps,
         "start_up_s": t_fit - t_start,
@@ -227,173 +261,6 @@ def max_prompt_tokens(model_path: str, train_path: str) -> int:
         for p in prompts
     }
     return max(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts)
-
-
-# ------------------------------------------------------------------------------------ TRL
-def trl_dataset(path: str):
-    import pandas as pd
-    from datasets import Dataset
-
-    df = pd.read_parquet(path)
-    prompts = [[{"role": m["role"], "content": m["content"]} for m in p] for p in df["prompt"]]
-    truths = [rm["ground_truth"] for rm in df["reward_model"]]
-    return Dataset.from_dict({"prompt": prompts, "ground_truth": truths})
-
-
-def arith_reward(prompts, completions, ground_truth, **kwargs):
-    """TRL reward function: hybridrl's own scorer on the decoded completion."""
-    return [
-        score(c[0]["content"] if isinstance(c, list) else c, gt) for c, gt in zip(completions, ground_truth)
-    ]
-
-
-def greedy_accuracy(model, tokenizer, val_path: str, max_new_tokens: int) -> float:
-    """Greedy exact match on the validation prompts with plain HF generate (one left-padded batch)."""
-    import pandas as pd
-    import torch
-
-    df = pd.read_parquet(val_path)
-    texts = [
-        tokenizer.apply_chat_template([dict(m) for m in p], add_generation_prompt=True, tokenize=False)
-        for p in df["prompt"]
-    ]
-    tokenizer.padding_side = "left"
-    enc = tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True)
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(
-            **enc,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    truths = [rm["ground_truth"] for rm in df["reward_model"]]
-    return sum(score(c, t) for c, t in zip(completions, truths)) / len(truths)
-
-
-def run_trl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
-    """One TRL GRPOTrainer run in this process; returns per-step records."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    t_start = time.perf_counter()
-    paths = builtin_data()
-    timing = {"gen_s": 0.0, "log_prob_s": 0.0, "prepare_s": 0.0}
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        def _generate(self, prompts):
-            t = time.perf_counter()
-            try:
-                return super()._generate(prompts)
-            finally:
-                timing["gen_s"] += time.perf_counter() - t
-
-        def _get_per_token_logps_and_entropies(self, *a, **k):
-            t = time.perf_counter()
-            try:
-                return super()._get_per_token_logps_and_entropies(*a, **k)
-            finally:
-                if not torch.is_grad_enabled():  # old / reference log-probs, not the loss forward
-                    timing["log_prob_s"] += time.perf_counter() - t
-
-        def _prepare_inputs(self, generation_batch):
-            t = time.perf_counter()
-            try:
-                return super()._prepare_inputs(generation_batch)
-            finally:
-                timing["prepare_s"] += time.perf_counter() - t
-
-    ends: list[float] = []
-    splits: list[dict] = []
-
-    class StepClock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            ends.append(time.perf_counter())
-            splits.append(dict(timing))
-            for k in timing:
-                timing[k] = 0.0
-
-    batch = w["prompts"] * w["n"]
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = GRPOConfig(
-            output_dir=tmp,
-            per_device_train_batch_size=batch,
-            gradient_accumulation_steps=1,
-            num_generations=w["n"],
-            max_completion_length=w["response_length"],
-            learning_rate=w["lr"],
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.01,
-            adam_beta1=0.9,
-            adam_beta2=0.999,
-            adam_epsilon=1e-8,
-            max_grad_norm=1.0,
-            beta=0.0,
-            loss_type="dapo",
-            scale_rewards="group",
-            epsilon=0.2,
-            num_iterations=1,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            bf16=w.get("dtype", "fp32") == "bf16",  # autocast bf16 over fp32 weights
-            fp16=False,
-            use_cpu=True,
-            gradient_checkpointing=False,
-            max_steps=w["steps"],
-            logging_steps=1,
-            report_to="none",
-            save_strategy="no",
-            seed=seed,
-            data_seed=seed,
-            dataloader_num_workers=0,
-            disable_tqdm=True,
-            log_completions=False,
-            use_vllm=False,
-            remove_unused_columns=False,
-        )
-        tokenizer = AutoTokenizer.from_pretrained(w["model_path"])
-        model = AutoModelForCausalLM.from_pretrained(w["model_path"], dtype=torch.float32)
-        trainer = TimedGRPOTrainer(
-            model=model,
-            reward_funcs=arith_reward,
-            args=cfg,
-            train_dataset=trl_dataset(paths["train"]),
-            processing_class=tokenizer,
-            callbacks=[StepClock()],
-        )
-        t_fit = time.perf_counter()
-        trainer.train()
-        logs = [h for h in trainer.state.log_history if "reward" in h]
-        acc = (
-            greedy_accuracy(trainer.model, tokenizer, paths["val"], w["response_length"])
-            if w["eval"]
-            else None
-        )
-    steps = []
-    prev = t_fit
-    for i, (end, split) in enumerate(zip(ends, splits)):
-        wall = end - prev
-        prev = end
-        log = logs[i] if i < len(logs) else {}
-        steps.append(
-            {
-                "wall_s": wall,
-                "gen_s": split["gen_s"],
-                "weight_sync_s": 0.0,
-                "log_prob_s": split["log_prob_s"],
-                "update_s": wall - split["prepare_s"],
-                "gen_tokens": log.get("completions/mean_length", float("nan")) * batch,
-                "reward": log.get("reward", float("nan")),
-                "mfu_update": None,
-            }
-        )
-    return {"steps": steps, "start_up_s": t_fit - t_start, "final_greedy_acc": acc}
 
 
 # ------------------------------------------------------------------------------------ summary
@@ -444,7 +311,7 @@ def report(w: dict, runs: dict[str, list[dict]], info: dict) -> dict:
     print(
         f"workload: model {w['model']} ({w['model_path']}), {w['prompts']} prompts x {w['n']} samples, "
         f"<= {w['response_length']} new tokens, lr {w['lr']}, {w['steps']} steps, {w.get('dtype', 'fp32')}, "
-        "1 torch thread/process, "
+        f"{w.get('threads', 1)} torch thread(s)/training process, "
         f"{len(runs[names[0]])} rounds ({' '.join(names)} alternating); medians over rounds"
     )
     for name in names:
@@ -517,7 +384,12 @@ VARIANTS: dict[str, tuple[str, list[str], dict]] = {
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="tiny (built-in, 0.54M), 30m (random Qwen2) or a folder")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help=f"tiny (built-in, 0.54M), 30m (random Qwen2), {REAL} (~100M Qwen2, 32k BPE, ~60-token prompts) or a folder",
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each library's training process")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=8, help="group size (samples per prompt)")
     p.add_argument("--response-length", type=int, default=12)
@@ -548,18 +420,34 @@ def main() -> None:
 
     if args.child:  # one run inside a fresh process
         w = json.loads(args.workload)
-        out = (run_hybridrl if args.child == "hybridrl" else run_trl)(w, args.seed, json.loads(args.extra))
+        if args.child == "hybridrl":
+            out = run_hybridrl(w, args.seed, json.loads(args.extra))
+        else:
+            from trl_runner import run_trl
+
+            out = run_trl(w, args.seed, json.loads(args.extra))
         Path(args.result).write_text(json.dumps(out))
         return
 
     big = args.model != "tiny"
+    if args.model == REAL and "--prompts" not in sys.argv:  # the issue's workload: 4 prompts x 4 samples
+        args.prompts, args.n = 4, 4
     args.steps = args.steps or (5 if big else 30)
     args.rounds = args.rounds or (1 if big else 2)
     if big and not args.no_eval:
         args.no_eval = True  # a random-init model scores 0: evaluation would only cost time
     info = C.print_header("hybridrl vs TRL GRPO (bench/compare_trl.py)")
-    paths = builtin_data()
     w = workload_from_args(args)
+    paths = workload_data(w)
+    if args.model == REAL:
+        from real_model import describe
+
+        print(f"   real-vocabulary workload: {describe({'model': w['model_path'], **paths})}")
+        w["data_overrides"] = [
+            f"data.train_files={paths['train']}",
+            f"data.val_files={paths['val']}",
+            f"data.max_prompt_length={max_prompt_tokens(w['model_path'], paths['train'])}",
+        ]
     # (name, library, extra hybridrl overrides, extra env), run in this order every round
     runners: list[tuple[str, str, list[str], dict]] = [
         ("hybridrl", "hybridrl", [], {}),
@@ -605,7 +493,7 @@ def main() -> None:
                         result,
                     ],
                     result,
-                    env=env,
+                    env={**thread_env(args.threads), **env},
                 )
                 res["load_avg_after"] = C.load_average()[0]
                 s = summarize(res)

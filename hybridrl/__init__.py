@@ -4,7 +4,14 @@ A Ray driver (the single controller) holds the PPO loop and dispatches to worker
 switch between FSDP2 training and generation on the same devices (the hybrid engine).
 """
 
-from hybridrl.protocol import DataProto, DataProtoFuture
+import os
+
+# Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. Spinning threads made two
+# torch threads 0.3x as fast as one on a loaded machine, sleeping ones 1.8x (docs/performance.md).
+# It matters when the worker runs in this process (trainer.backend=local); a value you set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from hybridrl.protocol import DataProto, DataProtoFuture  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["DataProto", "DataProtoFuture", "__version__"]

@@ -34,7 +34,9 @@ def _imports(name: str, path: Path) -> list[tuple[str, list[str], int]]:
             elif isinstance(child, ast.ImportFrom):
                 module = child.module or ""
                 if child.level:
-                    base = name.split(".")[: len(name.split(".")) - child.level + (path.name == "__init__.py")]
+                    base = name.split(".")[
+                        : len(name.split(".")) - child.level + (path.name == "__init__.py")
+                    ]
                     module = ".".join([*base, module] if module else base)
                 if module.startswith("hybridrl"):
                     out.append((module, [a.name for a in child.names], child.lineno))

@@ -23,29 +23,23 @@ from hybridrl.algos.agg import agg_loss
 from hybridrl.algos.kl import kl_penalty
 from hybridrl.algos.policy_loss import get_policy_loss_fn
 from hybridrl.protocol import DataProto
-from hybridrl.utils.device import get_torch_device
-from hybridrl.workers.config import ActorConfig, PerRankBatchSizes
+from hybridrl.workers.config import ActorConfig
 from hybridrl.workers.engine.batching import (
-    default_dp_group,
     mean_over_ranks,
     merge_outputs,
-    optimizer_step,
-    split_micro_batches,
 )
 from hybridrl.workers.engine.forward import forward_log_probs
 from hybridrl.workers.engine.update_loop import (
-    UpdatePerf,
+    MicroBatchedRole,
     accumulate_micro_batches,
     forward_without_grad,
-    prepare_mini_batch,
-    run_update,
 )
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 _OPTIONAL_KEYS = ("response_mask", "ref_log_prob", "rollout_is_weights", "rollout_log_probs")
 
 
-class PPOActor:
+class PPOActor(MicroBatchedRole):
     """PPO policy over an FSDP2-sharded causal LM.
 
     Args:
@@ -59,31 +53,11 @@ class PPOActor:
         peak_flops: peak FLOP/s of one device for `perf/mfu/actor` (None: not reported).
     """
 
-    def __init__(
-        self,
-        config: ActorConfig | None,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        lr_scheduler: Any = None,
-        *,
-        dp_size: int = 1,
-        batch_sizes: PerRankBatchSizes | None = None,
-        use_remove_padding: bool = False,
-        dp_group: Any = None,
-        peak_flops: float | None = None,
-    ) -> None:
-        self.config = config or ActorConfig()
-        self.module = module
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.dp_size = dp_size
-        self.batch_sizes = batch_sizes
-        self.use_remove_padding = use_remove_padding
-        self.dp_group = default_dp_group(dp_size, dp_group)
-        self.peak_flops = peak_flops
-        self.device = get_torch_device()
+    role = "actor"
+
+    def __init__(self, config: ActorConfig | None, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config or ActorConfig(), module, *args, **kwargs)
         self.policy_loss_fn = get_policy_loss_fn(self.config.policy_loss.loss_mode)
-        self._perf = UpdatePerf("actor", module, peak_flops)
 
     # ------------------------------------------------------------------------------------------
     def _forward(self, micro: Any, temperature: float, calculate_entropy: bool, entropy_grad: bool = True):
@@ -122,13 +96,8 @@ class PPOActor:
         """
         batch = data.batch.select(*_FORWARD_KEYS).to(self.device)
         micro_batch_size = micro_batch_size or len(data)
-        micros, indices = split_micro_batches(
-            batch,
-            micro_batch_size=micro_batch_size,
-            use_dynamic_bsz=use_dynamic_bsz,
-            max_token_len=max_token_len,
-            dp_group=self.dp_group,
-            key="log_prob_max_token_len_per_gpu",
+        micros, indices = self.split(
+            batch, micro_batch_size, use_dynamic_bsz, max_token_len, "log_prob_max_token_len_per_gpu"
         )
         results = forward_without_grad(
             self.module, micros, lambda m: self._forward(m, temperature, calculate_entropy)
@@ -197,14 +166,7 @@ class PPOActor:
         mini-batch (the same on every rank): pg_loss / kl_loss as optimised, pg_clipfrac, ppo_kl,
         entropy, ... as token means.
         """
-        _, loss_scale, micros = prepare_mini_batch(
-            mini_batch,
-            device=self.device,
-            batch_sizes=self.batch_sizes,
-            dp_size=self.dp_size,
-            dp_group=self.dp_group,
-            token_budget_key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-        )
+        _, loss_scale, micros = self.prepare(mini_batch, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
         has_old = "old_log_probs" in mini_batch.batch.keys()
         sums, means = accumulate_micro_batches(
             micros,
@@ -263,14 +225,6 @@ class PPOActor:
             raise ValueError(
                 "update_policy needs batch_sizes=normalize_actor_batch_sizes(...) at construction"
             )
-        return run_update(
-            self._select_train_keys(data),
-            role="actor",
-            module=self.module,
-            batch_sizes=self.batch_sizes,
-            forward_backward=lambda mini: self.forward_backward(mini, temperature=temperature),
-            step=lambda: optimizer_step(self.module, self.optimizer, self.config.max_grad_norm),
-            lr_scheduler=self.lr_scheduler,
-            optimizer=self.optimizer,
-            perf=self._perf,
+        return self.run_update(
+            self._select_train_keys(data), lambda mini: self.forward_backward(mini, temperature=temperature)
         )

@@ -14,34 +14,26 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from hybridrl.algos.utils import masked_mean
 from hybridrl.algos.value import compute_value_loss
 from hybridrl.protocol import DataProto
-from hybridrl.utils.device import get_torch_device
-from hybridrl.workers.config import CriticConfig, PerRankBatchSizes
 from hybridrl.workers.engine.batching import (
-    default_dp_group,
     mean_over_ranks,
     merge_outputs,
-    optimizer_step,
     response_mask_of,
-    split_micro_batches,
 )
 from hybridrl.workers.engine.forward import forward_values
 from hybridrl.workers.engine.update_loop import (
-    UpdatePerf,
+    MicroBatchedRole,
     accumulate_micro_batches,
     forward_without_grad,
-    prepare_mini_batch,
-    run_update,
 )
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
-class PPOCritic:
+class PPOCritic(MicroBatchedRole):
     """Value model over an FSDP2-sharded token-classification model.
 
     Args:
@@ -55,30 +47,7 @@ class PPOCritic:
         peak_flops: peak FLOP/s of one device for `perf/mfu/critic` (None: not reported).
     """
 
-    def __init__(
-        self,
-        config: CriticConfig,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        lr_scheduler: Any = None,
-        *,
-        dp_size: int = 1,
-        batch_sizes: PerRankBatchSizes | None = None,
-        use_remove_padding: bool = False,
-        dp_group: Any = None,
-        peak_flops: float | None = None,
-    ) -> None:
-        self.config = config
-        self.module = module
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.dp_size = dp_size
-        self.batch_sizes = batch_sizes
-        self.use_remove_padding = use_remove_padding
-        self.dp_group = default_dp_group(dp_size, dp_group)
-        self.peak_flops = peak_flops
-        self.device = get_torch_device()
-        self._perf = UpdatePerf("critic", module, peak_flops)
+    role = "critic"
 
     def compute_values(
         self,
@@ -99,13 +68,8 @@ class PPOCritic:
         max_token_len = max_token_len or (bs.forward_max_token_len if bs else None)
         keys = [*_FORWARD_KEYS] + (["response_mask"] if "response_mask" in data.batch.keys() else [])
         batch = data.batch.select(*keys).to(self.device)
-        micros, indices = split_micro_batches(
-            batch,
-            micro_batch_size=micro_batch_size,
-            use_dynamic_bsz=use_dynamic_bsz,
-            max_token_len=max_token_len,
-            dp_group=self.dp_group,
-            key="critic.forward_max_token_len_per_gpu",
+        micros, indices = self.split(
+            batch, micro_batch_size, use_dynamic_bsz, max_token_len, "critic.forward_max_token_len_per_gpu"
         )
         outs = forward_without_grad(
             self.module,
@@ -120,14 +84,7 @@ class PPOCritic:
 
         Returns the mini-batch's vf_loss, vf_clipfrac and vpred_mean (the same on every rank).
         """
-        _, loss_scale, micros = prepare_mini_batch(
-            mini_batch,
-            device=self.device,
-            batch_sizes=self.batch_sizes,
-            dp_size=self.dp_size,
-            dp_group=self.dp_group,
-            token_budget_key="critic.ppo_max_token_len_per_gpu",
-        )
+        _, loss_scale, micros = self.prepare(mini_batch, "critic.ppo_max_token_len_per_gpu")
         sums, means = accumulate_micro_batches(micros, loss_scale, self._micro_batch_loss)
         return mean_over_ranks({**sums, **means}, self.dp_group, self.dp_size, self.device)
 
@@ -165,14 +122,4 @@ class PPOCritic:
         if "response_mask" in data.batch.keys():
             keys.append("response_mask")
         data = DataProto(batch=data.batch.select(*keys), meta_info=dict(data.meta_info))
-        return run_update(
-            data,
-            role="critic",
-            module=self.module,
-            batch_sizes=self.batch_sizes,
-            forward_backward=self.forward_backward,
-            step=lambda: optimizer_step(self.module, self.optimizer, self.config.max_grad_norm),
-            lr_scheduler=self.lr_scheduler,
-            optimizer=self.optimizer,
-            perf=self._perf,
-        )
+        return self.run_update(data, self.forward_backward)

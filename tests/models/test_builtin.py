@@ -68,7 +68,11 @@ def test_chat_template_rejects_unknown_role(tokenizer):
 
 
 def test_chat_template_tool_message_is_a_user_turn(tokenizer):
-    msgs = [{"role": "user", "content": "1*2="}, {"role": "assistant", "content": "c"}, {"role": "tool", "content": "2"}]
+    msgs = [
+        {"role": "user", "content": "1*2="},
+        {"role": "assistant", "content": "c"},
+        {"role": "tool", "content": "2"},
+    ]
     text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert text == "<s><|user|>1*2=<|assistant|>c</s><|user|><tool_response>2</tool_response><|assistant|>"
 

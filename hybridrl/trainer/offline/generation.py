@@ -98,6 +98,13 @@ def load_generation_config(cfg: DictConfig | dict | list[str] | None = None) -> 
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if r.temperature < 0:
         raise ConfigError(f"rollout.temperature must be >= 0 (0 = greedy), got {r.temperature}")
+    t = config.trainer
+    if (t.nnodes, t.n_gpus_per_node) != (1, 1):
+        raise ConfigError(
+            f"trainer.nnodes={t.nnodes}, trainer.n_gpus_per_node={t.n_gpus_per_node}: accepted for veRL "
+            "compatibility, but generation runs in this one process on one device; set both to 1 "
+            "(for more throughput use rollout.name=vllm with rollout.tensor_model_parallel_size)"
+        )
     return config
 
 

@@ -13,9 +13,10 @@ from hybridrl.data.builtin_task import ensure_builtin_data
 from hybridrl.data.rl_dataset import RLDataConfig, collate_fn, create_rl_dataset
 from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 from hybridrl.models.builtin import resolve_model_path
+from hybridrl.models.shm import copy_to_shm
 from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
-from hybridrl.trainer.ppo.workers import start_workers
+from hybridrl.trainer.ppo.workers import start_workers, uses_ray
 from hybridrl.utils.flops import get_peak_flops
 from hybridrl.utils.torch_utils import str_to_dtype
 from hybridrl.utils.tracking import Tracking
@@ -41,6 +42,21 @@ def resolve_builtin(config: PPOConfig) -> None:
     if config.reward_model.model.path:
         rm = config.reward_model.model
         rm.path = resolve_model_path(rm.path, "reward_model.model.path")
+    if m.use_shm:
+        m.path = copy_to_shm(m.path, "actor_rollout_ref.model.use_shm")
+    if c.use_shm:
+        c.path = copy_to_shm(c.path, "critic.model.use_shm")
+
+
+def driver_tokenizer_config(config: PPOConfig):
+    """The model section the driver's tokenizer (data, reward decoding) is loaded from:
+    `data.tokenizer` (veRL) names another tokenizer, `data.trust_remote_code` allows its code."""
+    m, d = config.actor_rollout_ref.model, config.data
+    return dataclasses.replace(
+        m,
+        tokenizer_path=d.tokenizer or m.tokenizer_path,
+        trust_remote_code=m.trust_remote_code or d.trust_remote_code,
+    )
 
 
 def total_steps(config: PPOConfig, steps_per_epoch: int) -> int:
@@ -152,7 +168,7 @@ def prepare_run(config: PPOConfig) -> RunParts:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    tokenizer = load_tokenizer(config.actor_rollout_ref.model)
+    tokenizer = load_tokenizer(driver_tokenizer_config(config))
     train_loader, val_loader = build_datasets(config, tokenizer)
     steps = total_steps(config, len(train_loader))
     config.trainer.total_training_steps = steps
@@ -165,6 +181,7 @@ def prepare_run(config: PPOConfig) -> RunParts:
         config.trainer.logger,
         config=dataclasses.asdict(config),
         log_dir=os.environ.get("HYBRIDRL_LOG_DIR"),
+        console_every=config.trainer.log_freq,
     )
     return RunParts(tokenizer, train_loader, val_loader, reward_fn, val_reward_fn, tracker)
 
@@ -174,10 +191,14 @@ def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
 
     run = prepare_run(config)
     peak = _peak_flops(config)
-    if init_ray is not None:
+    if init_ray is not None and uses_ray(config):
         init_ray(config)
-    workers = start_workers(config, peak_flops=peak)
-    return RayPPOTrainer(
+    return trainer_of(RayPPOTrainer, config, run, start_workers(config, peak_flops=peak))
+
+
+def trainer_of(trainer_cls: type, config, run, workers):
+    """`trainer_cls` over a prepared run (`prepare_run`) and its started workers."""
+    return trainer_cls(
         config,
         run.tokenizer,
         workers,

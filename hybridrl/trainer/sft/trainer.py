@@ -39,12 +39,13 @@ from hybridrl.trainer.sft.config import SFTConfig, is_builtin_model
 from hybridrl.utils import checkpointing as ckpt_io
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.device import get_torch_device
+from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.tracking import Tracking
 from hybridrl.workers.config import ModelConfig, OptimConfig
 from hybridrl.workers.engine.fsdp import FSDPEngine, clip_grad_norm, load_tokenizer
-from hybridrl.workers.engine.optim import build_optimizer
+from hybridrl.workers.engine.optim import build_optimizer, lr_factor
 
-__all__ = ["SFTTrainer", "sft_lr_factor", "sft_token_loss", "resolve_data_files"]
+__all__ = ["SFTTrainer", "sft_token_loss", "resolve_data_files"]
 
 LOG_PREFIX = "[hybridrl sft]"
 
@@ -73,40 +74,6 @@ def sft_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: tor
         logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
     ).view_as(mask)
     return (nll * mask).sum()
-
-
-def sft_lr_factor(
-    step: int,
-    *,
-    scheduler: str,
-    warmup_steps: int,
-    total_steps: int,
-    min_lr_ratio: float = 0.0,
-    num_cycles: float = 0.5,
-    stable_ratio: float = 0.9,
-) -> float:
-    """Multiplier of the base learning rate at optimizer step `step` (0-based).
-
-    Warm-up: step / warmup_steps while step < warmup_steps. Then
-      constant: 1;
-      cosine:   min + (1 - min) * (1 + cos(2 pi num_cycles p)) / 2, p = progress after warm-up;
-      wsd:      1 for the first `stable_ratio` of the post-warm-up steps, then the cosine above
-                over the remaining steps (warm-up, stable, decay).
-    """
-    if step < warmup_steps:
-        return step / max(1, warmup_steps)
-    if scheduler == "constant":
-        return 1.0
-    decay_start = warmup_steps
-    if scheduler == "wsd":
-        decay_start = warmup_steps + int(stable_ratio * max(0, total_steps - warmup_steps))
-        if step < decay_start:
-            return 1.0
-    elif scheduler != "cosine":
-        raise ValueError(f"unknown optim.lr_scheduler {scheduler!r}; use cosine, wsd or constant")
-    progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
-    cosine = 0.5 * (1.0 + math.cos(math.pi * 2.0 * num_cycles * progress))
-    return max(min_lr_ratio, min_lr_ratio + (1.0 - min_lr_ratio) * cosine)
 
 
 def resolve_data_files(config: SFTConfig) -> tuple[Any, Any]:
@@ -258,8 +225,8 @@ class SFTTrainer:
             o.lr_warmup_steps if o.lr_warmup_steps > 0 else int(o.lr_warmup_steps_ratio * self.total_steps)
         )
         self._lr_fn = functools.partial(
-            sft_lr_factor,
-            scheduler=o.lr_scheduler,
+            lr_factor,
+            scheduler_type=o.lr_scheduler,
             warmup_steps=warmup,
             total_steps=self.total_steps,
             min_lr_ratio=o.min_lr_ratio,
@@ -506,7 +473,7 @@ class SFTTrainer:
         data_file = os.path.join(path, "data.pt")
         if not os.path.exists(data_file):
             raise FileNotFoundError(f"{data_file} is missing: {path} is not an SFT checkpoint of hybridrl")
-        state = torch.load(data_file, weights_only=False)
+        state = load_state_file(data_file)
         self.loader.load_state_dict(state["dataloader"])
         self.global_step = int(state["global_step"])
         if "extra" not in contents:  # lr schedule not restored: move it to the step

@@ -42,10 +42,14 @@ ROW_METRICS = ("num_turns", "tool_calls", "tool_errors", "tool_timeouts", "agent
 
 
 def uses_agent_loops(config: Any, prompts: DataProto) -> bool:
-    """Whether this batch goes through the agent loops (else the plain single-turn path)."""
+    """Whether this batch goes through the agent loops (else the plain single-turn path).
+
+    veRL's `rollout.mode=async` generates through its agent loops (single_turn_agent by default),
+    so it does here too."""
     agent = config.agent
     return bool(
-        config.multi_turn.enable
+        getattr(config, "mode", "sync") == "async"
+        or config.multi_turn.enable
         or "agent_name" in prompts.non_tensor_batch
         or agent.default_agent_loop != "single_turn_agent"
         or agent.agent_loop_config_path

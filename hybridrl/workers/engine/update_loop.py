@@ -10,7 +10,8 @@ same way for both:
 * `run_update`: epochs over shuffled mini-batches, one optimizer step each, then the lr
   scheduler once per call (one trainer step, as in veRL) and the throughput / MFU metrics;
 * `forward_without_grad`: the forward-only pass (old log-probs, reference log-probs, values) in
-  eval mode, outputs merged back into the batch's row order.
+  eval mode;
+* `MicroBatchedRole`: the state both roles hold, with the three steps above bound to it.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ from torch import nn
 
 from hybridrl.algos.agg import LossScale
 from hybridrl.protocol import DataProto
+from hybridrl.utils.device import get_torch_device
 from hybridrl.utils.flops import attention_dims, compute_mfu, count_params, estimate_flops
 from hybridrl.workers.config import PerRankBatchSizes
 from hybridrl.workers.engine.batching import (
     TokenWeightedMeans,
     append_metrics,
+    default_dp_group,
     global_loss_scale,
+    optimizer_step,
     response_mask_of,
     shuffle_seed,
     split_micro_batches,
@@ -174,3 +178,86 @@ def run_update(
     seqlens = data.batch["attention_mask"].sum(-1).tolist() * bs.epochs
     append_metrics(metrics, perf.metrics(seqlens, elapsed))
     return metrics
+
+
+class MicroBatchedRole:
+    """The state and plumbing the actor and the critic share: one trained (or frozen) model on the
+    data-parallel ranks, micro-batched forward passes and the update loop above.
+
+    A subclass sets `role`, the metric prefix ("actor", "critic").
+
+    Args:
+        config: the role's config (its `max_grad_norm` clips the update).
+        module: the sharded model.
+        optimizer, lr_scheduler: None for a forward-only role (the reference policy).
+        dp_size: data-parallel ranks (the gradient average FSDP takes).
+        batch_sizes: per-rank batch sizes (`normalize_actor_batch_sizes` / `normalize_critic_batch_sizes`).
+        use_remove_padding: pack valid tokens into one row.
+        dp_group: process group of the data-parallel ranks (default: WORLD when dp_size > 1).
+        peak_flops: peak FLOP/s of one device for `perf/mfu/{role}` (None: not reported).
+    """
+
+    role = "role"
+
+    def __init__(
+        self,
+        config: Any,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+        *,
+        dp_size: int = 1,
+        batch_sizes: PerRankBatchSizes | None = None,
+        use_remove_padding: bool = False,
+        dp_group: Any = None,
+        peak_flops: float | None = None,
+    ) -> None:
+        self.config = config
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.dp_size = dp_size
+        self.batch_sizes = batch_sizes
+        self.use_remove_padding = use_remove_padding
+        self.dp_group = default_dp_group(dp_size, dp_group)
+        self.peak_flops = peak_flops
+        self.device = get_torch_device()
+        self._perf = UpdatePerf(self.role, module, peak_flops)
+
+    def split(
+        self, batch: Any, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int | None, key: str
+    ):
+        """(micro-batches, row indices or None) of `batch`, see batching.split_micro_batches."""
+        return split_micro_batches(
+            batch,
+            micro_batch_size=micro_batch_size,
+            use_dynamic_bsz=use_dynamic_bsz,
+            max_token_len=max_token_len,
+            dp_group=self.dp_group,
+            key=key,
+        )
+
+    def prepare(self, mini_batch: DataProto, token_budget_key: str) -> tuple[Any, LossScale, list]:
+        """See `prepare_mini_batch`."""
+        return prepare_mini_batch(
+            mini_batch,
+            device=self.device,
+            batch_sizes=self.batch_sizes,
+            dp_size=self.dp_size,
+            dp_group=self.dp_group,
+            token_budget_key=token_budget_key,
+        )
+
+    def run_update(self, data: DataProto, forward_backward: Callable[[DataProto], dict[str, float]]):
+        """See `run_update`: one optimizer step (grad-norm clipped) per mini-batch."""
+        return run_update(
+            data,
+            role=self.role,
+            module=self.module,
+            batch_sizes=self.batch_sizes,
+            forward_backward=forward_backward,
+            step=lambda: optimizer_step(self.module, self.optimizer, self.config.max_grad_norm),
+            lr_scheduler=self.lr_scheduler,
+            optimizer=self.optimizer,
+            perf=self._perf,
+        )

@@ -4,7 +4,8 @@ Two updates after the save are compared: the first depends on the restored weigh
 also on the restored Adam moments and per-parameter `step` counts (Megatron's distributed
 optimizer shares one `step` tensor after a load unless it is cloned) and on the lr schedule
 (a warm-up makes the lr differ per step). The HF export of the checkpointed engine loads in
-transformers and gives the engine's log-probs.
+transformers and gives the engine's log-probs; `model_merger merge --backend megatron` on the
+checkpoint writes the same weights (and logits).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def _run(rank, world, model_dir, ckpt, result_dir):
     batches = [_batch(seed=s) for s in (11, 12, 13)]
     actor.update_policy(batches[0])
     engine.save_checkpoint(ckpt, global_step=1, extra={"k": 1})
-    out["straight"] = [actor.update_policy(b)["actor/pg_loss"][0] for b in batches[1:]]
     out["export"] = _export_check(engine, actor, batches[1], os.path.join(result_dir, "hf"), rank)
+    out["straight"] = [actor.update_policy(b)["actor/pg_loss"][0] for b in batches[1:]]
     ps.destroy_model_parallel()
     engine, actor = _actor(model_dir, tp=1)
     assert engine.dp_size == 2
@@ -93,3 +94,30 @@ def test_save_tp2_resume_tp1(tmp_path):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (out["straight"], out["resumed"])
         assert out["export"] <= 1e-5
     assert ROWS == 8
+    _check_merger(tmp_path, model_dir)
+
+
+def _check_merger(tmp_path, model_dir):
+    """model_merger --backend megatron writes the weights the engine exported at the save."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.model_merger import main
+
+    merged_dir = str(tmp_path / "merged")
+    args = [
+        "merge",
+        "--backend",
+        "megatron",
+        "--local_dir",
+        str(tmp_path / "ckpt"),
+        "--target_dir",
+        merged_dir,
+    ]
+    assert main([*args, "--hf_model_path", model_dir]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    a, b = merged.state_dict(), exported.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    ids = torch.randint(3, 60, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(merged(input_ids=ids).logits, exported(input_ids=ids).logits)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
 from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu
 
@@ -32,7 +33,10 @@ __all__ = ["export_hf_folder", "load_checkpoint", "load_dist_weights", "save_che
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")
 KNOWN_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 # gloo gathers (the default path moves buffers to CUDA for nccl)
-_OPT_META = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
+_OPT_META = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+}
 
 
 def _contents(contents) -> set[str]:
@@ -143,7 +147,11 @@ def _tolerate_missing_step(optimizer) -> None:
             group_index, group_order = _sub.model_param_group_index_map[model_param]
             main_param = _sub.optimizer.param_groups[group_index]["params"][group_order]
             live = {"param": main_param, **_sub.optimizer.state[main_param]}
-            filled = {k: tensors.get(k, v) for k, v in live.items()} if not _sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 else tensors
+            filled = (
+                {k: tensors.get(k, v) for k, v in live.items()}
+                if not _sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                else tensors
+            )
             return _orig(model_param, filled)
 
         tolerant._hybridrl_tolerant = True
@@ -218,7 +226,7 @@ def load_checkpoint(engine, path: str, *, contents=None) -> dict[str, Any]:
                 f"{f} is missing: the checkpoint was saved with {meta['world_size']} ranks; resume with the same "
                 "number of ranks, or drop 'extra' from checkpoint.load_contents"
             )
-        state = torch.load(f, weights_only=False)
+        state = load_state_file(f)
         set_rng_state(state["rng"])
         if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
