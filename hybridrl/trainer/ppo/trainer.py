@@ -25,6 +25,7 @@ from hybridrl import algos
 from hybridrl.protocol import DataProto
 from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
 from hybridrl.trainer.ppo.profiling import StepProfilerDriver
+from hybridrl.trainer.ppo.rollout_correction import apply_rollout_correction, rollout_correction_active
 from hybridrl.trainer.ppo.workers import WorkerGroups
 from hybridrl.utils import checkpointing
 from hybridrl.utils.metrics import (
@@ -524,31 +525,6 @@ def write_jsonl(out_dir: str | None, step: int, rows: list[dict]) -> None:
     with open(os.path.join(out_dir, f"{step}.jsonl"), "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-
-
-def rollout_correction_active(rc) -> bool:
-    return rc.rollout_is is not None or rc.rollout_rs is not None
-
-
-def apply_rollout_correction(rc, batch: DataProto, metrics: dict) -> DataProto:
-    """`algorithm.rollout_correction`: IS weights x rejection mask into `rollout_is_weights`."""
-    if not rollout_correction_active(rc):
-        return batch
-    lower, upper = algos.parse_rs_threshold(rc.rollout_rs_threshold, rc.rollout_is_threshold)
-    weights, rc_metrics = algos.compute_rollout_correction(
-        batch.batch["old_log_probs"],
-        batch.batch["rollout_log_probs"],
-        batch.batch["response_mask"],
-        rollout_is=rc.rollout_is,
-        rollout_is_threshold=rc.rollout_is_threshold,
-        rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
-        rollout_rs=rc.rollout_rs,
-        rollout_rs_lower=lower,
-        rollout_rs_upper=upper,
-    )
-    batch.batch["rollout_is_weights"] = weights
-    metrics.update({f"rollout_corr/{k}": float(v) for k, v in rc_metrics.items()})
-    return batch
 
 
 def attach_reward_extra(batch: DataProto, extra: dict[str, list]) -> None:
