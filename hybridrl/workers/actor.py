@@ -23,7 +23,7 @@ from hybridrl.algos.agg import agg_loss
 from hybridrl.algos.kl import kl_penalty
 from hybridrl.algos.policy_loss import get_policy_loss_fn
 from hybridrl.protocol import DataProto
-from hybridrl.workers.config import ActorConfig, PerRankBatchSizes
+from hybridrl.workers.config import ActorConfig
 from hybridrl.workers.engine.batching import (
     mean_over_ranks,
     merge_outputs,
@@ -53,31 +53,10 @@ class PPOActor(MicroBatchedRole):
         peak_flops: peak FLOP/s of one device for `perf/mfu/actor` (None: not reported).
     """
 
-    def __init__(
-        self,
-        config: ActorConfig | None,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        lr_scheduler: Any = None,
-        *,
-        dp_size: int = 1,
-        batch_sizes: PerRankBatchSizes | None = None,
-        use_remove_padding: bool = False,
-        dp_group: Any = None,
-        peak_flops: float | None = None,
-    ) -> None:
-        super().__init__(
-            "actor",
-            config or ActorConfig(),
-            module,
-            optimizer,
-            lr_scheduler,
-            dp_size=dp_size,
-            batch_sizes=batch_sizes,
-            use_remove_padding=use_remove_padding,
-            dp_group=dp_group,
-            peak_flops=peak_flops,
-        )
+    role = "actor"
+
+    def __init__(self, config: ActorConfig | None, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config or ActorConfig(), module, *args, **kwargs)
         self.policy_loss_fn = get_policy_loss_fn(self.config.policy_loss.loss_mode)
 
     # ------------------------------------------------------------------------------------------

@@ -14,12 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from hybridrl.algos.utils import masked_mean
 from hybridrl.algos.value import compute_value_loss
 from hybridrl.protocol import DataProto
-from hybridrl.workers.config import CriticConfig, PerRankBatchSizes
 from hybridrl.workers.engine.batching import (
     mean_over_ranks,
     merge_outputs,
@@ -49,31 +47,7 @@ class PPOCritic(MicroBatchedRole):
         peak_flops: peak FLOP/s of one device for `perf/mfu/critic` (None: not reported).
     """
 
-    def __init__(
-        self,
-        config: CriticConfig,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        lr_scheduler: Any = None,
-        *,
-        dp_size: int = 1,
-        batch_sizes: PerRankBatchSizes | None = None,
-        use_remove_padding: bool = False,
-        dp_group: Any = None,
-        peak_flops: float | None = None,
-    ) -> None:
-        super().__init__(
-            "critic",
-            config,
-            module,
-            optimizer,
-            lr_scheduler,
-            dp_size=dp_size,
-            batch_sizes=batch_sizes,
-            use_remove_padding=use_remove_padding,
-            dp_group=dp_group,
-            peak_flops=peak_flops,
-        )
+    role = "critic"
 
     def compute_values(
         self,

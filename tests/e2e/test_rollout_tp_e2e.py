@@ -153,3 +153,29 @@ def test_tp2_main_ppo_learns(tmp_path):
 @pytest.mark.timeout(2400)  # three runs of ~3-6 min each under load
 def test_tp2_sigkill_then_resume_matches_uninterrupted(tmp_path):
     check_sigkill_resume(tmp_path, [*RESUME_ARGS, *TP2])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+@pytest.mark.usefixtures("ray_local")
+def test_megatron_tp2_into_vllm_tp2_matches_fsdp_into_vllm_tp2(tmp_path):
+    """Resharding from Megatron's TP=2 layout (load_format=dummy_megatron: the Megatron engine's TP
+    gather) into the vLLM TP=2 engine gives the FSDP run's rollouts and losses, step by step."""
+    pytest.importorskip("megatron.core")
+    (tmp_path / "fsdp").mkdir()
+    (tmp_path / "megatron").mkdir()
+    fsdp = [r for r in run(TP2, tmp_path / "fsdp") if "actor/pg_loss" in r]
+    megatron_args = [
+        *TP2,
+        "actor_rollout_ref.actor.strategy=megatron",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.load_format=dummy_megatron",
+    ]
+    meg = [r for r in run(megatron_args, tmp_path / "megatron") if "actor/pg_loss" in r]
+    assert len(fsdp) == len(meg) == 2
+    for f, m in zip(fsdp, meg):
+        assert m["critic/score/mean"] == f["critic/score/mean"]
+        assert m["response_length/mean"] == f["response_length/mean"]
+        assert m["actor/pg_loss"] == pytest.approx(f["actor/pg_loss"], abs=1e-4)
+        assert m["weight_sync/bytes_per_rank/max"] == f["weight_sync/bytes_per_rank/max"]

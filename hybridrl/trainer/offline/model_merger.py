@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.torch_utils import str_to_dtype
 
 __all__ = ["load_sharded_state_dict", "merge_checkpoint", "merge_lora", "main"]
@@ -77,7 +78,7 @@ def load_sharded_state_dict(shard_dir: str) -> dict[str, torch.Tensor]:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "full.pt")
             dcp_to_torch_save(shard_dir, out)
-            state = torch.load(out, weights_only=False)
+            state = load_state_file(out)
     if set(state) == {"model"} and isinstance(state["model"], dict):
         state = state["model"]
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}

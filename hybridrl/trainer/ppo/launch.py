@@ -20,11 +20,16 @@ def run_ppo_config(config: PPOConfig) -> dict[str, float]:
         )
 
     trainer = build_trainer(config, init_ray=_init_ray)  # data and rewards are checked before Ray starts
+    return fit_and_report(trainer, trainer.workers, config)
+
+
+def fit_and_report(trainer, workers, config) -> dict[str, float]:
+    """`trainer.fit()`, then always close the tracker and the workers; the report PNG if asked for."""
     try:
         metrics = trainer.fit()
     finally:
         trainer.tracker.finish()
-        trainer.workers.shutdown()
+        workers.shutdown()
     if config.trainer.make_report:
         write_report(trainer.tracker)
     return metrics

@@ -193,8 +193,12 @@ def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     peak = _peak_flops(config)
     if init_ray is not None and uses_ray(config):
         init_ray(config)
-    workers = start_workers(config, peak_flops=peak)
-    return RayPPOTrainer(
+    return trainer_of(RayPPOTrainer, config, run, start_workers(config, peak_flops=peak))
+
+
+def trainer_of(trainer_cls: type, config, run, workers):
+    """`trainer_cls` over a prepared run (`prepare_run`) and its started workers."""
+    return trainer_cls(
         config,
         run.tokenizer,
         workers,

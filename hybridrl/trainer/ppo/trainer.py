@@ -10,7 +10,6 @@ touches model weights.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -23,9 +22,16 @@ import torch
 
 from hybridrl import algos
 from hybridrl.protocol import DataProto
+from hybridrl.trainer.ppo.batch_steps import (
+    apply_rollout_correction,
+    attach_reward_extra,
+    decode_samples,
+    group_metric,
+    rollout_correction_active,
+    write_jsonl,
+)
 from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
 from hybridrl.trainer.ppo.profiling import StepProfilerDriver
-from hybridrl.trainer.ppo.rollout_correction import apply_rollout_correction, rollout_correction_active
 from hybridrl.trainer.ppo.workers import WorkerGroups
 from hybridrl.utils import checkpointing
 from hybridrl.utils.metrics import (
@@ -36,7 +42,9 @@ from hybridrl.utils.metrics import (
     reduce_metrics,
     timer,
 )
+from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
 from hybridrl.workers.agent.runner import agent_step_metrics
 from hybridrl.workers.rollout.weight_sync import weight_sync_step_metrics
 
@@ -242,7 +250,7 @@ class RayPPOTrainer:
                 )
             batch, extra = self._compute_reward(self._generate(self._next_prompt_batch(), timing), timing)
             attach_reward_extra(batch, extra)
-            metric = _group_metric(batch, fg.metric)
+            metric = group_metric(batch, fg.metric)
             keep = algos.filter_groups_by_metric(batch.non_tensor_batch["uid"], metric)
             batch = batch.select_idxs(keep)
             n_prompts += len(set(batch.non_tensor_batch["uid"].tolist()))
@@ -398,7 +406,7 @@ class RayPPOTrainer:
                 len(samples) < self.config.trainer.log_val_generations
                 or self.config.trainer.validation_data_dir
             ):
-                samples.extend(_decode_samples(self.tokenizer, batch, seq_scores))
+                samples.extend(decode_samples(self.tokenizer, batch, seq_scores))
         extras["reward"] = scores
         if "acc" not in extras:
             extras["acc"] = scores
@@ -432,11 +440,7 @@ class RayPPOTrainer:
             "epoch": self._epoch,
             "dataloader": self.train_loader.state_dict(),
             "kl_ctrl": self.kl_ctrl_in_reward.state_dict() if self.kl_ctrl_in_reward else None,
-            "rng": {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-            },
+            "rng": get_rng_state(),
         }
         torch.save(state, os.path.join(tmp, "data.pt"))
         final = checkpointing.finalize(root, self.global_steps)
@@ -467,16 +471,14 @@ class RayPPOTrainer:
         self.workers.actor_rollout.load_checkpoint(os.path.join(path, "actor"))
         if self.use_critic:
             self.workers.critic.load_checkpoint(os.path.join(path, "critic"))
-        state = torch.load(os.path.join(path, "data.pt"), weights_only=False)
+        state = load_state_file(os.path.join(path, "data.pt"))
         self.global_steps = state["global_steps"]
         self._epoch = state["epoch"]
         self.train_loader.load_state_dict(state["dataloader"])
         self._train_iter = None
         if self.kl_ctrl_in_reward is not None and state["kl_ctrl"] is not None:
             self.kl_ctrl_in_reward.load_state_dict(state["kl_ctrl"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
+        set_rng_state(state["rng"])
         print(f"[hybridrl] resumed from {path} (global step {self.global_steps})")
         if cfg.del_local_ckpt_after_load:
             shutil.rmtree(path, ignore_errors=True)
@@ -512,59 +514,11 @@ class RayPPOTrainer:
         out_dir = self.config.trainer.rollout_data_dir
         if not out_dir:
             return
-        rows = _decode_samples(self.tokenizer, batch, batch.batch["token_level_scores"].sum(-1).tolist())
+        rows = decode_samples(self.tokenizer, batch, batch.batch["token_level_scores"].sum(-1).tolist())
         write_jsonl(out_dir, self.global_steps, rows)
 
 
 # ---------------------------------------------------------------- helpers
-def write_jsonl(out_dir: str | None, step: int, rows: list[dict]) -> None:
-    """`out_dir/<step>.jsonl`, one decoded sample per line (rollout_data_dir, validation_data_dir)."""
-    if not out_dir:
-        return
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{step}.jsonl"), "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-
-
-def attach_reward_extra(batch: DataProto, extra: dict[str, list]) -> None:
-    """Store the reward function's per-row extras (lists of len(batch)) as object columns of `batch`."""
-    for k, v in extra.items():
-        if len(v) == len(batch):
-            batch.non_tensor_batch[k] = np.array(v, dtype=object)
-
-
-def _group_metric(batch: DataProto, name: str) -> np.ndarray:
-    if name in ("seq_reward", "score"):
-        return batch.batch["token_level_scores"].sum(-1).numpy()
-    if name in batch.non_tensor_batch:
-        return np.array(batch.non_tensor_batch[name], dtype=np.float64)
-    raise KeyError(
-        f"algorithm.filter_groups.metric={name!r} is not produced by the reward function; use 'score' or one "
-        f"of {sorted(batch.non_tensor_batch.keys())}"
-    )
-
-
-def _decode_samples(tokenizer, batch: DataProto, scores: list[float]) -> list[dict]:
-    rows = []
-    prompts, responses = batch.batch["prompts"], batch.batch["responses"]
-    mask = batch.batch["response_mask"].bool()
-    pad = tokenizer.pad_token_id
-    for i in range(len(batch)):
-        p = prompts[i][prompts[i] != pad]
-        r = responses[i][mask[i]]
-        gt = batch.non_tensor_batch.get("reward_model", [None] * len(batch))[i]
-        rows.append(
-            {
-                "prompt": tokenizer.decode(p, skip_special_tokens=True),
-                "response": tokenizer.decode(r, skip_special_tokens=True),
-                "ground_truth": gt.get("ground_truth") if isinstance(gt, dict) else None,
-                "score": scores[i],
-            }
-        )
-    return rows
-
-
 _POSTFIX_KEYS = {
     "critic/score/mean": "score",
     "actor/pg_loss": "pg",

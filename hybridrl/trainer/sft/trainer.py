@@ -39,6 +39,7 @@ from hybridrl.trainer.sft.config import SFTConfig, is_builtin_model
 from hybridrl.utils import checkpointing as ckpt_io
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.device import get_torch_device
+from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.tracking import Tracking
 from hybridrl.workers.config import ModelConfig, OptimConfig
 from hybridrl.workers.engine.fsdp import FSDPEngine, clip_grad_norm, load_tokenizer
@@ -472,7 +473,7 @@ class SFTTrainer:
         data_file = os.path.join(path, "data.pt")
         if not os.path.exists(data_file):
             raise FileNotFoundError(f"{data_file} is missing: {path} is not an SFT checkpoint of hybridrl")
-        state = torch.load(data_file, weights_only=False)
+        state = load_state_file(data_file)
         self.loader.load_state_dict(state["dataloader"])
         self.global_step = int(state["global_step"])
         if "extra" not in contents:  # lr schedule not restored: move it to the step

@@ -184,8 +184,9 @@ class MicroBatchedRole:
     """The state and plumbing the actor and the critic share: one trained (or frozen) model on the
     data-parallel ranks, micro-batched forward passes and the update loop above.
 
+    A subclass sets `role`, the metric prefix ("actor", "critic").
+
     Args:
-        role: metric prefix ("actor", "critic").
         config: the role's config (its `max_grad_norm` clips the update).
         module: the sharded model.
         optimizer, lr_scheduler: None for a forward-only role (the reference policy).
@@ -196,19 +197,20 @@ class MicroBatchedRole:
         peak_flops: peak FLOP/s of one device for `perf/mfu/{role}` (None: not reported).
     """
 
+    role = "role"
+
     def __init__(
         self,
-        role: str,
         config: Any,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        lr_scheduler: Any,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
         *,
-        dp_size: int,
-        batch_sizes: PerRankBatchSizes | None,
-        use_remove_padding: bool,
-        dp_group: Any,
-        peak_flops: float | None,
+        dp_size: int = 1,
+        batch_sizes: PerRankBatchSizes | None = None,
+        use_remove_padding: bool = False,
+        dp_group: Any = None,
+        peak_flops: float | None = None,
     ) -> None:
         self.config = config
         self.module = module
@@ -220,8 +222,7 @@ class MicroBatchedRole:
         self.dp_group = default_dp_group(dp_size, dp_group)
         self.peak_flops = peak_flops
         self.device = get_torch_device()
-        self._role = role
-        self._perf = UpdatePerf(role, module, peak_flops)
+        self._perf = UpdatePerf(self.role, module, peak_flops)
 
     def split(
         self, batch: Any, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int | None, key: str
@@ -251,7 +252,7 @@ class MicroBatchedRole:
         """See `run_update`: one optimizer step (grad-norm clipped) per mini-batch."""
         return run_update(
             data,
-            role=self._role,
+            role=self.role,
             module=self.module,
             batch_sizes=self.batch_sizes,
             forward_backward=forward_backward,

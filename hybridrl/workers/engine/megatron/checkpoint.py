@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
 from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu
 
@@ -225,7 +226,7 @@ def load_checkpoint(engine, path: str, *, contents=None) -> dict[str, Any]:
                 f"{f} is missing: the checkpoint was saved with {meta['world_size']} ranks; resume with the same "
                 "number of ranks, or drop 'extra' from checkpoint.load_contents"
             )
-        state = torch.load(f, weights_only=False)
+        state = load_state_file(f)
         set_rng_state(state["rng"])
         if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from hybridrl.utils.safe_io import load_state_file
 from hybridrl.workers.engine.megatron.convert import arch_spec, megatron_layer_to_hf
 
 __all__ = ["megatron_to_hf_state_dict", "merge_megatron_checkpoint", "read_dist_checkpoint"]
@@ -42,7 +43,7 @@ def read_dist_checkpoint(local_dir: str) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "full.pt")
         dcp_to_torch_save(str(folder), out)
-        state = torch.load(out, weights_only=False)
+        state = load_state_file(out)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")}
 
 

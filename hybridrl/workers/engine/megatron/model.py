@@ -143,7 +143,6 @@ class ValueHead(nn.Module):
 def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int) -> list[nn.Module]:
     """This rank's GPTModel chunks (one per virtual pipeline stage), randomly initialised from `seed`."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -151,7 +150,17 @@ def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int) -> list[nn.Modu
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     critic = role == "critic"
     chunks = []
-    torch.manual_seed(seed)
+    with torch.random.fork_rng():  # seeds the init only; the worker's global RNG is left as it was
+        torch.manual_seed(seed)
+        _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role)
+    return chunks
+
+
+def _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role) -> None:
+    """Append the GPTModel of each virtual stage of this rank to `chunks`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
     for stage in range(vpp):
         vp_stage = stage if vpp > 1 else None
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -174,7 +183,6 @@ def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int) -> list[nn.Modu
             model.output_layer = ValueHead(spec.hidden_size, spec.initializer_range, tcfg.params_dtype)
         model.requires_grad_(role in ("actor", "critic"))
         chunks.append(model)
-    return chunks
 
 
 def _tp_shard(name: str, full: torch.Tensor, tp: int, rank: int, critic: bool) -> torch.Tensor:
