@@ -10,7 +10,13 @@ streams: each tied tensor once). Measured side by side in one run:
 
 Best of `--repeats` after one warm-up each. Prints seconds and the ratio to memcpy.
 
+`--tp 2` instead measures the rollout-TP rows, per rank, in 2 processes (one core each): an
+FSDP2 source sharded over both ranks, memcpy of the full bytes vs the bucketed gather alone vs
+the whole sync into a vLLM TP=2 engine (and a TP=1 engine per rank), alternating in one run
+(bench/weight_sync_tp.py). Model sizes need an even number of heads (not 135m).
+
     VLLM_CPU_KVCACHE_SPACE=1 python bench/weight_sync.py [--sizes tiny,8m,30m,70m,135m]
+    VLLM_CPU_KVCACHE_SPACE=1 python bench/weight_sync.py --tp 2 --sizes tiny,8m,30m
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tp", type=int, default=1, help="2: the per-rank rollout-TP rows (2 processes)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -95,6 +102,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.tp == 2:
+        main_tp(args)
+        return
     engines = args.engines.split(",")
     print(f"torch threads={torch.get_num_threads()} dtype={args.dtype} bucket={args.bucket_mb} MiB")
     header = f"{'size':6s} {'params':>8s} {'MiB':>7s} {'memcpy_s':>9s}" + "".join(
@@ -108,6 +118,16 @@ def main() -> None:
             for e in engines:
                 line += f" {r[e + '_s']:8.4f} {r[e + '_s'] / r['memcpy_s']:11.1f}x"
             print(line, flush=True)
+
+
+def main_tp(args) -> None:
+    from weight_sync_tp import print_tp_rows, run_tp_rows
+
+    print(f"rollout TP rows: 2 ranks x 1 core, FSDP2 source, dtype={args.dtype}, best of {args.repeats}")
+    with tempfile.TemporaryDirectory() as root:
+        for size in args.sizes.split(","):
+            path, model = build_model_dir(size, root)
+            print_tp_rows(size, count_params(model) / 1e6, run_tp_rows(path, args.dtype, args.repeats))
 
 
 if __name__ == "__main__":

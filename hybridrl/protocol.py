@@ -29,6 +29,16 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from hybridrl.utils.batch_ops import (
+    as_index,
+    merge_metrics,
+    pick_keys,
+    to_object_array,
+    union_numpy_dict,
+    union_tensor_dict,
+    values_equal,
+)
+from hybridrl.utils.dataproto_io import load_dataproto, save_dataproto
 from hybridrl.utils.tensordict_io import pack_tensordict, unpack_tensordict
 
 __all__ = [
@@ -42,163 +52,6 @@ __all__ = [
 ]
 
 _ITERATOR_KWARGS = ("shuffle", "drop_last")
-
-
-# ----------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------
-def _to_object_array(value: Any, key: str) -> np.ndarray:
-    """Return `value` as a numpy array with dtype=object, keeping dim 0 as the row dim.
-
-    Lists/tuples become 1-D object arrays even when their elements are equal-length lists
-    (np.array would silently make those 2-D).
-    """
-    if isinstance(value, np.ndarray):
-        return value if value.dtype == object else value.astype(object)
-    if isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"non_tensor_batch[{key!r}] is a torch.Tensor; put tensors in `tensors`/`batch`, "
-            "or convert it with .tolist() if it really is per-row Python data."
-        )
-    if isinstance(value, (list, tuple)):
-        out = np.empty(len(value), dtype=object)
-        for i, v in enumerate(value):
-            out[i] = v
-        return out
-    raise TypeError(
-        f"non_tensor_batch[{key!r}] has type {type(value).__name__}; expected a numpy array or a "
-        "list with one entry per row. Put per-batch values in meta_info instead."
-    )
-
-
-def _values_equal(a: Any, b: Any) -> bool:
-    """Equality that works for tensors, numpy arrays, NaN floats and nested containers."""
-    if a is b:
-        return True
-    if isinstance(a, TensorDictBase) or isinstance(b, TensorDictBase):
-        if (
-            not (isinstance(a, TensorDictBase) and isinstance(b, TensorDictBase))
-            or a.batch_size != b.batch_size
-        ):
-            return False
-        a_keys = set(a.keys(include_nested=True, leaves_only=True))
-        if a_keys != set(b.keys(include_nested=True, leaves_only=True)):
-            return False
-        return all(_values_equal(a[k], b[k]) for k in a_keys)
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-            and bool(torch.equal(a.cpu(), b.cpu()))
-        )
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
-            return False
-        if a.dtype == object or b.dtype == object:
-            return all(_values_equal(x, y) for x, y in zip(a.ravel(), b.ravel()))
-        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True  # both NaN
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
-
-
-def _as_index(idxs: Any, length: int) -> tuple[torch.Tensor, np.ndarray]:
-    """Normalise an index (int list, numpy array, bool mask, tensor) to (torch, numpy) forms."""
-    if isinstance(idxs, torch.Tensor):
-        idx_np = idxs.detach().cpu().numpy()
-    else:
-        idx_np = np.asarray(idxs)
-    if idx_np.ndim != 1:
-        raise IndexError(f"index must be 1-D, got shape {tuple(idx_np.shape)}")
-    if idx_np.dtype == bool:
-        if idx_np.shape[0] != length:
-            raise IndexError(f"boolean mask has length {idx_np.shape[0]} but the batch has {length} rows")
-    elif idx_np.size == 0:
-        idx_np = idx_np.astype(np.int64)
-    elif not np.issubdtype(idx_np.dtype, np.integer):
-        raise IndexError(f"index must hold integers or booleans, got dtype {idx_np.dtype}")
-    else:
-        idx_np = idx_np.astype(np.int64)
-        if idx_np.min() < -length or idx_np.max() >= length:
-            raise IndexError(f"index out of range for a batch of {length} rows: {idx_np.tolist()}")
-    return torch.from_numpy(np.ascontiguousarray(idx_np)), idx_np
-
-
-def _merge_metrics(pieces: Sequence[Any]) -> dict[str, list]:
-    """Merge metric dicts (or lists of dicts) into one dict of flat lists, in order.
-
-    A value that is itself a list is extended, so per-micro-batch lists stay flat.
-    """
-    merged: dict[str, list] = {}
-    for piece in pieces:
-        if piece is None:
-            continue
-        dicts = piece if isinstance(piece, (list, tuple)) else [piece]
-        for d in dicts:
-            if not isinstance(d, dict):
-                raise TypeError(
-                    f"meta_info['metrics'] must be a dict or a list of dicts, got {type(d).__name__}"
-                )
-            for k, v in d.items():
-                target = merged.setdefault(k, [])
-                if isinstance(v, (list, tuple)):
-                    target.extend(v)
-                else:
-                    target.append(v)
-    return merged
-
-
-def _pick(d: dict[str, Any], keys: Sequence[str] | None, op: str, part: str) -> dict[str, Any]:
-    """The entries of `d` named by `keys` (all of them for None); KeyError naming missing keys."""
-    if keys is None:
-        return dict(d)
-    missing = [k for k in keys if k not in d]
-    if missing:
-        raise KeyError(f"{op}: {part} has no keys {missing}; it has {list(d)}")
-    return {k: d[k] for k in keys}
-
-
-def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
-    """Add the keys of `tensor_dict2` to `tensor_dict1` (in place) and return it.
-
-    Raises:
-        ValueError: if the batch sizes differ, or an overlapping key holds different values.
-    """
-    if tensor_dict1.batch_size != tensor_dict2.batch_size:
-        raise ValueError(
-            f"union: batch sizes differ ({tuple(tensor_dict1.batch_size)} vs "
-            f"{tuple(tensor_dict2.batch_size)}); both sides must describe the same rows."
-        )
-    for key, value in tensor_dict2.items():
-        if key in tensor_dict1.keys():
-            if not _values_equal(tensor_dict1[key], value):
-                raise ValueError(
-                    f"union: key {key!r} exists in both batches with different values; rename or pop "
-                    "one of them before union."
-                )
-        else:
-            tensor_dict1[key] = value
-    return tensor_dict1
-
-
-def _union_numpy_dict(d1: dict[str, np.ndarray], d2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    for key, value in d2.items():
-        if key in d1 and not _values_equal(d1[key], value):
-            raise ValueError(
-                f"union: non_tensor_batch key {key!r} exists in both with different values; rename or "
-                "pop one of them before union."
-            )
-        d1.setdefault(key, value)
-    return d1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,7 +75,7 @@ class DataProto:
     meta_info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.non_tensor_batch = {k: _to_object_array(v, k) for k, v in self.non_tensor_batch.items()}
+        self.non_tensor_batch = {k: to_object_array(v, k) for k, v in self.non_tensor_batch.items()}
         self.check_consistency()
 
     # ---- construction -----------------------------------------------------------------------
@@ -353,8 +206,8 @@ class DataProto:
             batch = self.batch.select(*batch_keys) if batch_keys is not None else self.batch.copy()
         elif batch_keys:
             raise KeyError(f"select: batch is None, cannot select batch keys {list(batch_keys)}")
-        non_tensor = _pick(self.non_tensor_batch, non_tensor_batch_keys, "select", "non_tensor_batch")
-        meta = _pick(self.meta_info, meta_info_keys, "select", "meta_info")
+        non_tensor = pick_keys(self.non_tensor_batch, non_tensor_batch_keys, "select", "non_tensor_batch")
+        meta = pick_keys(self.meta_info, meta_info_keys, "select", "meta_info")
         if deepcopy:
             non_tensor, meta = copy.deepcopy(non_tensor), copy.deepcopy(meta)
         if batch is None and not non_tensor and len(self):
@@ -370,9 +223,9 @@ class DataProto:
         """Remove the given keys from `self` and return them as a new DataProto."""
         batch_keys, non_tensor_batch_keys = list(batch_keys or []), list(non_tensor_batch_keys or [])
         meta_info_keys = list(meta_info_keys or [])
-        _pick({} if self.batch is None else dict(self.batch.items()), batch_keys, "pop", "batch")
-        _pick(self.non_tensor_batch, non_tensor_batch_keys, "pop", "non_tensor_batch")
-        _pick(self.meta_info, meta_info_keys, "pop", "meta_info")
+        pick_keys({} if self.batch is None else dict(self.batch.items()), batch_keys, "pop", "batch")
+        pick_keys(self.non_tensor_batch, non_tensor_batch_keys, "pop", "non_tensor_batch")
+        pick_keys(self.meta_info, meta_info_keys, "pop", "meta_info")
         tensors = {k: self.batch.pop(k) for k in batch_keys}
         batch = TensorDict(tensors, batch_size=[len(self)]) if self.batch is not None else None
         non_tensor = {k: self.non_tensor_batch.pop(k) for k in non_tensor_batch_keys}
@@ -408,9 +261,9 @@ class DataProto:
             self.batch = (
                 other.batch.copy() if self.batch is None else union_tensor_dict(self.batch, other.batch)
             )
-        self.non_tensor_batch = _union_numpy_dict(self.non_tensor_batch, other.non_tensor_batch)
+        self.non_tensor_batch = union_numpy_dict(self.non_tensor_batch, other.non_tensor_batch)
         for key, value in other.meta_info.items():
-            if key in self.meta_info and not _values_equal(self.meta_info[key], value):
+            if key in self.meta_info and not values_equal(self.meta_info[key], value):
                 raise ValueError(
                     f"union: meta_info key {key!r} differs ({self.meta_info[key]!r} vs {value!r})"
                 )
@@ -421,7 +274,7 @@ class DataProto:
     # ---- row operations ---------------------------------------------------------------------
     def select_idxs(self, idxs: Any) -> DataProto:
         """Rows by index: int list, numpy array, torch tensor, or a boolean mask of length B."""
-        idx_t, idx_np = _as_index(idxs, len(self))
+        idx_t, idx_np = as_index(idxs, len(self))
         batch = None if self.batch is None else self.batch[idx_t]
         non_tensor = {k: v[idx_np] for k, v in self.non_tensor_batch.items()}
         return self._new(batch, non_tensor)
@@ -478,7 +331,7 @@ class DataProto:
                     meta.setdefault(k, v)
         metrics = [d.meta_info["metrics"] for d in data if "metrics" in d.meta_info]
         if metrics:
-            meta["metrics"] = _merge_metrics(metrics)
+            meta["metrics"] = merge_metrics(metrics)
         return type(data[0])(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
@@ -563,16 +416,14 @@ class DataProto:
         return msg
 
     def save_to_disk(self, filepath: str) -> None:
-        with open(filepath, "wb") as f:
-            pickle.dump(self, f, protocol=pickle.HIGHEST_PROTOCOL)
+        """Write to `filepath` in a format that cannot run code when read (utils.dataproto_io)."""
+        save_dataproto(filepath, self.batch, self.non_tensor_batch, self.meta_info)
 
     @staticmethod
     def load_from_disk(filepath: str) -> DataProto:
-        with open(filepath, "rb") as f:
-            data = pickle.load(f)
-        if not isinstance(data, DataProto):
-            raise TypeError(f"{filepath} holds a {type(data).__name__}, not a DataProto")
-        return data
+        """Read a file written by `save_to_disk`; nothing is unpickled (DataProtoFileError otherwise)."""
+        batch, non_tensor, meta = load_dataproto(filepath)
+        return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
 
     # ---- pickling: tensors travel as one byte buffer each ------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -626,7 +477,7 @@ def collate_fn(items: Sequence[DataProtoItem]) -> DataProto:
     if items[0].batch is not None:
         batch = torch.stack([it.batch for it in items]).contiguous()
     keys = list(items[0].non_tensor_batch)
-    non_tensor = {k: _to_object_array([it.non_tensor_batch[k] for it in items], k) for k in keys}
+    non_tensor = {k: to_object_array([it.non_tensor_batch[k] for it in items], k) for k in keys}
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(items[0].meta_info))
 
 

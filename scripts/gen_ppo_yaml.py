@@ -39,6 +39,7 @@ QUICKSTART = {
     "trainer.total_training_steps": 400,
     "trainer.test_freq": 25,
     "trainer.logger": ["console", "file"],
+    "trainer.log_freq": 25,
     "trainer.n_gpus_per_node": 1,
     "trainer.cpus_per_worker": 1,
     "trainer.project_name": "hybridrl_quickstart",

@@ -76,7 +76,11 @@ from hybridrl.algos.returns import (
     compute_remax_outcome_advantage,
     discounted_returns,
 )
-from hybridrl.algos.rollout_is import compute_rollout_importance_weights
+from hybridrl.algos.rollout_is import (
+    compute_rollout_correction,
+    compute_rollout_importance_weights,
+    parse_rs_threshold,
+)
 from hybridrl.algos.utils import (
     entropy_from_logits,
     entropy_from_logits_chunked,
@@ -121,7 +125,9 @@ __all__ = [
     "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
     "compute_rloo_outcome_advantage_loop",
+    "compute_rollout_correction",
     "compute_rollout_importance_weights",
+    "parse_rs_threshold",
     "compute_value_loss",
     "discounted_returns",
     "entropy_from_logits",

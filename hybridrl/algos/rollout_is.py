@@ -116,3 +116,70 @@ def compute_rollout_importance_weights(
             "rollout_kl": masked_mean(-log_ratio, response_mask),
         }
     return weights, metrics
+
+
+def parse_rs_threshold(threshold, default_upper: float) -> tuple[float, float]:
+    """veRL's `rollout_rs_threshold`: 'lower_upper' ('0.5_2.0'), one number U (-> 1/U, U) or None."""
+    if threshold is None:
+        return 1.0 / default_upper, default_upper
+    if isinstance(threshold, str) and "_" in threshold:
+        lower, upper = (float(x) for x in threshold.split("_", 1))
+        return lower, upper
+    upper = float(threshold)
+    return 1.0 / upper, upper
+
+
+def compute_rollout_correction(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    rollout_is: str | None,
+    rollout_is_threshold: float,
+    rollout_is_batch_normalize: bool,
+    rollout_rs: str | None,
+    rollout_rs_lower: float,
+    rollout_rs_upper: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """veRL's rollout correction: truncated IS weights times a rejection-sampling mask.
+
+    w = min(pi_old / pi_rollout, U) at level `rollout_is` (1 when None), optionally divided by its
+    token mean over the batch (self-normalised); a token, or with rollout_rs=sequence/geometric a
+    whole response, whose ratio at level `rollout_rs` lies outside [lower, upper] gets w = 0.
+
+    Args:
+        old_log_prob, rollout_log_prob, response_mask: (B, T).
+        rollout_is: None, 'token' or 'sequence'.
+        rollout_rs: None, 'token', 'sequence' or 'geometric'.
+
+    Returns:
+        weights: (B, T) detached; metrics: is_* of the IS part, rs_reject_frac (tokens rejected).
+    """
+    metrics: dict[str, torch.Tensor] = {}
+    weights = response_mask.to(old_log_prob.dtype)
+    if rollout_is is not None:
+        weights, is_metrics = compute_rollout_importance_weights(
+            old_log_prob,
+            rollout_log_prob,
+            response_mask,
+            rollout_is_level=rollout_is,
+            rollout_is_mode="truncate",
+            rollout_is_threshold=rollout_is_threshold,
+        )
+        metrics.update(is_metrics)
+        if rollout_is_batch_normalize:
+            weights = weights / masked_mean(weights, response_mask).clamp(min=torch.finfo(weights.dtype).tiny)
+    if rollout_rs is not None:
+        kept, _ = compute_rollout_importance_weights(
+            old_log_prob,
+            rollout_log_prob,
+            response_mask,
+            rollout_is_level=rollout_rs,
+            rollout_is_mode="mask",
+            rollout_is_threshold=rollout_rs_upper,
+            rollout_is_threshold_lower=rollout_rs_lower,
+        )
+        accept = kept > 0
+        metrics["rs_reject_frac"] = masked_mean((~accept).float(), response_mask)
+        weights = torch.where(accept, weights, 0.0)
+    return weights * response_mask, metrics

@@ -12,12 +12,10 @@ named by `data.custom_cls.path` / `data.custom_cls.name`.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import logging
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from hybridrl.utils.import_utils import import_user_file
 
 __all__ = [
     "DataColumnError",
@@ -461,28 +461,18 @@ def load_custom_class(path: str, name: str | None, base: type, key: str = "data.
     """Import class `name` from the Python file `path` and check it subclasses `base`.
 
     Raises:
-        FileNotFoundError / ValueError / AttributeError / TypeError with the config key and fix.
+        FileNotFoundError / ImportError / ValueError / AttributeError / TypeError with the config key and fix.
     """
     path = os.path.expanduser(path)
     if not name:
         raise ValueError(
             f"{key}.path is set to {path!r} but {key}.name is empty; set {key}.name to the class name."
         )
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{key}.path: file not found: {path!r}; point it at the .py file defining {name}."
-        )
-    module_name = f"hybridrl_custom_{Path(path).stem}_{abs(hash(os.path.abspath(path)))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"{key}.path: cannot import {path!r} as a Python module (is it a .py file?).")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
+    module = import_user_file(path, f"{key}.path", prefix="hybridrl_custom")
     cls = getattr(module, name, None)
     if cls is None:
         found = sorted(
-            n for n, v in vars(module).items() if isinstance(v, type) and v.__module__ == module_name
+            n for n, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__
         )
         raise AttributeError(f"{key}.name: {path!r} defines no {name!r}; classes defined there: {found}.")
     if not (isinstance(cls, type) and issubclass(cls, base)):

@@ -22,14 +22,19 @@ SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, *ROLE_TOKENS.value
 CHARACTERS = ["\n"] + [chr(c) for c in range(32, 127)]
 MODEL_MAX_LENGTH = 256
 
-# Jinja chat template: <s>, then each turn as <|role|>content; assistant turns end with </s>.
+# Jinja chat template: <s>, then each turn as <|role|>content; assistant turns end with </s>; a tool
+# message is a user turn <|user|><tool_response>content</tool_response> (as in Qwen2.5's template).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unsupported chat role ' ~ message['role'] ~ ': use system, user or assistant') }}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unsupported chat role ' ~ message['role'] ~ ': use system, user, assistant or tool') }}"
     "{% endif %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|user|><tool_response>' ~ message['content'] ~ '</tool_response>' }}"
+    "{% else %}"
     "{{ '<|' ~ message['role'] ~ '|>' ~ message['content'] }}"
+    "{% endif %}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

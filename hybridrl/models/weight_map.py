@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from hybridrl.utils.torch_utils import dtype_name, str_to_dtype
+
 __all__ = [
     "dtype_name",
     "WRAPPER_PREFIXES",
@@ -43,31 +45,7 @@ LM_HEAD = "lm_head.weight"
 NameMap = Callable[[str], "str | None"]
 _NAME_MAPS: dict[str, NameMap] = {}
 
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-}
-
-
-def to_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """'bfloat16' / 'bf16' / torch.bfloat16 -> torch.bfloat16 (and the same for fp16, fp32)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[str(dtype).lower().removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
-
-
-def dtype_name(dtype: str | torch.dtype) -> str:
-    """Canonical name engines accept: 'bf16' -> 'bfloat16', torch.float32 -> 'float32'."""
-    return str(to_torch_dtype(dtype)).removeprefix("torch.")
+to_torch_dtype = str_to_dtype  # the name the rollout engines use; one table: utils.torch_utils
 
 
 def strip_wrapper_prefixes(name: str) -> str:

@@ -2,14 +2,19 @@
 
 With no arguments it trains the built-in tiny model on the built-in arithmetic task on CPU.
 Locally it starts an embedded Ray instance; with `RAY_ADDRESS` set (or through `ray job submit`)
-it attaches to that cluster.
+it attaches to that cluster. veRL command lines port unchanged: `+key=value` and `key=value`
+both set the key (see hybridrl/trainer/ppo/config_stage.py); a config error prints one line
+and exits 1 (`HYDRA_FULL_ERROR=1` shows the traceback).
 """
 
 from __future__ import annotations
 
+import sys
+
 from omegaconf import DictConfig
 
 from hybridrl.trainer.ppo.config import PPOConfig, load_config
+from hybridrl.trainer.ppo.config_stage import load_for_cli, prepare_argv
 from hybridrl.trainer.ppo.launch import run_ppo_config
 from hybridrl.utils.cli import hydra_cli
 
@@ -19,8 +24,14 @@ def run_ppo(cfg: DictConfig | dict | None = None) -> dict[str, float]:
     return run_ppo_config(load_config(cfg))
 
 
+def run_ppo_cli(cfg: DictConfig) -> dict[str, float]:
+    """The command line's run: the config stage knows which keys were typed (small-batch defaults)."""
+    return run_ppo_config(load_for_cli(cfg))
+
+
 def main() -> None:
-    hydra_cli(__doc__, "ppo_trainer", PPOConfig, run_ppo)
+    sys.argv = prepare_argv(sys.argv)  # veRL's `+key=` / `key=` spellings both reach the schema
+    hydra_cli(__doc__, "ppo_trainer", PPOConfig, run_ppo_cli)
 
 
 if __name__ == "__main__":

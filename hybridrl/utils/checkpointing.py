@@ -61,6 +61,22 @@ def prune(root: str, keep: int | None) -> list[int]:
     return doomed
 
 
+def prune_part(root: str, part: str, keep: int | None) -> list[int]:
+    """Delete `part` (e.g. 'critic') of all but the newest `keep` completed checkpoints
+    (`trainer.max_critic_ckpt_to_keep`); the rest of those checkpoints stays."""
+    if keep is None or keep <= 0:
+        return []
+    steps = list_checkpoints(root)
+    doomed = [
+        s
+        for s in (steps[:-keep] if len(steps) > keep else [])
+        if os.path.isdir(os.path.join(step_dir(root, s), part))
+    ]
+    for s in doomed:
+        shutil.rmtree(os.path.join(step_dir(root, s), part), ignore_errors=True)
+    return doomed
+
+
 def find_latest(root: str) -> str | None:
     """Path of the checkpoint named by the latest file, else the newest complete one, else None."""
     latest = os.path.join(root, LATEST_FILE)

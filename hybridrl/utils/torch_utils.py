@@ -41,6 +41,11 @@ def str_to_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[key]
 
 
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """Canonical name engines accept: 'bf16' -> 'bfloat16', torch.float32 -> 'float32'."""
+    return str(str_to_dtype(dtype)).removeprefix("torch.")
+
+
 def compute_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position of each token among the valid tokens of its row (0 on left padding).
 
@@ -148,10 +153,18 @@ def block_causal_mask(seq_lens: torch.Tensor, dtype: torch.dtype, device: torch.
 # RNG state (checkpoints restore it so that a resumed run continues exactly)
 # ----------------------------------------------------------------------------------------------
 def get_rng_state() -> dict[str, Any]:
-    """torch (CPU and, if present, CUDA), numpy and Python `random` generator states."""
+    """torch (CPU and, if present, CUDA), numpy and Python `random` generator states, as tensors and
+    plain types only (so a checkpoint holding it loads with `torch.load(weights_only=True)`)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "python": random.getstate(),
     }
     if torch.cuda.is_available():
@@ -162,8 +175,11 @@ def get_rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore a state from `get_rng_state`."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 

@@ -6,8 +6,10 @@
 
 Backends:
 
-* `console`: one compact line per step (step and a few key metrics); every metric at DEBUG level
-  on the `hybridrl.utils.tracking` logger.
+* `console`: one compact line (step and a few key metrics) every `console_every` steps
+  (`trainer.log_freq`) and at every step that carries validation metrics, written with
+  `tqdm.write` so a progress bar on the terminal is redrawn below it instead of garbled; every
+  metric at DEBUG level on the `hybridrl.utils.tracking` logger.
 * `file`: JSON lines, one object per step with "step" and every metric, at
   `log_dir/metrics.jsonl` (plus `config.json` and `generations.jsonl`). Non-finite values are
   written as null so the file stays strict JSON. `python -m hybridrl.report log_dir` plots it.
@@ -104,8 +106,20 @@ def _missing(package: str) -> ImportError:
 # ----------------------------------------------------------------------------------------------
 # backends
 # ----------------------------------------------------------------------------------------------
+def _console_write(line: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(line)  # clears any active bar, prints, redraws it
+
+
 class _Console:
+    def __init__(self, every: int = 1) -> None:
+        self.every = max(1, int(every))
+
     def log(self, metrics: dict[str, float], step: int) -> None:
+        has_val = any(k.startswith("val-core/") for k in metrics)
+        if step % self.every and not has_val:
+            return
         parts = [f"step {step}"]
         parts += [f"{label} {_fmt(metrics[k])}" for k, label in _CONSOLE_KEYS if k in metrics]
         parts += [
@@ -115,14 +129,14 @@ class _Console:
         ]
         if len(parts) == 1:  # none of the usual keys: show the first few
             parts += [f"{k} {_fmt(v)}" for k, v in list(metrics.items())[:6]]
-        print(" | ".join(parts), flush=True)
+        _console_write(" | ".join(parts))
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step %d: %s", step, ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())))
 
     def log_generations(self, samples: list[dict], step: int) -> None:
         for s in samples[:1]:
             text = " ".join(f"[{k}] {str(v)[:200]!r}" for k, v in s.items())
-            print(f"step {step} | sample: {text}", flush=True)
+            _console_write(f"step {step} | sample: {text}")
 
     def finish(self) -> None:
         pass
@@ -286,6 +300,7 @@ class Tracking:
         config: the run's config (dict, DictConfig or dataclass), recorded by file/tensorboard/
             wandb/mlflow.
         log_dir: folder for `file`, `tensorboard` and the default mlflow store (see module doc).
+        console_every: the console line is printed every this many steps (and with validation).
 
     Raises:
         ValueError: an unknown backend name.
@@ -299,8 +314,10 @@ class Tracking:
         default_backend: str | Sequence[str] = "console",
         config: Any = None,
         log_dir: str | None = None,
+        console_every: int = 1,
     ) -> None:
         self.backends = _backend_list(default_backend)
+        self.console_every = console_every
         self.project_name, self.experiment_name = project_name, experiment_name
         self.log_dir, metrics_file = _resolve_log_dir(project_name, experiment_name, log_dir)
         self.metrics_path = os.path.join(self.log_dir, metrics_file)
@@ -316,7 +333,7 @@ class Tracking:
 
     def _make(self, name: str, config: dict | None, metrics_file: str) -> Any:
         if name == "console":
-            return _Console()
+            return _Console(self.console_every)
         if name == "file":
             return _File(self.log_dir, metrics_file, config)
         if name == "tensorboard":

@@ -14,7 +14,6 @@ Batch keys (veRL names; B rows on this rank, P prompt, T response length):
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -24,28 +23,23 @@ from hybridrl.algos.agg import agg_loss
 from hybridrl.algos.kl import kl_penalty
 from hybridrl.algos.policy_loss import get_policy_loss_fn
 from hybridrl.protocol import DataProto
-from hybridrl.utils.device import get_torch_device
-from hybridrl.utils.flops import attention_dims, compute_mfu, count_params, estimate_flops
-from hybridrl.workers.config import ActorConfig, PerRankBatchSizes
+from hybridrl.workers.config import ActorConfig
 from hybridrl.workers.engine.batching import (
-    TokenWeightedMeans,
-    append_metrics,
-    default_dp_group,
-    global_loss_scale,
     mean_over_ranks,
     merge_outputs,
-    optimizer_step,
-    response_mask_of,
-    shuffle_seed,
-    split_micro_batches,
 )
 from hybridrl.workers.engine.forward import forward_log_probs
+from hybridrl.workers.engine.update_loop import (
+    MicroBatchedRole,
+    accumulate_micro_batches,
+    forward_without_grad,
+)
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 _OPTIONAL_KEYS = ("response_mask", "ref_log_prob", "rollout_is_weights", "rollout_log_probs")
 
 
-class PPOActor:
+class PPOActor(MicroBatchedRole):
     """PPO policy over an FSDP2-sharded causal LM.
 
     Args:
@@ -59,31 +53,11 @@ class PPOActor:
         peak_flops: peak FLOP/s of one device for `perf/mfu/actor` (None: not reported).
     """
 
-    def __init__(
-        self,
-        config: ActorConfig | None,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        lr_scheduler: Any = None,
-        *,
-        dp_size: int = 1,
-        batch_sizes: PerRankBatchSizes | None = None,
-        use_remove_padding: bool = False,
-        dp_group: Any = None,
-        peak_flops: float | None = None,
-    ) -> None:
-        self.config = config or ActorConfig()
-        self.module = module
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.dp_size = dp_size
-        self.batch_sizes = batch_sizes
-        self.use_remove_padding = use_remove_padding
-        self.dp_group = default_dp_group(dp_size, dp_group)
-        self.peak_flops = peak_flops
-        self.device = get_torch_device()
+    role = "actor"
+
+    def __init__(self, config: ActorConfig | None, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config or ActorConfig(), module, *args, **kwargs)
         self.policy_loss_fn = get_policy_loss_fn(self.config.policy_loss.loss_mode)
-        self._flops_dims: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------------------------------
     def _forward(self, micro: Any, temperature: float, calculate_entropy: bool, entropy_grad: bool = True):
@@ -122,26 +96,14 @@ class PPOActor:
         """
         batch = data.batch.select(*_FORWARD_KEYS).to(self.device)
         micro_batch_size = micro_batch_size or len(data)
-        micros, indices = split_micro_batches(
-            batch,
-            micro_batch_size=micro_batch_size,
-            use_dynamic_bsz=use_dynamic_bsz,
-            max_token_len=max_token_len,
-            dp_group=self.dp_group,
-            key="log_prob_max_token_len_per_gpu",
+        micros, indices = self.split(
+            batch, micro_batch_size, use_dynamic_bsz, max_token_len, "log_prob_max_token_len_per_gpu"
         )
-        was_training = self.module.training
-        self.module.eval()
-        log_probs, entropies = [], []
-        try:
-            with torch.no_grad():
-                for micro in micros:
-                    lp, ent = self._forward(micro, temperature, calculate_entropy)
-                    log_probs.append(lp)
-                    if ent is not None:
-                        entropies.append(ent)
-        finally:
-            self.module.train(was_training)
+        results = forward_without_grad(
+            self.module, micros, lambda m: self._forward(m, temperature, calculate_entropy)
+        )
+        log_probs = [lp for lp, _ in results]
+        entropies = [ent for _, ent in results if ent is not None]
         out = merge_outputs(log_probs, indices).cpu()
         ent = merge_outputs(entropies, indices).cpu() if calculate_entropy else None
         return out, ent
@@ -204,62 +166,48 @@ class PPOActor:
         mini-batch (the same on every rank): pg_loss / kl_loss as optimised, pg_clipfrac, ppo_kl,
         entropy, ... as token means.
         """
-        bs = self.batch_sizes
+        _, loss_scale, micros = self.prepare(mini_batch, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+        has_old = "old_log_probs" in mini_batch.batch.keys()
+        sums, means = accumulate_micro_batches(
+            micros,
+            loss_scale,
+            lambda micro, mask, scale: self._micro_batch_loss(micro, mask, scale, temperature, has_old),
+        )
+        if self.config.use_kl_loss:
+            sums["actor/kl_coef"] = self.config.kl_loss_coef
+        return mean_over_ranks({**sums, **means}, self.dp_group, self.dp_size, self.device)
+
+    def _micro_batch_loss(
+        self, micro: Any, mask: torch.Tensor, loss_scale: Any, temperature: float, has_old: bool
+    ):
+        """(policy loss [- entropy bonus] [+ KL loss], summed losses, token-mean metrics) of one micro-batch."""
         c = self.config
-        batch = mini_batch.batch.to(self.device)
-        mask = response_mask_of(batch)
-        loss_scale = global_loss_scale(
-            mask,
-            dp_size=self.dp_size,
-            dp_group=self.dp_group,
-            max_response_length=mini_batch.meta_info.get("max_response_length", mask.shape[-1]),
-        )
-        micros, _ = split_micro_batches(
-            batch,
-            micro_batch_size=bs.micro_batch_size if bs else len(mini_batch),
-            use_dynamic_bsz=bs.use_dynamic_bsz if bs else False,
-            max_token_len=bs.max_token_len if bs else None,
-            dp_group=self.dp_group,
-            key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-        )
-        hparams = self._loss_hparams()
-        has_old = "old_log_probs" in batch.keys()
         # Without old log-probs (exactly on-policy) the entropy metric the old-log-prob pass would
         # have reported comes from this forward instead (not in the loss unless entropy_coeff != 0).
         calc_entropy = c.entropy_coeff != 0 or not has_old
-        means = TokenWeightedMeans(loss_scale)
-        sums = {"actor/pg_loss": 0.0}
-        for micro in micros:
-            m_mask = response_mask_of(micro)
-            log_prob, entropy = self._forward(micro, temperature, calc_entropy, c.entropy_coeff != 0)
-            pg_loss, pg_metrics = self.policy_loss_fn(
-                micro["old_log_probs"] if has_old else log_prob.detach(),
-                log_prob,
-                micro["advantages"],
-                m_mask,
-                loss_agg_mode=c.loss_agg_mode,
-                loss_scale=loss_scale,
-                rollout_is_weights=micro.get("rollout_is_weights", None),
-                behave_log_prob=micro.get("rollout_log_probs", None),
-                **hparams,
-            )
-            loss = pg_loss
-            sums["actor/pg_loss"] += float(pg_loss.detach())
-            if c.entropy_coeff != 0:
-                ent_loss = agg_loss(entropy, m_mask, c.loss_agg_mode, loss_scale=loss_scale)
-                loss = loss - c.entropy_coeff * ent_loss
-            if calc_entropy:
-                pg_metrics["entropy"] = (entropy.detach() * m_mask).sum() / m_mask.sum().clamp(min=1)
-            if c.use_kl_loss:
-                kld = kl_penalty(log_prob, micro["ref_log_prob"], c.kl_loss_type)
-                kl_loss = agg_loss(kld, m_mask, c.loss_agg_mode, loss_scale=loss_scale)
-                loss = loss + c.kl_loss_coef * kl_loss
-                sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + float(kl_loss.detach())
-            loss.backward()
-            means.add({f"actor/{k}": v for k, v in pg_metrics.items()}, m_mask.sum())
+        log_prob, entropy = self._forward(micro, temperature, calc_entropy, c.entropy_coeff != 0)
+        pg_loss, pg_metrics = self.policy_loss_fn(
+            micro["old_log_probs"] if has_old else log_prob.detach(),
+            log_prob,
+            micro["advantages"],
+            mask,
+            loss_agg_mode=c.loss_agg_mode,
+            loss_scale=loss_scale,
+            rollout_is_weights=micro.get("rollout_is_weights", None),
+            behave_log_prob=micro.get("rollout_log_probs", None),
+            **self._loss_hparams(),
+        )
+        loss, sums = pg_loss, {"actor/pg_loss": float(pg_loss.detach())}
+        if c.entropy_coeff != 0:
+            loss = loss - c.entropy_coeff * agg_loss(entropy, mask, c.loss_agg_mode, loss_scale=loss_scale)
+        if calc_entropy:
+            pg_metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         if c.use_kl_loss:
-            sums["actor/kl_coef"] = c.kl_loss_coef
-        return mean_over_ranks({**sums, **means.result()}, self.dp_group, self.dp_size, self.device)
+            kld = kl_penalty(log_prob, micro["ref_log_prob"], c.kl_loss_type)
+            kl_loss = agg_loss(kld, mask, c.loss_agg_mode, loss_scale=loss_scale)
+            loss = loss + c.kl_loss_coef * kl_loss
+            sums["actor/kl_loss"] = float(kl_loss.detach())
+        return loss, sums, {f"actor/{k}": v for k, v in pg_metrics.items()}
 
     def update_policy(self, data: DataProto, *, temperature: float = 1.0) -> dict[str, list[float]]:
         """PPO epochs over mini-batches of `data`; one optimizer step per mini-batch.
@@ -277,39 +225,6 @@ class PPOActor:
             raise ValueError(
                 "update_policy needs batch_sizes=normalize_actor_batch_sizes(...) at construction"
             )
-        bs = self.batch_sizes
-        data = self._select_train_keys(data)
-        seed = shuffle_seed(bs.seed, bs.shuffle, data.meta_info)
-        iterator = data.make_iterator(
-            mini_batch_size=bs.mini_batch_size,
-            epochs=bs.epochs,
-            seed=seed,
-            dataloader_kwargs={"shuffle": bs.shuffle},
+        return self.run_update(
+            self._select_train_keys(data), lambda mini: self.forward_backward(mini, temperature=temperature)
         )
-        self.module.train()
-        metrics: dict[str, list] = {}
-        start = time.perf_counter()
-        for mini in iterator:
-            append_metrics(metrics, self.forward_backward(mini, temperature=temperature))
-            grad_norm, stepped = optimizer_step(self.module, self.optimizer, self.config.max_grad_norm)
-            append_metrics(metrics, {"actor/grad_norm": grad_norm, "actor/step_skipped": float(not stepped)})
-        elapsed = time.perf_counter() - start
-        if self.lr_scheduler is not None:
-            append_metrics(metrics, {"actor/lr": self.lr_scheduler.get_last_lr()[0]})
-            self.lr_scheduler.step()
-        else:
-            append_metrics(metrics, {"actor/lr": self.optimizer.param_groups[0]["lr"]})
-        seqlens = data.batch["attention_mask"].sum(-1).tolist() * bs.epochs
-        append_metrics(metrics, self._perf_metrics(seqlens, elapsed))
-        return metrics
-
-    def _perf_metrics(self, seqlens: list[int], seconds: float) -> dict[str, float]:
-        out = {"perf/actor/tokens": float(sum(seqlens)), "perf/actor/update_s": seconds}
-        if self._flops_dims is None:
-            layers, attn_dim = attention_dims(self.module.config)
-            self._flops_dims = (count_params(self.module), layers, attn_dim)
-        flops = estimate_flops(self._flops_dims[0], seqlens, self._flops_dims[1], self._flops_dims[2])
-        mfu = compute_mfu(flops, seconds, self.peak_flops)
-        if mfu is not None:
-            out["perf/mfu/actor"] = mfu
-        return out

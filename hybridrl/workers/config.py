@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.utils.profiler import ProfilerConfig
 from hybridrl.workers.megatron_config import MEGATRON_STRATEGY, MegatronConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -138,7 +139,8 @@ class ModelConfig:
     init_from_scratch: build the architecture from `path`'s config with random weights.
     override_config: set on the HF config before building (e.g. {attention_dropout: 0.0,
       attn_implementation: eager}).
-    lora_rank: > 0 wraps the model with a PEFT LoRA adapter (lora_alpha, target_modules).
+    lora_rank: > 0 wraps the model with a PEFT LoRA adapter (lora_alpha, target_modules);
+      lora_adapter_path loads a saved adapter instead (its own rank and targets).
     use_shm: accepted for veRL compatibility; loading always reads `path` directly.
     """
 
@@ -157,6 +159,9 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
+    lora_adapter_path: str | None = (
+        None  # a saved PEFT adapter to start from (replaces lora_rank/alpha/targets)
+    )
     custom_chat_template: str | None = None
 
     def validate(self, key: str = "actor_rollout_ref.model") -> None:
@@ -179,8 +184,8 @@ class ActorConfig:
     rows per forward/backward on one rank; with use_dynamic_bsz, micro-batches are instead packed
     to at most ppo_max_token_len_per_gpu tokens. grad_clip (veRL's older key) overrides
     optim.clip_grad when set. entropy_from_logits_with_chunking / entropy_checkpointing compute
-    the entropy 2048 positions at a time, recomputed in backward. use_torch_compile is accepted
-    for veRL compatibility and has no effect (the engine runs eagerly).
+    the entropy 2048 positions at a time, recomputed in backward. use_torch_compile=True is
+    refused (the engine runs eagerly; see hybridrl/trainer/ppo/verl_compat.py REFUSED).
 
     skip_on_policy_old_log_prob: when the update is exactly on-policy (ppo_epochs == 1 and one
     mini-batch per step, i.e. ppo_mini_batch_size == data.train_batch_size, and nothing reads the
@@ -191,6 +196,7 @@ class ActorConfig:
 
     strategy: str = "fsdp"
     ppo_mini_batch_size: int = 256
+    ppo_micro_batch_size: int | None = None  # deprecated global size: converted to the per-GPU key
     ppo_micro_batch_size_per_gpu: int | None = None
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
@@ -216,6 +222,7 @@ class ActorConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     @property
@@ -228,11 +235,14 @@ class RefConfig:
     """`actor_rollout_ref.ref`: the frozen reference policy (forward only)."""
 
     strategy: str = "fsdp"
+    log_prob_micro_batch_size: int | None = None  # deprecated global size
     log_prob_micro_batch_size_per_gpu: int | None = None
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
     ulysses_sequence_parallel_size: int = 1
+    use_torch_compile: bool = False
     fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
 
@@ -253,6 +263,8 @@ class CriticConfig:
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = 256
+    ppo_micro_batch_size: int | None = None  # deprecated global sizes
+    forward_micro_batch_size: int | None = None
     ppo_micro_batch_size_per_gpu: int | None = None
     forward_micro_batch_size_per_gpu: int | None = None
     use_dynamic_bsz: bool = False
@@ -266,6 +278,7 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     ulysses_sequence_parallel_size: int = 1
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     @property
@@ -294,6 +307,7 @@ class RewardModelConfig:
     enable: bool = False
     strategy: str = "fsdp"
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size: int | None = None  # deprecated global size
     micro_batch_size_per_gpu: int | None = None
     max_length: int | None = None
     use_dynamic_bsz: bool = False
@@ -301,6 +315,7 @@ class RewardModelConfig:
     reward_manager: str = "naive"
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     launch_reward_fn_async: bool = False
+    use_reward_loop: bool = False  # refused when True (hybridrl/trainer/ppo/verl_compat.py)
     ulysses_sequence_parallel_size: int = 1
 
 

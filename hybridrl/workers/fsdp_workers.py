@@ -24,6 +24,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import Worker, register
 from hybridrl.single_controller.dispatch import Dispatch, make_mesh_dispatch
 from hybridrl.utils.device import init_process_group
+from hybridrl.workers.agent.runner import AgentLoopRunner, uses_agent_loops
 from hybridrl.workers.config import (
     ActorConfig,
     CriticConfig,
@@ -32,6 +33,7 @@ from hybridrl.workers.config import (
     RefConfig,
     RewardModelConfig,
 )
+from hybridrl.workers.profiling import StepProfiling
 from hybridrl.workers.rollout.config import RolloutConfig
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
@@ -42,14 +44,17 @@ ON_CRITIC_MESH = make_mesh_dispatch("critic")
 _PG_TIMEOUT_S = float(os.environ.get("HYBRIDRL_PG_TIMEOUT_S", 600))
 
 
-def _setup_process(num_threads: int | None) -> None:
-    """Join the worker group's process group (once per process) and use the slot's CPU cores."""
+def _setup_process(num_threads: int | None, timeout_s: float | None = None) -> None:
+    """Join the worker group's process group (once per process) and use the slot's CPU cores.
+
+    timeout_s: collective timeout (`actor_rollout_ref.nccl_timeout`); default $HYBRIDRL_PG_TIMEOUT_S or 600.
+    """
     if num_threads:
         torch.set_num_threads(num_threads)
-    init_process_group(timeout_s=_PG_TIMEOUT_S)
+    init_process_group(timeout_s=timeout_s or _PG_TIMEOUT_S)
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(StepProfiling, Worker):
     """Policy training, rollout generation and the frozen reference, colocated on one slot.
 
     Args:
@@ -58,6 +63,7 @@ class ActorRolloutRefWorker(Worker):
         role: which parts this worker holds (see module docstring).
         actor_batch_sizes: per-rank sizes from `normalize_actor_batch_sizes` (driver-side).
         num_threads: torch threads of this process (the slot's CPU cores).
+        pg_timeout_s: process-group timeout in seconds (`actor_rollout_ref.nccl_timeout`).
         peak_flops: one device's peak FLOP/s for `perf/mfu/actor` (None: not reported).
     """
 
@@ -70,6 +76,7 @@ class ActorRolloutRefWorker(Worker):
         role: str = "actor_rollout_ref",
         actor_batch_sizes: PerRankBatchSizes | None = None,
         num_threads: int | None = None,
+        pg_timeout_s: float | None = None,
         peak_flops: float | None = None,
     ) -> None:
         super().__init__()
@@ -83,10 +90,12 @@ class ActorRolloutRefWorker(Worker):
         self._is_ref = role in ("ref", "actor_rollout_ref")
         self.actor_batch_sizes = actor_batch_sizes
         self.num_threads = num_threads
+        self.pg_timeout_s = pg_timeout_s
         self.peak_flops = peak_flops
         self.actor_engine = self.actor = self.ref_engine = self.ref_policy = self.rollout = None
         self._weights_stale = True
         self._lora_self_ref = False
+        self._agent_runner = None
         self._tp_group = None
 
     # ------------------------------------------------------------------ build
@@ -96,10 +105,10 @@ class ActorRolloutRefWorker(Worker):
         from hybridrl.workers.actor import PPOActor
         from hybridrl.workers.engine.fsdp import FSDPEngine, resolve_model_path
 
-        _setup_process(self.num_threads)
+        _setup_process(self.num_threads, self.pg_timeout_s)
         self.model_config.validate()
         model_path = resolve_model_path(self.model_config.path, "actor_rollout_ref.model.path")
-        self._declare_meshes()
+        self._declare_training_mesh()
         if self._is_actor:
             self.actor_engine = FSDPEngine.build(
                 self.model_config, self.actor_config.fsdp_config, self.actor_config.optim, role="actor"
@@ -115,7 +124,9 @@ class ActorRolloutRefWorker(Worker):
                 peak_flops=self.peak_flops,
             )
         if self._is_ref:
-            self._lora_self_ref = self._is_actor and self.model_config.lora_rank > 0
+            self._lora_self_ref = self._is_actor and (
+                self.model_config.lora_rank > 0 or bool(self.model_config.lora_adapter_path)
+            )
             if not self._lora_self_ref:
                 self.ref_engine = FSDPEngine.build(
                     self.model_config, self.ref_config.fsdp_config, None, role="ref"
@@ -129,24 +140,22 @@ class ActorRolloutRefWorker(Worker):
         if self._is_rollout:
             self._build_rollout(model_path)
 
-    def _declare_meshes(self) -> None:
-        """The training mesh ("actor", also used by the reference) and the rollout mesh (dp x tp)."""
-        from hybridrl.workers.rollout.parallel import rollout_mesh, training_mesh
+    def _declare_training_mesh(self) -> None:
+        """The FSDP actor's mesh ("actor", also used by the reference): every rank data-parallel."""
+        from hybridrl.workers.rollout.parallel import training_mesh
 
         self.set_mesh("actor", training_mesh(self.world_size, self.actor_config.fsdp_config.fsdp_size))
-        self.set_mesh(
-            "rollout", rollout_mesh(self.world_size, self.rollout_config.tensor_model_parallel_size)
-        )
 
     def _build_rollout(self, model_path: str) -> None:
         from hybridrl.single_controller.mesh import new_subgroups
         from hybridrl.utils.device import get_device_name
         from hybridrl.workers.engine.fsdp import load_tokenizer
         from hybridrl.workers.rollout.base import create_rollout
-        from hybridrl.workers.rollout.parallel import bind_cpu_cores, weight_loader_for
+        from hybridrl.workers.rollout.parallel import bind_cpu_cores, rollout_mesh, weight_loader_for
 
         rc = self.rollout_config
         self._weight_loader = weight_loader_for(rc.load_format, self.actor_config.strategy)
+        self.set_mesh("rollout", rollout_mesh(self.world_size, rc.tensor_model_parallel_size))  # dp x tp
         if rc.tensor_model_parallel_size > 1:
             self._tp_group = new_subgroups(self.mesh_layout("rollout"), ["tp"], self.rank)
             if get_device_name() == "cpu":  # one core set per rank: TP ranks spin in lockstep
@@ -202,7 +211,7 @@ class ActorRolloutRefWorker(Worker):
                 self._tp_group,
                 "generate_sequences",
             )
-        out = self.rollout.generate_sequences(prompts)
+        out = self._rollout_generate(prompts)
         out.meta_info.setdefault("metrics", {}).update(
             {k: v for k, v in sync.items() if k.startswith("weight_sync/")}
         )
@@ -211,6 +220,14 @@ class ActorRolloutRefWorker(Worker):
         timing["generate_sequences_worker"] = time.perf_counter() - t0
         out.meta_info["timing"] = timing
         return out
+
+    def _rollout_generate(self, prompts: DataProto) -> DataProto:
+        """Plain single-turn generation, or the agent loops (multi_turn / agent_name rows)."""
+        if not uses_agent_loops(self.rollout_config, prompts):
+            return self.rollout.generate_sequences(prompts)
+        if self._agent_runner is None:
+            self._agent_runner = AgentLoopRunner(self.rollout, self.rollout_config, self.rollout.tokenizer)
+        return self._agent_runner.generate_sequences(prompts)
 
     # ------------------------------------------------------------- log-probs
     @register(dispatch_mode=ON_ACTOR_MESH)
@@ -299,7 +316,7 @@ class ActorRolloutRefWorker(Worker):
         export_hf_model(self.actor_engine.module, target_dir, tokenizer=self.actor_engine.tokenizer)
 
 
-class CriticWorker(Worker):
+class CriticWorker(StepProfiling, Worker):
     """Value model for GAE (`AutoModelForTokenClassification`, one label)."""
 
     def __init__(
@@ -307,12 +324,14 @@ class CriticWorker(Worker):
         config: CriticConfig,
         batch_sizes: PerRankBatchSizes | None = None,
         num_threads: int | None = None,
+        pg_timeout_s: float | None = None,
         peak_flops: float | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.batch_sizes = batch_sizes
         self.num_threads = num_threads
+        self.pg_timeout_s = pg_timeout_s
         self.peak_flops = peak_flops
         self.engine = self.critic = None
 
@@ -322,7 +341,7 @@ class CriticWorker(Worker):
         from hybridrl.workers.engine.fsdp import FSDPEngine
         from hybridrl.workers.rollout.parallel import training_mesh
 
-        _setup_process(self.num_threads)
+        _setup_process(self.num_threads, self.pg_timeout_s)
         c = self.config
         self.set_mesh("critic", training_mesh(self.world_size, c.model.fsdp_config.fsdp_size))
         self.engine = FSDPEngine.build(
@@ -379,11 +398,13 @@ class RewardModelWorker(Worker):
         config: RewardModelConfig,
         policy_tokenizer_path: str | None = None,
         num_threads: int | None = None,
+        pg_timeout_s: float | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.policy_tokenizer_path = policy_tokenizer_path
         self.num_threads = num_threads
+        self.pg_timeout_s = pg_timeout_s
         self.engine = None
         self.policy_tokenizer = None
 
@@ -392,7 +413,7 @@ class RewardModelWorker(Worker):
         from hybridrl.workers.engine.fsdp import FSDPEngine, load_tokenizer
         from hybridrl.workers.reward.rm import model_config_of
 
-        _setup_process(self.num_threads)
+        _setup_process(self.num_threads, self.pg_timeout_s)
         mc = model_config_of(self.config)
         self.engine = FSDPEngine.build(
             mc, self.config.model.fsdp_config, None, role="reward", key="reward_model.model"

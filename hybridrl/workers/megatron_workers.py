@@ -1,12 +1,13 @@
 """Ray workers for `strategy=megatron`: the FSDP workers with their engines swapped for MegatronEngine.
 
 `MegatronActorRolloutRefWorker` and `MegatronCriticWorker` keep the remote interface (and the
-rollout, weight-sync and checkpoint plumbing) of `ActorRolloutRefWorker` / `CriticWorker`; only
-the model build and the data placement differ. The worker group still splits batches over all
-ranks; each compute call first gathers the chunks of the ranks of one Megatron model replica
-(TP x PP ranks, see engine/megatron/dispatch.py), so only data-parallel ranks see distinct rows,
-and returns this rank's rows of the replica's result. The driver computes the per-rank batch sizes
-with Megatron's data-parallel size (`megatron_config.data_parallel_size`).
+rollout, weight-sync and checkpoint plumbing) of `ActorRolloutRefWorker` / `CriticWorker`, their
+compute methods included; only the model build and the mesh they declare differ. The "actor" /
+"critic" mesh is Megatron's layout, pp x dp x tp (Megatron's rank order tp-cp-ep-dp-pp: TP
+innermost, PP outermost), split over dp only and collected from the last pipeline stage's TP rank
+0 (`megatron_mesh`), so the mesh dispatch gives every rank of one model replica the same rows. The
+driver computes the per-rank batch sizes with Megatron's data-parallel size
+(`megatron_config.data_parallel_size`).
 
 The reference policy follows the actor's engine (veRL links `ref.strategy` and `ref.megatron.*`
 to the actor's). Weight sync into the rollout uses `MegatronEngine.iter_full_params` (TP shards
@@ -19,14 +20,14 @@ import os
 
 import torch
 
-from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import register
 from hybridrl.single_controller.dispatch import Dispatch
+from hybridrl.single_controller.mesh import MeshLayout
 from hybridrl.utils.device import init_process_group
 from hybridrl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 from hybridrl.workers.megatron_config import MEGATRON_STRATEGY
 
-__all__ = ["MegatronActorRolloutRefWorker", "MegatronCriticWorker", "uses_megatron"]
+__all__ = ["MegatronActorRolloutRefWorker", "MegatronCriticWorker", "megatron_mesh", "uses_megatron"]
 
 _PG_TIMEOUT_S = float(os.environ.get("HYBRIDRL_PG_TIMEOUT_S", 600))
 
@@ -41,8 +42,13 @@ def _setup(num_threads: int | None) -> None:
     init_process_group(timeout_s=_PG_TIMEOUT_S)
 
 
-def _rows(out: DataProto, rows: slice) -> DataProto:
-    return DataProto.from_dict({k: v[rows] for k, v in out.batch.items()}, meta_info=dict(out.meta_info))
+def megatron_mesh(world_size: int, cfg) -> MeshLayout:
+    """Megatron's layout as a dispatch mesh: pp x dp x tp, batch split over dp, results from the
+    last pipeline stage's tensor-parallel rank 0."""
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    return MeshLayout.create(
+        world_size, {"pp": pp, "dp": -1, "tp": tp}, dp_dims=("dp",), collect={"pp": -1, "tp": 0}
+    )
 
 
 class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
@@ -56,12 +62,13 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
 
         _setup(self.num_threads)
         self.model_config.validate()
-        if self.model_config.lora_rank > 0:
+        if self.model_config.lora_rank > 0 or self.model_config.lora_adapter_path:
             raise ValueError(
                 "actor_rollout_ref.model.lora_rank > 0 is not supported with strategy=megatron; use fsdp"
             )
         a, r = self.actor_config, self.ref_config
         model_path = resolve_model_path(self.model_config.path, "actor_rollout_ref.model.path")
+        self._declare_training_mesh()
         if self._is_actor:
             self.actor_engine = MegatronEngine.build(
                 self.model_config, a.megatron, a.optim, role="actor", max_grad_norm=a.max_grad_norm
@@ -82,26 +89,9 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
         if self._is_rollout:
             self._build_rollout(model_path)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def compute_log_prob(self, data: DataProto) -> DataProto:
-        from hybridrl.workers.engine.megatron.dispatch import gather_replica_batch
-
-        full, rows = gather_replica_batch(data)
-        return _rows(ActorRolloutRefWorker.compute_log_prob(self, full), rows)
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        from hybridrl.workers.engine.megatron.dispatch import gather_replica_batch
-
-        full, rows = gather_replica_batch(data)
-        return _rows(ActorRolloutRefWorker.compute_ref_log_prob(self, full), rows)
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def update_actor(self, data: DataProto) -> DataProto:
-        from hybridrl.workers.engine.megatron.dispatch import gather_replica_batch
-
-        full, _ = gather_replica_batch(data)
-        return ActorRolloutRefWorker.update_actor(self, full)
+    def _declare_training_mesh(self) -> None:
+        """The "actor" mesh (also the reference's): Megatron's pp x dp x tp."""
+        self.set_mesh("actor", megatron_mesh(self.world_size, self.actor_config.megatron))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, target_dir: str) -> None:
@@ -131,20 +121,7 @@ class MegatronCriticWorker(CriticWorker):
             optim_key="critic.optim",
             max_grad_norm=c.max_grad_norm,
         )
+        self.set_mesh("critic", megatron_mesh(self.world_size, c.megatron))
         self.critic = MegatronPPOCritic(
             c, self.engine, batch_sizes=self.batch_sizes, peak_flops=self.peak_flops
         )
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def compute_values(self, data: DataProto) -> DataProto:
-        from hybridrl.workers.engine.megatron.dispatch import gather_replica_batch
-
-        full, rows = gather_replica_batch(data)
-        return _rows(CriticWorker.compute_values(self, full), rows)
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def update_critic(self, data: DataProto) -> DataProto:
-        from hybridrl.workers.engine.megatron.dispatch import gather_replica_batch
-
-        full, _ = gather_replica_batch(data)
-        return CriticWorker.update_critic(self, full)

@@ -29,10 +29,10 @@ COMPARED = [
 ]
 
 
-def _launch(ckpt: Path, logs: Path) -> subprocess.Popen:
+def _launch(ckpt: Path, logs: Path, args: list[str] = ARGS) -> subprocess.Popen:
     env = {**os.environ, "HYBRIDRL_LOG_DIR": str(logs), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
     env.pop("RAY_ADDRESS")
-    cmd = [sys.executable, "-m", "hybridrl.trainer.main_ppo", *ARGS, f"trainer.default_local_dir={ckpt}"]
+    cmd = [sys.executable, "-m", "hybridrl.trainer.main_ppo", *args, f"trainer.default_local_dir={ckpt}"]
     return subprocess.Popen(
         cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
@@ -49,12 +49,14 @@ def _by_step(rows):
     return {r["step"]: r for r in rows if "actor/pg_loss" in r}
 
 
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
-    _finish(_launch(tmp_path / "a_ckpt", tmp_path / "a_logs"))
+def check_sigkill_resume(tmp_path: Path, args: list[str] = ARGS) -> None:
+    """Run A straight; run B killed after the step-2 checkpoint; run C resumes B: C's steps 3 and 4
+    must log A's metrics (COMPARED). `args` must train 4 steps and save every 2."""
+    _finish(_launch(tmp_path / "a_ckpt", tmp_path / "a_logs", args))
     full = _by_step(read_metrics(tmp_path / "a_logs" / "metrics.jsonl"))
 
     ckpt = tmp_path / "b_ckpt"
-    proc = _launch(ckpt, tmp_path / "b_logs")
+    proc = _launch(ckpt, tmp_path / "b_logs", args)
     latest = ckpt / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 400
     while not (latest.exists() and latest.read_text().strip() == "2"):
@@ -65,10 +67,14 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     proc.wait()
     assert (ckpt / "global_step_2" / "actor").is_dir() and (ckpt / "global_step_2" / "data.pt").exists()
 
-    text = _finish(_launch(ckpt, tmp_path / "c_logs"))
+    text = _finish(_launch(ckpt, tmp_path / "c_logs", args))
     assert "resumed from" in text
     resumed = _by_step(read_metrics(tmp_path / "c_logs" / "metrics.jsonl"))
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         for key in COMPARED:
             assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
+    check_sigkill_resume(tmp_path)

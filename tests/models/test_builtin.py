@@ -63,8 +63,18 @@ def test_chat_template_prompt_and_assistant_turn(tokenizer):
 
 
 def test_chat_template_rejects_unknown_role(tokenizer):
-    with pytest.raises(Exception, match="unsupported chat role tool"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(Exception, match="unsupported chat role function"):
+        tokenizer.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)
+
+
+def test_chat_template_tool_message_is_a_user_turn(tokenizer):
+    msgs = [
+        {"role": "user", "content": "1*2="},
+        {"role": "assistant", "content": "c"},
+        {"role": "tool", "content": "2"},
+    ]
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == "<s><|user|>1*2=<|assistant|>c</s><|user|><tool_response>2</tool_response><|assistant|>"
 
 
 def test_tokenizer_saved_folder_loads_with_auto_tokenizer(tmp_path):

@@ -260,6 +260,10 @@ class ToyMeshWorker(Worker):
         self.seen.append(data.batch["x"].tolist())
         return DataProto.from_dict({"x": data.batch["x"] * 10, "rank": torch.full((len(data),), self.rank)})
 
+    @register(make_mesh_dispatch("never_declared"))
+    def undeclared(self, data: DataProto) -> DataProto:
+        return data
+
     @register(Dispatch.ONE_TO_ALL)
     def pop_seen(self) -> list[list[int]]:
         seen, self.seen = self.seen, []

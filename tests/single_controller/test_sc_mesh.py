@@ -11,7 +11,7 @@ import torch
 from hybridrl.protocol import DataProto, DataProtoFuture
 from hybridrl.single_controller import MeshLayout
 
-MESH_CPUS = 0.1  # 12 toy actors fit beside the session's other toy groups
+MESH_CPUS = 0.1  # 10 toy actors fit beside the session's other toy groups
 
 
 def _proto(n: int) -> DataProto:
@@ -94,22 +94,11 @@ def test_mesh_futures_feed_the_next_stage(pp_dp_tp):
     assert again.batch["x"].tolist() == list(range(6))
 
 
-def test_undeclared_mesh_is_a_clear_error(ray_session):
-    from sc_toy_workers import ToyMeshWorker
-
-    from hybridrl.single_controller.ray import RayClassWithInitArgs
-
-    wg, pool = _group("mesh2", 2, RayClassWithInitArgs(ToyMeshWorker, dims={"dp": 1, "tp": 2}, declare=False))
-    try:
-        with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] have not declared mesh 'rows'.*set_mesh"):
-            wg.rows(_proto(4))
-        wg.declare()
-        out = wg.rows(_proto(3))  # dp=1: both tp ranks get all rows, rank 0 answers
-        assert out.batch["x"].tolist() == [0, 1, 2] and out.batch["rank"].tolist() == [0, 0, 0]
-        assert wg.pop_seen() == [[[0, 1, 2]], [[0, 1, 2]]]
-    finally:
-        wg.shutdown()
-        pool.remove()
+def test_undeclared_mesh_is_a_clear_error(pp_dp_tp):
+    with pytest.raises(
+        RuntimeError, match=r"ranks \[0, 1, 2, 3, 4, 5, 6, 7\] have not declared mesh 'never_declared'"
+    ):
+        pp_dp_tp.undeclared(_proto(4))
 
 
 def test_colocated_roles_dispatch_over_their_own_meshes(ray_session):
@@ -119,18 +108,19 @@ def test_colocated_roles_dispatch_over_their_own_meshes(ray_session):
 
     cls = create_colocated_worker_cls(
         {
-            "actor": RayClassWithInitArgs(ToyMeshWorker, dims={"dp": 2, "tp": 2}),
-            "critic": RayClassWithInitArgs(ToyMeshWorker, dims={"dp": 4, "tp": 1}),
+            "actor": RayClassWithInitArgs(ToyMeshWorker, dims={"dp": 1, "tp": 2}),
+            "critic": RayClassWithInitArgs(ToyMeshWorker, dims={"dp": 2, "tp": 1}),
         }
     )
-    wg, pool = _group("mesh4", 4, cls)
+    wg, pool = _group("mesh2", 2, cls)
     try:
         roles = wg.spawn(["actor", "critic"])
-        assert roles["actor"].mesh_info("rows").collector_of == (0, 2)
-        assert roles["critic"].mesh_info("rows").collector_of == (0, 1, 2, 3)
-        assert roles["actor"].rows(_proto(5)).batch["rank"].tolist() == [0, 0, 0, 2, 2]
-        assert roles["critic"].rows(_proto(5)).batch["rank"].tolist() == [0, 0, 1, 1, 2]
-        assert roles["actor"].pop_seen() == [[[0, 1, 2]], [[0, 1, 2]], [[3, 4, 0]], [[3, 4, 0]]]
+        assert roles["actor"].mesh_info("rows").collector_of == (0,)
+        assert roles["critic"].mesh_info("rows").collector_of == (0, 1)
+        assert roles["actor"].rows(_proto(3)).batch["rank"].tolist() == [0, 0, 0]  # tp only: rank 0 answers
+        assert roles["critic"].rows(_proto(3)).batch["rank"].tolist() == [0, 0, 1]
+        assert roles["actor"].pop_seen() == [[[0, 1, 2]], [[0, 1, 2]]]  # both tp ranks saw every row
+        assert roles["critic"].pop_seen() == [[[0, 1]], [[2, 0]]]  # 3 rows padded to 4
     finally:
         wg.shutdown()
         pool.remove()

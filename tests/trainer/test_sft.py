@@ -17,8 +17,9 @@ import torch
 
 from hybridrl.trainer.sft.config import load_sft_config
 from hybridrl.trainer.sft.launch import init_distributed
-from hybridrl.trainer.sft.trainer import SFTTrainer, sft_lr_factor, sft_token_loss
+from hybridrl.trainer.sft.trainer import SFTTrainer, sft_token_loss
 from hybridrl.utils.config_loader import ConfigError
+from hybridrl.workers.engine.optim import lr_factor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,23 +140,23 @@ def test_prompt_token_labels_do_not_change_the_loss(tiny):
 
 
 def test_lr_schedules_hand_values():
-    common = {"warmup_steps": 2, "total_steps": 12}
-    assert sft_lr_factor(0, scheduler="cosine", **common) == 0.0
-    assert sft_lr_factor(1, scheduler="cosine", **common) == 0.5
-    assert sft_lr_factor(2, scheduler="cosine", **common) == pytest.approx(1.0)
-    assert sft_lr_factor(7, scheduler="cosine", **common) == pytest.approx(
+    common = {"warmup_steps": 2, "total_steps": 12, "min_lr_ratio": 0.0, "num_cycles": 0.5}
+    assert lr_factor(0, scheduler_type="cosine", **common) == 0.0
+    assert lr_factor(1, scheduler_type="cosine", **common) == 0.5
+    assert lr_factor(2, scheduler_type="cosine", **common) == pytest.approx(1.0)
+    assert lr_factor(7, scheduler_type="cosine", **common) == pytest.approx(
         0.5
     )  # half-way: (1 + cos(pi/2)) / 2
-    assert sft_lr_factor(12, scheduler="cosine", **common) == pytest.approx(0.0, abs=1e-12)
-    assert sft_lr_factor(9, scheduler="constant", **common) == 1.0
+    assert lr_factor(12, scheduler_type="cosine", **common) == pytest.approx(0.0, abs=1e-12)
+    assert lr_factor(9, scheduler_type="constant", **common) == 1.0
     # wsd: stable for int(0.5 * 10) = 5 steps after warm-up (steps 2..6), then cosine over steps 7..12
-    wsd = {"scheduler": "wsd", "stable_ratio": 0.5, **common}
-    assert sft_lr_factor(6, **wsd) == 1.0
-    assert sft_lr_factor(7, **wsd) == pytest.approx(1.0)
-    assert sft_lr_factor(10, **wsd) == pytest.approx(0.5 * (1 + math.cos(math.pi * 3 / 5)))
-    assert sft_lr_factor(12, min_lr_ratio=0.1, **wsd) == pytest.approx(0.1)
+    wsd = {"scheduler_type": "wsd", "stable_ratio": 0.5, **common}
+    assert lr_factor(6, **wsd) == 1.0
+    assert lr_factor(7, **wsd) == pytest.approx(1.0)
+    assert lr_factor(10, **wsd) == pytest.approx(0.5 * (1 + math.cos(math.pi * 3 / 5)))
+    assert lr_factor(12, **{**wsd, "min_lr_ratio": 0.1}) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="lr_scheduler"):
-        sft_lr_factor(5, scheduler="linear", **common)
+        lr_factor(5, scheduler_type="linear", **common)
 
 
 # ----------------------------------------------------------------------------------------------

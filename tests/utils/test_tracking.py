@@ -163,3 +163,18 @@ def test_omegaconf_config_and_list_backend(tmp_path):
     t = Tracking("p", "e", cfg.trainer.logger, config=cfg, log_dir=str(tmp_path))
     t.finish()
     assert json.loads((tmp_path / "config.json").read_text())["trainer"]["name"] == "gsm8k"
+
+
+def test_console_prints_every_log_freq_steps_and_at_validation(capsys, tmp_path):
+    from hybridrl.utils.tracking import Tracking
+
+    t = Tracking("p", "e", ["console"], log_dir=str(tmp_path), console_every=3)
+    for step in range(1, 8):
+        metrics = {"critic/score/mean": 0.5}
+        if step == 5:
+            metrics["val-core/arith/acc/mean@1"] = 0.25
+        t.log(metrics, step=step)
+    t.finish()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert [line.split(" |")[0] for line in lines] == ["step 3", "step 5", "step 6"]
+    assert "val[arith:acc@1] 0.25" in lines[1]

@@ -6,7 +6,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, load_async_config, n_rollout_workers
 from hybridrl.trainer.async_ppo.trainer import build_async_trainer
-from hybridrl.trainer.ppo.launch import start_ray, write_report
+from hybridrl.trainer.ppo.launch import fit_and_report, start_ray
 
 # Applied before the user's overrides: one core for the trainer, one for the rollout worker.
 ASYNC_DEFAULTS = [
@@ -38,14 +38,7 @@ def run_async(cfg: DictConfig | dict | None = None) -> dict[str, float]:
 def run_async_config(config: AsyncPPOConfig) -> dict[str, float]:
     init_ray(config)
     trainer = build_async_trainer(config)
-    try:
-        metrics = trainer.fit()
-    finally:
-        trainer.tracker.finish()
-        trainer.async_workers.shutdown()
-    if config.trainer.make_report:
-        write_report(trainer.tracker)
-    return metrics
+    return fit_and_report(trainer, trainer.async_workers, config)
 
 
 def init_ray(config: AsyncPPOConfig) -> None:

@@ -30,11 +30,12 @@ from hybridrl.single_controller.ray.base import (
 )
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_workers
-from hybridrl.trainer.ppo.trainer import RayPPOTrainer, _attach_extra
-from hybridrl.trainer.ppo.workers import WorkerGroups
-from hybridrl.utils.device import is_cuda_available
+from hybridrl.trainer.ppo.batch_steps import attach_reward_extra
+from hybridrl.trainer.ppo.setup import prepare_run, trainer_of
+from hybridrl.trainer.ppo.trainer import RayPPOTrainer
+from hybridrl.trainer.ppo.workers import WorkerGroups, support_role_classes, use_gpu
 from hybridrl.utils.metrics import timer
-from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
+from hybridrl.workers.config import normalize_actor_batch_sizes
 
 __all__ = ["AsyncPPOTrainer", "AsyncWorkers", "build_async_trainer", "start_async_workers"]
 
@@ -95,33 +96,30 @@ class AsyncWorkers(WorkerGroups):
             self._rollout_pool.remove()
 
 
-def _use_gpu(config: AsyncPPOConfig) -> bool:
-    dev = config.trainer.device
-    return dev == "cuda" or (dev == "auto" and is_cuda_available())
-
-
-def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None) -> AsyncWorkers:
-    """Two resource pools: training slots (actor [+ ref], critic, reward model colocated) and
-    rollout slots (one AsyncRolloutWorker each). Both groups build their models concurrently."""
-    from hybridrl.workers.fsdp_workers import CriticWorker, RewardModelWorker
-    from hybridrl.workers.rollout_worker import AsyncActorWorker, AsyncRolloutWorker
-
-    tr, arr, at = config.trainer, config.actor_rollout_ref, config.async_training
-    use_gpu = _use_gpu(config)
+def _pools(config: AsyncPPOConfig, gpu: bool) -> tuple[RayResourcePool, RayResourcePool]:
+    """(training pool: trainer.nnodes x n_gpus_per_node, rollout pool: async_training.rollout_*)."""
+    tr, at = config.trainer, config.async_training
     train_pool = RayResourcePool(
         [tr.n_gpus_per_node] * tr.nnodes,
-        use_gpu=use_gpu,
+        use_gpu=gpu,
         cpus_per_slot=tr.cpus_per_worker,
         name_prefix="hybridrl_train",
     )
     rollout_pool = RayResourcePool(
         [at.rollout_n_gpus_per_node] * at.rollout_nnodes,
-        use_gpu=use_gpu,
+        use_gpu=gpu,
         cpus_per_slot=at.rollout_cpus_per_worker,
         name_prefix="hybridrl_rollout",
     )
-    world = train_pool.world_size
-    n = arr.rollout.n
+    return train_pool, rollout_pool
+
+
+def _train_classes(config: AsyncPPOConfig, world: int, threads: int | None, peak_flops: float | None) -> dict:
+    """{role: RayClassWithInitArgs} colocated on the training slots (actor [+ ref], critic, reward model)."""
+    from hybridrl.workers.fsdp_workers import CriticWorker, RewardModelWorker
+    from hybridrl.workers.rollout_worker import AsyncActorWorker
+
+    arr = config.actor_rollout_ref
     classes = {
         "actor": RayClassWithInitArgs(
             AsyncActorWorker,
@@ -130,39 +128,37 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
             ref=arr.ref,
             rollout=arr.rollout,
             use_ref=config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss,
-            actor_batch_sizes=normalize_actor_batch_sizes(arr.actor, rollout_n=n, dp_size=world),
-            num_threads=None if use_gpu else train_pool.num_threads,
+            actor_batch_sizes=normalize_actor_batch_sizes(arr.actor, rollout_n=arr.rollout.n, dp_size=world),
+            num_threads=threads,
             peak_flops=peak_flops,
         )
     }
-    threads = None if use_gpu else train_pool.num_threads
-    if algos.estimator_needs_critic(config.algorithm.adv_estimator):
-        classes["critic"] = RayClassWithInitArgs(
-            CriticWorker,
-            config=config.critic,
-            batch_sizes=normalize_critic_batch_sizes(config.critic, dp_size=world, rollout_n=n),
-            num_threads=threads,
-            peak_flops=peak_flops,
-        )
-    if config.reward_model.enable:
-        classes["reward_model"] = RayClassWithInitArgs(
-            RewardModelWorker,
-            config=config.reward_model,
-            policy_tokenizer_path=arr.model.path,
-            num_threads=threads,
-        )
+    classes.update(support_role_classes(config, CriticWorker, RewardModelWorker, world, threads, peak_flops))
+    return classes
+
+
+def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None) -> AsyncWorkers:
+    """Two resource pools: training slots (actor [+ ref], critic, reward model colocated) and
+    rollout slots (one AsyncRolloutWorker each). Both groups build their models concurrently."""
+    from hybridrl.workers.rollout_worker import AsyncRolloutWorker
+
+    gpu = use_gpu(config)
+    train_pool, rollout_pool = _pools(config, gpu)
+    classes = _train_classes(
+        config, train_pool.world_size, None if gpu else train_pool.num_threads, peak_flops
+    )
     train_group = RayWorkerGroup(
         train_pool, create_colocated_worker_cls(classes), name_prefix="hybridrl_train"
     )
     views = train_group.spawn(list(classes))
-    rollout_cfg = _rollout_worker_config(arr.rollout)
+    arr = config.actor_rollout_ref
     rollout_group = RayWorkerGroup(
         rollout_pool,
         RayClassWithInitArgs(
             AsyncRolloutWorker,
             model=arr.model,
-            rollout=rollout_cfg,
-            num_threads=None if use_gpu else rollout_pool.num_threads,
+            rollout=_rollout_worker_config(arr.rollout),
+            num_threads=None if gpu else rollout_pool.num_threads,
         ),
         name_prefix="hybridrl_rollout",
     )
@@ -293,14 +289,14 @@ class AsyncPPOTrainer(RayPPOTrainer):
         batch.meta_info["global_steps"] = self.global_steps
         if "token_level_scores" not in batch.batch.keys():  # not scored by _score_chunk
             batch, extra = self._compute_reward(batch, timing)
-            _attach_extra(batch, extra)
+            attach_reward_extra(batch, extra)
         return batch
 
     def _score_chunk(self, chunk: DataProto) -> DataProto:
         """Score one finished chunk (the manager's background thread): token_level_scores and the
         reward function's extra columns, as `_compute_reward` does for a whole batch."""
         chunk, extra = self._compute_reward(chunk, {})
-        _attach_extra(chunk, extra)
+        attach_reward_extra(chunk, extra)
         return chunk
 
     def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
@@ -328,21 +324,10 @@ class AsyncPPOTrainer(RayPPOTrainer):
 # ---------------------------------------------------------------------------------------- build
 def build_async_trainer(config: AsyncPPOConfig) -> AsyncPPOTrainer:
     """Tokenizer, data, rewards, tracker, the two worker pools and the trainer (workers last)."""
-    from hybridrl.trainer.ppo.setup import prepare_run
-
     run = prepare_run(config)
     workers = start_async_workers(config)
     print(
         f"[hybridrl.async] {workers.actor_rollout.world_size} training slot(s), {n_rollout_workers(config)} "
         f"rollout slot(s), max_head_offpolicyness={config.async_training.max_head_offpolicyness}"
     )
-    return AsyncPPOTrainer(
-        config,
-        run.tokenizer,
-        workers,
-        run.train_loader,
-        run.val_loader,
-        run.reward_fn,
-        run.val_reward_fn,
-        run.tracker,
-    )
+    return trainer_of(AsyncPPOTrainer, config, run, workers)

@@ -14,7 +14,12 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from hybridrl.data.rl_dataset import read_rows
+from hybridrl.trainer.offline.generation import generate_responses
 from hybridrl.utils.config_loader import ConfigError, load_structured
+from hybridrl.utils.metrics import process_validation_metrics
+from hybridrl.workers.reward.custom import load_custom_reward_fn
+from hybridrl.workers.reward.scorers import default_compute_score
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
 
@@ -203,9 +208,6 @@ class GreedyEval:
 
     def score(self) -> dict[str, float]:
         """`val/greedy_acc` and `val-core/{data_source}/reward/mean@1` of the current weights."""
-        from hybridrl.trainer.offline.generation import generate_responses
-        from hybridrl.utils.metrics import process_validation_metrics
-        from hybridrl.workers.reward.scorers import default_compute_score
 
         if self.rollout is None:
             raise RuntimeError("GreedyEval.score before update_weights: load the weights to evaluate first")
@@ -230,10 +232,6 @@ class GreedyEval:
 
 def run_eval(cfg: DictConfig | dict | list[str] | None = None) -> dict[str, Any]:
     """Score, print and return {"metrics": process_validation_metrics output, "summary": per source}."""
-    from hybridrl.data.rl_dataset import read_rows
-    from hybridrl.utils.metrics import process_validation_metrics
-    from hybridrl.workers.reward.custom import load_custom_reward_fn
-    from hybridrl.workers.reward.scorers import default_compute_score
 
     config = load_eval_config(cfg)
     d, c = config.data, config.custom_reward_function

@@ -13,7 +13,14 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from hybridrl.data.builtin_task import ensure_builtin_data
+from hybridrl.data.rl_dataset import as_messages, compute_position_ids, read_rows, render_prompt
+from hybridrl.models.builtin import resolve_model_path
+from hybridrl.protocol import DataProto
 from hybridrl.utils.config_loader import ConfigError, load_structured
+from hybridrl.utils.device import get_torch_device
+from hybridrl.workers.config import ModelConfig
+from hybridrl.workers.engine.fsdp import import_external_libs, load_tokenizer
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
 ROLLOUT_NAMES = ("hf", "vllm")
@@ -91,6 +98,13 @@ def load_generation_config(cfg: DictConfig | dict | list[str] | None = None) -> 
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if r.temperature < 0:
         raise ConfigError(f"rollout.temperature must be >= 0 (0 = greedy), got {r.temperature}")
+    t = config.trainer
+    if (t.nnodes, t.n_gpus_per_node) != (1, 1):
+        raise ConfigError(
+            f"trainer.nnodes={t.nnodes}, trainer.n_gpus_per_node={t.n_gpus_per_node}: accepted for veRL "
+            "compatibility, but generation runs in this one process on one device; set both to 1 "
+            "(for more throughput use rollout.name=vllm with rollout.tensor_model_parallel_size)"
+        )
     return config
 
 
@@ -140,8 +154,6 @@ def generate_responses(
     Returns:
         One list of n responses (special tokens skipped) per prompt, in order.
     """
-    from hybridrl.data.rl_dataset import compute_position_ids
-    from hybridrl.protocol import DataProto
 
     rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts for _ in range(n)]
     texts: list[str] = []
@@ -169,7 +181,6 @@ def generate_responses(
 # ----------------------------------------------------------------------------------------------
 def render_prompts(rows: list[dict], tokenizer, config: GenerationConfig, files_key: str) -> list[str]:
     """Prompt texts with the generation prompt; errors name the file key and row."""
-    from hybridrl.data.rl_dataset import as_messages, render_prompt
 
     d = config.data
     texts = []
@@ -207,18 +218,11 @@ def _write_parquet(rows: list[dict], responses: list[list[str]], path: str) -> s
 
 def run_generation(cfg: DictConfig | dict | list[str] | None = None) -> str:
     """Generate and write the output parquet; returns its path."""
-    from hybridrl.data.rl_dataset import read_rows
-    from hybridrl.models.builtin import resolve_model_path
-    from hybridrl.utils.device import get_torch_device
-    from hybridrl.workers.config import ModelConfig
-    from hybridrl.workers.engine.fsdp import import_external_libs, load_tokenizer
 
     config = load_generation_config(cfg)
     d, r, m = config.data, config.rollout, config.model
     path = d.path
     if path is None:
-        from hybridrl.data.builtin_task import ensure_builtin_data
-
         path = ensure_builtin_data()["val"]
     rows, _ = read_rows(path, "data.path", [d.prompt_key])
     if d.max_samples > 0:

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import torch
 
+from hybridrl.utils.safe_io import load_state_file
+from hybridrl.utils.torch_utils import str_to_dtype
+
 __all__ = ["load_sharded_state_dict", "merge_checkpoint", "merge_lora", "main"]
 
 HF_DIR = "huggingface"
@@ -75,7 +78,7 @@ def load_sharded_state_dict(shard_dir: str) -> dict[str, torch.Tensor]:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "full.pt")
             dcp_to_torch_save(shard_dir, out)
-            state = torch.load(out, weights_only=False)
+            state = load_state_file(out)
     if set(state) == {"model"} and isinstance(state["model"], dict):
         state = state["model"]
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
@@ -174,8 +177,6 @@ def merge_checkpoint(
     """
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from hybridrl.utils.torch_utils import str_to_dtype
-
     root = Path(local_dir).expanduser().resolve()
     state = load_sharded_state_dict(find_shard_dir(str(root)))
     if any(".lora_A." in k for k in state):
@@ -231,7 +232,10 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("merge", "test"):
         p = sub.add_parser(name)
         p.add_argument(
-            "--backend", default="fsdp", choices=["fsdp"], help="checkpoint format (fsdp: DCP shards)"
+            "--backend",
+            default="fsdp",
+            choices=["fsdp", "megatron"],
+            help="checkpoint format (fsdp: DCP shards; megatron: dist_checkpointing, docs/megatron.md)",
         )
         p.add_argument("--local_dir", required=True, help="checkpoint folder with model/ shards")
         p.add_argument(
@@ -248,7 +252,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "merge":
+        if args.command == "merge" and args.backend == "megatron":
+            from hybridrl.workers.engine.megatron.merge import merge_megatron_checkpoint
+
+            merge_megatron_checkpoint(args.local_dir, args.target_dir, args.hf_model_path, args.dtype)
+        elif args.backend == "megatron":
+            raise MergeError("`test` supports --backend fsdp only; merge, then compare the folders")
+        elif args.command == "merge":
             merge_checkpoint(args.local_dir, args.target_dir, args.hf_model_path, args.dtype)
         else:
             compare_with_hf(args.local_dir, args.test_hf_dir, args.hf_model_path)

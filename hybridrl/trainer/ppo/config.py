@@ -20,10 +20,13 @@ from hybridrl.trainer.ppo.sections import (
     AsyncTrainingConfig,
     CustomRewardFunctionConfig,
     DataConfig,
+    RayKwargsConfig,
     RewardManagerKwargs,
     TrainerConfig,
 )
+from hybridrl.trainer.ppo.verl_compat import apply_verl_compat
 from hybridrl.utils.config_loader import ConfigError, load_structured
+from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.workers.megatron_config import data_parallel_size
 from hybridrl.workers.rollout.config import RolloutConfig
@@ -32,6 +35,7 @@ from hybridrl.workers.rollout.config import RolloutConfig
 @dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
+    nccl_timeout: int = 600  # seconds; the workers' process-group timeout
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -49,15 +53,27 @@ class PPOConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
 
 
 PPO_KEYS_DOC = "hybridrl/trainer/config/ppo_trainer.yaml"
 
 
-def load_config(cfg: DictConfig | dict | list[str] | None = None) -> PPOConfig:
-    """Merge `cfg` onto the schema, resolve it and validate it; returns a typed `PPOConfig`."""
-    config: PPOConfig = load_structured(PPOConfig, cfg, PPO_KEYS_DOC)
+def load_config(cfg: DictConfig | dict | list[str] | None = None, explicit_keys=None) -> PPOConfig:
+    """Merge `cfg` onto the schema, resolve it and validate it; returns a typed `PPOConfig`.
+
+    explicit_keys: the keys the user set (None: every key counts as set); see
+    `verl_compat.apply_verl_compat` (defaults that do not fit a small batch are adapted).
+    """
+    try:
+        config: PPOConfig = load_structured(PPOConfig, cfg, PPO_KEYS_DOC)
+    except ConfigError:
+        raise
+    except ValueError as e:  # a section's own check (__post_init__) failed
+        raise ConfigError(str(e)) from None
     derive_config(config)
+    apply_verl_compat(config, explicit_keys)
     validate_config(config)
     return config
 
@@ -99,19 +115,11 @@ def n_slots(config: PPOConfig) -> int:
 
 def validate_config(config: PPOConfig) -> None:
     """Check the config as a whole; raise ConfigError naming the key and the fix."""
-    d, arr, algo, tr = config.data, config.actor_rollout_ref, config.algorithm, config.trainer
+    arr, algo = config.actor_rollout_ref, config.algorithm
     world = n_slots(config)
     if world < 1:
         raise ConfigError("trainer.nnodes * trainer.n_gpus_per_node must be >= 1")
-    _check_choice("algorithm.adv_estimator", algo.adv_estimator, algos.list_adv_estimators())
-    _check_choice(
-        "actor_rollout_ref.actor.policy_loss.loss_mode",
-        arr.actor.policy_loss.loss_mode,
-        algos.list_policy_losses(),
-    )
-    _check_choice("data.truncation", d.truncation, ["error", "left", "right", "middle"])
-    _check_choice("trainer.resume_mode", tr.resume_mode, ["auto", "disable", "resume_path"])
-    _check_choice("trainer.device", tr.device, ["auto", "cpu", "cuda"])
+    _validate_choices(config)
     n = arr.rollout.n
     if n < 1:
         raise ConfigError("actor_rollout_ref.rollout.n must be >= 1")
@@ -120,8 +128,41 @@ def validate_config(config: PPOConfig) -> None:
             f"algorithm.adv_estimator={algo.adv_estimator} compares responses within a group, so "
             "actor_rollout_ref.rollout.n must be >= 2 (e.g. actor_rollout_ref.rollout.n=8)"
         )
-    rows = d.train_batch_size * n
-    mini = arr.actor.ppo_mini_batch_size
+    _validate_actor_batches(config, world)
+    if algos.estimator_needs_critic(algo.adv_estimator):
+        _validate_critic(config, world)
+    if algo.use_kl_in_reward and arr.actor.use_kl_loss:
+        print(
+            "[hybridrl] warning: both algorithm.use_kl_in_reward and actor.use_kl_loss are on (KL counted twice)"
+        )
+    _validate_rollout_parallel(config, world)
+    _validate_paths(config)
+    if config.reward_model.enable and not config.reward_model.model.path:
+        raise ConfigError(
+            "reward_model.enable=True needs reward_model.model.path (a sequence-classification model)"
+        )
+    if algo.filter_groups.enable and n < 2:
+        raise ConfigError("algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2")
+
+
+def _validate_choices(config: PPOConfig) -> None:
+    d, arr, tr = config.data, config.actor_rollout_ref, config.trainer
+    _check_choice("algorithm.adv_estimator", config.algorithm.adv_estimator, algos.list_adv_estimators())
+    _check_choice(
+        "actor_rollout_ref.actor.policy_loss.loss_mode",
+        arr.actor.policy_loss.loss_mode,
+        algos.list_policy_losses(),
+    )
+    _check_choice("data.truncation", d.truncation, ["error", "left", "right", "middle"])
+    _check_choice("trainer.resume_mode", tr.resume_mode, ["auto", "disable", "resume_path"])
+    _check_choice("trainer.device", tr.device, ["auto", "cpu", "cuda"])
+    _check_choice("actor_rollout_ref.rollout.name", arr.rollout.name, ["hf", "vllm", "sglang"])
+
+
+def _validate_actor_batches(config: PPOConfig, world: int) -> None:
+    """data.train_batch_size vs actor mini/micro-batches and the ranks (all counts must divide)."""
+    d, arr = config.data, config.actor_rollout_ref
+    n, mini = arr.rollout.n, arr.actor.ppo_mini_batch_size
     if d.train_batch_size % mini != 0 and mini <= d.train_batch_size:
         raise ConfigError(
             f"data.train_batch_size={d.train_batch_size} is not divisible by "
@@ -144,16 +185,14 @@ def validate_config(config: PPOConfig) -> None:
             f"per-rank mini-batch {per_rank_mini} (ppo_mini_batch_size*n/ranks) is not divisible by "
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}; pick a divisor"
         )
+    rows = d.train_batch_size * n
     if rows % world != 0:
         raise ConfigError(f"data.train_batch_size * rollout.n = {rows} rows must divide across {world} ranks")
-    use_critic = algos.estimator_needs_critic(algo.adv_estimator)
-    if use_critic:
-        _validate_critic(config, world)
-    if algo.use_kl_in_reward and arr.actor.use_kl_loss:
-        print(
-            "[hybridrl] warning: both algorithm.use_kl_in_reward and actor.use_kl_loss are on (KL counted twice)"
-        )
-    _check_choice("actor_rollout_ref.rollout.name", arr.rollout.name, ["hf", "vllm", "sglang"])
+
+
+def _validate_paths(config: PPOConfig) -> None:
+    """Data files and the custom reward file exist; resume_path mode names its folder."""
+    d, tr = config.data, config.trainer
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         for f in _as_list(files):
             if not os.path.exists(os.path.expanduser(str(f))):
@@ -162,17 +201,30 @@ def validate_config(config: PPOConfig) -> None:
         raise ConfigError(
             f"custom_reward_function.path={config.custom_reward_function.path!r} does not exist; fix the path"
         )
-    if config.reward_model.enable and not config.reward_model.model.path:
-        raise ConfigError(
-            "reward_model.enable=True needs reward_model.model.path (a sequence-classification model)"
-        )
     if tr.resume_mode == "resume_path" and not tr.resume_from_path:
         raise ConfigError(
             "trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>"
         )
-    fg = algo.filter_groups
-    if fg.enable and n < 2:
-        raise ConfigError("algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2")
+
+
+def _validate_rollout_parallel(config: PPOConfig, world: int) -> None:
+    """Rollout TP divides the ranks and the model's heads, the engine supports it, load_format fits
+    the actor's strategy (hybridrl.workers.rollout.parallel)."""
+    from hybridrl.workers.rollout.parallel import check_rollout_parallel_config
+
+    arr = config.actor_rollout_ref
+    try:
+        check_rollout_parallel_config(
+            tp=arr.rollout.tensor_model_parallel_size,
+            world_size=world,
+            engine=arr.rollout.name,
+            load_format=arr.rollout.load_format,
+            strategy=arr.actor.strategy,
+            model_path=arr.model.path,
+            trust_remote_code=arr.model.trust_remote_code,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_critic(config: PPOConfig, world: int) -> None:

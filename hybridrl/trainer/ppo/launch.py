@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from hybridrl.report import make_report
 from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.sections import AsyncTrainingConfig
 from hybridrl.trainer.ppo.setup import build_trainer
@@ -19,11 +20,16 @@ def run_ppo_config(config: PPOConfig) -> dict[str, float]:
         )
 
     trainer = build_trainer(config, init_ray=_init_ray)  # data and rewards are checked before Ray starts
+    return fit_and_report(trainer, trainer.workers, config)
+
+
+def fit_and_report(trainer, workers, config) -> dict[str, float]:
+    """`trainer.fit()`, then always close the tracker and the workers; the report PNG if asked for."""
     try:
         metrics = trainer.fit()
     finally:
         trainer.tracker.finish()
-        trainer.workers.shutdown()
+        workers.shutdown()
     if config.trainer.make_report:
         write_report(trainer.tracker)
     return metrics
@@ -31,12 +37,26 @@ def run_ppo_config(config: PPOConfig) -> dict[str, float]:
 
 def _init_ray(config: PPOConfig) -> None:
     tr = config.trainer
-    start_ray(tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker)
+    start_ray(tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker, config.ray_kwargs.ray_init)
 
 
-def start_ray(cpus_needed: float) -> None:
+def merge_runtime_env(ours: dict, user: dict) -> dict:
+    """veRL's `ray_kwargs.ray_init.runtime_env` merged with hybridrl's: env_vars are merged (the
+    user's win), every other field (working_dir, py_executable, pip...) is the user's."""
+    merged = {k: v for k, v in user.items() if k != "env_vars"}
+    merged["env_vars"] = {
+        **ours.get("env_vars", {}),
+        **{k: str(v) for k, v in user.get("env_vars", {}).items()},
+    }
+    return merged
+
+
+def start_ray(cpus_needed: float, ray_init=None) -> None:
     """Attach to `RAY_ADDRESS` (a cluster, or inside `ray job submit`) or start a local Ray with at
-    least `cpus_needed` CPUs; either way the workers get the environment variables hybridrl needs."""
+    least `cpus_needed` CPUs; either way the workers get the environment variables hybridrl needs.
+
+    ray_init: `ray_kwargs.ray_init` (num_cpus: the local Ray's CPU count; runtime_env: merged
+    into the job's runtime environment with `merge_runtime_env`)."""
     import math
 
     import ray
@@ -52,19 +72,21 @@ def start_ray(cpus_needed: float) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = os.environ.get("RAY_ADDRESS")
-    kwargs: dict = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
+    user_env = dict(ray_init.runtime_env) if ray_init is not None else {}
+    kwargs: dict = {"runtime_env": merge_runtime_env({"env_vars": env}, user_env), "log_to_driver": True}
     if address:
         # Inside `ray job submit` the job may carry its own runtime_env: merge ours into it.
         os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
         ray.init(address=address, **kwargs)
     else:
         num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
+        if ray_init is not None and ray_init.num_cpus is not None:
+            num_cpus = ray_init.num_cpus
         ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
 
 
 def write_report(tracker) -> None:
     """The PNG of the run's curves, next to the file logger's metrics.jsonl (if any)."""
-    from hybridrl.report import make_report
 
     log_dir = tracker.log_dir
     if log_dir and os.path.exists(os.path.join(log_dir, "metrics.jsonl")):

@@ -63,6 +63,30 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """`algorithm.rollout_correction` (veRL's newer spelling of the rollout importance sampling).
+
+    rollout_is: null | token | sequence: importance weights pi_old / pi_rollout at that level,
+      truncated at rollout_is_threshold (TIS); rollout_is_batch_normalize rescales them to mean 1
+      over the batch's tokens.
+    rollout_rs: null | token | sequence | geometric: rejection sampling; tokens (or whole responses)
+      whose ratio lies outside [lower, upper] get weight 0. rollout_rs_threshold: 'lower_upper'
+      (e.g. '0.5_2.0') or one number U (bounds 1/U, U); null: rollout_is_threshold.
+    bypass_mode: use the rollout engine's log-probs as the old log-probs (no old-log-prob pass;
+      needs rollout.calculate_log_probs=True); every weight is then 1, so only the
+      rejection mask acts. loss_type: ppo_clip (the configured policy loss) only.
+    """
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: Any = None
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
@@ -72,6 +96,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     # Rollout importance sampling (rollout vs training policy mismatch correction).
     rollout_is: bool = False
     rollout_is_threshold: float | None = None
@@ -112,6 +137,7 @@ class TrainerConfig:
     project_name: str = "hybridrl"
     experiment_name: str = "run"
     logger: Any = field(default_factory=lambda: ["console"])
+    log_freq: int = 1  # console line every N steps (and at each validation); trackers get every step
     log_val_generations: int = 0
     rollout_data_dir: str | None = None
     validation_data_dir: str | None = None
@@ -138,6 +164,20 @@ class TrainerConfig:
     progress_bar: bool = True
     make_report: bool = True
     seed: int = 1
+
+
+@dataclass
+class RayInitConfig:
+    """`ray_kwargs.ray_init`: passed to `ray.init` (num_cpus; runtime_env merged with hybridrl's)."""
+
+    num_cpus: int | None = None
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RayKwargsConfig:
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    timeline_json_file: str | None = None
 
 
 @dataclass

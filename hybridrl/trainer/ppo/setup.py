@@ -9,15 +9,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridrl.data.builtin_task import ensure_builtin_data
+from hybridrl.data.rl_dataset import RLDataConfig, collate_fn, create_rl_dataset
+from hybridrl.data.sampler import ResumableSampler, RLDataLoader
+from hybridrl.models.builtin import resolve_model_path
+from hybridrl.models.shm import copy_to_shm
 from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
+from hybridrl.trainer.ppo.workers import start_workers, uses_ray
+from hybridrl.utils.flops import get_peak_flops
+from hybridrl.utils.torch_utils import str_to_dtype
+from hybridrl.utils.tracking import Tracking
+from hybridrl.workers.engine.fsdp import load_tokenizer
+from hybridrl.workers.reward.custom import load_custom_reward_fn
+from hybridrl.workers.reward.manager import load_reward_manager
 
 
 def resolve_builtin(config: PPOConfig) -> None:
     """Point unset data files at the built-in task and `builtin:*` model paths at the shipped model."""
-    from hybridrl.data.builtin_task import ensure_builtin_data
-    from hybridrl.models.builtin import resolve_model_path
-
     d = config.data
     if d.train_files is None or d.val_files is None:
         paths = ensure_builtin_data(d.builtin_data_dir)
@@ -33,6 +42,21 @@ def resolve_builtin(config: PPOConfig) -> None:
     if config.reward_model.model.path:
         rm = config.reward_model.model
         rm.path = resolve_model_path(rm.path, "reward_model.model.path")
+    if m.use_shm:
+        m.path = copy_to_shm(m.path, "actor_rollout_ref.model.use_shm")
+    if c.use_shm:
+        c.path = copy_to_shm(c.path, "critic.model.use_shm")
+
+
+def driver_tokenizer_config(config: PPOConfig):
+    """The model section the driver's tokenizer (data, reward decoding) is loaded from:
+    `data.tokenizer` (veRL) names another tokenizer, `data.trust_remote_code` allows its code."""
+    m, d = config.actor_rollout_ref.model, config.data
+    return dataclasses.replace(
+        m,
+        tokenizer_path=d.tokenizer or m.tokenizer_path,
+        trust_remote_code=m.trust_remote_code or d.trust_remote_code,
+    )
 
 
 def total_steps(config: PPOConfig, steps_per_epoch: int) -> int:
@@ -44,8 +68,6 @@ def total_steps(config: PPOConfig, steps_per_epoch: int) -> int:
 
 
 def build_datasets(config: PPOConfig, tokenizer):
-    from hybridrl.data.rl_dataset import RLDataConfig, collate_fn, create_rl_dataset
-    from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 
     d = config.data
     raw = {f.name: getattr(d, f.name) for f in dataclasses.fields(d)}
@@ -99,8 +121,6 @@ class _OneEpoch:
 
 
 def build_reward_fns(config: PPOConfig, tokenizer):
-    from hybridrl.workers.reward.custom import load_custom_reward_fn
-    from hybridrl.workers.reward.manager import load_reward_manager
 
     crf = config.custom_reward_function
     compute_score = load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs)) if crf.path else None
@@ -143,15 +163,12 @@ def prepare_run(config: PPOConfig) -> RunParts:
     of a run, shared by the synchronous and the asynchronous trainer (workers start after it)."""
     import random
 
-    from hybridrl.utils.tracking import Tracking
-    from hybridrl.workers.engine.fsdp import load_tokenizer
-
     resolve_builtin(config)
     seed = config.trainer.seed
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    tokenizer = load_tokenizer(config.actor_rollout_ref.model)
+    tokenizer = load_tokenizer(driver_tokenizer_config(config))
     train_loader, val_loader = build_datasets(config, tokenizer)
     steps = total_steps(config, len(train_loader))
     config.trainer.total_training_steps = steps
@@ -164,20 +181,24 @@ def prepare_run(config: PPOConfig) -> RunParts:
         config.trainer.logger,
         config=dataclasses.asdict(config),
         log_dir=os.environ.get("HYBRIDRL_LOG_DIR"),
+        console_every=config.trainer.log_freq,
     )
     return RunParts(tokenizer, train_loader, val_loader, reward_fn, val_reward_fn, tracker)
 
 
 def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     """Everything a run needs, in order; workers start last (they are the slow part)."""
-    from hybridrl.trainer.ppo.workers import start_workers, uses_ray
 
     run = prepare_run(config)
     peak = _peak_flops(config)
     if init_ray is not None and uses_ray(config):
         init_ray(config)
-    workers = start_workers(config, peak_flops=peak)
-    return RayPPOTrainer(
+    return trainer_of(RayPPOTrainer, config, run, start_workers(config, peak_flops=peak))
+
+
+def trainer_of(trainer_cls: type, config, run, workers):
+    """`trainer_cls` over a prepared run (`prepare_run`) and its started workers."""
+    return trainer_cls(
         config,
         run.tokenizer,
         workers,
@@ -190,8 +211,6 @@ def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
 
 
 def _peak_flops(config: PPOConfig) -> float | None:
-    from hybridrl.utils.flops import get_peak_flops
-    from hybridrl.utils.torch_utils import str_to_dtype
 
     mp = config.actor_rollout_ref.actor.fsdp_config
     dtype = (

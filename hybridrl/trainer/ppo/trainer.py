@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -21,7 +22,16 @@ import torch
 
 from hybridrl import algos
 from hybridrl.protocol import DataProto
+from hybridrl.trainer.ppo.batch_steps import (
+    apply_rollout_correction,
+    attach_reward_extra,
+    decode_samples,
+    group_metric,
+    rollout_correction_active,
+    write_jsonl,
+)
 from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
+from hybridrl.trainer.ppo.profiling import StepProfilerDriver
 from hybridrl.trainer.ppo.workers import WorkerGroups
 from hybridrl.utils import checkpointing
 from hybridrl.utils.metrics import (
@@ -32,7 +42,11 @@ from hybridrl.utils.metrics import (
     reduce_metrics,
     timer,
 )
+from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
+from hybridrl.workers.agent.runner import agent_step_metrics
+from hybridrl.workers.rollout.weight_sync import weight_sync_step_metrics
 
 
 def old_log_prob_is_redundant(config: Any) -> bool:
@@ -51,6 +65,7 @@ def old_log_prob_is_redundant(config: Any) -> bool:
         and actor.ppo_mini_batch_size >= config.data.train_batch_size
         and not algo.use_kl_in_reward
         and not algo.rollout_is
+        and not rollout_correction_active(algo.rollout_correction)
     )
 
 
@@ -119,11 +134,13 @@ class RayPPOTrainer:
             if cfg.val_only:
                 return val
         progress = _progress_bar(cfg.progress_bar, self.total_training_steps, self.global_steps)
+        profiler = StepProfilerDriver(self.config, self.workers)
         while self.global_steps < self.total_training_steps:
             self.global_steps += 1
             metrics: dict[str, Any] = {}
             timing: dict[str, float] = {}
             self._gen_batches_this_step = 0
+            profiler.begin(self.global_steps)
             with timer("step", timing):
                 batch = trim_right_padding(self._rollout_and_score(metrics, timing))
                 self._balance_batch(batch, metrics)
@@ -134,6 +151,7 @@ class RayPPOTrainer:
                 self._update_critic(batch, metrics, timing)
                 self._update_actor(batch, metrics, timing)
                 self._dump_rollouts(batch)
+            profiler.end(self.global_steps)
             self._maybe_validate(metrics, timing)
             self._maybe_save_checkpoint(timing)
             self._log_step(batch, metrics, timing)
@@ -171,6 +189,7 @@ class RayPPOTrainer:
         with timer("gen", timing):
             out = self.workers.actor_rollout.generate_sequences(gen_in)
         timing.update(out.meta_info.pop("timing", {}))
+        self._sync_metrics = weight_sync_step_metrics(out.meta_info.get("metrics", {}))
         batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
         batch = batch.union(out)
         if self.config.algorithm.adv_estimator == "remax":
@@ -215,7 +234,7 @@ class RayPPOTrainer:
         fg = self.config.algorithm.filter_groups
         if not fg.enable:
             batch, extra = self._compute_reward(self._generate(self._next_prompt_batch(), timing), timing)
-            _attach_extra(batch, extra)
+            attach_reward_extra(batch, extra)
             return batch
         want = self.config.data.train_batch_size
         kept: list[DataProto] = []
@@ -230,8 +249,8 @@ class RayPPOTrainer:
                     "or disable algorithm.filter_groups.enable."
                 )
             batch, extra = self._compute_reward(self._generate(self._next_prompt_batch(), timing), timing)
-            _attach_extra(batch, extra)
-            metric = _group_metric(batch, fg.metric)
+            attach_reward_extra(batch, extra)
+            metric = group_metric(batch, fg.metric)
             keep = algos.filter_groups_by_metric(batch.non_tensor_batch["uid"], metric)
             batch = batch.select_idxs(keep)
             n_prompts += len(set(batch.non_tensor_batch["uid"].tolist()))
@@ -256,6 +275,10 @@ class RayPPOTrainer:
         metrics["perf/balance_max_min_ratio"] = max(sums) / max(min(sums), 1)
 
     def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
+        rc = self.config.algorithm.rollout_correction
+        if rc.bypass_mode:  # veRL's bypass: the engine's log-probs are the old log-probs
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            return apply_rollout_correction(rc, batch, metrics)
         if old_log_prob_is_redundant(self.config):
             return batch  # the update takes them from its own forward (exactly on-policy)
         with timer("old_log_prob", timing):
@@ -278,7 +301,7 @@ class RayPPOTrainer:
             )
             batch.batch["rollout_is_weights"] = weights
             metrics.update({f"rollout_is/{k}": float(v) for k, v in is_metrics.items()})
-        return batch
+        return apply_rollout_correction(rc, batch, metrics)
 
     def _compute_ref_log_prob(self, batch: DataProto, timing: dict) -> DataProto:
         if not self.use_reference_policy:
@@ -379,13 +402,17 @@ class RayPPOTrainer:
                 ).tolist()
             )
             uids.extend(batch.non_tensor_batch["uid"].tolist())
-            if len(samples) < self.config.trainer.log_val_generations:
-                samples.extend(_decode_samples(self.tokenizer, batch, seq_scores))
+            if (
+                len(samples) < self.config.trainer.log_val_generations
+                or self.config.trainer.validation_data_dir
+            ):
+                samples.extend(decode_samples(self.tokenizer, batch, seq_scores))
         extras["reward"] = scores
         if "acc" not in extras:
             extras["acc"] = scores
         val = process_validation_metrics(sources, uids, dict(extras))
         self.last_val_metrics = val
+        write_jsonl(self.config.trainer.validation_data_dir, self.global_steps, samples)
         if samples:
             self.tracker.log_generations(
                 samples[: self.config.trainer.log_val_generations], self.global_steps
@@ -413,11 +440,7 @@ class RayPPOTrainer:
             "epoch": self._epoch,
             "dataloader": self.train_loader.state_dict(),
             "kl_ctrl": self.kl_ctrl_in_reward.state_dict() if self.kl_ctrl_in_reward else None,
-            "rng": {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-            },
+            "rng": get_rng_state(),
         }
         torch.save(state, os.path.join(tmp, "data.pt"))
         final = checkpointing.finalize(root, self.global_steps)
@@ -425,6 +448,8 @@ class RayPPOTrainer:
         if cfg.remove_previous_ckpt_in_save:
             keep = 1
         checkpointing.prune(root, keep)
+        if self.use_critic:
+            checkpointing.prune_part(root, "critic", cfg.max_critic_ckpt_to_keep)
         return final
 
     def _load_checkpoint(self) -> None:
@@ -446,17 +471,18 @@ class RayPPOTrainer:
         self.workers.actor_rollout.load_checkpoint(os.path.join(path, "actor"))
         if self.use_critic:
             self.workers.critic.load_checkpoint(os.path.join(path, "critic"))
-        state = torch.load(os.path.join(path, "data.pt"), weights_only=False)
+        state = load_state_file(os.path.join(path, "data.pt"))
         self.global_steps = state["global_steps"]
         self._epoch = state["epoch"]
         self.train_loader.load_state_dict(state["dataloader"])
         self._train_iter = None
         if self.kl_ctrl_in_reward is not None and state["kl_ctrl"] is not None:
             self.kl_ctrl_in_reward.load_state_dict(state["kl_ctrl"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
+        set_rng_state(state["rng"])
         print(f"[hybridrl] resumed from {path} (global step {self.global_steps})")
+        if cfg.del_local_ckpt_after_load:
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"[hybridrl] deleted {path} after loading it (trainer.del_local_ckpt_after_load)")
 
     # --------------------------------------------------------------- logging
     def _log_step(self, batch: DataProto, metrics: dict, timing: dict) -> None:
@@ -469,8 +495,11 @@ class RayPPOTrainer:
                 max_response_length=d.max_response_length,
             )
         )
+        metrics.update(agent_step_metrics(batch))
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, self.workers.actor_rollout.world_size))
+        metrics.update(getattr(self, "_sync_metrics", {}))  # the step's weight sync, per-rank min / max
+        self._sync_metrics = {}
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch
         clean = {
@@ -485,53 +514,11 @@ class RayPPOTrainer:
         out_dir = self.config.trainer.rollout_data_dir
         if not out_dir:
             return
-        import json
-
-        os.makedirs(out_dir, exist_ok=True)
-        rows = _decode_samples(self.tokenizer, batch, batch.batch["token_level_scores"].sum(-1).tolist())
-        with open(os.path.join(out_dir, f"{self.global_steps}.jsonl"), "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        rows = decode_samples(self.tokenizer, batch, batch.batch["token_level_scores"].sum(-1).tolist())
+        write_jsonl(out_dir, self.global_steps, rows)
 
 
 # ---------------------------------------------------------------- helpers
-def _attach_extra(batch: DataProto, extra: dict[str, list]) -> None:
-    for k, v in extra.items():
-        if len(v) == len(batch):
-            batch.non_tensor_batch[k] = np.array(v, dtype=object)
-
-
-def _group_metric(batch: DataProto, name: str) -> np.ndarray:
-    if name in ("seq_reward", "score"):
-        return batch.batch["token_level_scores"].sum(-1).numpy()
-    if name in batch.non_tensor_batch:
-        return np.array(batch.non_tensor_batch[name], dtype=np.float64)
-    raise KeyError(
-        f"algorithm.filter_groups.metric={name!r} is not produced by the reward function; use 'score' or one "
-        f"of {sorted(batch.non_tensor_batch.keys())}"
-    )
-
-
-def _decode_samples(tokenizer, batch: DataProto, scores: list[float]) -> list[dict]:
-    rows = []
-    prompts, responses = batch.batch["prompts"], batch.batch["responses"]
-    mask = batch.batch["response_mask"].bool()
-    pad = tokenizer.pad_token_id
-    for i in range(len(batch)):
-        p = prompts[i][prompts[i] != pad]
-        r = responses[i][mask[i]]
-        gt = batch.non_tensor_batch.get("reward_model", [None] * len(batch))[i]
-        rows.append(
-            {
-                "prompt": tokenizer.decode(p, skip_special_tokens=True),
-                "response": tokenizer.decode(r, skip_special_tokens=True),
-                "ground_truth": gt.get("ground_truth") if isinstance(gt, dict) else None,
-                "score": scores[i],
-            }
-        )
-    return rows
-
-
 _POSTFIX_KEYS = {
     "critic/score/mean": "score",
     "actor/pg_loss": "pg",

@@ -17,7 +17,7 @@ from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourc
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
-from hybridrl.workers.megatron_config import data_parallel_size
+from hybridrl.workers.megatron_config import check_colocated_megatron, data_parallel_size
 
 LOCAL_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -39,13 +39,17 @@ class WorkerGroups:
             self._pool.remove()
 
 
-def _use_gpu(config) -> bool:
+def use_gpu(config) -> bool:
+    """Whether the workers take GPUs: trainer.device=cuda, or auto with CUDA visible."""
     dev = config.trainer.device
     return dev == "cuda" or (dev == "auto" and is_cuda_available())
 
 
-def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
-    """Reserve `nnodes x n_gpus_per_node` slots, start the colocated workers, build their models."""
+def worker_classes(config) -> tuple[type, type, type]:
+    """(ActorRolloutRef, Critic, RewardModel) worker classes: FSDP, or Megatron per `*.strategy`.
+
+    Checks first that colocated roles agree on their Megatron layout (docs/megatron.md).
+    """
     from hybridrl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
     from hybridrl.workers.megatron_workers import (
         MegatronActorRolloutRefWorker,
@@ -53,54 +57,83 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
         uses_megatron,
     )
 
-    tr, arr = config.trainer, config.actor_rollout_ref
-    if uses_megatron(arr.actor.strategy):  # strategy=megatron (docs/megatron.md)
-        ActorRolloutRefWorker = MegatronActorRolloutRefWorker  # noqa: N806
-    if uses_megatron(config.critic.strategy):
-        CriticWorker = MegatronCriticWorker  # noqa: N806
-    use_gpu = _use_gpu(config)
-    world = tr.nnodes * tr.n_gpus_per_node
-    threads = max(1, int(tr.cpus_per_worker)) if not use_gpu else None
-    n = arr.rollout.n
+    arr = config.actor_rollout_ref
+    check_colocated_megatron(
+        {
+            "actor_rollout_ref.actor": (arr.actor.strategy, arr.actor.megatron),
+            "actor_rollout_ref.ref": (arr.ref.strategy, arr.ref.megatron),
+            "critic": (config.critic.strategy, config.critic.megatron)
+            if algos.estimator_needs_critic(config.algorithm.adv_estimator)
+            else ("fsdp", None),
+        }
+    )
+    actor = MegatronActorRolloutRefWorker if uses_megatron(arr.actor.strategy) else ActorRolloutRefWorker
+    critic = MegatronCriticWorker if uses_megatron(config.critic.strategy) else CriticWorker
+    return actor, critic, RewardModelWorker
+
+
+def role_classes(config, world: int, threads: int | None, peak_flops: float | None) -> dict[str, Any]:
+    """{role name: RayClassWithInitArgs} of the roles this run needs, for `world` slots."""
+    actor_cls, critic_cls, reward_cls = worker_classes(config)
+    arr, n = config.actor_rollout_ref, config.actor_rollout_ref.rollout.n
     use_ref = config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
-    role = "actor_rollout_ref" if use_ref else "actor_rollout"
     classes = {
         "actor_rollout": RayClassWithInitArgs(
-            ActorRolloutRefWorker,
+            actor_cls,
             model=arr.model,
             actor=arr.actor,
             ref=arr.ref,
             rollout=arr.rollout,
-            role=role,
+            role="actor_rollout_ref" if use_ref else "actor_rollout",
             actor_batch_sizes=normalize_actor_batch_sizes(
                 arr.actor,
                 rollout_n=n,
                 dp_size=data_parallel_size(arr.actor.strategy, arr.actor.megatron, world),
             ),
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
     }
+    critic_dp = data_parallel_size(config.critic.strategy, config.critic.megatron, world)
+    classes.update(support_role_classes(config, critic_cls, reward_cls, critic_dp, threads, peak_flops))
+    return classes
+
+
+def support_role_classes(
+    config, critic_cls: type, reward_cls: type, critic_dp: int, threads: int | None, peak_flops: float | None
+) -> dict[str, Any]:
+    """{"critic": ..., "reward_model": ...} for the roles this run needs (synchronous and asynchronous)."""
+    classes = {}
     if algos.estimator_needs_critic(config.algorithm.adv_estimator):
         classes["critic"] = RayClassWithInitArgs(
-            CriticWorker,
+            critic_cls,
             config=config.critic,
             batch_sizes=normalize_critic_batch_sizes(
-                config.critic,
-                dp_size=data_parallel_size(config.critic.strategy, config.critic.megatron, world),
-                rollout_n=n,
+                config.critic, dp_size=critic_dp, rollout_n=config.actor_rollout_ref.rollout.n
             ),
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
     if config.reward_model.enable:
         classes["reward_model"] = RayClassWithInitArgs(
-            RewardModelWorker,
+            reward_cls,
             config=config.reward_model,
-            policy_tokenizer_path=arr.model.path,
+            policy_tokenizer_path=config.actor_rollout_ref.model.path,
             num_threads=threads,
+            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
         )
-    group, pool = _start_group(config, create_colocated_worker_cls(classes), use_gpu, threads)
+    return classes
+
+
+def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
+    """Reserve `nnodes x n_gpus_per_node` slots, start the colocated workers, build their models."""
+    tr = config.trainer
+    gpu = use_gpu(config)
+    threads = max(1, int(tr.cpus_per_worker)) if not gpu else None
+    classes = role_classes(config, tr.nnodes * tr.n_gpus_per_node, threads, peak_flops)
+    group, pool = _start_group(config, create_colocated_worker_cls(classes), gpu, threads)
     views = group.spawn(list(classes))
     groups = WorkerGroups(
         actor_rollout=views["actor_rollout"],
@@ -119,9 +152,7 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
 def uses_ray(config) -> bool:
     """True when the run's workers are Ray actors (`trainer.backend`, see single_controller.backend)."""
     tr = config.trainer
-    return (
-        resolve_backend(tr.backend, slots=tr.nnodes * tr.n_gpus_per_node, use_gpu=_use_gpu(config)) == "ray"
-    )
+    return resolve_backend(tr.backend, slots=tr.nnodes * tr.n_gpus_per_node, use_gpu=use_gpu(config)) == "ray"
 
 
 def _start_group(config, spec, use_gpu: bool, threads: int | None):

@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.workers.config import FSDPConfig
 
@@ -172,10 +173,6 @@ def load_sft_config(cfg: DictConfig | dict | list[str] | None = None) -> SFTConf
 
 
 def is_builtin_model(path: str | None) -> bool:
-    try:
-        from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
-    except ImportError:  # pragma: no cover - the models package ships with hybridrl
-        BUILTIN_MODEL_ALIASES = ("builtin:tiny", "builtin")
     return path in BUILTIN_MODEL_ALIASES
 
 
@@ -194,6 +191,36 @@ def _choice(key: str, value: Any, choices: tuple) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
 
 
+def _refuse_unsupported_model_keys(m: SFTModelSection) -> None:
+    fsdp = m.fsdp_config
+    for key, value, default in (
+        ("model.fsdp_config.mixed_precision.buffer_dtype", fsdp.mixed_precision.buffer_dtype, "fp32"),
+        ("model.fsdp_config.wrap_policy.min_num_params", fsdp.wrap_policy.min_num_params, 0),
+    ):
+        if value != default:
+            raise ConfigError(
+                f"{key}={value!r} is accepted for veRL compatibility but not supported here (FSDP2 keeps "
+                f"buffers as loaded and shards per decoder layer); leave it at {default!r}"
+            )
+    if m.use_liger:
+        raise ConfigError("model.use_liger=True is not implemented in hybridrl; set it to False")
+
+
+def _validate_sft_optim(o: SFTOptimSection) -> None:
+    if o.optimizer.lower() != "adamw":
+        raise ConfigError(
+            f"optim.optimizer={o.optimizer!r}: only AdamW is implemented; set optim.optimizer=AdamW"
+        )
+    if o.lr is None or o.lr <= 0:
+        raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
+    if len(o.betas) != 2:
+        raise ConfigError(f"optim.betas must hold two numbers, got {o.betas}")
+    if not 0.0 <= o.lr_warmup_steps_ratio < 1.0:
+        raise ConfigError(f"optim.lr_warmup_steps_ratio must be in [0, 1), got {o.lr_warmup_steps_ratio}")
+    if not 0.0 <= o.stable_ratio <= 1.0:
+        raise ConfigError(f"optim.stable_ratio must be in [0, 1], got {o.stable_ratio}")
+
+
 def validate_sft_config(config: SFTConfig) -> None:
     """Start-up checks that need no files or processes; each error names the key and the fix."""
     d, m, o, t = config.data, config.model, config.optim, config.trainer
@@ -206,10 +233,8 @@ def validate_sft_config(config: SFTConfig) -> None:
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _choice("model.strategy", m.strategy, ("fsdp", "fsdp2"))
-    if o.optimizer.lower() != "adamw":
-        raise ConfigError(
-            f"optim.optimizer={o.optimizer!r}: only AdamW is implemented; set optim.optimizer=AdamW"
-        )
+    _refuse_unsupported_model_keys(m)
+    _validate_sft_optim(o)
     for key, value in (
         ("data.train_batch_size", d.train_batch_size),
         ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
@@ -222,18 +247,8 @@ def validate_sft_config(config: SFTConfig) -> None:
         raise ConfigError("trainer.total_epochs must be >= 1 (or set trainer.total_training_steps)")
     if t.total_training_steps is not None and t.total_training_steps < 1:
         raise ConfigError(f"trainer.total_training_steps must be >= 1 or null, got {t.total_training_steps}")
-    if o.lr is None or o.lr <= 0:
-        raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
-    if len(o.betas) != 2:
-        raise ConfigError(f"optim.betas must hold two numbers, got {o.betas}")
-    if not 0.0 <= o.lr_warmup_steps_ratio < 1.0:
-        raise ConfigError(f"optim.lr_warmup_steps_ratio must be in [0, 1), got {o.lr_warmup_steps_ratio}")
-    if not 0.0 <= o.stable_ratio <= 1.0:
-        raise ConfigError(f"optim.stable_ratio must be in [0, 1], got {o.stable_ratio}")
     if m.lora_rank < 0:
         raise ConfigError(f"model.lora_rank must be >= 0 (0 disables LoRA), got {m.lora_rank}")
-    if m.use_liger:
-        raise ConfigError("model.use_liger=True is not implemented in hybridrl; set it to False")
     for name in ("save_contents", "load_contents"):
         bad = [c for c in getattr(t.checkpoint, name) if c not in CHECKPOINT_CONTENTS]
         if bad:

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from hybridrl.trainer.sft.config import SFTConfig, load_sft_config
 from hybridrl.trainer.sft.trainer import SFTTrainer
 from hybridrl.utils.config_loader import ConfigError
+from hybridrl.utils.device import init_process_group, is_cuda_available
 
 
 def _free_port() -> int:
@@ -33,8 +34,6 @@ def init_distributed(config: SFTConfig) -> tuple[int, int]:
     """
     import torch
     import torch.distributed as dist
-
-    from hybridrl.utils.device import init_process_group, is_cuda_available
 
     t = config.trainer
     if t.device == "cuda" and not is_cuda_available():

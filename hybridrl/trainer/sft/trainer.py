@@ -29,11 +29,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hybridrl.data.builtin_task import ensure_builtin_data
+from hybridrl.data.rl_dataset import as_messages, read_rows, render_prompt
+from hybridrl.data.sampler import ResumableSampler, RLDataLoader
+from hybridrl.data.sft_dataset import MultiTurnSFTDataset, SFTDataConfig, SFTDataset
+from hybridrl.models.builtin import resolve_model_path
+from hybridrl.trainer.offline.evaluation import GreedyEval, dig
 from hybridrl.trainer.sft.config import SFTConfig, is_builtin_model
 from hybridrl.utils import checkpointing as ckpt_io
 from hybridrl.utils.config_loader import ConfigError
+from hybridrl.utils.device import get_torch_device
+from hybridrl.utils.safe_io import load_state_file
+from hybridrl.utils.tracking import Tracking
+from hybridrl.workers.config import ModelConfig, OptimConfig
+from hybridrl.workers.engine.fsdp import FSDPEngine, clip_grad_norm, load_tokenizer
+from hybridrl.workers.engine.optim import build_optimizer, lr_factor
 
-__all__ = ["SFTTrainer", "sft_lr_factor", "sft_token_loss", "resolve_data_files"]
+__all__ = ["SFTTrainer", "sft_token_loss", "resolve_data_files"]
 
 LOG_PREFIX = "[hybridrl sft]"
 
@@ -64,40 +76,6 @@ def sft_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: tor
     return (nll * mask).sum()
 
 
-def sft_lr_factor(
-    step: int,
-    *,
-    scheduler: str,
-    warmup_steps: int,
-    total_steps: int,
-    min_lr_ratio: float = 0.0,
-    num_cycles: float = 0.5,
-    stable_ratio: float = 0.9,
-) -> float:
-    """Multiplier of the base learning rate at optimizer step `step` (0-based).
-
-    Warm-up: step / warmup_steps while step < warmup_steps. Then
-      constant: 1;
-      cosine:   min + (1 - min) * (1 + cos(2 pi num_cycles p)) / 2, p = progress after warm-up;
-      wsd:      1 for the first `stable_ratio` of the post-warm-up steps, then the cosine above
-                over the remaining steps (warm-up, stable, decay).
-    """
-    if step < warmup_steps:
-        return step / max(1, warmup_steps)
-    if scheduler == "constant":
-        return 1.0
-    decay_start = warmup_steps
-    if scheduler == "wsd":
-        decay_start = warmup_steps + int(stable_ratio * max(0, total_steps - warmup_steps))
-        if step < decay_start:
-            return 1.0
-    elif scheduler != "cosine":
-        raise ValueError(f"unknown optim.lr_scheduler {scheduler!r}; use cosine, wsd or constant")
-    progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
-    cosine = 0.5 * (1.0 + math.cos(math.pi * 2.0 * num_cycles * progress))
-    return max(min_lr_ratio, min_lr_ratio + (1.0 - min_lr_ratio) * cosine)
-
-
 def resolve_data_files(config: SFTConfig) -> tuple[Any, Any]:
     """(train_files, val_files): the configured files, or the built-in task's SFT files.
 
@@ -109,7 +87,6 @@ def resolve_data_files(config: SFTConfig) -> tuple[Any, Any]:
         return d.train_files, d.val_files
     if not is_builtin_model(config.model.partial_pretrain):
         raise ConfigError("data.train_files is not set; point it at parquet/jsonl file(s)")
-    from hybridrl.data.builtin_task import ensure_builtin_data
 
     paths = ensure_builtin_data(d.builtin_data_dir)
     return paths["sft_train"], (d.val_files if d.val_files is not None else paths["sft_val"])
@@ -148,7 +125,6 @@ class SFTTrainer:
     """
 
     def __init__(self, config: SFTConfig) -> None:
-        from hybridrl.utils.device import get_torch_device
 
         self.config = config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -174,9 +150,6 @@ class SFTTrainer:
         torch.manual_seed(seed)
 
     def _build_engine(self):
-        from hybridrl.models.builtin import resolve_model_path
-        from hybridrl.workers.config import ModelConfig
-        from hybridrl.workers.engine.fsdp import FSDPEngine
 
         m, d = self.config.model, self.config.data
         path = resolve_model_path(m.partial_pretrain, key="model.partial_pretrain")
@@ -200,13 +173,10 @@ class SFTTrainer:
             fsdp = dataclasses.replace(fsdp, offload_policy=True)
         engine = FSDPEngine.build(model_config, fsdp, None, role="actor", key="model")
         if engine.tokenizer is None:
-            from hybridrl.workers.engine.fsdp import load_tokenizer
-
             engine.tokenizer = load_tokenizer(model_config, key="model")  # raises the loading error
         return engine
 
     def _build_dataset(self, files: Any, split: str):
-        from hybridrl.data.sft_dataset import MultiTurnSFTDataset, SFTDataConfig, SFTDataset
 
         d = self.config.data
         data_config = SFTDataConfig(
@@ -226,7 +196,6 @@ class SFTTrainer:
         return _CachedItems(dataset, check_all=d.truncation == "error")
 
     def _build_loader(self):
-        from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 
         d = self.config.data
         if d.train_batch_size % self.world:
@@ -248,8 +217,6 @@ class SFTTrainer:
         return int(t.total_training_steps) if t.total_training_steps else len(self.loader) * t.total_epochs
 
     def _build_optimizer(self) -> None:
-        from hybridrl.workers.config import OptimConfig
-        from hybridrl.workers.engine.optim import build_optimizer
 
         o = self.config.optim
         optim_config = OptimConfig(lr=o.lr, weight_decay=o.weight_decay, betas=list(o.betas), eps=o.eps)
@@ -258,8 +225,8 @@ class SFTTrainer:
             o.lr_warmup_steps if o.lr_warmup_steps > 0 else int(o.lr_warmup_steps_ratio * self.total_steps)
         )
         self._lr_fn = functools.partial(
-            sft_lr_factor,
-            scheduler=o.lr_scheduler,
+            lr_factor,
+            scheduler_type=o.lr_scheduler,
             warmup_steps=warmup,
             total_steps=self.total_steps,
             min_lr_ratio=o.min_lr_ratio,
@@ -278,8 +245,6 @@ class SFTTrainer:
         if self.rank != 0 or not backends:
             return None
         from omegaconf import OmegaConf
-
-        from hybridrl.utils.tracking import Tracking
 
         t = self.config.trainer
         return Tracking(
@@ -357,7 +322,6 @@ class SFTTrainer:
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
         """One optimizer step on the global batch `indices`: gradients, clipping, AdamW, lr schedule."""
-        from hybridrl.workers.engine.fsdp import clip_grad_norm
 
         start = time.perf_counter()
         metrics = self.accumulate_gradients(indices)
@@ -403,8 +367,6 @@ class SFTTrainer:
         """The GreedyEval of the val prompts (built once; None when disabled or the columns are missing)."""
         if self._gen_eval is not None:
             return self._gen_eval or None
-        from hybridrl.data.rl_dataset import read_rows
-        from hybridrl.trainer.offline.evaluation import GreedyEval, dig
 
         g, d = self.config.generation_eval, self.config.data
         self._gen_eval = False
@@ -434,7 +396,6 @@ class SFTTrainer:
         return self._gen_eval
 
     def _render(self, prompt: Any, where: str) -> str:
-        from hybridrl.data.rl_dataset import as_messages, render_prompt
 
         d = self.config.data
         if isinstance(prompt, str) and not d.use_chat_template:
@@ -512,7 +473,7 @@ class SFTTrainer:
         data_file = os.path.join(path, "data.pt")
         if not os.path.exists(data_file):
             raise FileNotFoundError(f"{data_file} is missing: {path} is not an SFT checkpoint of hybridrl")
-        state = torch.load(data_file, weights_only=False)
+        state = load_state_file(data_file)
         self.loader.load_state_dict(state["dataloader"])
         self.global_step = int(state["global_step"])
         if "extra" not in contents:  # lr schedule not restored: move it to the step

@@ -33,7 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
+from hybridrl.workers.engine.full_params import iter_full_params
 
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")
 KNOWN_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -74,7 +76,8 @@ def save_checkpoint(
     Args:
         contents: subset of ('model', 'optimizer', 'extra', 'hf_model'); default the first three.
         tokenizer: saved next to the HF export.
-        extra: small picklable per-rank state returned again by `load_checkpoint`.
+        extra: small per-rank state returned again by `load_checkpoint`: tensors and plain types only
+            (str, numbers, None, list, tuple, dict), since it is read with `torch.load(weights_only=True)`.
     """
     chosen = _contents(contents)
     path = os.path.abspath(path.rstrip("/"))
@@ -171,7 +174,7 @@ def load_checkpoint(
                 f"{f} is missing: the checkpoint was saved with {meta['world_size']} ranks; resume with the same "
                 "number of ranks, or drop 'extra' from checkpoint.load_contents"
             )
-        state = torch.load(f, weights_only=False)
+        state = load_state_file(f)
         set_rng_state(state["rng"])
         if lr_scheduler is not None and state["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -195,8 +198,6 @@ def export_hf_model(module: nn.Module, out_dir: str, tokenizer: Any = None) -> N
 
     LoRA adapters are merged into the base weights, so the folder loads as a plain model.
     """
-    from hybridrl.workers.engine.fsdp import iter_full_params
-
     full: dict[str, torch.Tensor] = {}
     for name, tensor in iter_full_params(module, device="cpu"):
         if _rank() == 0:

@@ -38,6 +38,7 @@ from torch import nn
 from hybridrl.utils.device import get_device_name, get_torch_device
 from hybridrl.utils.torch_utils import str_to_dtype
 from hybridrl.workers.config import FSDPConfig, ModelConfig, OptimConfig
+from hybridrl.workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from hybridrl.workers.engine.full_params import GATHER_BUCKET_BYTES, iter_full_params
 
 logger = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ def build_hf_model(
     model.config.use_cache = False
     if model_config.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if model_config.lora_rank > 0:
+    if model_config.lora_rank > 0 or model_config.lora_adapter_path:
         model = _apply_lora(model, model_config, role)
     if role in ("ref", "reward"):
         model.requires_grad_(False)
@@ -217,10 +218,16 @@ def build_hf_model(
 
 
 def _apply_lora(model: nn.Module, model_config: ModelConfig, role: str) -> nn.Module:
-    from peft import LoraConfig, TaskType, get_peft_model
+    """Wrap `model` with a new LoRA adapter, or load the trained one at `lora_adapter_path`
+    (veRL's key; trainable for the actor/critic, frozen for the ref)."""
+    from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 
     if model_config.enable_gradient_checkpointing:
         model.enable_input_require_grads()
+    if model_config.lora_adapter_path:
+        return PeftModel.from_pretrained(
+            model, model_config.lora_adapter_path, is_trainable=role in ("actor", "critic")
+        )
     task = TaskType.CAUSAL_LM if role in ("actor", "ref") else TaskType.TOKEN_CLS
     target = model_config.target_modules
     target = list(target) if isinstance(target, (list, tuple)) else target
@@ -493,8 +500,6 @@ class FSDPEngine:
         return iter_full_params(self.module, dtype=dtype, device=device, bucket_bytes=bucket_bytes)
 
     def save_checkpoint(self, path: str, contents=None, global_step: int | None = None, extra=None) -> None:
-        from hybridrl.workers.engine.checkpoint import save_checkpoint
-
         save_checkpoint(
             path,
             self.module,
@@ -507,6 +512,4 @@ class FSDPEngine:
         )
 
     def load_checkpoint(self, path: str, contents=None) -> dict[str, Any]:
-        from hybridrl.workers.engine.checkpoint import load_checkpoint
-
         return load_checkpoint(path, self.module, self.optimizer, self.lr_scheduler, contents=contents)

@@ -36,22 +36,32 @@ def lr_factor(
     total_steps: int,
     min_lr_ratio: float,
     num_cycles: float,
+    stable_ratio: float = 0.0,
 ) -> float:
-    """Multiplier of the base learning rate at optimizer step `step` (0-based).
+    """Multiplier of the base learning rate at optimizer step `step` (0-based); RL and SFT.
 
     Warm-up: step / warmup_steps for step < warmup_steps (so step 0 has lr 0, as in veRL and
-    transformers). Then constant 1, or cosine from 1 down to `min_lr_ratio`:
-    min + (1 - min) * (1 + cos(2 pi num_cycles p)) / 2 with p the post-warm-up progress.
+    transformers). Then
+      constant: 1;
+      cosine:   from 1 down to `min_lr_ratio`: min + (1 - min) * (1 + cos(2 pi num_cycles p)) / 2,
+                p the post-warm-up progress (clamped to 1 after `total_steps`);
+      wsd:      1 for the first `stable_ratio` of the post-warm-up steps, then the cosine above
+                over the remaining steps (warm-up, stable, decay).
     """
     if step < warmup_steps:
         return step / max(1, warmup_steps)
     if scheduler_type == "constant":
         return 1.0
-    if scheduler_type == "cosine":
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        cosine = 0.5 * (1.0 + math.cos(math.pi * 2.0 * num_cycles * progress))
-        return max(min_lr_ratio, min_lr_ratio + (1.0 - min_lr_ratio) * cosine)
-    raise ValueError(f"unknown lr_scheduler_type {scheduler_type!r}; use 'constant' or 'cosine'")
+    decay_start = warmup_steps
+    if scheduler_type == "wsd":
+        decay_start = warmup_steps + int(stable_ratio * max(0, total_steps - warmup_steps))
+        if step < decay_start:
+            return 1.0
+    elif scheduler_type != "cosine":
+        raise ValueError(f"unknown lr_scheduler_type {scheduler_type!r}; use 'constant', 'cosine' or 'wsd'")
+    progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * 2.0 * num_cycles * progress))
+    return max(min_lr_ratio, min_lr_ratio + (1.0 - min_lr_ratio) * cosine)
 
 
 def build_optimizer(module: torch.nn.Module, config: OptimConfig) -> torch.optim.AdamW:
@@ -73,6 +83,8 @@ def build_lr_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over `lr_factor` with the settings of `config`."""
     scheduler_type = config.scheduler_type
+    if scheduler_type not in ("constant", "cosine"):
+        raise ValueError(f"{key}.lr_scheduler_type={scheduler_type!r} is not one of 'constant', 'cosine'")
     if scheduler_type == "cosine" and config.total_training_steps <= 0:
         raise ValueError(
             f"{key}.lr_scheduler_type=cosine needs {key}.total_training_steps > 0 (the trainer sets it)"

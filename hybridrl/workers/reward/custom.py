@@ -12,22 +12,15 @@ receive them.
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import inspect
 import os
-import re
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hybridrl.utils.import_utils import import_user_file
+
 __all__ = ["load_custom_reward_fn"]
-
-
-def _module_name(path: str) -> str:
-    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
-    digest = hashlib.sha1(path.encode()).hexdigest()[:8]
-    return f"hybridrl_custom_reward_{stem}_{digest}"
 
 
 def _register_by_value(module: Any) -> None:
@@ -84,26 +77,7 @@ def load_custom_reward_fn(
     if not path:
         return None
     path = os.path.abspath(os.fspath(path))
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"custom_reward_function.path={path!r} does not exist (or is not a file); point it at the .py "
-            "file that defines your reward function"
-        )
-    module_name = _module_name(path)
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(
-            f"custom_reward_function.path={path!r} cannot be imported as a Python module (.py file?)"
-        )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        sys.modules.pop(module_name, None)
-        raise ImportError(
-            f"importing custom_reward_function.path={path!r} failed: {type(e).__name__}: {e}"
-        ) from e
+    module = import_user_file(path, "custom_reward_function.path", prefix="hybridrl_custom_reward")
     if not hasattr(module, name):
         raise AttributeError(
             f"custom_reward_function.name={name!r} is not defined in {path}; callables defined there: "

@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from hybridrl.algos import apply_overlong_penalty
 from hybridrl.protocol import DataProto
@@ -377,10 +378,9 @@ class RewardManager:
                 continue
             printed[key] = printed.get(key, 0) + 1
             extra = "".join(f"\n[{k}] {v}" for k, v in extras.items() if k != "score")
-            print(
+            tqdm.write(  # above the trainer's progress bar, which is then redrawn
                 f"[reward:{self.name}] data_source={key} sample {sample.index}\n[prompt] {sample.prompt}\n"
-                f"[response] {sample.response}\n[ground_truth] {sample.ground_truth}\n[score] {reward}{extra}",
-                flush=True,
+                f"[response] {sample.response}\n[ground_truth] {sample.ground_truth}\n[score] {reward}{extra}"
             )
 
 

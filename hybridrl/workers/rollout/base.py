@@ -390,6 +390,13 @@ class BaseRollout(ABC):
         }
         return build_rollout_output(prompts, result, self.pad_token_id, self.config.response_length, metrics)
 
+    def generate_tokens(self, request: GenerationRequest) -> GenerationResult:
+        """Token lists in, token lists out, without the batch contract (the agent loops' entry:
+        hybridrl.workers.agent.engine batches many trajectories' requests into one call)."""
+        if not request.prompt_token_ids:
+            return GenerationResult([], [] if request.want_log_probs else None)
+        return self._generate(request)
+
     @abstractmethod
     def _generate(self, request: GenerationRequest) -> GenerationResult:
         """Engine-specific generation of one response per prompt."""

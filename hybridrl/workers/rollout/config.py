@@ -12,6 +12,19 @@ Notes on a few keys:
 - `load_format`: "dummy" (or veRL's "dummy_dtensor" / "dummy_hf" / "dummy_megatron") starts
   the engine with random weights and relies on the first weight sync; "auto", "hf" or
   "safetensors" load the checkpoint at `model_path`.
+- `mode`: `sync` generates with the engine directly; `async` (veRL's default) generates through
+  the agent loops (`hybridrl/workers/agent`, `single_turn_agent` unless configured otherwise), as
+  veRL's async mode does.
+- `enable_chunked_prefill`, `enable_prefix_caching`, `disable_log_stats`, `scheduling_policy`,
+  `logprobs_mode`, `cudagraph_capture_sizes`: vLLM engine arguments veRL exposes at the top level
+  (passed to `vllm.LLM`; `engine_kwargs.vllm` still wins). With `name=hf` they do nothing and the
+  trainer says so once.
+- `checkpoint_engine`: veRL's newer home of the weight-sync settings. `backend` must be `naive`
+  (the in-process, bucketed sync of the colocated engine, the only one here);
+  `update_weights_bucket_megabytes`, when set, is the bucket size (it replaces the older
+  top-level key of the same name).
+- `log_prob_micro_batch_size`: veRL's deprecated global size, converted to
+  `log_prob_micro_batch_size_per_gpu` (divided by the number of ranks) with a warning.
 - `gpu_memory_utilization`: vLLM / SGLang GPU memory fraction. On vLLM's CPU backend the KV
   cache size comes from `VLLM_CPU_KVCACHE_SPACE` or `engine_kwargs.vllm.kv_cache_memory_bytes`
   (if neither is set the engine sizes it for max_num_seqs x max_model_len, within bounds).
@@ -21,6 +34,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from hybridrl.workers.agent.config import (
+    AgentConfig,
+    MultiTurnConfig,
+    validate_agent_config,
+    validate_multi_turn_config,
+)
 
 DUMMY_LOAD_FORMATS = ("dummy", "dummy_dtensor", "dummy_hf", "dummy_megatron")
 REAL_LOAD_FORMATS = ("auto", "hf", "safetensors", "pt", "dtensor")
@@ -47,6 +67,18 @@ class EngineKwargs:
 
 
 @dataclass
+class CheckpointEngineConfig:
+    """`actor_rollout_ref.rollout.checkpoint_engine`: how trained weights reach the engine."""
+
+    backend: str = "naive"
+    update_weights_bucket_megabytes: int | None = None
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+CHECKPOINT_ENGINE_BACKENDS = ("naive",)
+
+
+@dataclass
 class RolloutConfig:
     """`actor_rollout_ref.rollout`: which engine generates, and how."""
 
@@ -69,6 +101,13 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
     max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    disable_log_stats: bool = True
+    scheduling_policy: str = "fcfs"
+    logprobs_mode: str = "processed_logprobs"
+    cudagraph_capture_sizes: list[int] | None = None
+    log_prob_micro_batch_size: int | None = None
     log_prob_micro_batch_size_per_gpu: int | None = None
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
@@ -77,13 +116,26 @@ class RolloutConfig:
     engine_kwargs: EngineKwargs = field(default_factory=EngineKwargs)
     val_kwargs: SamplingOverrides = field(default_factory=SamplingOverrides)
     update_weights_bucket_megabytes: int = 512
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
+    layered_summon: bool = False  # weight-sync buckets end at decoder-layer boundaries
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
         # Plain dicts (e.g. from a Python caller) become the typed sections.
         if isinstance(self.engine_kwargs, dict):
             self.engine_kwargs = EngineKwargs(**self.engine_kwargs)
+        if isinstance(self.checkpoint_engine, dict):
+            self.checkpoint_engine = CheckpointEngineConfig(**self.checkpoint_engine)
+        ce = self.checkpoint_engine
+        if ce.update_weights_bucket_megabytes is not None:
+            self.update_weights_bucket_megabytes = ce.update_weights_bucket_megabytes
         if isinstance(self.val_kwargs, dict):
             self.val_kwargs = SamplingOverrides(**self.val_kwargs)
+        if isinstance(self.multi_turn, dict):
+            self.multi_turn = MultiTurnConfig(**self.multi_turn)
+        if isinstance(self.agent, dict):
+            self.agent = AgentConfig(**self.agent)
         validate_rollout_config(self)
 
     @property
@@ -156,7 +208,22 @@ def validate_rollout_config(cfg: RolloutConfig) -> None:
         cfg.update_weights_bucket_megabytes,
         "use >= 1",
     )
+    _check(
+        cfg.checkpoint_engine.backend in CHECKPOINT_ENGINE_BACKENDS,
+        "checkpoint_engine.backend",
+        cfg.checkpoint_engine.backend,
+        f"use one of {CHECKPOINT_ENGINE_BACKENDS} (the colocated in-process sync; veRL's nccl/nixl "
+        "backends move weights between separate rollout and trainer GPUs, not available here)",
+    )
+    _check(
+        cfg.scheduling_policy in ("fcfs", "priority"),
+        "scheduling_policy",
+        cfg.scheduling_policy,
+        "use 'fcfs' or 'priority'",
+    )
     v = cfg.val_kwargs
     _check(v.temperature >= 0, "val_kwargs.temperature", v.temperature, "use a value >= 0")
     _check(0 < v.top_p <= 1, "val_kwargs.top_p", v.top_p, "use a value in (0, 1]")
     _check(v.n >= 1, "val_kwargs.n", v.n, "use n >= 1")
+    validate_multi_turn_config(cfg.multi_turn)
+    validate_agent_config(cfg.agent)

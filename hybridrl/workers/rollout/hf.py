@@ -55,6 +55,13 @@ class HFRollout(BaseRollout):
         model_config: PretrainedConfig | None = None,
         device: str | torch.device | None = None,
     ) -> None:
+        if config.tensor_model_parallel_size != 1:
+            from hybridrl.workers.rollout.parallel import validate_rollout_parallel
+
+            # the engine has one rank per model copy: refuse with the start-up check's message
+            validate_rollout_parallel(
+                config.tensor_model_parallel_size, config.tensor_model_parallel_size, "hf"
+            )
         super().__init__(config, model_path, tokenizer)
         self.device = torch.device(device) if device is not None else get_torch_device()
         self.dtype = to_torch_dtype(config.dtype)

@@ -160,3 +160,38 @@ def weight_loader_for(load_format: str, strategy: str = "fsdp") -> str:
             )
         return "megatron"
     return "hf" if load_format in ("dummy_hf", "hf") else "dtensor"
+
+
+def _heads_of(model_path: str | None, trust_remote_code: bool) -> tuple[int | None, int | None]:
+    """Heads from the model's config when it can be read here (a local folder or a cached hub id)."""
+    from hybridrl.models.builtin import resolve_model_path
+
+    if not model_path:
+        return None, None
+    try:
+        from transformers import AutoConfig
+
+        path = resolve_model_path(model_path)
+        return model_heads(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None, None  # unreadable here: the engine checks the heads itself when it starts
+
+
+def check_rollout_parallel_config(
+    *,
+    tp: int,
+    world_size: int,
+    engine: str,
+    load_format: str,
+    strategy: str,
+    model_path: str | None,
+    trust_remote_code: bool = False,
+) -> None:
+    """The driver's start-up check of the rollout's parallel layout (before Ray starts).
+
+    Raises:
+        ValueError: from :func:`validate_rollout_parallel` or :func:`weight_loader_for`.
+    """
+    heads, kv_heads = _heads_of(model_path, trust_remote_code) if tp > 1 else (None, None)
+    validate_rollout_parallel(tp, world_size, engine, heads, kv_heads)
+    weight_loader_for(load_format, strategy)

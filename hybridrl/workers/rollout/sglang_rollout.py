@@ -15,6 +15,13 @@ Differences from VLLMRollout worth knowing:
 * Per-request seeds use SamplingParams' `sampling_seed` where the installed SGLang has it.
 * `rollout_log_probs` are SGLang's `output_token_logprobs`; check that your SGLang version
   reports them after temperature scaling (the contract in base.py) before relying on them.
+* Tensor parallelism (tensor_model_parallel_size = TP > 1; untested on GPU): SGLang's Engine runs
+  its own TP scheduler processes, so only the first rank of each TP group of the worker group
+  (rank % TP == 0, the rollout mesh's collecting rank) builds an Engine with tp_size=TP on GPUs
+  base_gpu_id .. base_gpu_id + TP - 1; that rank's process must see those GPUs. The other ranks
+  of the group hold no engine: they take part in the weight gather (a collective) and drop the
+  tensors, and their generate results are discarded by the mesh dispatch. The owner passes full
+  tensors to `update_weights_from_tensor`; SGLang's weight loaders keep each TP worker's slice.
 """
 
 from __future__ import annotations
@@ -61,6 +68,12 @@ def _supports_sampling_seed() -> bool:
     return "sampling_seed" in inspect.signature(SamplingParams).parameters
 
 
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 @register_rollout("sglang")
 class SGLangRollout(BaseRollout):
     """Generation with SGLang's offline engine (untested on GPU; see the module docstring).
@@ -82,6 +95,11 @@ class SGLangRollout(BaseRollout):
         self._memory_saver = bool(config.free_cache_engine)
         self._asleep = False
         self._seeded = _supports_sampling_seed()
+        tp = config.tensor_model_parallel_size
+        self.owns_engine = _global_rank() % tp == 0
+        self.engine = None
+        if not self.owns_engine:
+            return
         kwargs: dict[str, Any] = {
             "model_path": model_path,
             "skip_tokenizer_init": True,
@@ -103,6 +121,9 @@ class SGLangRollout(BaseRollout):
         self.engine = sglang.Engine(**kwargs)
 
     def _generate(self, request: GenerationRequest) -> GenerationResult:
+        if self.engine is None:  # a non-first TP rank: the group's first rank answers for it
+            empty = [[] for _ in request.prompt_token_ids]
+            return GenerationResult(empty, [[] for _ in empty] if request.want_log_probs else None)
         spec, cfg = request.sampling, self.config
         params = []
         for seed in request.seeds:
@@ -131,6 +152,10 @@ class SGLangRollout(BaseRollout):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Per-bucket `update_weights_from_tensor` calls, then one KV-cache flush."""
+        if self.engine is None:  # consume the stream: producing it is a collective over all ranks
+            for _ in named_tensors:
+                pass
+            return
         self.resume_memory(tags=["weights"])
         stream = map_named_tensors(
             named_tensors, self._name_map, tied_lm_head="drop" if self.tied_embeddings else "keep"
@@ -141,12 +166,12 @@ class SGLangRollout(BaseRollout):
         self.engine.flush_cache()
 
     def release_memory(self) -> None:
-        if self._memory_saver and not self._asleep:
+        if self.engine is not None and self._memory_saver and not self._asleep:
             self.engine.release_memory_occupation()
             self._asleep = True
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        if self._memory_saver and self._asleep:
+        if self.engine is not None and self._memory_saver and self._asleep:
             self.engine.resume_memory_occupation(tags=tags)
             if tags is None or set(tags) >= {"weights", "kv_cache"}:
                 self._asleep = False

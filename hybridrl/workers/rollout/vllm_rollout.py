@@ -198,7 +198,9 @@ class VLLMRollout(BaseRollout):
         config: rollout section. Uses dtype, seed, enforce_eager, gpu_memory_utilization,
             max_num_seqs, max_num_batched_tokens, max_model_len (default prompt_length +
             response_length), tensor_model_parallel_size, load_format, free_cache_engine,
-            ignore_eos, calculate_log_probs, sampling keys, and engine_kwargs.vllm (passed to
+            ignore_eos, calculate_log_probs, sampling keys, the vLLM keys veRL keeps at the top
+            level (enable_chunked_prefill, enable_prefix_caching, disable_log_stats,
+            scheduling_policy, logprobs_mode, cudagraph_capture_sizes), and engine_kwargs.vllm (passed to
             `vllm.LLM` last, so it overrides everything else).
         model_path: HF model directory (architecture; weights unless load_format is dummy).
         tokenizer: its tokenizer (pad / EOS ids; vLLM itself runs without a tokenizer).
@@ -232,9 +234,14 @@ class VLLMRollout(BaseRollout):
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_model_len": config.effective_max_model_len,
             "tensor_parallel_size": config.tensor_model_parallel_size,
-            "logprobs_mode": "processed_logprobs",
-            "disable_log_stats": True,
+            "logprobs_mode": config.logprobs_mode,
+            "disable_log_stats": config.disable_log_stats,
+            "enable_chunked_prefill": config.enable_chunked_prefill,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "scheduling_policy": config.scheduling_policy,
         }
+        if config.cudagraph_capture_sizes is not None:
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": list(config.cudagraph_capture_sizes)}
         if not self._owns_default_group:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self._sleep_enabled:

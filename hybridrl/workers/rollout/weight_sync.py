@@ -10,30 +10,41 @@ alive on the sender, and the engine consumes the stream without building a full 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["iter_buckets", "per_rank_sync_metrics", "sync_weights", "tensor_nbytes"]
+__all__ = ["iter_buckets", "layer_of", "per_rank_sync_metrics", "sync_weights", "tensor_nbytes"]
+
+_LAYER = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def layer_of(name: str) -> str | None:
+    """'model.layers.3.mlp.up_proj.weight' -> 'model.layers.3'; None outside the decoder layers."""
+    m = _LAYER.search(name)
+    return m.group(0).strip(".") if m else None
+
+
 def iter_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, by_layer: bool = False
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group a stream of named tensors into consecutive buckets of at most `bucket_bytes`.
 
     Order is preserved; a tensor bigger than `bucket_bytes` is a bucket of its own; no bucket
-    is empty.
+    is empty. With `by_layer` (veRL's `rollout.layered_summon`) a bucket also never spans two
+    decoder layers, so at most one layer's gathered weights are held at a time.
 
     Args:
         named_tensors: `(name, tensor)` pairs, pulled lazily.
         bucket_bytes: the byte budget of one bucket (> 0).
+        by_layer: start a new bucket where the decoder layer changes.
 
     Yields:
         lists of `(name, tensor)` pairs.
@@ -41,14 +52,16 @@ def iter_buckets(
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    size, layer = 0, None
     for name, tensor in named_tensors:
         n = tensor_nbytes(tensor)
-        if bucket and size + n > bucket_bytes:
+        new_layer = by_layer and bucket and layer_of(name) != layer
+        if bucket and (size + n > bucket_bytes or new_layer):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += n
+        layer = layer_of(name)
     if bucket:
         yield bucket
 
@@ -63,7 +76,8 @@ def sync_weights(
     Args:
         rollout: a BaseRollout (anything with `update_weights(iterable)` works).
         named_tensors: `(hf_name, tensor)` pairs from the training side.
-        bucket_megabytes: bucket size; defaults to `rollout.config.update_weights_bucket_megabytes`.
+        bucket_megabytes: bucket size; defaults to `rollout.config.update_weights_bucket_megabytes`
+            (with `rollout.config.layered_summon`, buckets also end at decoder-layer boundaries).
 
     Returns:
         metrics: `timing_s/update_weights` (seconds, gather + load), `weight_sync/bytes`
@@ -76,7 +90,8 @@ def sync_weights(
     stats = {"bytes": 0, "num_tensors": 0, "num_buckets": 0, "max_bucket_bytes": 0}
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in iter_buckets(named_tensors, bucket_bytes):
+        by_layer = bool(getattr(rollout.config, "layered_summon", False))
+        for bucket in iter_buckets(named_tensors, bucket_bytes, by_layer=by_layer):
             nbytes = sum(tensor_nbytes(t) for _, t in bucket)
             stats["num_buckets"] += 1
             stats["num_tensors"] += len(bucket)
@@ -119,3 +134,15 @@ def per_rank_sync_metrics(metrics: dict[str, float]) -> dict[str, float]:
         "weight_sync/seconds_per_rank/min": float(table[:, 1].min()),
         "weight_sync/seconds_per_rank/max": float(table[:, 1].max()),
     }
+
+
+def weight_sync_step_metrics(rollout_metrics: dict[str, Any]) -> dict[str, float]:
+    """The `weight_sync/*` entries of a rollout output's meta_info["metrics"] (merged over the
+    collecting ranks into lists) as one number each: the max over ranks (bytes are equal on
+    every rank; for seconds the slowest rank is what the step waits for)."""
+    out = {}
+    for key, value in rollout_metrics.items():
+        if key.startswith("weight_sync/"):
+            values = value if isinstance(value, (list, tuple)) else [value]
+            out[key] = float(max(values))
+    return out

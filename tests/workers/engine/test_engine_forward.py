@@ -133,3 +133,21 @@ def test_iter_full_params_merges_lora(model_dir):
     assert set(merged) == set(ref)
     for n in ref:
         torch.testing.assert_close(merged[n], ref[n].detach(), atol=1e-6, rtol=0)
+
+
+def test_lora_adapter_path_loads_the_saved_adapter(model_dir, tmp_path):
+    """veRL's model.lora_adapter_path: training starts from a saved adapter, not a fresh one."""
+    first = build_hf_model(ModelConfig(path=model_dir, lora_rank=4, lora_alpha=8, target_modules=["q_proj"]))
+    torch.manual_seed(1)
+    for name, p in first.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_()
+    first.save_pretrained(str(tmp_path / "adapter"))
+    loaded = build_hf_model(ModelConfig(path=model_dir, lora_adapter_path=str(tmp_path / "adapter")))
+    fresh = build_hf_model(ModelConfig(path=model_dir, lora_rank=4, lora_alpha=8, target_modules=["q_proj"]))
+    want = {n: p for n, p in first.named_parameters() if "lora_" in n}
+    got = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert set(got) == set(want) and all(p.requires_grad for p in got.values())
+    for n in want:
+        torch.testing.assert_close(got[n], want[n])
+    assert all(torch.count_nonzero(p) == 0 for n, p in fresh.named_parameters() if "lora_B" in n)

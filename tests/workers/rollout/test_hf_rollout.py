@@ -227,3 +227,25 @@ def test_ignore_eos_runs_every_row_to_the_limit_with_a_model_that_stops():
         device="cpu",
     )
     assert (free.generate_sequences(prompts).batch["response_mask"].sum(-1) == limit).all()
+
+
+def test_checkpoint_engine_bucket_size_and_layered_summon_shape_the_sync(
+    tiny_model_dir, tokenizer, source_model
+):
+    """veRL's rollout.checkpoint_engine.update_weights_bucket_megabytes and rollout.layered_summon."""
+    state = source_model.state_dict()
+    prompts = make_prompts(tokenizer, TEXTS, {"validate": True})
+
+    def sync(**kw):
+        rollout = create_rollout(_cfg(**kw), tiny_model_dir, tokenizer, device="cpu")
+        metrics = sync_weights(rollout, state.items())
+        return metrics, rollout.generate_sequences(prompts).batch["responses"]
+
+    whole, ref = sync()
+    small, out_small = sync(checkpoint_engine={"update_weights_bucket_megabytes": 1})
+    layered, out_layered = sync(layered_summon=True)
+    assert whole["weight_sync/bytes"] > 2**20  # the model is bigger than one 1 MiB bucket
+    assert whole["weight_sync/num_buckets"] == 1
+    assert small["weight_sync/num_buckets"] >= 2 and small["weight_sync/max_bucket_bytes"] <= 2**20
+    assert layered["weight_sync/num_buckets"] >= 3  # embeddings | layer 0 | layer 1 (+ final norm)
+    assert torch.equal(out_small, ref) and torch.equal(out_layered, ref)  # same weights arrived

@@ -222,6 +222,7 @@ def _check(res: dict) -> None:
     assert 0 < m["weight_sync/seconds_per_rank/min"] <= m["weight_sync/seconds_per_rank/max"]
 
 
+@pytest.mark.timeout(600)
 def test_tp2_equals_tp1_equals_hf_after_an_fsdp_step_builtin_model(tmp_path):
     from hybridrl.models.builtin import get_builtin_model_path
 
@@ -233,6 +234,7 @@ def test_tp2_equals_tp1_equals_hf_after_an_fsdp_step_builtin_model(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_tp2_equals_tp1_equals_hf_after_an_fsdp_step_30m_model(tmp_path):
     model_dir = str(tmp_path / "m30")
     params = make_30m_model(model_dir)

@@ -212,3 +212,39 @@ def test_two_ranks_with_gloo_world_generate_independently(tiny_model_dir):
     # rank 1 generated 8 tokens, rank 0 only 3; both groups still work; seeds differ per rank
     assert results[0] == ((2, 3), 3.0, 30.0, 2, 0)
     assert results[1] == ((4, 8), 3.0, 30.0, 2, 1)
+
+
+def test_top_level_vllm_keys_default_to_veRL_s(engine):
+    cfg = engine.llm.llm_engine.vllm_config
+    assert cfg.cache_config.enable_prefix_caching is True
+    assert cfg.scheduler_config.enable_chunked_prefill is True
+
+
+_OFF_SCRIPT = """
+import sys
+from rollout_testlib import make_tiny_qwen2
+from transformers import AutoTokenizer
+from hybridrl.workers.rollout import RolloutConfig, create_rollout
+make_tiny_qwen2(sys.argv[1])
+cfg = RolloutConfig(name="vllm", dtype="float32", prompt_length=16, response_length=8, load_format="dummy",
+                    max_num_seqs=4, enable_prefix_caching=False, enable_chunked_prefill=False)
+r = create_rollout(cfg, sys.argv[1], AutoTokenizer.from_pretrained(sys.argv[1]))
+c = r.llm.llm_engine.vllm_config
+print("RESULT", c.cache_config.enable_prefix_caching, c.scheduler_config.enable_chunked_prefill,
+      c.scheduler_config.max_num_seqs)
+"""
+
+
+@pytest.mark.slow
+def test_top_level_vllm_keys_reach_the_engine(tmp_path):
+    """veRL's rollout.enable_prefix_caching / enable_chunked_prefill: a fresh process (one engine each)."""
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run([sys.executable, "-c", _OFF_SCRIPT, str(tmp_path / "m")], capture_output=True, text=True,
+                         env=env, timeout=300)  # fmt: skip
+    assert "RESULT False False 4" in out.stdout, out.stderr[-2000:]

@@ -130,3 +130,17 @@ def test_to_torch_dtype():
     with pytest.raises(ValueError, match="unknown dtype"):
         to_torch_dtype("int3")
     assert dtype_name("bf16") == "bfloat16" and dtype_name(torch.float32) == "float32"
+
+
+def test_iter_buckets_by_layer_never_spans_two_decoder_layers():
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.a",
+        "model.layers.0.b",
+        "model.layers.1.a",
+        "model.norm.weight",
+    ]
+    named = [(n, torch.zeros(1)) for n in names]
+    buckets = [[n for n, _ in b] for b in iter_buckets(iter(named), 10**6, by_layer=True)]
+    assert buckets == [[names[0]], names[1:3], [names[3]], [names[4]]]
+    assert [len(b) for b in iter_buckets(iter(named), 10**6)] == [5]

@@ -9,7 +9,7 @@ done, as the FSDP checkpoints: an interrupted save never leaves a half-written `
 
 The model and optimizer are saved as global (sharded) tensors, so a checkpoint saved at one
 TP/PP/DP layout loads at another (e.g. TP=2 -> TP=1). The optimizer is saved with
-`fully_sharded_model_space` for Megatron's distributed optimizer (reshardable). Loading
+`fully_reshardable` for Megatron's distributed optimizer (reshardable). Loading
 Megatron's distributed optimizer gives every parameter the same `step` tensor object, so one
 Adam step would advance all of them N times: each `step` is cloned after the load.
 """
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
 from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu
 
@@ -31,7 +32,11 @@ __all__ = ["export_hf_folder", "load_checkpoint", "load_dist_weights", "save_che
 
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")
 KNOWN_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-_OPT_META = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+# gloo gathers (the default path moves buffers to CUDA for nccl)
+_OPT_META = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+}
 
 
 def _contents(contents) -> set[str]:
@@ -125,14 +130,53 @@ def _untie_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
+def _tolerate_missing_step(optimizer) -> None:
+    """Work around megatron-core 0.16 loading torch AdamW state (no Apex / Transformer Engine).
+
+    The reshardable optimizer checkpoint holds each parameter's moments, not its `step` (that is
+    restored from the param groups), but `_set_main_param_and_optimizer_states` copies every key
+    of the live state, `step` included, from the loaded tensors: keys the checkpoint lacks are
+    left to the rest of the load instead.
+    """
+    for sub in optimizer.chained_optimizers:
+        setter = getattr(sub, "_set_main_param_and_optimizer_states", None)
+        if setter is None or getattr(setter, "_hybridrl_tolerant", False):
+            continue
+
+        def tolerant(model_param, tensors, _sub=sub, _orig=setter):
+            group_index, group_order = _sub.model_param_group_index_map[model_param]
+            main_param = _sub.optimizer.param_groups[group_index]["params"][group_order]
+            live = {"param": main_param, **_sub.optimizer.state[main_param]}
+            filled = (
+                {k: tensors.get(k, v) for k, v in live.items()}
+                if not _sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                else tensors
+            )
+            return _orig(model_param, filled)
+
+        tolerant._hybridrl_tolerant = True
+        sub._set_main_param_and_optimizer_states = tolerant
+
+
 def _ensure_optimizer_state(engine) -> None:
-    """Create Adam's state (zeros) before a load: Megatron's optimizer loads into existing state."""
-    for sub in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
-        init = getattr(sub, "init_state_fn", None)
-        inner = getattr(sub, "optimizer", None)
-        if init is not None and inner is not None and not inner.state:
-            with cuda_to_cpu():
-                init(inner, sub.config)
+    """Give a never-stepped optimizer its Adam state before a load (Megatron loads into existing state).
+
+    One step with zero gradients and lr 0 creates exactly the state a real step leaves (moments,
+    per-parameter `step`) without changing a weight; the load then overwrites all of it.
+    """
+    opt = engine.optimizer
+    if all(getattr(sub, "optimizer", None) is None or sub.optimizer.state for sub in opt.chained_optimizers):
+        return
+    lrs = [g["lr"] for g in opt.param_groups]
+    for chunk in engine.chunks:
+        chunk.zero_grad_buffer()
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    with cuda_to_cpu():
+        opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    engine.zero_grad()
 
 
 def _read_meta(path: str) -> dict[str, Any]:
@@ -161,6 +205,7 @@ def load_checkpoint(engine, path: str, *, contents=None) -> dict[str, Any]:
         )
     if with_opt:
         _ensure_optimizer_state(engine)
+        _tolerate_missing_step(engine.optimizer)
     if "model" in chosen or with_opt:
         sd = _sharded(engine, with_opt, is_loading=True)
         if "model" not in chosen:
@@ -181,7 +226,7 @@ def load_checkpoint(engine, path: str, *, contents=None) -> dict[str, Any]:
                 f"{f} is missing: the checkpoint was saved with {meta['world_size']} ranks; resume with the same "
                 "number of ranks, or drop 'extra' from checkpoint.load_contents"
             )
-        state = torch.load(f, weights_only=False)
+        state = load_state_file(f)
         set_rng_state(state["rng"])
         if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])

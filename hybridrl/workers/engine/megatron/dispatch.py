@@ -1,50 +1,18 @@
-"""Data placement for Megatron ranks under the worker group's plain DP dispatch.
+"""Results of the last pipeline stage on every stage of a Megatron model replica.
 
-The worker group splits a batch into one chunk per rank (`Dispatch.DP_COMPUTE_PROTO`). Megatron
-needs the same rows on every rank of one model replica (its TP x PP ranks) and distinct rows only
-across data-parallel ranks. `gather_replica_batch` all-gathers the chunks of the replica's ranks,
-so each replica computes on the concatenation (= its data-parallel shard), and `own_rows` gives
-back the rows of this rank's chunk, so the dispatcher's concatenation of per-rank outputs is the
-full batch in order. Results that only the last pipeline stage computes are broadcast first
-(`broadcast_from_last_stage`).
+The worker group's mesh dispatch (`megatron_workers.megatron_mesh`) gives every rank of one replica
+(its TP x PP ranks) the same rows; losses, log-probs and values exist only on the last pipeline
+stage, so `broadcast_from_last_stage` hands them to the other stages (metrics must agree on all
+ranks, and the collecting rank may be any of them).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from hybridrl.protocol import DataProto
-
-__all__ = ["broadcast_from_last_stage", "gather_replica_batch", "own_rows"]
-
-
-def _replica_group():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_model_parallel_group()
-
-
-def gather_replica_batch(data: DataProto) -> tuple[DataProto, slice]:
-    """(the replica's batch, the rows of this rank's chunk in it). No-op when the replica is one rank."""
-    group = _replica_group()
-    size = dist.get_world_size(group)
-    if size == 1:
-        return data, slice(0, len(data))
-    parts: list[Any] = [None] * size
-    dist.all_gather_object(parts, data, group=group)
-    me = dist.get_rank(group)
-    start = sum(len(p) for p in parts[:me])
-    merged = DataProto.concat(parts)
-    merged.meta_info = dict(data.meta_info)
-    return merged, slice(start, start + len(data))
-
-
-def own_rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
-    """This rank's rows of a replica-wide result."""
-    return t[rows]
+__all__ = ["broadcast_from_last_stage"]
 
 
 def broadcast_from_last_stage(value: Any) -> Any:

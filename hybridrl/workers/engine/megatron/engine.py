@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from hybridrl.workers.engine.optim import lr_factor, num_warmup_steps
 from hybridrl.workers.megatron_config import MegatronConfig, validate_megatron_config
 
 __all__ = ["MegatronEngine", "ParamGroupLR"]
+
+logger = logging.getLogger(__name__)
 
 
 class ParamGroupLR:
@@ -177,6 +180,7 @@ class MegatronEngine:
             megatron_config, key, world_size=dist.get_world_size(), on_gpu=not needs_cpu_shims()
         )
         init_parallel(megatron_config, key)
+        _log_bridge(megatron_config.use_mbridge, key)
         hf_sd, hf_config = _hf_state_dict(model_config, role, model_key)
         spec = arch_spec(hf_config)
         _check_divisible(spec, megatron_config, key)
@@ -307,6 +311,17 @@ class MegatronEngine:
         from hybridrl.workers.engine.megatron.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path, contents=contents)
+
+
+@functools.cache
+def _log_bridge(use_mbridge: bool, key: str) -> None:
+    """`use_mbridge`: both values load the HF weights directly, through hybridrl's own bridge (convert.py).
+
+    In veRL, True converts with mbridge and False with its built-in converter; both give the
+    same Megatron weights, which is what convert.py produces (tested against HF logits).
+    """
+    which = "mbridge's job" if use_mbridge else "veRL's built-in converter's job"
+    logger.info(f"{key}.use_mbridge={use_mbridge}: HF weights load through hybridrl's own bridge ({which})")
 
 
 def _check_divisible(spec: ArchSpec, cfg: MegatronConfig, key: str) -> None:

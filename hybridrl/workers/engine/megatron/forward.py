@@ -66,6 +66,16 @@ def run_schedule(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     n = len(micros)
+    if len(chunks) > 1:
+        from megatron.core import parallel_state as ps
+
+        pp = ps.get_pipeline_model_parallel_world_size()
+        if n % pp:
+            raise ValueError(
+                f"virtual pipeline stages need a number of micro-batches divisible by pipeline_model_parallel_size={pp}, "
+                f"got {n}: choose micro-batch sizes (ppo_micro_batch_size_per_gpu, log_prob_micro_batch_size_per_gpu) "
+                "that split each batch into a multiple of it"
+            )
     results: list[Any] = []
 
     def scaled(micro, output):

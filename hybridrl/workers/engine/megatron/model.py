@@ -143,7 +143,6 @@ class ValueHead(nn.Module):
 def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int) -> list[nn.Module]:
     """This rank's GPTModel chunks (one per virtual pipeline stage), randomly initialised from `seed`."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -151,7 +150,17 @@ def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int) -> list[nn.Modu
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     critic = role == "critic"
     chunks = []
-    torch.manual_seed(seed)
+    with torch.random.fork_rng():  # seeds the init only; the worker's global RNG is left as it was
+        torch.manual_seed(seed)
+        _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role)
+    return chunks
+
+
+def _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role) -> None:
+    """Append the GPTModel of each virtual stage of this rank to `chunks`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
     for stage in range(vpp):
         vp_stage = stage if vpp > 1 else None
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -174,7 +183,6 @@ def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int) -> list[nn.Modu
             model.output_layer = ValueHead(spec.hidden_size, spec.initializer_range, tcfg.params_dtype)
         model.requires_grad_(role in ("actor", "critic"))
         chunks.append(model)
-    return chunks
 
 
 def _tp_shard(name: str, full: torch.Tensor, tp: int, rank: int, critic: bool) -> torch.Tensor:
@@ -242,60 +250,93 @@ def _gather_tp(name: str, local: torch.Tensor, critic: bool) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _stage_tensors(chunks: list[nn.Module], critic: bool) -> dict[str, torch.Tensor]:
-    """{global Megatron name: TP-gathered tensor} of this PP stage's chunks."""
-    out: dict[str, torch.Tensor] = {}
-    for chunk in chunks:
-        for local, param in chunk.named_parameters():
-            out[_global_name(local, chunk)] = _gather_tp(_global_name(local, chunk), param.detach(), critic)
-    return out
+def _bucket_of(name: str) -> tuple[int, int]:
+    """Sort key of the bucket a Megatron name belongs to: embedding, each layer, then the head."""
+    if name.startswith(_LAYER_PREFIX):
+        return (1, int(name[len(_LAYER_PREFIX) :].split(".", 1)[0]))
+    return (0, 0) if name.startswith("embedding.") else (2, 0)
 
 
-def _broadcast_stages(mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every PP stage's tensors on every stage (names/shapes via objects, data via broadcasts)."""
+def _local_params(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """{global Megatron name: this rank's (TP-sharded) tensor} of this PP stage."""
+    return {_global_name(n, c): p.detach() for c in chunks for n, p in c.named_parameters()}
+
+
+def _stage_meta(local: dict[str, torch.Tensor], critic: bool) -> list[tuple[str, int, tuple, Any]]:
+    """(name, owning PP stage, full shape, dtype) of every tensor of the model, the same on every rank."""
     from megatron.core import parallel_state as ps
 
+    tp = ps.get_tensor_model_parallel_world_size()
+    mine = []
+    for name, t in local.items():
+        dim = None if (critic and name.startswith("output_layer.")) else shard_dim(name)
+        shape = list(t.shape)
+        if dim is not None:
+            shape[dim] *= tp
+        mine.append((name, ps.get_pipeline_model_parallel_rank(), tuple(shape), t.dtype))
     pp = ps.get_pipeline_model_parallel_world_size()
     if pp == 1:
         return mine
-    group = ps.get_pipeline_model_parallel_group()
-    meta = [None] * pp
-    dist.all_gather_object(meta, [(n, tuple(t.shape), t.dtype) for n, t in mine.items()], group=group)
-    ranks = dist.get_process_group_ranks(group)
-    out: dict[str, torch.Tensor] = {}
-    for stage, entries in enumerate(meta):
-        for name, shape, dtype in entries:
-            t = (
-                mine[name].contiguous()
-                if stage == ps.get_pipeline_model_parallel_rank()
-                else torch.empty(shape, dtype=dtype)
-            )
-            dist.broadcast(t, src=ranks[stage], group=group)
-            out.setdefault(name, t)
-    return out
+    parts: list[Any] = [None] * pp
+    dist.all_gather_object(parts, mine, group=ps.get_pipeline_model_parallel_group())
+    return [entry for part in parts for entry in part]
+
+
+def _iter_full_buckets(chunks: list[nn.Module], critic: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """Full Megatron tensors one bucket (the embedding, one layer, the head) at a time, on every rank.
+
+    The owning stage all-gathers the bucket's TP shards, then broadcasts it over the PP group, so
+    at most one bucket of full tensors exists beyond the model itself.
+    """
+    from megatron.core import parallel_state as ps
+
+    local = _local_params(chunks)
+    meta = _stage_meta(local, critic)
+    pp, me = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) if pp > 1 else None
+    buckets: dict[tuple[int, int], list] = {}
+    for entry in meta:
+        buckets.setdefault(_bucket_of(entry[0]), []).append(entry)
+    for key in sorted(buckets):
+        out: dict[str, torch.Tensor] = {}
+        for name, stage, shape, dtype in buckets[key]:
+            if name in out:  # a name held by several stages is taken once
+                continue
+            t = _gather_tp(name, local[name], critic) if stage == me else torch.empty(shape, dtype=dtype)
+            if pp > 1:
+                t = t.contiguous()
+                dist.broadcast(t, src=ranks[stage], group=ps.get_pipeline_model_parallel_group())
+            out[name] = t
+        yield out
 
 
 def iter_hf_params(chunks: list[nn.Module], spec: ArchSpec, role: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of the whole model on every rank (a collective over TP and PP).
 
-    Tied embeddings appear once (`model.embed_tokens.weight`), as in the FSDP engine. The padded
+    Gathered one bucket (embedding, one decoder layer, final norm + head) at a time. Tied
+    embeddings appear once (`model.embed_tokens.weight`), as in the FSDP engine. The padded
     vocabulary rows are cut off.
     """
     from megatron.core import parallel_state as ps
 
     critic = role == "critic"
     tp = ps.get_tensor_model_parallel_world_size()
-    full = _broadcast_stages(_stage_tensors(chunks, critic))
     v = spec.vocab_size
-    yield "model.embed_tokens.weight", full["embedding.word_embeddings.weight"][:v]
-    for i in range(spec.num_layers):
-        prefix = f"{_LAYER_PREFIX}{i}."
-        layer = {k[len(prefix) :]: t for k, t in full.items() if k.startswith(prefix)}
-        for name, t in megatron_layer_to_hf(layer, spec, tp).items():
-            yield f"model.layers.{i}.{name}", t
-    yield "model.norm.weight", full["decoder.final_layernorm.weight"]
-    if critic:
-        yield "score.weight", full["output_layer.weight"]
-        yield "score.bias", full["output_layer.bias"]
-    elif not spec.tie_word_embeddings:
-        yield "lm_head.weight", full["output_layer.weight"][:v]
+    for bucket in _iter_full_buckets(chunks, critic):
+        if "embedding.word_embeddings.weight" in bucket:
+            yield "model.embed_tokens.weight", bucket["embedding.word_embeddings.weight"][:v]
+        layers = sorted(
+            {int(k[len(_LAYER_PREFIX) :].split(".", 1)[0]) for k in bucket if k.startswith(_LAYER_PREFIX)}
+        )
+        for i in layers:
+            prefix = f"{_LAYER_PREFIX}{i}."
+            layer = {k[len(prefix) :]: t for k, t in bucket.items() if k.startswith(prefix)}
+            for name, t in megatron_layer_to_hf(layer, spec, tp).items():
+                yield f"model.layers.{i}.{name}", t
+        if "decoder.final_layernorm.weight" in bucket:
+            yield "model.norm.weight", bucket["decoder.final_layernorm.weight"]
+            if critic:
+                yield "score.weight", bucket["output_layer.weight"]
+                yield "score.bias", bucket["output_layer.bias"]
+            elif not spec.tie_word_embeddings:
+                yield "lm_head.weight", bucket["output_layer.weight"][:v]

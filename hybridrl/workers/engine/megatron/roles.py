@@ -13,13 +13,10 @@ the last pipeline stage are broadcast to the others.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
-from hybridrl.algos.agg import agg_loss
-from hybridrl.algos.kl import kl_penalty
 from hybridrl.algos.utils import masked_mean
 from hybridrl.algos.value import compute_value_loss
 from hybridrl.protocol import DataProto
@@ -28,17 +25,15 @@ from hybridrl.workers.actor import PPOActor
 from hybridrl.workers.critic import PPOCritic
 from hybridrl.workers.engine.batching import (
     TokenWeightedMeans,
-    append_metrics,
-    global_loss_scale,
     mean_over_ranks,
     merge_outputs,
     response_mask_of,
-    shuffle_seed,
     split_micro_batches,
 )
 from hybridrl.workers.engine.megatron.convert import ArchSpec
 from hybridrl.workers.engine.megatron.dispatch import broadcast_from_last_stage
 from hybridrl.workers.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
+from hybridrl.workers.engine.update_loop import run_update
 
 __all__ = ["MegatronPPOActor", "MegatronPPOCritic", "num_dense_params"]
 
@@ -61,14 +56,36 @@ def _mean_metrics(
     return mean_over_ranks(local, dp_group, dp_size, None)
 
 
-def _perf(prefix: str, engine, seqlens: list[int], seconds: float, peak_flops) -> dict[str, float]:
-    layers, attn_dim = attention_dims(engine.hf_config)
-    flops = estimate_flops(num_dense_params(engine.spec), seqlens, layers, attn_dim)
-    out = {f"perf/{prefix}/tokens": float(sum(seqlens)), f"perf/{prefix}/update_s": seconds}
-    mfu = compute_mfu(flops, seconds, peak_flops)
-    if mfu is not None:
-        out[f"perf/mfu/{prefix}"] = mfu
-    return out
+class _Perf:
+    """update_loop.UpdatePerf's metrics for a Megatron model (sizes from the HF config)."""
+
+    def __init__(self, role: str, engine, peak_flops) -> None:
+        self.role, self.engine, self.peak_flops = role, engine, peak_flops
+
+    def metrics(self, seqlens: list[int], seconds: float) -> dict[str, float]:
+        layers, attn_dim = attention_dims(self.engine.hf_config)
+        flops = estimate_flops(num_dense_params(self.engine.spec), seqlens, layers, attn_dim)
+        out = {f"perf/{self.role}/tokens": float(sum(seqlens)), f"perf/{self.role}/update_s": seconds}
+        mfu = compute_mfu(flops, seconds, self.peak_flops)
+        if mfu is not None:
+            out[f"perf/mfu/{self.role}"] = mfu
+        return out
+
+
+def _run_update(role_obj, data: DataProto, forward_backward) -> dict[str, list[float]]:
+    """update_loop.run_update with MegatronEngine.step as the optimizer step."""
+    engine = role_obj.engine
+    return run_update(
+        data,
+        role=role_obj.perf.role,
+        module=engine.chunks[0],
+        batch_sizes=role_obj.batch_sizes,
+        forward_backward=forward_backward,
+        step=engine.step,
+        lr_scheduler=engine.lr_scheduler,
+        optimizer=engine.optimizer,
+        perf=role_obj.perf,
+    )
 
 
 class MegatronPPOActor(PPOActor):
@@ -86,6 +103,8 @@ class MegatronPPOActor(PPOActor):
             peak_flops=peak_flops,
         )
         self.engine = engine
+        self.perf = _Perf("actor", engine, peak_flops)
+        self._pending_logits = None
 
     def _log_probs(self, micro: Any, logits: torch.Tensor, temperature: float):
         t = micro["responses"].shape[-1]
@@ -130,98 +149,37 @@ class MegatronPPOActor(PPOActor):
             out = (lp, ent)
         return broadcast_from_last_stage(out)
 
-    def _micro_loss(self, micro, logits, temperature, loss_scale, has_old, stats):
-        c = self.config
-        m_mask = response_mask_of(micro)
-        log_prob, entropy = self._log_probs(micro, logits, temperature)
-        pg_loss, pg_metrics = self.policy_loss_fn(
-            micro["old_log_probs"] if has_old else log_prob.detach(),
-            log_prob,
-            micro["advantages"],
-            m_mask,
-            loss_agg_mode=c.loss_agg_mode,
-            loss_scale=loss_scale,
-            rollout_is_weights=micro.get("rollout_is_weights", None),
-            behave_log_prob=micro.get("rollout_log_probs", None),
-            **self._loss_hparams(),
-        )
-        loss = pg_loss
-        sums, means = stats
-        sums["actor/pg_loss"] += float(pg_loss.detach())
-        if c.entropy_coeff != 0:
-            loss = loss - c.entropy_coeff * agg_loss(entropy, m_mask, c.loss_agg_mode, loss_scale=loss_scale)
-        if c.entropy_coeff != 0 or not has_old:
-            pg_metrics["entropy"] = (entropy.detach() * m_mask).sum() / m_mask.sum().clamp(min=1)
-        if c.use_kl_loss:
-            kld = kl_penalty(log_prob, micro["ref_log_prob"], c.kl_loss_type)
-            kl_loss = agg_loss(kld, m_mask, c.loss_agg_mode, loss_scale=loss_scale)
-            loss = loss + c.kl_loss_coef * kl_loss
-            sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + float(kl_loss.detach())
-        means.add({f"actor/{k}": v for k, v in pg_metrics.items()}, m_mask.sum())
-        return loss, None
+    def _forward(self, micro: Any, temperature: float, calculate_entropy: bool, entropy_grad: bool = True):
+        """PPOActor's hook, fed by the schedule: log-probs / entropy of the logits just computed."""
+        return self._log_probs(micro, self._pending_logits, temperature)
 
     def forward_backward(self, mini_batch: DataProto, *, temperature: float = 1.0) -> dict[str, float]:
-        """See PPOActor.forward_backward (1F1B over the micro-batches when pipelined)."""
-        bs, c = self.batch_sizes, self.config
-        batch = mini_batch.batch.to(self.device)
-        mask = response_mask_of(batch)
-        loss_scale = global_loss_scale(
-            mask,
-            dp_size=self.dp_size,
-            dp_group=self.dp_group,
-            max_response_length=mini_batch.meta_info.get("max_response_length", mask.shape[-1]),
-        )
-        micros, _ = split_micro_batches(
-            batch,
-            micro_batch_size=bs.micro_batch_size if bs else len(mini_batch),
-            use_dynamic_bsz=bs.use_dynamic_bsz if bs else False,
-            max_token_len=bs.max_token_len if bs else None,
-            dp_group=self.dp_group,
-            key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-        )
-        has_old = "old_log_probs" in batch.keys()
-        stats = ({"actor/pg_loss": 0.0}, TokenWeightedMeans(loss_scale))
-        self.engine.run(
-            micros,
-            lambda micro, logits: self._micro_loss(micro, logits, temperature, loss_scale, has_old, stats),
-            forward_only=False,
-        )
-        sums, means = stats
-        if c.use_kl_loss:
-            sums["actor/kl_coef"] = c.kl_loss_coef
+        """See PPOActor.forward_backward: the same micro-batch loss (`_micro_batch_loss`), run by
+        Megatron's schedule (1F1B when pipelined); metrics from the last stage."""
+        _, loss_scale, micros = self.prepare(mini_batch, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+        has_old = "old_log_probs" in mini_batch.batch.keys()
+        sums: dict[str, float] = {}
+        means = TokenWeightedMeans(loss_scale)
+
+        def loss_fn(micro, logits):
+            self._pending_logits = logits
+            mask = response_mask_of(micro)
+            loss, micro_sums, micro_means = self._micro_batch_loss(
+                micro, mask, loss_scale, temperature, has_old
+            )
+            self._pending_logits = None
+            for k, v in micro_sums.items():
+                sums[k] = sums.get(k, 0.0) + v
+            means.add(micro_means, mask.sum())
+            return loss, None
+
+        self.engine.run(micros, loss_fn, forward_only=False)
+        if self.config.use_kl_loss:
+            sums["actor/kl_coef"] = self.config.kl_loss_coef
         return _mean_metrics(sums, means, self.dp_group, self.dp_size)
 
-    def update_policy(self, data: DataProto, *, temperature: float = 1.0) -> dict[str, list[float]]:
-        """See PPOActor.update_policy; one MegatronEngine.step per mini-batch."""
-        if self.optimizer is None:
-            raise RuntimeError(
-                "update_policy needs an optimizer; this actor was built forward-only (reference)"
-            )
-        if self.batch_sizes is None:
-            raise ValueError(
-                "update_policy needs batch_sizes=normalize_actor_batch_sizes(...) at construction"
-            )
-        bs = self.batch_sizes
-        data = self._select_train_keys(data)
-        seed = shuffle_seed(bs.seed, bs.shuffle, data.meta_info)
-        iterator = data.make_iterator(
-            mini_batch_size=bs.mini_batch_size,
-            epochs=bs.epochs,
-            seed=seed,
-            dataloader_kwargs={"shuffle": bs.shuffle},
-        )
-        metrics: dict[str, list] = {}
-        start = time.perf_counter()
-        for mini in iterator:
-            append_metrics(metrics, self.forward_backward(mini, temperature=temperature))
-            grad_norm, stepped = self.engine.step()
-            append_metrics(metrics, {"actor/grad_norm": grad_norm, "actor/step_skipped": float(not stepped)})
-        elapsed = time.perf_counter() - start
-        append_metrics(metrics, {"actor/lr": self.lr_scheduler.get_last_lr()[0]})
-        self.lr_scheduler.step()
-        seqlens = data.batch["attention_mask"].sum(-1).tolist() * bs.epochs
-        append_metrics(metrics, _perf("actor", self.engine, seqlens, elapsed, self.peak_flops))
-        return metrics
+    def run_update(self, data: DataProto, forward_backward) -> dict[str, list[float]]:
+        return _run_update(self, data, forward_backward)
 
 
 class MegatronPPOCritic(PPOCritic):
@@ -239,6 +197,7 @@ class MegatronPPOCritic(PPOCritic):
             peak_flops=peak_flops,
         )
         self.engine = engine
+        self.perf = _Perf("critic", engine, peak_flops)
 
     @staticmethod
     def _values(micro: Any, out: torch.Tensor) -> torch.Tensor:
@@ -291,62 +250,13 @@ class MegatronPPOCritic(PPOCritic):
         return vf_loss, None
 
     def forward_backward(self, mini_batch: DataProto) -> dict[str, float]:
-        """See PPOCritic.forward_backward."""
-        bs = self.batch_sizes
-        batch = mini_batch.batch.to(self.device)
-        mask = response_mask_of(batch)
-        loss_scale = global_loss_scale(
-            mask,
-            dp_size=self.dp_size,
-            dp_group=self.dp_group,
-            max_response_length=mini_batch.meta_info.get("max_response_length", mask.shape[-1]),
-        )
-        micros, _ = split_micro_batches(
-            batch,
-            micro_batch_size=bs.micro_batch_size if bs else len(mini_batch),
-            use_dynamic_bsz=bs.use_dynamic_bsz if bs else False,
-            max_token_len=bs.max_token_len if bs else None,
-            dp_group=self.dp_group,
-            key="critic.ppo_max_token_len_per_gpu",
-        )
+        """See PPOCritic.forward_backward (run by Megatron's schedule)."""
+        _, loss_scale, micros = self.prepare(mini_batch, "critic.ppo_max_token_len_per_gpu")
         stats = ({"critic/vf_loss": 0.0}, TokenWeightedMeans(loss_scale))
         self.engine.run(
             micros, lambda m, out: self._micro_loss(m, out, loss_scale, stats), forward_only=False
         )
         return _mean_metrics(stats[0], stats[1], self.dp_group, self.dp_size)
 
-    def update_critic(self, data: DataProto) -> dict[str, list[float]]:
-        """See PPOCritic.update_critic; one MegatronEngine.step per mini-batch."""
-        if self.batch_sizes is None:
-            raise ValueError(
-                "update_critic needs batch_sizes=normalize_critic_batch_sizes(...) at construction"
-            )
-        bs = self.batch_sizes
-        keys = [*_FORWARD_KEYS, "values", "returns"]
-        missing = [k for k in keys if k not in data.batch.keys()]
-        if missing:
-            raise KeyError(f"update_critic: the batch lacks {missing}; it has {sorted(data.batch.keys())}")
-        if "response_mask" in data.batch.keys():
-            keys.append("response_mask")
-        data = DataProto(batch=data.batch.select(*keys), meta_info=dict(data.meta_info))
-        seed = shuffle_seed(bs.seed, bs.shuffle, data.meta_info)
-        iterator = data.make_iterator(
-            mini_batch_size=bs.mini_batch_size,
-            epochs=bs.epochs,
-            seed=seed,
-            dataloader_kwargs={"shuffle": bs.shuffle},
-        )
-        metrics: dict[str, list] = {}
-        start = time.perf_counter()
-        for mini in iterator:
-            append_metrics(metrics, self.forward_backward(mini))
-            grad_norm, stepped = self.engine.step()
-            append_metrics(
-                metrics, {"critic/grad_norm": grad_norm, "critic/step_skipped": float(not stepped)}
-            )
-        elapsed = time.perf_counter() - start
-        append_metrics(metrics, {"critic/lr": self.lr_scheduler.get_last_lr()[0]})
-        self.lr_scheduler.step()
-        seqlens = data.batch["attention_mask"].sum(-1).tolist() * bs.epochs
-        append_metrics(metrics, _perf("critic", self.engine, seqlens, elapsed, self.peak_flops))
-        return metrics
+    def run_update(self, data: DataProto, forward_backward) -> dict[str, list[float]]:
+        return _run_update(self, data, forward_backward)

@@ -7,6 +7,7 @@ used when ``custom_reward_function.path`` is not set. Built in:
 data_source                                                 scorer
 ==========================================================  ==================================
 ``hybridrl/arith`` (the built-in task)                      :mod:`.builtin_arith` (1.0 / 0.0)
+``hybridrl/arith_tool`` (the built-in tool task)            :mod:`.builtin_arith` (1.0 / 0.0)
 ``openai/gsm8k``                                            :mod:`.gsm8k` (1.0 / 0.0)
 ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,  :func:`.math.compute_score`
 ``HuggingFaceH4/MATH-500``, ``math``                        (1.0 / 0.0)
@@ -26,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hybridrl.data.agent_task import AGENT_DATA_SOURCE
 from hybridrl.data.builtin_task import BUILTIN_DATA_SOURCE
 from hybridrl.workers.reward.scorers import builtin_arith, gsm8k
 from hybridrl.workers.reward.scorers import math as math_scorer
@@ -94,7 +96,7 @@ def default_compute_score(
     return get_scorer(data_source)(solution_str, ground_truth, extra_info)
 
 
-register_scorer(BUILTIN_DATA_SOURCE)(builtin_arith.compute_score)
+register_scorer(BUILTIN_DATA_SOURCE, AGENT_DATA_SOURCE)(builtin_arith.compute_score)
 register_scorer("openai/gsm8k")(gsm8k.compute_score)
 register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math")(
     math_scorer.compute_score

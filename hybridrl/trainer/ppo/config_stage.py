@@ -1,0 +1,90 @@
+"""The config stage of `main_ppo`: everything checked before Ray or any model starts.
+
+- `prepare_argv(argv)`: veRL launch scripts write `+key=value` for keys their yaml lacks (and
+  hybridrl's yaml may have) and plain `key=value` for keys of theirs that hybridrl's yaml may
+  lack; both become Hydra's `++key=value` (set or add), so the typed schema, not Hydra's
+  struct flag, decides and an unknown key gets hybridrl's one-line "did you mean" error.
+- `check_startup(cfg, explicit_keys)`: the typed schema merge, start-up validation and the
+  driver-side per-rank batch sizes. `scripts/verl_examples.py` runs veRL's scripts through it.
+- `load_for_cli(cfg)`: the same for the command line: a config error prints one line (key,
+  value, fix) and exits 1 without a traceback; `HYDRA_FULL_ERROR=1` re-raises it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+
+from hybridrl import algos
+from hybridrl.trainer.ppo.config import ConfigError, PPOConfig, load_config
+from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
+
+
+def prepare_argv(argv: list[str]) -> list[str]:
+    """Rewrite the overrides of a command line (`argv[0]` untouched) to Hydra's `++key=value`.
+
+    Flags (`--config-name`, `-m`...), deletions (`~key`), `++` overrides and Hydra's own
+    `hydra.*` keys are kept as they are.
+    """
+    out = argv[:1]
+    for a in argv[1:]:
+        if a.startswith(("-", "~", "++")) or "=" not in a or a.lstrip("+").startswith("hydra."):
+            out.append(a)
+        else:
+            out.append("++" + a.lstrip("+"))
+    return out
+
+
+def override_key(override: str) -> str:
+    """'++a.b=1' -> 'a.b'."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def hydra_explicit_keys() -> set[str] | None:
+    """The keys given on this run's command line (None outside a Hydra app)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return {override_key(o) for o in HydraConfig.get().overrides.task}
+    except (ImportError, ValueError):
+        return None
+
+
+def check_startup(cfg, explicit_keys: Iterable[str] | None = None) -> PPOConfig:
+    """Load and validate `cfg` and derive the per-rank batch sizes; raises ConfigError.
+
+    Args:
+        cfg: the composed config (DictConfig or dict).
+        explicit_keys: keys the user set; a default micro-batch size that does not fit a small
+            mini-batch is only adapted when its key is not among them (None: all keys explicit).
+    """
+    config = load_config(cfg, explicit_keys=explicit_keys)
+    arr = config.actor_rollout_ref
+    world = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    try:
+        arr.model.validate()
+        normalize_actor_batch_sizes(arr.actor, rollout_n=arr.rollout.n, dp_size=world)
+        if algos.estimator_needs_critic(config.algorithm.adv_estimator):
+            normalize_critic_batch_sizes(config.critic, dp_size=world, rollout_n=arr.rollout.n)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return config
+
+
+def load_for_cli(cfg) -> PPOConfig:
+    """`check_startup` for a command line: one message and exit status 1 on a config error."""
+    try:
+        return check_startup(cfg, explicit_keys=hydra_explicit_keys())
+    except ConfigError as e:
+        exit_with_config_error(e)
+
+
+def exit_with_config_error(e: Exception) -> None:
+    """Print `e` as one line and exit 1; with HYDRA_FULL_ERROR=1 re-raise it (full traceback)."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise e
+    print(f"ConfigError: {e}", file=sys.stderr)
+    sys.exit(1)

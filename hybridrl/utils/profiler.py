@@ -1,0 +1,135 @@
+"""veRL's profiler keys (`global_profiler.*`, `<role>.profiler.*`) backed by torch.profiler.
+
+`global_profiler.tool=torch` and `global_profiler.steps=[2,4]` choose the tool and the training
+steps; a role (`actor_rollout_ref.actor`, `.ref`, `critic`) takes part when its
+`profiler.enable` is true, on every rank (`all_ranks`) or on the ranks listed in `ranks`.
+Each taking part process writes one Chrome trace per chosen step,
+`<save_path>/step_<step>/rank_<rank>.json` (open it in chrome://tracing or Perfetto). The roles
+of one slot share a process, so they share its trace. `tool_config.torch.contents` may hold
+`cpu`, `cuda`, `memory`, `shapes`, `stack` (default: the activities of the device).
+
+veRL's other tools (`nsys`, `npu`, `torch_memory`) need an NVIDIA or Ascend device and their
+vendor tool; they are refused at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOLS = ("torch",)
+CONTENTS = ("cpu", "cuda", "memory", "shapes", "stack")
+
+
+@dataclass
+class ProfilerConfig:
+    """`<role>.profiler`: whether this role is profiled, on which ranks (tool/save_path: global)."""
+
+    tool: str | None = None
+    enable: bool = False
+    all_ranks: bool = False
+    ranks: list[int] = field(default_factory=list)
+    save_path: str | None = None
+    tool_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GlobalProfilerConfig:
+    """`global_profiler`: the tool, the steps to profile and where the traces go."""
+
+    tool: str | None = None
+    steps: list[int] | None = None
+    profile_continuous_steps: bool = False
+    save_path: str = "outputs/profile"
+    global_tool_config: dict[str, Any] = field(default_factory=dict)
+
+
+def check_profiler(glob: GlobalProfilerConfig, roles: dict[str, ProfilerConfig]) -> None:
+    """Raise ValueError naming the key when a profiler setting cannot be honoured here."""
+    for key, tool in [("global_profiler.tool", glob.tool)] + [
+        (f"{k}.profiler.tool", r.tool) for k, r in roles.items()
+    ]:
+        if tool is not None and tool not in TOOLS:
+            raise ValueError(
+                f"{key}={tool!r}: only the torch profiler is available here (set it to 'torch'); "
+                "nsys/npu/torch_memory need an NVIDIA or Ascend device and their vendor tools"
+            )
+    for key, r in roles.items():
+        contents = (r.tool_config or {}).get("torch", {}).get("contents", []) or []
+        bad = [c for c in contents if c not in CONTENTS]
+        if bad:
+            raise ValueError(
+                f"{key}.profiler.tool_config.torch.contents has unknown entries {bad}; use {CONTENTS}"
+            )
+    if any(r.enable for r in roles.values()) and glob.tool is None:
+        raise ValueError(
+            "a role has profiler.enable=True but global_profiler.tool is null; set global_profiler.tool=torch"
+        )
+
+
+def profiled_steps(glob: GlobalProfilerConfig) -> set[int]:
+    return set(glob.steps or []) if glob.tool else set()
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """What the driver sends a worker when a chosen step begins (plain data, picklable)."""
+
+    step: int
+    save_path: str
+    contents: tuple[str, ...] = ()
+
+
+def wants_rank(cfg: ProfilerConfig, rank: int) -> bool:
+    return cfg.enable and (cfg.all_ranks or rank in (cfg.ranks or []))
+
+
+def request_for(glob: GlobalProfilerConfig, cfg: ProfilerConfig, step: int) -> ProfileRequest:
+    contents = tuple((cfg.tool_config or {}).get("torch", {}).get("contents", []) or ())
+    return ProfileRequest(step=step, save_path=cfg.save_path or glob.save_path, contents=contents)
+
+
+class StepProfiler:
+    """One torch.profiler session per process and step; started by the first role, ended by the last."""
+
+    def __init__(self) -> None:
+        self._prof = None
+        self._users = 0
+        self._path = ""
+
+    def start(self, request: ProfileRequest, rank: int) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        self._users += 1
+        if self._prof is not None:
+            return
+        acts = [ProfilerActivity.CPU]
+        if torch.cuda.is_available() and (not request.contents or "cuda" in request.contents):
+            acts.append(ProfilerActivity.CUDA)
+        c = set(request.contents)
+        self._prof = profile(
+            activities=acts,
+            record_shapes="shapes" in c,
+            profile_memory="memory" in c,
+            with_stack="stack" in c,
+        )
+        self._prof.__enter__()
+        self._path = os.path.join(request.save_path, f"step_{request.step}", f"rank_{rank}.json")
+
+    def stop(self) -> str | None:
+        """End the session when its last role stops; returns the trace file written (or None)."""
+        if self._prof is None:
+            return None
+        self._users -= 1
+        if self._users > 0:
+            return None
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        os.makedirs(os.path.dirname(self._path), exist_ok=True)
+        prof.export_chrome_trace(self._path)
+        return self._path
+
+
+PROCESS_PROFILER = StepProfiler()

@@ -1,0 +1,158 @@
+"""BatchingEngine: many trajectories share one rollout engine through a batching queue.
+
+Agent loops are coroutines; each `await engine.generate(ids, ...)` puts one request in a queue.
+A single drain task takes the pending requests (waiting `wait_s` after the first one, so that the
+other trajectories' requests of the same round arrive), groups them by sampling parameters, and
+runs each group as ONE batched call of the engine (`BaseRollout.generate_tokens`, HF or vLLM) in
+a worker thread. The event loop is free meanwhile: tool calls of other trajectories run while
+the engine generates, and a slow tool never delays a batch (the batch does not wait for it).
+
+One batch runs at a time (one engine per replica). Requests of one group may ask for different
+token budgets: the batch generates up to the largest and each result is cut to its own budget
+(the tokens it keeps, and their log-probs, are exactly what it would have got alone: sampling is
+causal). Sampling seeds: each request brings its own; the HF engine seeds a micro-batch with its
+first row's seed, so HF samples depend on how requests were batched (vLLM honours every seed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridrl.workers.rollout.base import GenerationRequest, SamplingSpec
+
+__all__ = ["BatchingEngine", "TokenGeneration"]
+
+
+@dataclass
+class TokenGeneration:
+    """One request's new tokens (EOS included when generated) and their log-probs."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    seed: int
+    max_new_tokens: int
+    want_log_probs: bool
+    future: asyncio.Future = field(repr=False, default=None)
+
+
+class BatchingEngine:
+    """Async, batched token-in/token-out access to one rollout engine.
+
+    Args:
+        rollout: a BaseRollout (anything with `generate_tokens(GenerationRequest)` and `pad_token_id`).
+        max_batch_size: most requests in one engine call (rollout.max_num_seqs).
+        wait_s: how long to wait for more requests after the first pending one.
+    """
+
+    def __init__(self, rollout: Any, max_batch_size: int, wait_s: float = 0.002) -> None:
+        self.rollout = rollout
+        self.max_batch_size = max(1, int(max_batch_size))
+        self.wait_s = float(wait_s)
+        self._pending: list[_Request] = []
+        self._drain_task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridrl-engine")
+        self.num_batches = 0
+        self.num_requests = 0
+        self.busy_s = 0.0
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingSpec,
+        seed: int,
+        max_new_tokens: int,
+        want_log_probs: bool,
+    ) -> TokenGeneration:
+        """Generate up to `max_new_tokens` tokens after `prompt_ids` (queued and batched)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        loop = asyncio.get_running_loop()
+        req = _Request(list(prompt_ids), sampling, int(seed), int(max_new_tokens), bool(want_log_probs))
+        req.future = loop.create_future()
+        self._pending.append(req)
+        if self._drain_task is None or self._drain_task.done():
+            self._drain_task = loop.create_task(self._drain())
+        return await req.future
+
+    async def _drain(self) -> None:
+        while self._pending:
+            await asyncio.sleep(self.wait_s)
+            batch = self._take_group()
+            try:
+                results = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, batch)
+            except Exception as e:  # the engine failed: every request of the batch fails with it
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+                continue
+            for r, res in zip(batch, results):
+                if not r.future.done():
+                    r.future.set_result(res)
+
+    def _take_group(self) -> list[_Request]:
+        """The oldest request and up to max_batch_size - 1 others with the same sampling."""
+        key = (self._pending[0].sampling, self._pending[0].want_log_probs)
+        group, rest = [], []
+        for r in self._pending:
+            if len(group) < self.max_batch_size and (r.sampling, r.want_log_probs) == key:
+                group.append(r)
+            else:
+                rest.append(r)
+        self._pending = rest
+        return group
+
+    def _run(self, batch: list[_Request]) -> list[TokenGeneration]:
+        """One engine call for `batch` (runs in the engine thread)."""
+        t0 = time.perf_counter()
+        pad = self.rollout.pad_token_id
+        width = max(len(r.prompt_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, width - len(r.prompt_ids) :] = torch.as_tensor(r.prompt_ids, dtype=torch.long)
+            mask[i, width - len(r.prompt_ids) :] = 1
+        request = GenerationRequest(
+            input_ids=ids,
+            attention_mask=mask,
+            prompt_token_ids=[r.prompt_ids for r in batch],
+            sampling=batch[0].sampling,
+            seeds=[r.seed for r in batch],
+            max_new_tokens=max(r.max_new_tokens for r in batch),
+            want_log_probs=batch[0].want_log_probs,
+        )
+        result = self.rollout.generate_tokens(request)
+        out = []
+        for i, r in enumerate(batch):
+            toks = list(result.token_ids[i])[: r.max_new_tokens]
+            lps = list(result.log_probs[i])[: len(toks)] if result.log_probs is not None else None
+            out.append(TokenGeneration(toks, lps))
+        self.num_batches += 1
+        self.num_requests += len(batch)
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "agent/engine_batches": float(self.num_batches),
+            "agent/engine_mean_batch_size": self.num_requests / max(self.num_batches, 1),
+            "agent/engine_busy_s": self.busy_s,
+        }
+
+    def reset_metrics(self) -> None:
+        self.num_batches = self.num_requests = 0
+        self.busy_s = 0.0
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False)

@@ -1,0 +1,274 @@
+"""AgentLoopRunner: a batch of prompts -> one agent-loop trajectory per row -> the rollout batch.
+
+It holds what one rollout replica's agent loops share (tools, parser, the batching engine) and
+implements the rollout contract of hybridrl.workers.rollout.base with one difference:
+`response_mask` is 1 only on tokens the policy generated, while `attention_mask` covers every
+token of the trajectory (tool responses and templates included). The actor's loss, the KL terms
+and the advantages all use `response_mask`, so they see the policy's tokens only; the forward
+passes use `attention_mask`, so the model conditions on the whole conversation.
+
+Routing: row r runs the loop named by its `agent_name` column, else
+`rollout.agent.default_agent_loop`. At most `rollout.agent.max_concurrent_trajectories` run at
+once (their generation requests share the engine through the batching queue).
+
+Extra outputs: non-tensor per-row `num_turns`, `tool_calls`, `tool_errors`, `tool_timeouts`,
+`agent_truncated`, `agent_reward` (None without one), and meta_info["metrics"] summaries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridrl.protocol import DataProto
+from hybridrl.workers.agent.engine import BatchingEngine
+from hybridrl.workers.agent.loop import (
+    AgentContext,
+    AgentLoopOutput,
+    get_agent_loop_class,
+    load_agent_loop_config,
+)
+from hybridrl.workers.agent.tool_loading import load_tools
+from hybridrl.workers.rollout.base import SamplingSpec, derive_seed, resolve_sampling
+
+__all__ = ["AgentLoopRunner", "agent_step_metrics", "uses_agent_loops"]
+
+ROW_METRICS = ("num_turns", "tool_calls", "tool_errors", "tool_timeouts", "agent_truncated")
+
+
+def uses_agent_loops(config: Any, prompts: DataProto) -> bool:
+    """Whether this batch goes through the agent loops (else the plain single-turn path).
+
+    veRL's `rollout.mode=async` generates through its agent loops (single_turn_agent by default),
+    so it does here too."""
+    agent = config.agent
+    return bool(
+        getattr(config, "mode", "sync") == "async"
+        or config.multi_turn.enable
+        or "agent_name" in prompts.non_tensor_batch
+        or agent.default_agent_loop != "single_turn_agent"
+        or agent.agent_loop_config_path
+    )
+
+
+def _run_coroutine(coro) -> Any:
+    """asyncio.run, also from a thread that already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class AgentLoopRunner:
+    """Runs the agent loops of one rollout replica.
+
+    Args:
+        rollout: the replica's BaseRollout (HF / vLLM).
+        config: the rollout section (RolloutConfig).
+        tokenizer: the policy tokenizer.
+    """
+
+    def __init__(self, rollout: Any, config: Any, tokenizer: Any) -> None:
+        if config.tensor_model_parallel_size > 1:
+            raise ValueError(
+                "the agent loops (multi_turn.enable / agent_name rows / rollout.agent.*) do not support "
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={config.tensor_model_parallel_size} yet: "
+                "the ranks of a TP engine would batch their trajectories' requests differently. Use "
+                "tensor_model_parallel_size=1 (data-parallel rollout replicas)."
+            )
+        self.rollout = rollout
+        self.config = config
+        self.tokenizer = tokenizer
+        if config.agent.agent_loop_config_path:
+            load_agent_loop_config(config.agent.agent_loop_config_path)
+        get_agent_loop_class(config.agent.default_agent_loop)  # fail at start-up on a bad name
+        mt = config.multi_turn
+        self.tools = load_tools(mt.tool_config_path, mt.function_tool_path)
+        self.engine = BatchingEngine(rollout, config.max_num_seqs, config.agent.batch_wait_ms / 1000.0)
+        self.context = AgentContext(
+            config=config,
+            tokenizer=tokenizer,
+            engine=self.engine,
+            tools=self.tools,
+            eos_token_ids=list(rollout.eos_token_ids),
+            want_log_probs=bool(config.calculate_log_probs),
+        )
+        self._loops: dict[str, Any] = {}
+        self.num_calls = 0
+
+    def _loop(self, name: str) -> Any:
+        if name not in self._loops:
+            self._loops[name] = get_agent_loop_class(name)(self.context)
+        return self._loops[name]
+
+    def _sampling(self, meta: dict) -> SamplingSpec:
+        force_greedy = bool(meta.get("greedy", False)) or meta.get("do_sample", True) is False
+        spec = resolve_sampling(self.config, bool(meta.get("validate", False)), force_greedy)
+        if meta.get("greedy", False):
+            spec = SamplingSpec(greedy=True, temperature=1.0, top_k=-1, top_p=1.0)
+        return spec
+
+    def _row_kwargs(self, prompts: DataProto, i: int) -> dict[str, Any]:
+        return {k: v[i] for k, v in prompts.non_tensor_batch.items()}
+
+    def agent_names(self, prompts: DataProto) -> list[str]:
+        default = self.config.agent.default_agent_loop
+        col = prompts.non_tensor_batch.get("agent_name")
+        names = [default if col is None or col[i] in (None, "") else str(col[i]) for i in range(len(prompts))]
+        for name in dict.fromkeys(names):
+            get_agent_loop_class(name)
+        return names
+
+    async def _run_all(
+        self, prompts: DataProto, sampling: SamplingSpec, seeds: list[int]
+    ) -> list[AgentLoopOutput]:
+        ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].bool().cpu()
+        names = self.agent_names(prompts)
+        gate = asyncio.Semaphore(self.config.agent.max_concurrent_trajectories)
+
+        async def one(i: int) -> AgentLoopOutput:
+            async with gate:
+                row = self._row_kwargs(prompts, i)
+                return await self._loop(names[i]).run(
+                    sampling, prompt_ids=ids[i][mask[i]].tolist(), seed=seeds[i], **row
+                )
+
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """One trajectory per row; the output follows the rollout contract (module docstring)."""
+        meta = prompts.meta_info
+        call = int(meta.get("seed_index", self.num_calls))
+        self.num_calls += 1
+        dp = getattr(self.rollout, "dp_rank", 0)
+        seeds = [derive_seed(self.config.seed, call, r, dp) for r in range(len(prompts))]
+        self.engine.reset_metrics()
+        t0 = time.perf_counter()
+        outputs = _run_coroutine(self._run_all(prompts, self._sampling(meta), seeds)) if len(prompts) else []
+        elapsed = time.perf_counter() - t0
+        out = build_agent_output(prompts, outputs, self.rollout.pad_token_id, self.config.response_length)
+        metrics = {"timing_s/generate_sequences": elapsed, **self.engine.metrics()}
+        n_tokens = int(out.batch["response_mask"].sum()) if len(prompts) else 0
+        metrics["rollout/num_response_tokens"] = n_tokens
+        metrics["rollout/tokens_per_s"] = n_tokens / max(elapsed, 1e-9)
+        out.meta_info["metrics"] = {**out.meta_info.get("metrics", {}), **metrics}
+        return out
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def build_agent_output(
+    prompts: DataProto, outputs: list[AgentLoopOutput], pad_token_id: int, response_length: int
+) -> DataProto:
+    """Trajectories -> the rollout batch (B rows, P = max prompt length, T = response_length).
+
+    Returns:
+        DataProto with prompts (B, P) left-padded, responses / response_mask (B, T) right-padded,
+        input_ids / attention_mask / position_ids (B, P+T), rollout_log_probs (B, T) when the
+        trajectories carry log-probs, the input's non-tensor columns plus the ROW_METRICS columns.
+    """
+    bsz = len(outputs)
+    p_len = max([prompts.batch["input_ids"].shape[1]] + [len(o.prompt_ids) for o in outputs])
+    prompt_ids = torch.full((bsz, p_len), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((bsz, p_len), dtype=torch.long)
+    responses = torch.full((bsz, response_length), pad_token_id, dtype=torch.long)
+    resp_valid = torch.zeros((bsz, response_length), dtype=torch.long)
+    resp_mask = torch.zeros((bsz, response_length), dtype=torch.long)
+    want_lp = bool(outputs) and all(o.response_logprobs is not None for o in outputs)
+    log_probs = torch.zeros((bsz, response_length), dtype=torch.float32)
+    for i, o in enumerate(outputs):
+        n, p = len(o.response_ids), len(o.prompt_ids)
+        if n > response_length:
+            raise ValueError(
+                f"agent loop returned {n} response tokens for row {i}, more than {response_length}"
+            )
+        prompt_ids[i, p_len - p :] = torch.as_tensor(o.prompt_ids, dtype=torch.long)
+        prompt_mask[i, p_len - p :] = 1
+        if n:
+            responses[i, :n] = torch.as_tensor(o.response_ids, dtype=torch.long)
+            resp_valid[i, :n] = 1
+            resp_mask[i, :n] = torch.as_tensor(o.response_mask, dtype=torch.long)
+            if want_lp:
+                log_probs[i, :n] = torch.as_tensor(o.response_logprobs, dtype=torch.float32)
+    pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    delta = torch.arange(1, response_length + 1, dtype=pos.dtype)
+    tensors = {
+        "prompts": prompt_ids,
+        "responses": responses,
+        "response_mask": resp_mask,
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": torch.cat([prompt_mask, resp_valid], dim=1),
+        "position_ids": torch.cat([pos, pos[:, -1:] + delta], dim=1),
+    }
+    if want_lp:
+        tensors["rollout_log_probs"] = log_probs * resp_mask
+    non_tensor = dict(prompts.non_tensor_batch)
+    non_tensor["num_turns"] = np.array([o.num_turns for o in outputs], dtype=object)
+    for key, metric in (
+        ("tool_calls", "tool_calls"),
+        ("tool_errors", "tool_errors"),
+        ("tool_timeouts", "tool_timeouts"),
+    ):
+        non_tensor[key] = np.array([int(o.metrics.get(metric, 0)) for o in outputs], dtype=object)
+    non_tensor["agent_truncated"] = np.array(
+        [int(o.metrics.get("truncated", 0)) for o in outputs], dtype=object
+    )
+    non_tensor["agent_reward"] = np.array([o.reward_score for o in outputs], dtype=object)
+    meta = dict(prompts.meta_info)
+    meta["metrics"] = {**meta.get("metrics", {}), **summarize(outputs)}
+    return DataProto.from_dict(tensors, non_tensor, meta)
+
+
+def summarize(outputs: list[AgentLoopOutput]) -> dict[str, float]:
+    """Batch summaries of the trajectories' metrics (sums of counts, means per trajectory)."""
+    if not outputs:
+        return {}
+    keys = sorted({k for o in outputs for k in o.metrics})
+    out = {}
+    for k in keys:
+        vals = [float(o.metrics.get(k, 0.0)) for o in outputs]
+        out[f"agent/{k}/mean"] = sum(vals) / len(vals)
+    return out
+
+
+def agent_step_metrics(batch: DataProto) -> dict[str, float]:
+    """Trainer-side metrics of a rollout batch that went through the agent loops ({} otherwise):
+    num_turns/{mean,min,max}, tool/calls_per_traj, tool/errors, tool/timeouts (counts over the
+    batch), tool/error_rate ((errors + timeouts) / calls), agent/truncated_ratio."""
+    nt = batch.non_tensor_batch
+    if "num_turns" not in nt or "tool_calls" not in nt:
+        return {}
+    turns = np.asarray(nt["num_turns"], dtype=np.float64)
+    calls = float(np.asarray(nt["tool_calls"], dtype=np.float64).sum())
+    errors = float(np.asarray(nt["tool_errors"], dtype=np.float64).sum())
+    timeouts = float(np.asarray(nt["tool_timeouts"], dtype=np.float64).sum())
+    return {
+        "num_turns/mean": float(turns.mean()),
+        "num_turns/min": float(turns.min()),
+        "num_turns/max": float(turns.max()),
+        "tool/calls_per_traj": calls / max(len(turns), 1),
+        "tool/errors": errors,
+        "tool/timeouts": timeouts,
+        "tool/error_rate": (errors + timeouts) / max(calls, 1.0),
+        "agent/truncated_ratio": float(np.asarray(nt["agent_truncated"], dtype=np.float64).mean()),
+    }

@@ -1,0 +1,60 @@
+"""veRL keys that act during a run: profiler traces, validation dumps, checkpoint retention, resume clean-up.
+
+One 2-step GAE run (actor + critic on one slot) with:
+- global_profiler.tool=torch, steps=[2], actor.profiler.enable=True (all ranks): a Chrome trace for
+  step 2 only;
+- trainer.validation_data_dir: one jsonl of decoded validation samples per validation;
+- trainer.save_freq=1, max_critic_ckpt_to_keep=1: both checkpoints keep the actor, only the newest
+  keeps the critic;
+then a resume to step 3 with trainer.del_local_ckpt_after_load=True: the loaded checkpoint is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.e2e.ppo_runs import run
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def test_profiler_validation_dump_and_checkpoint_keys(tmp_path):
+    prof, val_dir, ckpt = tmp_path / "prof", tmp_path / "val", tmp_path / "ckpt"
+    run(
+        [
+            "algorithm.adv_estimator=gae",
+            "global_profiler.tool=torch",
+            "global_profiler.steps=[2]",
+            f"global_profiler.save_path={prof}",
+            "actor_rollout_ref.actor.profiler.enable=True",
+            "actor_rollout_ref.actor.profiler.all_ranks=True",
+            f"trainer.validation_data_dir={val_dir}",
+            "trainer.test_freq=2",
+            "trainer.save_freq=1",
+            "trainer.max_critic_ckpt_to_keep=1",
+        ],
+        tmp_path,
+    )
+    assert sorted(os.listdir(prof)) == ["step_2"]
+    with open(prof / "step_2" / "rank_0.json") as f:
+        trace = json.load(f)
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("aten::" in n for n in names)  # real torch ops of the step were recorded
+    rows = [json.loads(line) for line in open(val_dir / "2.jsonl")]
+    assert rows and {"prompt", "response", "score"} <= set(rows[0])
+    assert sorted(os.listdir(ckpt / "global_step_1")) == ["actor", "data.pt"]  # critic pruned
+    assert "critic" in os.listdir(ckpt / "global_step_2")
+
+    run(
+        [
+            "algorithm.adv_estimator=gae",
+            "trainer.total_training_steps=3",
+            "trainer.del_local_ckpt_after_load=True",
+        ],
+        tmp_path,
+    )
+    assert not (ckpt / "global_step_2").exists()  # loaded, then deleted
+    assert (ckpt / "global_step_1").exists()

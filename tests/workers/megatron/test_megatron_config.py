@@ -1,0 +1,75 @@
+"""veRL's *.megatron.* keys: each honoured or refused at start-up with a message naming the key.
+
+No megatron-core needed: this is config validation and composition only.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridrl.workers.megatron_config import (
+    MegatronConfig,
+    check_colocated_megatron,
+    data_parallel_size,
+    validate_megatron_config,
+)
+
+KEY = "actor_rollout_ref.actor.megatron"
+
+
+@pytest.mark.parametrize(
+    "kwargs,on_gpu,match",
+    [
+        ({"context_parallel_size": 2}, False, "context_parallel_size"),
+        ({"expert_model_parallel_size": 2}, False, "expert"),
+        ({"expert_tensor_parallel_size": 2}, False, "expert"),
+        ({"sequence_parallel": True, "tensor_model_parallel_size": 2}, False, "sequence_parallel"),
+        ({"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, False, "virtual"),
+        ({"param_offload": True}, True, "offload"),
+        ({"use_dist_checkpointing": True}, False, "dist_checkpointing_path"),
+        ({"tensor_model_parallel_size": 0}, False, "tensor_model_parallel_size"),
+        ({"tensor_model_parallel_size": 4}, False, "divide the number of ranks"),
+    ],
+)
+def test_refused(kwargs, on_gpu, match):
+    with pytest.raises(ValueError, match=match) as e:
+        validate_megatron_config(MegatronConfig(**kwargs), KEY, world_size=2, on_gpu=on_gpu)
+    assert KEY in str(e.value)
+
+
+def test_accepted_and_no_ops():
+    # sequence_parallel at TP=1 (Megatron ignores it), offload on CPU (no-ops), use_mbridge either way
+    for kwargs in (
+        {"sequence_parallel": True},
+        {"param_offload": True, "grad_offload": True},
+        {"use_mbridge": True},
+    ):
+        validate_megatron_config(MegatronConfig(**kwargs), KEY, world_size=2, on_gpu=False)
+    assert data_parallel_size("megatron", MegatronConfig(tensor_model_parallel_size=2), 4) == 2
+    assert data_parallel_size("fsdp", MegatronConfig(tensor_model_parallel_size=2), 4) == 4
+
+
+def test_colocated_roles_need_the_same_sizes():
+    tp2, pp2 = MegatronConfig(tensor_model_parallel_size=2), MegatronConfig(pipeline_model_parallel_size=2)
+    check_colocated_megatron({"a": ("megatron", tp2), "critic": ("megatron", tp2), "r": ("fsdp", pp2)})
+    with pytest.raises(ValueError, match="critic.megatron"):
+        check_colocated_megatron({"a": ("megatron", tp2), "critic": ("megatron", pp2)})
+
+
+def test_keys_compose_and_ppo_megatron_trainer(tmp_path):
+    from hydra import compose, initialize_config_module
+
+    from hybridrl.trainer.ppo.config import load_config
+
+    over = [
+        "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
+    ]
+    with initialize_config_module("hybridrl.trainer.config", version_base=None):
+        cfg = load_config(compose("ppo_megatron_trainer", overrides=over))
+    arr = cfg.actor_rollout_ref
+    assert (arr.actor.strategy, arr.ref.strategy, cfg.critic.strategy) == ("megatron",) * 3
+    assert arr.actor.megatron.tensor_model_parallel_size == 2
+    assert arr.ref.megatron.tensor_model_parallel_size == 2  # the reference follows the actor
+    assert arr.actor.megatron.override_transformer_config == {"recompute_granularity": "full"}
