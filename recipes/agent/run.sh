@@ -21,7 +21,7 @@ OUT=${AGENT_OUT:-outputs/agent}
 TRAINER=${AGENT_TRAINER:-main_ppo}
 SFT="$OUT/warm_start"
 if [ ! -f "$SFT/model.safetensors" ]; then
-    python recipes/agent/warm_start.py --out "$SFT" --steps "${AGENT_SFT_STEPS:-300}"
+    python recipes/agent/warm_start.py --out "$SFT" --steps "${AGENT_SFT_STEPS:-600}"
 fi
 python -c "from hybridrl.data.agent_task import ensure_agent_data; ensure_agent_data('$OUT/data')"
 ASYNC=()

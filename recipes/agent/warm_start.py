@@ -8,7 +8,7 @@ rollout time (prompt ids, generated turn ids + EOS, the chat template's tool-tur
 loss covers the assistant turns only. The result is a model that *sometimes* calls the tool; GRPO
 then has to learn to call it every time.
 
-    python recipes/agent/warm_start.py --out /tmp/agent_sft --steps 300
+    python recipes/agent/warm_start.py --out /tmp/agent_sft --steps 600
 """
 
 from __future__ import annotations
