@@ -58,3 +58,23 @@ def test_profiler_validation_dump_and_checkpoint_keys(tmp_path):
     )
     assert not (ckpt / "global_step_2").exists()  # loaded, then deleted
     assert (ckpt / "global_step_1").exists()
+
+
+def test_rollout_correction_weights_reach_the_update(tmp_path):
+    """algorithm.rollout_correction.*: IS + rejection weights computed from the engine's log-probs."""
+    rows = run(
+        [
+            "actor_rollout_ref.rollout.calculate_log_probs=True",
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_rs=sequence",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+            "algorithm.rollout_correction.rollout_is_batch_normalize=True",
+        ],
+        tmp_path,
+    )
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train) == 2
+    assert all("rollout_corr/rs_reject_frac" in r and "rollout_corr/rollout_is_mean" in r for r in train)
+    # HF rollout and FSDP actor compute the same fp32 log-probs: ratios ~1, nothing rejected
+    assert all(r["rollout_corr/rs_reject_frac"] == 0.0 for r in train)
+    assert not any("timing_s/old_log_prob" not in r for r in train)  # correction needs the old-log-prob pass
