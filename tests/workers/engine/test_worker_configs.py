@@ -95,7 +95,7 @@ def test_normalize_actor_sizes():
         ),
         ({"loss_agg_mode": "mean"}, 1, 1, r"actor_rollout_ref\.actor\.loss_agg_mode='mean'"),
         ({"shuffle": True}, 1, 1, r"actor_rollout_ref\.actor\.data_loader_seed"),
-        ({"strategy": "megatron"}, 1, 1, r"actor_rollout_ref\.actor\.strategy='megatron'"),
+        ({"strategy": "deepspeed"}, 1, 1, r"actor_rollout_ref\.actor\.strategy='deepspeed' is not supported"),
         (
             {"optim": OptimConfig(lr_scheduler_type="linear")},
             1,
