@@ -30,6 +30,18 @@ QUICKSTART = {
     "actor_rollout_ref.rollout.prompt_length": "${data.max_prompt_length}",
     "actor_rollout_ref.rollout.response_length": "${data.max_response_length}",
     "critic.rollout_n": "${actor_rollout_ref.rollout.n}",
+    # veRL: the reference follows the actor's engine and Megatron layout.
+    "actor_rollout_ref.ref.strategy": "${actor_rollout_ref.actor.strategy}",
+    "actor_rollout_ref.ref.megatron.tensor_model_parallel_size": (
+        "${actor_rollout_ref.actor.megatron.tensor_model_parallel_size}"
+    ),
+    "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size": (
+        "${actor_rollout_ref.actor.megatron.pipeline_model_parallel_size}"
+    ),
+    "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size": (
+        "${actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size}"
+    ),
+    "actor_rollout_ref.ref.megatron.seed": "${actor_rollout_ref.actor.megatron.seed}",
     "critic.ppo_mini_batch_size": "${actor_rollout_ref.actor.ppo_mini_batch_size}",
     "critic.ppo_micro_batch_size_per_gpu": 64,
     "critic.optim.lr": 1e-4,
@@ -41,7 +53,7 @@ QUICKSTART = {
     "trainer.logger": ["console", "file"],
     "trainer.log_freq": 25,
     "trainer.n_gpus_per_node": 1,
-    "trainer.cpus_per_worker": 1,
+    "trainer.cpus_per_worker": "auto",
     "trainer.project_name": "hybridrl_quickstart",
     "trainer.experiment_name": "builtin_grpo",
 }
