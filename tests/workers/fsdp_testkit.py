@@ -6,6 +6,7 @@ functions live in the test modules and call `init_dist` first.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import traceback
@@ -104,6 +105,10 @@ def run_worker(rank: int, fn, world: int, port: int, err_dir: str, *args) -> Non
     """Entry point for mp.spawn: init the process group, run fn, record a traceback on failure."""
     import torch.distributed as dist
 
+    # Objects inherited through fork (e.g. a process group an earlier in-process test dropped) must
+    # never be garbage-collected here: their C++ threads do not exist in the child, and the gloo
+    # destructor's thread join then hangs forever. `spawn` collects them in the parent first.
+    gc.freeze()
     try:
         init_dist(rank, world, port)
         fn(rank, world, *args)
@@ -125,6 +130,7 @@ def spawn(fn, world: int, tmp_path, *args) -> None:
     import torch.multiprocessing as mp
 
     err_dir = str(tmp_path)
+    gc.collect()  # destroy dropped process groups here, where their threads live (see run_worker)
     try:
         mp.start_processes(
             run_worker,
