@@ -33,8 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from hybridrl.utils.safe_io import load_state_file
-from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
+from hybridrl.workers.engine.extra_state import load_extra_state, save_extra_state
 from hybridrl.workers.engine.full_params import iter_full_params
 
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")
@@ -97,12 +96,7 @@ def save_checkpoint(
         osd = get_optimizer_state_dict(module, optimizer)
         dcp.save({"optimizer": osd}, checkpoint_id=os.path.join(tmp, "optimizer"))
     if "extra" in chosen:
-        state = {
-            "rng": get_rng_state(),
-            "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
-            "extra": extra,
-        }
-        torch.save(state, os.path.join(tmp, f"extra_state_rank{_rank()}.pt"))
+        save_extra_state(tmp, _rank(), lr_scheduler, extra)
     if "hf_model" in chosen:
         export_hf_model(module, os.path.join(tmp, HF_DIR), tokenizer=tokenizer)
     _barrier()
@@ -168,17 +162,7 @@ def load_checkpoint(
         set_optimizer_state_dict(module, optimizer, state["optimizer"])
     extra = None
     if "extra" in chosen:
-        f = os.path.join(path, f"extra_state_rank{_rank()}.pt")
-        if not os.path.exists(f):
-            raise FileNotFoundError(
-                f"{f} is missing: the checkpoint was saved with {meta['world_size']} ranks; resume with the same "
-                "number of ranks, or drop 'extra' from checkpoint.load_contents"
-            )
-        state = load_state_file(f)
-        set_rng_state(state["rng"])
-        if lr_scheduler is not None and state["lr_scheduler"] is not None:
-            lr_scheduler.load_state_dict(state["lr_scheduler"])
-        extra = state["extra"]
+        extra = load_extra_state(path, _rank(), lr_scheduler, meta["world_size"])
     _barrier()
     return {"global_step": meta.get("global_step"), "extra": extra}
 

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridrl.utils.safe_io import load_state_file
-from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
+from hybridrl.workers.engine.extra_state import load_extra_state, save_extra_state
 from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu
 
 __all__ = ["export_hf_folder", "load_checkpoint", "load_dist_weights", "save_checkpoint"]
@@ -88,12 +87,7 @@ def save_checkpoint(engine, path: str, *, contents=None, global_step: int | None
         with cuda_to_cpu():
             dist_checkpointing.save(sd, os.path.join(tmp, "dist"))
     if "extra" in chosen:
-        state = {
-            "rng": get_rng_state(),
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "extra": extra,
-        }
-        torch.save(state, os.path.join(tmp, f"extra_state_rank{rank}.pt"))
+        save_extra_state(tmp, rank, engine.lr_scheduler, extra)
     if "hf_model" in chosen:
         export_hf_folder(engine, os.path.join(tmp, "huggingface"))
     dist.barrier()
@@ -220,17 +214,7 @@ def load_checkpoint(engine, path: str, *, contents=None) -> dict[str, Any]:
                 _untie_steps(engine.optimizer)
     extra = None
     if "extra" in chosen:
-        f = os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt")
-        if not os.path.exists(f):
-            raise FileNotFoundError(
-                f"{f} is missing: the checkpoint was saved with {meta['world_size']} ranks; resume with the same "
-                "number of ranks, or drop 'extra' from checkpoint.load_contents"
-            )
-        state = load_state_file(f)
-        set_rng_state(state["rng"])
-        if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        extra = state["extra"]
+        extra = load_extra_state(path, dist.get_rank(), engine.lr_scheduler, meta["world_size"])
     dist.barrier()
     return {"global_step": meta.get("global_step"), "extra": extra}
 
