@@ -3,8 +3,8 @@
 Every key is honoured or refused at start-up by `validate_megatron_config`:
 
     tensor_model_parallel_size / pipeline_model_parallel_size   honoured (TP, PP with 1F1B)
-    virtual_pipeline_model_parallel_size                        only null / 1: refused otherwise (the
-                                                                interleaved update does not match FSDP yet)
+    virtual_pipeline_model_parallel_size                        honoured (interleaved 1F1B); each batch
+                                                                must split into a multiple of PP micro-batches
     context_parallel_size, expert_model_parallel_size,          only 1 (None for ETP): refused
     expert_tensor_parallel_size                                 otherwise (no CP / MoE support)
     sequence_parallel                                           ignored at TP=1 (as in Megatron);
@@ -136,11 +136,10 @@ def validate_megatron_config(
     if cfg.use_dist_checkpointing and not cfg.dist_checkpointing_path:
         raise ValueError(f"{key}.use_dist_checkpointing=True needs {key}.dist_checkpointing_path")
     vpp = cfg.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1:
+    if vpp is not None and vpp > 1 and cfg.pipeline_model_parallel_size < 2:
         raise ValueError(
-            f"{key}.virtual_pipeline_model_parallel_size={vpp}: virtual pipeline stages are not supported yet (the "
-            "interleaved schedule's forward matches HF, but its update does not yet match FSDP in hybridrl's "
-            "tests); set it to null"
+            f"{key}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2 (virtual "
+            "stages interleave the layers of several pipeline ranks); set it to null or raise the PP size"
         )
     if world_size is not None and world_size % cfg.model_parallel_size:
         raise ValueError(

@@ -24,7 +24,7 @@ KEY = "actor_rollout_ref.actor.megatron"
         ({"expert_model_parallel_size": 2}, False, "expert"),
         ({"expert_tensor_parallel_size": 2}, False, "expert"),
         ({"sequence_parallel": True, "tensor_model_parallel_size": 2}, False, "sequence_parallel"),
-        ({"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, False, "virtual"),
+        ({"virtual_pipeline_model_parallel_size": 2}, False, "pipeline_model_parallel_size >= 2"),
         ({"param_offload": True}, True, "offload"),
         ({"use_dist_checkpointing": True}, False, "dist_checkpointing_path"),
         ({"tensor_model_parallel_size": 0}, False, "tensor_model_parallel_size"),
@@ -43,6 +43,7 @@ def test_accepted_and_no_ops():
         {"sequence_parallel": True},
         {"param_offload": True, "grad_offload": True},
         {"use_mbridge": True},
+        {"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
     ):
         validate_megatron_config(MegatronConfig(**kwargs), KEY, world_size=2, on_gpu=False)
     assert data_parallel_size("megatron", MegatronConfig(tensor_model_parallel_size=2), 4) == 2

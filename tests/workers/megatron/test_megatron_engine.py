@@ -2,8 +2,9 @@
 
 One spawn per layout, each checked against FSDP on the same 2 ranks: log-probs and entropy, one
 PPO update (same loss, KL loss, grad norm and updated weights), the critic's values and update.
-Layouts: TP=2 and PP=2 (1F1B). (Virtual pipeline stages are refused at start-up: with them the
-forward matched HF but the update did not match FSDP; `_four_layer_model` is kept for that test.)
+Layouts: TP=2, PP=2 (1F1B) and PP=2 x VPP=2 (interleaved 1F1B, on a 4-layer model: one layer per
+virtual stage). The VPP layout once updated wrongly while its forward matched: batched p2p at PP=2
+crossed an activation and a gradient of the same shape; the update check is what caught it.
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def _four_layer_model(path: str) -> str:
 
 @pytest.mark.parametrize(
     "tp,pp,vpp",
-    [(2, 1, None), (1, 2, None)],
+    [(2, 1, None), (1, 2, None), (1, 2, 2)],
 )
 def test_megatron_matches_fsdp(tmp_path, tp, pp, vpp):
     path = str(tmp_path / "model")
