@@ -148,11 +148,12 @@ def _check_critic(rank, model_dir, tp, pp, out, vpp=None):
     _, _, cfg, mcfg = _configs(model_dir, tp, pp, vpp)
     data = _batch()
     mine = data.chunk(2)[rank]
-    torch.manual_seed(3)  # the fresh value head: the same init in both engines
+    # The fresh value head: Megatron's is initialised under megatron.seed (whatever the global RNG, here
+    # moved on by the FSDP build); give FSDP's the same draw.
+    torch.manual_seed(mcfg.seed)
     fsdp = FSDPEngine.build(
         cfg.model, cfg.model.fsdp_config, cfg.optim, role="critic", key="critic.model", load_tok=False
     )
-    torch.manual_seed(3)
     meg = MegatronEngine.build(
         cfg.model,
         mcfg,
@@ -172,6 +173,13 @@ def _check_critic(rank, model_dir, tp, pp, out, vpp=None):
         batch_sizes=normalize_critic_batch_sizes(cfg, dp_size=2),
     )
     m = MegatronPPOCritic(cfg, meg, batch_sizes=normalize_critic_batch_sizes(cfg, dp_size=1))
+    head = dict(meg.iter_full_params())["score.weight"]
+    torch.manual_seed(1234)  # another global RNG state (a Ray worker's starts at random): the same head
+    again = MegatronEngine.build(
+        cfg.model, mcfg, None, role="critic", key="critic.megatron", model_key="critic.model", load_tok=False
+    )
+    out["head_seeded"] = torch.equal(dict(again.iter_full_params())["score.weight"], head)
+    del again
     fv = f.compute_values(mine)
     mv = m.compute_values(data)[rank * 4 : rank * 4 + 4]
     out["value_diff"] = float((fv - mv).abs().max())
@@ -222,6 +230,7 @@ def test_megatron_matches_fsdp(tmp_path, tp, pp, vpp):
         assert out["weight_rel"] < TOL, out["weight_rel"]
         assert out["critic_weight_rel"] < TOL
         assert out["value_diff"] < TOL
+        assert out["head_seeded"]
 
 
 def _run_bf16(rank, world, model_dir, result_dir):

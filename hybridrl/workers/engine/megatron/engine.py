@@ -141,11 +141,21 @@ def _wrap_ddp(chunks: list[Any], tcfg: Any, mcfg: MegatronConfig) -> list[Any]:
     return wrapped
 
 
-def _hf_state_dict(model_config: ModelConfig, role: str, key: str) -> tuple[dict[str, torch.Tensor], Any]:
-    """The role's HF model weights (critic: the token-classification model, head included) and config."""
+def _hf_state_dict(
+    model_config: ModelConfig, role: str, key: str, seed: int
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """The role's HF model weights (critic: the token-classification model, head included) and config.
+
+    Built under `torch.manual_seed(seed)` (megatron.seed) in a forked RNG: what transformers
+    initialises afresh (the critic's value head, a model built from scratch) is the same in every
+    launch. A Ray worker's torch RNG starts from a random seed, so without this a resumed run's
+    uninterrupted twin had a different critic from step 1 on.
+    """
     from hybridrl.workers.engine.fsdp import build_hf_model
 
-    hf = build_hf_model(model_config, role=role, dtype=torch.float32, key=key)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        hf = build_hf_model(model_config, role=role, dtype=torch.float32, key=key)
     return {k: v.detach() for k, v in hf.state_dict().items()}, hf.config
 
 
@@ -189,7 +199,7 @@ class MegatronEngine:
         check_remove_padding(MEGATRON_STRATEGY, model_config.use_remove_padding, model_key)
         init_parallel(megatron_config, key)
         _log_bridge(megatron_config.use_mbridge, key)
-        hf_sd, hf_config = _hf_state_dict(model_config, role, model_key)
+        hf_sd, hf_config = _hf_state_dict(model_config, role, model_key, megatron_config.seed)
         spec = arch_spec(hf_config)
         _check_divisible(spec, megatron_config, key)
         dtype = getattr(torch, megatron_param_dtype(megatron_config, key))
