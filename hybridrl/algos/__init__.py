@@ -14,6 +14,7 @@ metrics) out. Files, one idea each:
     kl_ctrl.py          fixed / adaptive KL coefficient
     rollout_is.py       rollout-vs-training importance weights
     dapo.py             overlong reward shaping, dynamic-sampling group filter
+    pf_ppo.py           policy-filtered PPO resampling weights
 """
 
 from hybridrl.algos.advantage import (
@@ -55,6 +56,7 @@ from hybridrl.algos.kl import (
     register_kl_estimator,
 )
 from hybridrl.algos.kl_ctrl import AdaptiveKLController, FixedKLController, get_kl_controller
+from hybridrl.algos.pf_ppo import pf_ppo_resample_indices, pf_ppo_weights
 from hybridrl.algos.policy_loss import (
     POLICY_LOSSES,
     compute_policy_loss_cispo,
@@ -151,6 +153,8 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "outcome_scores",
+    "pf_ppo_resample_indices",
+    "pf_ppo_weights",
     "register_adv_est",
     "register_kl_estimator",
     "register_loss_agg",

@@ -142,6 +142,10 @@ class ModelConfig:
     lora_rank: > 0 wraps the model with a PEFT LoRA adapter (lora_alpha, target_modules);
       lora_adapter_path loads a saved adapter instead (its own rank and targets).
     use_shm: accepted for veRL compatibility; loading always reads `path` directly.
+    torch_dtype: the dtype the weights are loaded in (Hugging Face's `torch_dtype`); when set it
+      becomes `fsdp_config.model_dtype` of every role that loads this model (actor and ref, or the
+      critic), so the master weights and the optimizer are in it; compute still follows
+      `fsdp_config.mixed_precision.param_dtype`. None: each role's model_dtype.
     """
 
     path: str | None = "builtin:tiny"
@@ -163,6 +167,7 @@ class ModelConfig:
         None  # a saved PEFT adapter to start from (replaces lora_rank/alpha/targets)
     )
     custom_chat_template: str | None = None
+    torch_dtype: str | None = None
 
     def validate(self, key: str = "actor_rollout_ref.model") -> None:
         for name in ("enable_activation_offload", "use_fused_kernels", "use_liger"):

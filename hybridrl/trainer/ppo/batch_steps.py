@@ -1,5 +1,5 @@
-"""Batch-level steps of the PPO fit loop that need no trainer state: rollout correction, reward
-extras, the DAPO group metric, and decoded-sample dumps."""
+"""Batch-level steps of the PPO fit loop that need no trainer state: rollout correction, PF-PPO
+resampling, reward extras, the DAPO group metric, and decoded-sample dumps."""
 
 from __future__ import annotations
 
@@ -46,6 +46,15 @@ def apply_rollout_correction(rc, batch: DataProto, metrics: dict) -> DataProto:
     batch.batch["rollout_is_weights"] = weights
     metrics.update({f"rollout_corr/{k}": float(v) for k, v in rc_metrics.items()})
     return batch
+
+
+def pf_ppo_resample(pf, batch: DataProto, metrics: dict) -> DataProto:
+    """`algorithm.use_pf_ppo`: the batch redrawn (same size, with replacement) by reward weights."""
+    idx = algos.pf_ppo_resample_indices(
+        batch.batch["token_level_scores"], reweight_method=pf.reweight_method, weight_pow=pf.weight_pow
+    )
+    metrics["pf_ppo/unique_frac"] = float(idx.unique().numel() / max(1, len(batch)))
+    return batch.select_idxs(idx)
 
 
 def attach_reward_extra(batch: DataProto, extra: dict[str, list]) -> None:

@@ -27,6 +27,7 @@ from hybridrl.trainer.ppo.batch_steps import (
     attach_reward_extra,
     decode_samples,
     group_metric,
+    pf_ppo_resample,
     rollout_correction_active,
     write_jsonl,
 )
@@ -336,6 +337,8 @@ class RayPPOTrainer:
                 reward_baselines=b["reward_baselines"] if "reward_baselines" in b.keys() else None,
             )
             b["advantages"], b["returns"] = advantages, returns
+            if algo.use_pf_ppo:  # veRL: only after GAE (verl_misc.check_pf_ppo)
+                batch = pf_ppo_resample(algo.pf_ppo, batch, metrics)
         return batch
 
     def _apply_kl_penalty(self, batch: DataProto, metrics: dict) -> None:

@@ -1,0 +1,139 @@
+"""veRL algorithm / engine keys of issue 13 (s2-algos): each one changes what runs, or fails clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from hybridrl import algos
+from hybridrl.trainer.ppo.config import ConfigError
+from hybridrl.trainer.ppo.config_stage import check_startup, override_key, prepare_argv
+from hybridrl.trainer.ppo.verl_compat import WARNED
+
+
+def _check(overrides):
+    with initialize_config_module("hybridrl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=prepare_argv(["x", *overrides])[1:])
+    return check_startup(cfg, explicit_keys={override_key(o) for o in overrides})
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    WARNED.clear()
+
+
+# ------------------------------------------------------------------ GRPO with rollout.n=1
+def test_grpo_with_one_response_per_prompt_loads_and_says_the_advantage_is_the_raw_score(capsys):
+    c = _check(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1"])
+    assert c.actor_rollout_ref.rollout.n == 1
+    assert "advantage is the raw score" in capsys.readouterr().err
+
+
+def test_grpo_groups_of_one_give_the_raw_score_like_verl():
+    # veRL: a group of one has mean 0 and std 1, so A = s / (1 + 1e-6)
+    rewards = torch.tensor([[0.0, 2.0], [0.0, -1.0], [0.5, 0.0]])
+    mask = torch.ones_like(rewards)
+    adv, _ = algos.get_adv_estimator_fn("grpo")(rewards, mask, index=["a", "b", "c"], epsilon=1e-6)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([2.0, -1.0, 0.5]) / (1 + 1e-6))
+
+
+def test_grpo_passk_still_needs_two_responses():
+    with pytest.raises(ConfigError, match="grpo_passk.*rollout.n must be >= 2"):
+        _check(["algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.rollout.n=1"])
+
+
+# ------------------------------------------------------------------ model.torch_dtype
+def test_model_torch_dtype_sets_the_load_dtype_of_actor_and_ref():
+    c = _check(["actor_rollout_ref.model.torch_dtype=bfloat16"])
+    arr = c.actor_rollout_ref
+    assert arr.actor.fsdp_config.model_dtype == "bfloat16"
+    assert arr.ref.fsdp_config.model_dtype == "bfloat16"
+    assert c.critic.model.fsdp_config.model_dtype == "fp32"  # the critic loads its own model
+    default = _check([])
+    assert default.actor_rollout_ref.actor.fsdp_config.model_dtype == "fp32"
+
+
+def test_model_torch_dtype_builds_the_model_in_that_dtype():
+    from hybridrl.workers.engine.fsdp import build_hf_model
+
+    c = _check(["actor_rollout_ref.model.torch_dtype=bfloat16"])
+    model = build_hf_model(c.actor_rollout_ref.model, dtype=c.actor_rollout_ref.actor.fsdp_config.model_dtype)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_critic_model_torch_dtype():
+    c = _check(["algorithm.adv_estimator=gae", "critic.model.torch_dtype=float16"])
+    assert c.critic.model.fsdp_config.model_dtype == "float16"
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["actor_rollout_ref.model.torch_dtype=auto"], "torch_dtype='auto' is not a dtype"),
+        (
+            [
+                "actor_rollout_ref.model.torch_dtype=bfloat16",
+                "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+            ],
+            "torch_dtype=bfloat16 and actor_rollout_ref.actor.fsdp_config.model_dtype=fp32 disagree",
+        ),
+    ],
+)
+def test_model_torch_dtype_errors(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        _check(overrides)
+
+
+def test_model_torch_dtype_agreeing_with_an_explicit_model_dtype_is_fine():
+    c = _check(
+        [
+            "actor_rollout_ref.model.torch_dtype=bfloat16",
+            "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
+        ]
+    )
+    assert c.actor_rollout_ref.actor.fsdp_config.model_dtype == "bfloat16"
+
+
+# ------------------------------------------------------------------ trainer.use_legacy_worker_impl
+def test_use_legacy_worker_impl_auto_is_our_single_implementation():
+    assert _check(["trainer.use_legacy_worker_impl=auto"]).trainer.use_legacy_worker_impl == "auto"
+
+
+@pytest.mark.parametrize(
+    "value, pattern", [("enable", "single implementation"), ("disable", "single"), ("x", "one of")]
+)
+def test_use_legacy_worker_impl_other_values_fail(value, pattern):
+    with pytest.raises(ConfigError, match=f"trainer.use_legacy_worker_impl.*{pattern}"):
+        _check([f"trainer.use_legacy_worker_impl={value}"])
+
+
+# ------------------------------------------------------------------ PF-PPO
+def test_pf_ppo_with_gae_loads():
+    c = _check(
+        [
+            "algorithm.adv_estimator=gae",
+            "algorithm.use_pf_ppo=True",
+            "algorithm.pf_ppo.reweight_method=max_min",
+        ]
+    )
+    assert c.algorithm.use_pf_ppo and c.algorithm.pf_ppo.reweight_method == "max_min"
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["algorithm.use_pf_ppo=True"], "only after GAE"),
+        (
+            [
+                "algorithm.adv_estimator=gae",
+                "algorithm.use_pf_ppo=True",
+                "algorithm.pf_ppo.reweight_method=x",
+            ],
+            "reweight_method='x' is not one of",
+        ),
+    ],
+)
+def test_pf_ppo_errors(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        _check(overrides)
