@@ -91,12 +91,15 @@ class FSDPConfig:
     reshard_after_forward: free each layer's gathered parameters after forward (True, veRL's
     default) or keep them until backward (False); None (auto) is False when each shard group is
     one CPU rank (nothing is sharded; keeping them saves a second cast in backward), else True.
+    forward_prefetch: each decoder layer's forward starts the next layer's all-gather (FSDP2
+    explicit prefetch), overlapping communication with compute; same numbers.
     """
 
     param_offload: bool = False
     optimizer_offload: bool = False
     offload_policy: bool = False
     reshard_after_forward: bool | None = None
+    forward_prefetch: bool = False
     fsdp_size: int = -1
     model_dtype: str = "fp32"
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
@@ -237,7 +240,12 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    """`actor_rollout_ref.ref`: the frozen reference policy (forward only)."""
+    """`actor_rollout_ref.ref`: the frozen reference policy (forward only).
+
+    entropy_from_logits_with_chunking: the reference's PPOActor computes any entropy 2048
+    positions at a time (as the actor's key); the reference pass itself asks for log-probs only
+    (as in veRL), so this changes no number today.
+    """
 
     strategy: str = "fsdp"
     log_prob_micro_batch_size: int | None = None  # deprecated global size
@@ -246,9 +254,14 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: int = 16384
     ulysses_sequence_parallel_size: int = 1
     use_torch_compile: bool = False
+    entropy_from_logits_with_chunking: bool = False
     fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+    def policy_config(self) -> ActorConfig:
+        """The forward-only PPOActor settings of the reference (its entropy function)."""
+        return ActorConfig(entropy_from_logits_with_chunking=self.entropy_from_logits_with_chunking)
 
 
 @dataclass

@@ -132,7 +132,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
                     self.model_config, self.ref_config.fsdp_config, None, role="ref"
                 )
                 self.ref_policy = PPOActor(
-                    None,
+                    self.ref_config.policy_config(),
                     self.ref_engine.module,
                     dp_size=self.ref_engine.dp_size,
                     use_remove_padding=self.model_config.use_remove_padding,

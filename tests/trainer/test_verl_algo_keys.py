@@ -137,3 +137,20 @@ def test_pf_ppo_with_gae_loads():
 def test_pf_ppo_errors(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         _check(overrides)
+
+
+# ------------------------------------------------------------------ run_qwen3-8b_npu.sh keys
+def test_forward_prefetch_and_ref_entropy_chunking_reach_the_engine_settings():
+    c = _check(
+        [
+            "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True",
+            "actor_rollout_ref.ref.fsdp_config.forward_prefetch=True",
+            "++actor_rollout_ref.ref.entropy_from_logits_with_chunking=True",
+        ]
+    )
+    arr = c.actor_rollout_ref
+    assert arr.actor.fsdp_config.forward_prefetch and arr.ref.fsdp_config.forward_prefetch
+    assert not c.critic.model.fsdp_config.forward_prefetch
+    # the reference's PPOActor (fsdp_workers) is built from this config: chunked entropy
+    assert arr.ref.policy_config().entropy_from_logits_with_chunking
+    assert not _check([]).actor_rollout_ref.ref.policy_config().entropy_from_logits_with_chunking
