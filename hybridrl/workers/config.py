@@ -115,11 +115,29 @@ class CheckpointConfig:
 
 
 @dataclass
+class PolicyLossRolloutCorrection:
+    """`actor.policy_loss.rollout_correction`: the settings of the `bypass_mode` loss, copied by the
+    driver from `algorithm.rollout_correction` when its bypass_mode=True (as veRL does).
+
+    loss_type: ppo_clip | reinforce; rollout_is (null | token | sequence), rollout_is_threshold,
+    rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold: see hybridrl.algos.rollout_rs.
+    """
+
+    loss_type: str = "ppo_clip"
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: Any = None
+
+
+@dataclass
 class PolicyLossConfig:
     """`actor.policy_loss`: the registry name of the loss and the hyper-parameters of its variants.
 
     behave_imp_weight_cap: the 'decoupled' (AReaL) loss drops tokens whose behaviour importance
-    weight pi_prox / pi_behav exceeds it (None keeps all).
+    weight pi_prox / pi_behav exceeds it (None keeps all). rollout_correction: the settings of the
+    'bypass_mode' loss (veRL's algorithm.rollout_correction.bypass_mode).
     """
 
     loss_mode: str = "vanilla"
@@ -129,6 +147,7 @@ class PolicyLossConfig:
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
     behave_imp_weight_cap: float | None = None
+    rollout_correction: PolicyLossRolloutCorrection = field(default_factory=PolicyLossRolloutCorrection)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,7 +211,9 @@ class ActorConfig:
     rows per forward/backward on one rank; with use_dynamic_bsz, micro-batches are instead packed
     to at most ppo_max_token_len_per_gpu tokens. grad_clip (veRL's older key) overrides
     optim.clip_grad when set. entropy_from_logits_with_chunking / entropy_checkpointing compute
-    the entropy 2048 positions at a time, recomputed in backward. use_torch_compile=True is
+    the entropy 2048 positions at a time, recomputed in backward. calculate_sum_pi_squared: the
+    old-log-prob pass also returns sum_v pi(v)^2 per token (`sum_pi_squared`, computed chunk-wise
+    with the log-probs; algorithm.adv_estimator=optimal_token_baseline needs it). use_torch_compile=True is
     refused (the engine runs eagerly; see hybridrl/trainer/ppo/verl_compat.py REFUSED).
 
     skip_on_policy_old_log_prob: when the update is exactly on-policy (ppo_epochs == 1 and one
@@ -226,6 +247,7 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = 1
     entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
+    calculate_sum_pi_squared: bool = False
     skip_on_policy_old_log_prob: bool = True
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

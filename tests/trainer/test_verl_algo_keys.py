@@ -154,3 +154,78 @@ def test_forward_prefetch_and_ref_entropy_chunking_reach_the_engine_settings():
     # the reference's PPOActor (fsdp_workers) is built from this config: chunked entropy
     assert arr.ref.policy_config().entropy_from_logits_with_chunking
     assert not _check([]).actor_rollout_ref.ref.policy_config().entropy_from_logits_with_chunking
+
+
+# ------------------------------------------------------------------ optimal token baseline
+def test_otb_loads_with_sum_pi_squared_and_keeps_the_old_log_prob_pass():
+    from hybridrl.trainer.ppo.trainer import old_log_prob_is_redundant
+
+    otb = [
+        "algorithm.adv_estimator=optimal_token_baseline",
+        "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+    ]
+    small = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]  # on-policy
+    c = _check(otb + small)
+    assert c.actor_rollout_ref.actor.calculate_sum_pi_squared
+    assert not old_log_prob_is_redundant(c)  # the old-log-prob pass computes sum_pi_squared
+    assert old_log_prob_is_redundant(_check(small))
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["algorithm.adv_estimator=optimal_token_baseline"], "calculate_sum_pi_squared=True"),
+        (
+            [
+                "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+                "actor_rollout_ref.actor.strategy=megatron",
+            ],
+            "FSDP actor only",
+        ),
+    ],
+)
+def test_otb_errors(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        _check(overrides)
+
+
+# ------------------------------------------------------------------ rollout correction (examples/rollout_correction)
+RC = "algorithm.rollout_correction."
+CALC = "actor_rollout_ref.rollout.calculate_log_probs=True"
+
+
+def test_bypass_reinforce_becomes_the_actors_bypass_loss():
+    c = _check(
+        [CALC, f"{RC}bypass_mode=True", f"{RC}loss_type=reinforce", f"{RC}rollout_is=sequence"]
+        + [f"{RC}rollout_is_batch_normalize=True", "algorithm.adv_estimator=rloo"]
+    )
+    pl = c.actor_rollout_ref.actor.policy_loss
+    assert pl.loss_mode == "bypass_mode"
+    assert (pl.rollout_correction.loss_type, pl.rollout_correction.rollout_is) == ("reinforce", "sequence")
+    assert pl.rollout_correction.rollout_is_batch_normalize
+    assert _check([]).actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
+
+
+def test_multi_option_rejection_loads():
+    c = _check([CALC, f"{RC}rollout_rs='token_k1,seq_max_k2'", f"{RC}rollout_rs_threshold='0.6_1.6,2.5'"])
+    assert c.algorithm.rollout_correction.rollout_rs == "token_k1,seq_max_k2"
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        ([CALC, f"{RC}loss_type=reinforce"], "loss of bypass mode"),
+        (
+            [CALC, f"{RC}bypass_mode=True", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
+            "leave it at vanilla",
+        ),
+        (
+            [CALC, f"{RC}rollout_rs='token_k1,seq_max_k2'", f"{RC}rollout_rs_threshold='0.6_1.6,2.5,3'"],
+            "3 specs",
+        ),
+        ([CALC, f"{RC}rollout_rs=token_k7", f"{RC}rollout_rs_threshold=2"], "is not one of null"),
+    ],
+)
+def test_rollout_correction_errors(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        _check(overrides)

@@ -150,6 +150,7 @@ GROUP_ESTIMATORS_WITH_SINGLETONS = (
     "rloo_vectorized",
     "opo",
     "reinforce_plus_plus_baseline",
+    "optimal_token_baseline",
 )
 
 

@@ -5,7 +5,10 @@
   the roles that load that model; an explicit, different model_dtype is an error;
 - `trainer.use_legacy_worker_impl`: veRL picks one of its two worker implementations; hybridrl
   has one, which is what `auto` means; `enable` / `disable` name a veRL implementation and fail;
-- `algorithm.use_pf_ppo` / `algorithm.pf_ppo.*`: checked here (veRL applies PF-PPO with GAE only).
+- `algorithm.use_pf_ppo` / `algorithm.pf_ppo.*`: checked here (veRL applies PF-PPO with GAE only);
+- `algorithm.rollout_correction.bypass_mode` / `loss_type`: the actor's `bypass_mode` loss;
+- `algorithm.adv_estimator=optimal_token_baseline` needs `actor.calculate_sum_pi_squared=True` and
+  the old-log-prob pass of the FSDP actor (which computes that sum).
 """
 
 from __future__ import annotations
@@ -93,9 +96,63 @@ def check_pf_ppo(config: Any) -> None:
         )
 
 
+def check_sum_pi_squared(config: Any) -> None:
+    """The optimal token baseline reads `sum_pi_squared`, which the FSDP old-log-prob pass computes."""
+    actor = config.actor_rollout_ref.actor
+    key = "actor_rollout_ref.actor.calculate_sum_pi_squared"
+    if config.algorithm.adv_estimator == "optimal_token_baseline" and not actor.calculate_sum_pi_squared:
+        raise config_error(
+            f"algorithm.adv_estimator=optimal_token_baseline needs the per-token sum of pi^2: set {key}=True"
+        )
+    if not actor.calculate_sum_pi_squared:
+        return
+    if actor.strategy == "megatron":
+        raise config_error(f"{key}=True is implemented for the FSDP actor only; use actor.strategy=fsdp")
+    if config.algorithm.rollout_correction.bypass_mode:
+        raise config_error(
+            f"{key}=True needs the old-log-prob pass, which algorithm.rollout_correction.bypass_mode=True "
+            "skips; turn bypass_mode off"
+        )
+
+
+def apply_bypass_loss(config: Any) -> None:
+    """`algorithm.rollout_correction.bypass_mode=True`: the actor's loss becomes `bypass_mode`
+    (IS weights and rejection from the current policy against the rollout's, inside the loss) with
+    the section's settings, as veRL does; `loss_type` means something in bypass mode only."""
+    rc = config.algorithm.rollout_correction
+    pl = config.actor_rollout_ref.actor.policy_loss
+    key = "algorithm.rollout_correction"
+    if rc.loss_type not in ("ppo_clip", "reinforce"):
+        raise config_error(f"{key}.loss_type={rc.loss_type!r} is not one of ppo_clip, reinforce")
+    if not rc.bypass_mode:
+        if rc.loss_type != "ppo_clip":
+            raise config_error(
+                f"{key}.loss_type={rc.loss_type} is the loss of bypass mode (veRL ignores it otherwise): "
+                f"set {key}.bypass_mode=True, or leave loss_type=ppo_clip"
+            )
+        return
+    if pl.loss_mode not in ("vanilla", "bypass_mode"):
+        raise config_error(
+            f"{key}.bypass_mode=True replaces the policy loss (PPO-clip or REINFORCE, {key}.loss_type); "
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={pl.loss_mode} would be ignored: leave it at vanilla"
+        )
+    pl.loss_mode = "bypass_mode"
+    for name in (
+        "loss_type",
+        "rollout_is",
+        "rollout_is_threshold",
+        "rollout_is_batch_normalize",
+        "rollout_rs",
+        "rollout_rs_threshold",
+    ):
+        setattr(pl.rollout_correction, name, getattr(rc, name))
+
+
 def apply_verl_misc(config: Any, explicit_keys=None) -> None:
     """Map and check the keys above on a merged config (mutates it)."""
     explicit = None if explicit_keys is None else set(explicit_keys)
     apply_model_torch_dtype(config, explicit)
     check_legacy_worker_impl(config)
     check_pf_ppo(config)
+    check_sum_pi_squared(config)
+    apply_bypass_loss(config)
