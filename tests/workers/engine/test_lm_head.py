@@ -236,7 +236,12 @@ def test_forward_sum_pi_squared_fused_equals_plain(model_dir, rmpad):
             model, batch, temperature=0.7, use_remove_padding=rmpad, calculate_sum_pi_squared=True
         )
         out_p = forward.forward_log_probs(
-            model, batch, temperature=0.7, use_remove_padding=rmpad, calculate_sum_pi_squared=True, fused=False
+            model,
+            batch,
+            temperature=0.7,
+            use_remove_padding=rmpad,
+            calculate_sum_pi_squared=True,
+            fused=False,
         )
         lp_only, _ = forward.forward_log_probs(model, batch, temperature=0.7, use_remove_padding=rmpad)
     assert len(out_f) == len(out_p) == 3 and out_f[1] is None
