@@ -51,6 +51,7 @@ class PPOActor(MicroBatchedRole):
         use_remove_padding: pack valid tokens into one row (`model.use_remove_padding`).
         dp_group: process group of the data-parallel ranks (default: WORLD when dp_size > 1).
         peak_flops: peak FLOP/s of one device for `perf/mfu/actor` (None: not reported).
+        sp: this rank's Ulysses sequence-parallel group (see `MicroBatchedRole`).
     """
 
     role = "actor"
@@ -71,6 +72,7 @@ class PPOActor(MicroBatchedRole):
             calculate_entropy=calculate_entropy,
             entropy_chunk_size=chunk,
             entropy_grad=entropy_grad,
+            sp=self.sp,
         )
 
     def compute_log_prob(

@@ -38,6 +38,7 @@ from hybridrl.workers.engine.batching import (
     shuffle_seed,
     split_micro_batches,
 )
+from hybridrl.workers.engine.ulysses import SPGroup
 
 # micro-batch, its response mask (b, T), the mini-batch's LossScale ->
 #   (loss to backpropagate, {metric: value summed over micro-batches}, {metric: token-mean value})
@@ -195,6 +196,9 @@ class MicroBatchedRole:
         use_remove_padding: pack valid tokens into one row.
         dp_group: process group of the data-parallel ranks (default: WORLD when dp_size > 1).
         peak_flops: peak FLOP/s of one device for `perf/mfu/{role}` (None: not reported).
+        sp: this rank's Ulysses group (`engine.ulysses`; the module went through
+            `parallelize_sp`): the ranks of a group get the same rows, dp_size / dp_group then
+            count the groups (world / sp), not the ranks.
     """
 
     role = "role"
@@ -211,8 +215,10 @@ class MicroBatchedRole:
         use_remove_padding: bool = False,
         dp_group: Any = None,
         peak_flops: float | None = None,
+        sp: SPGroup | None = None,
     ) -> None:
         self.config = config
+        self.sp = sp
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
