@@ -38,6 +38,7 @@ __all__ = [
     "ATTN_NAME",
     "SPGroup",
     "all_to_all",
+    "build_sp_groups",
     "check_sp_heads",
     "check_sp_layout",
     "gather_seq",
@@ -282,3 +283,17 @@ def slice_packed(input_ids: torch.Tensor, position_ids: torch.Tensor, sp: SPGrou
     length = (nnz + pad) // sp.size
     start = sp.rank * length
     return ids[:, start : start + length], pos[:, start : start + length]
+
+
+def build_sp_groups(layout: Any, rank: int) -> tuple[SPGroup, Any]:
+    """(this rank's SPGroup, its dp group or None) of a ``{"dp": ..., "sp": ...}`` MeshLayout.
+
+    Every rank must call this (it creates one process group per sp group and per dp group). The
+    dp group (one rank per sp coordinate... i.e. the ranks that differ only in dp) is what loss
+    normalisation and metric means all-reduce over; None when there is one dp group.
+    """
+    from hybridrl.single_controller.mesh import new_subgroups
+
+    group = new_subgroups(layout, ["sp"], rank)
+    dp_group = new_subgroups(layout, ["dp"], rank) if layout.size("dp") > 1 else None
+    return SPGroup(group, layout.coords(rank)["sp"], layout.size("sp")), dp_group

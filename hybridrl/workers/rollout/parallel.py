@@ -44,8 +44,13 @@ def rollout_mesh(world_size: int, tp: int) -> MeshLayout:
     return MeshLayout.create(world_size, {"dp": -1, "tp": tp})
 
 
-def training_mesh(world_size: int, fsdp_size: int = -1) -> MeshLayout:
-    """The FSDP engine's mesh: every rank is data-parallel (replicate ``ddp`` x shard ``fsdp``)."""
+def training_mesh(world_size: int, fsdp_size: int = -1, sp: int = 1) -> MeshLayout:
+    """The FSDP engine's dispatch mesh: every rank is data-parallel (replicate ``ddp`` x shard
+    ``fsdp``); with Ulysses SP (sp > 1) ``{"dp": world / sp, "sp": sp}``, sp innermost: the sp
+    ranks of a group get the same rows and its sp rank 0 returns them (the parameters are still
+    sharded over every rank, see engine/ulysses.py)."""
+    if sp > 1:
+        return MeshLayout.create(world_size, {"dp": -1, "sp": sp})
     shard = world_size if fsdp_size <= 0 or fsdp_size >= world_size else fsdp_size
     return MeshLayout.create(world_size, {"ddp": -1, "fsdp": shard}, dp_dims=("ddp", "fsdp"))
 
