@@ -67,6 +67,10 @@ def test_sizes_count_per_sp_group_and_the_reference_follows_the_actor():
             r"critic\.ulysses.*packed path",
         ),
         (["reward_model.ulysses_sequence_parallel_size=2"], r"not for the reward model"),
+        (  # the built-in model has 2 attention heads
+            ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=4"],
+            r"=4 does not divide the model's 2 attention heads",
+        ),
     ],
 )
 def test_bad_layouts_fail_naming_the_fix(extra, match):

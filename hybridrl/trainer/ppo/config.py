@@ -195,7 +195,8 @@ def _validate_actor_batches(config: PPOConfig, world: int) -> None:
 def _validate_ulysses(config: PPOConfig, world: int) -> None:
     """Ulysses SP sizes divide the ranks, run on FSDP's packed path; the colocated reference
     shares the actor's sequence-parallel groups (hybridrl.workers.engine.ulysses)."""
-    from hybridrl.workers.engine.ulysses import check_sp_layout
+    from hybridrl.workers.engine.ulysses import check_sp_heads, check_sp_layout
+    from hybridrl.workers.rollout.parallel import heads_of_model_path
 
     arr, c = config.actor_rollout_ref, config.critic
     actor_sp, ref_sp = arr.actor.ulysses_sequence_parallel_size, arr.ref.ulysses_sequence_parallel_size
@@ -205,9 +206,16 @@ def _validate_ulysses(config: PPOConfig, world: int) -> None:
     ]
     if algos.estimator_needs_critic(config.algorithm.adv_estimator):
         roles.append(("critic", c.ulysses_sequence_parallel_size, c.model.use_remove_padding, c.strategy))
+    paths = {"critic": c.model.path or arr.model.path}
     try:
         for key, sp, packed, strategy in roles:
             check_sp_layout(key, sp, world, use_remove_padding=packed, strategy=strategy)
+            if sp > 1:  # the heads, when the model's config can be read here (else the worker checks)
+                heads, kv_heads = heads_of_model_path(
+                    paths.get(key, arr.model.path), arr.model.trust_remote_code
+                )
+                if heads is not None:
+                    check_sp_heads(key, sp, heads, kv_heads)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if ref_sp != actor_sp and (config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss):

@@ -167,7 +167,9 @@ def weight_loader_for(load_format: str, strategy: str = "fsdp") -> str:
     return "hf" if load_format in ("dummy_hf", "hf") else "dtensor"
 
 
-def _heads_of(model_path: str | None, trust_remote_code: bool) -> tuple[int | None, int | None]:
+def heads_of_model_path(
+    model_path: str | None, trust_remote_code: bool = False
+) -> tuple[int | None, int | None]:
     """Heads from the model's config when it can be read here (a local folder or a cached hub id)."""
     from hybridrl.models.builtin import resolve_model_path
 
@@ -197,6 +199,6 @@ def check_rollout_parallel_config(
     Raises:
         ValueError: from :func:`validate_rollout_parallel` or :func:`weight_loader_for`.
     """
-    heads, kv_heads = _heads_of(model_path, trust_remote_code) if tp > 1 else (None, None)
+    heads, kv_heads = heads_of_model_path(model_path, trust_remote_code) if tp > 1 else (None, None)
     validate_rollout_parallel(tp, world_size, engine, heads, kv_heads)
     weight_loader_for(load_format, strategy)
