@@ -132,6 +132,13 @@ class PolicyLossConfig:
 # model
 # ----------------------------------------------------------------------------------------------
 @dataclass
+class FusedKernelOptions:
+    """`model.fused_kernel_options`: impl_backend of the fused log-prob path (torch)."""
+
+    impl_backend: str = "torch"
+
+
+@dataclass
 class ModelConfig:
     """`actor_rollout_ref.model`: which Hugging Face model to load and how.
 
@@ -142,6 +149,10 @@ class ModelConfig:
     lora_rank: > 0 wraps the model with a PEFT LoRA adapter (lora_alpha, target_modules);
       lora_adapter_path loads a saved adapter instead (its own rank and targets).
     use_shm: accepted for veRL compatibility; loading always reads `path` directly.
+    use_fused_kernels: log-probs and entropy from the hidden states without the (B, S, V) logits
+      (veRL's fused kernels; here the chunked head of hybridrl/workers/engine/lm_head.py, equal
+      numbers). hybridrl's default is True (its tested path); False computes the full logits.
+      fused_kernel_options.impl_backend: torch only (veRL's triton kernel does not exist here).
     """
 
     path: str | None = "builtin:tiny"
@@ -152,7 +163,8 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
-    use_fused_kernels: bool = False
+    use_fused_kernels: bool = True  # veRL: False; see the docstring
+    fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
     use_liger: bool = False
     use_shm: bool = False
     init_from_scratch: bool = False
@@ -165,7 +177,14 @@ class ModelConfig:
     custom_chat_template: str | None = None
 
     def validate(self, key: str = "actor_rollout_ref.model") -> None:
-        for name in ("enable_activation_offload", "use_fused_kernels", "use_liger"):
+        backend = self.fused_kernel_options.impl_backend
+        if self.use_fused_kernels and backend != "torch":
+            raise ValueError(
+                f"{key}.fused_kernel_options.impl_backend={backend!r}: the fused log-prob path here is a chunked "
+                "torch implementation (hybridrl/workers/engine/lm_head.py); no Triton kernel exists in hybridrl. "
+                "Use impl_backend=torch"
+            )
+        for name in ("enable_activation_offload", "use_liger"):
             if getattr(self, name):
                 raise ValueError(f"{key}.{name}=True is not implemented in hybridrl; set it to False")
         if self.lora_rank < 0:
@@ -301,8 +320,42 @@ class RewardModelModelConfig:
 
 
 @dataclass
+class RewardRolloutConfig:
+    """`reward_model.rollout`: the engine that serves the reward model in veRL's reward loop
+    (`reward_model.use_reward_loop=True`; hybridrl/workers/reward/reward_loop.py).
+
+    name: vllm (vLLM's pooling runner, `LLM.classify`) or hf (the Hugging Face forward).
+    dtype: the engine's weight dtype. tensor_model_parallel_size: GPUs (CPU slots) per replica;
+    one replica per group of that many slots. gpu_memory_utilization / enforce_eager: vLLM
+    arguments. max_model_len: the longest RM input (default prompt_length + response_length); a
+    longer input is an error naming these keys, for both engines.
+    """
+
+    name: str = "hf"  # veRL: required (???); hybridrl's CPU default is hf
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    tensor_model_parallel_size: int = 1  # veRL: 2
+    max_model_len: int | None = None
+    prompt_length: int = 2048
+    response_length: int = 2048
+
+    @property
+    def effective_max_model_len(self) -> int:
+        return self.max_model_len or (self.prompt_length + self.response_length)
+
+
+@dataclass
 class RewardModelConfig:
-    """`reward_model`: an optional learned reward model, and the reward manager of the rule scores."""
+    """`reward_model`: an optional learned reward model, and the reward manager of the rule scores.
+
+    use_reward_loop: veRL's reward loop: `num_workers` reward-loop workers (Ray actors) score
+    the batch concurrently; with `enable` the model is served by `rollout.name` (see
+    RewardRolloutConfig) instead of the FSDP RewardModelWorker (the legacy path). Same scores.
+    reward_kwargs: veRL's keyword arguments of the reward manager (e.g. dapo's
+    `overlong_buffer_cfg`, `max_resp_len`); the rest go to the score function, like
+    `custom_reward_function.reward_kwargs` (both may be set if they agree).
+    """
 
     enable: bool = False
     strategy: str = "fsdp"
@@ -315,7 +368,9 @@ class RewardModelConfig:
     reward_manager: str = "naive"
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     launch_reward_fn_async: bool = False
-    use_reward_loop: bool = False  # refused when True (hybridrl/trainer/ppo/verl_compat.py)
+    use_reward_loop: bool = False
+    num_workers: int = 1
+    rollout: RewardRolloutConfig = field(default_factory=RewardRolloutConfig)
     ulysses_sequence_parallel_size: int = 1
 
 

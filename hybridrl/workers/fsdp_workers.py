@@ -122,6 +122,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
                 batch_sizes=self.actor_batch_sizes,
                 use_remove_padding=self.model_config.use_remove_padding,
                 peak_flops=self.peak_flops,
+                use_fused_kernels=self.model_config.use_fused_kernels,
             )
         if self._is_ref:
             self._lora_self_ref = self._is_actor and (
@@ -136,6 +137,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
                     self.ref_engine.module,
                     dp_size=self.ref_engine.dp_size,
                     use_remove_padding=self.model_config.use_remove_padding,
+                    use_fused_kernels=self.model_config.use_fused_kernels,
                 )
         if self._is_rollout:
             self._build_rollout(model_path)
