@@ -346,6 +346,16 @@ class RewardRolloutConfig:
 
 
 @dataclass
+class SandboxFusionConfig:
+    """`reward_model.sandbox_fusion`: code data sources scored on a SandboxFusion service
+    (hybridrl/workers/reward/scorers/sandbox_fusion.py); url null: off."""
+
+    url: str | None = None
+    max_concurrent: int = 64  # requests in flight per scoring process
+    memory_limit_mb: int = 1024
+
+
+@dataclass
 class RewardModelConfig:
     """`reward_model`: an optional learned reward model, and the reward manager of the rule scores.
 
@@ -371,6 +381,7 @@ class RewardModelConfig:
     use_reward_loop: bool = False
     num_workers: int = 1
     rollout: RewardRolloutConfig = field(default_factory=RewardRolloutConfig)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
     ulysses_sequence_parallel_size: int = 1
 
 

@@ -125,6 +125,14 @@ def build_reward_fns(config: PPOConfig, tokenizer):
 
     crf = config.custom_reward_function
     compute_score = load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs)) if crf.path else None
+    sandbox = config.reward_model.sandbox_fusion
+    if sandbox.url and compute_score is None:  # code data sources run on SandboxFusion
+        import functools
+
+        from hybridrl.workers.reward.scorers.sandbox_fusion import SandboxSettings, compute_score_with_sandbox
+
+        settings = SandboxSettings(sandbox.url, sandbox.max_concurrent, sandbox.memory_limit_mb)
+        compute_score = functools.partial(compute_score_with_sandbox, sandbox=settings)
     name = config.reward_model.reward_manager
     extra = reward_manager_kwargs(config)  # hybridrl's keys + reward_model.reward_kwargs (one setting)
     key = config.data.reward_fn_key

@@ -333,6 +333,13 @@ def check_reward_side(config: Any, explicit_keys) -> None:
         raise config_error(str(e)) from None
     rm = config.reward_model
     key = "reward_model"
+    if rm.sandbox_fusion.url and config.custom_reward_function.path:
+        raise config_error(
+            f"{key}.sandbox_fusion.url is used by the built-in code scorer; with custom_reward_function.path, "
+            "call the sandbox from your function (or drop one of them)"
+        )
+    if rm.sandbox_fusion.max_concurrent < 1:
+        raise config_error(f"{key}.sandbox_fusion.max_concurrent must be >= 1")
     if not rm.use_reward_loop:
         set_keys = sorted(
             k for k in (explicit_keys or ()) if k.startswith(f"{key}.rollout.") or k == f"{key}.num_workers"
