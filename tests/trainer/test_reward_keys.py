@@ -142,3 +142,16 @@ def test_reward_manager_section_is_the_same_setting_as_reward_model_reward_manag
     assert plain[0] > 0
     with pytest.raises(ConfigError, match="module.path"):
         _check(["reward_manager.source=importlib"])
+
+
+def test_colocated_vllm_engines_must_fit_one_gpu_together():
+    from hybridrl.trainer.ppo.workers import start_reward_loop
+
+    c = _check(RM + ["reward_model.rollout.name=vllm", "actor_rollout_ref.rollout.name=vllm"])
+    c.trainer.device = "cuda"  # a GPU run (checked when the loop starts, before anything is built)
+    c.actor_rollout_ref.rollout.gpu_memory_utilization, c.reward_model.rollout.gpu_memory_utilization = (
+        0.6,
+        0.8,
+    )
+    with pytest.raises(ValueError, match="= 1.40 > 1 on the same GPUs"):
+        start_reward_loop(c, reward_fn=None)

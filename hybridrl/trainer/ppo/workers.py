@@ -161,7 +161,14 @@ def start_reward_loop(config, reward_fn) -> Any:
         return None
     from hybridrl.workers.reward.reward_loop import RewardLoopManager
 
-    tr = config.trainer
+    tr, rm, rollout = config.trainer, config.reward_model, config.actor_rollout_ref.rollout
+    total = rollout.gpu_memory_utilization + rm.rollout.gpu_memory_utilization
+    if use_gpu(config) and rm.enable and rm.rollout.name == "vllm" and rollout.name == "vllm" and total > 1:
+        raise ValueError(  # untested on GPU: the served RM keeps its memory (no sleep/wake here)
+            f"actor_rollout_ref.rollout.gpu_memory_utilization + reward_model.rollout.gpu_memory_utilization = "
+            f"{total:.2f} > 1 on the same GPUs; the reward model's engine does not sleep between steps here, so "
+            "lower them to sum to at most 1"
+        )
     return RewardLoopManager(
         config.reward_model,
         config.actor_rollout_ref.model.path,
