@@ -52,12 +52,22 @@ class PPOActor(MicroBatchedRole):
         dp_group: process group of the data-parallel ranks (default: WORLD when dp_size > 1).
         peak_flops: peak FLOP/s of one device for `perf/mfu/actor` (None: not reported).
         sp: this rank's Ulysses sequence-parallel group (see `MicroBatchedRole`).
+        use_fused_kernels: `model.use_fused_kernels`: log-probs/entropy from the hidden states through
+            the chunked head (`engine.lm_head`, no (B, S, V) logits); False: full logits, then the slice.
     """
 
     role = "actor"
 
-    def __init__(self, config: ActorConfig | None, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: ActorConfig | None,
+        module: nn.Module,
+        *args: Any,
+        use_fused_kernels: bool = True,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(config or ActorConfig(), module, *args, **kwargs)
+        self.use_fused_kernels = use_fused_kernels  # model.use_fused_kernels: the chunked head (lm_head.py)
         self.policy_loss_fn = get_policy_loss_fn(self.config.policy_loss.loss_mode)
 
     # ------------------------------------------------------------------------------------------
@@ -81,6 +91,7 @@ class PPOActor(MicroBatchedRole):
             entropy_grad=entropy_grad,
             calculate_sum_pi_squared=sps,
             sp=self.sp,
+            fused=self.use_fused_kernels,
         )
 
     def compute_log_prob(

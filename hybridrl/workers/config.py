@@ -154,6 +154,13 @@ class PolicyLossConfig:
 # model
 # ----------------------------------------------------------------------------------------------
 @dataclass
+class FusedKernelOptions:
+    """`model.fused_kernel_options`: impl_backend of the fused log-prob path (torch)."""
+
+    impl_backend: str = "torch"
+
+
+@dataclass
 class ModelConfig:
     """`actor_rollout_ref.model`: which Hugging Face model to load and how.
 
@@ -168,6 +175,10 @@ class ModelConfig:
       becomes `fsdp_config.model_dtype` of every role that loads this model (actor and ref, or the
       critic), so the master weights and the optimizer are in it; compute still follows
       `fsdp_config.mixed_precision.param_dtype`. None: each role's model_dtype.
+    use_fused_kernels: log-probs and entropy from the hidden states without the (B, S, V) logits
+      (veRL's fused kernels; here the chunked head of hybridrl/workers/engine/lm_head.py, equal
+      numbers). hybridrl's default is True (its tested path); False computes the full logits.
+      fused_kernel_options.impl_backend: torch only (veRL's triton kernel does not exist here).
     """
 
     path: str | None = "builtin:tiny"
@@ -178,7 +189,8 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
-    use_fused_kernels: bool = False
+    use_fused_kernels: bool = True  # veRL: False; see the docstring
+    fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
     use_liger: bool = False
     use_shm: bool = False
     init_from_scratch: bool = False
@@ -192,7 +204,14 @@ class ModelConfig:
     torch_dtype: str | None = None
 
     def validate(self, key: str = "actor_rollout_ref.model") -> None:
-        for name in ("enable_activation_offload", "use_fused_kernels", "use_liger"):
+        backend = self.fused_kernel_options.impl_backend
+        if self.use_fused_kernels and backend != "torch":
+            raise ValueError(
+                f"{key}.fused_kernel_options.impl_backend={backend!r}: the fused log-prob path here is a chunked "
+                "torch implementation (hybridrl/workers/engine/lm_head.py); no Triton kernel exists in hybridrl. "
+                "Use impl_backend=torch"
+            )
+        for name in ("enable_activation_offload", "use_liger"):
             if getattr(self, name):
                 raise ValueError(f"{key}.{name}=True is not implemented in hybridrl; set it to False")
         if self.lora_rank < 0:
@@ -341,8 +360,52 @@ class RewardModelModelConfig:
 
 
 @dataclass
+class RewardRolloutConfig:
+    """`reward_model.rollout`: the engine that serves the reward model in veRL's reward loop
+    (`reward_model.use_reward_loop=True`; hybridrl/workers/reward/reward_loop.py).
+
+    name: vllm (vLLM's pooling runner, `LLM.classify`) or hf (the Hugging Face forward).
+    dtype: the engine's weight dtype. tensor_model_parallel_size: GPUs (CPU slots) per replica;
+    one replica per group of that many slots. gpu_memory_utilization / enforce_eager: vLLM
+    arguments. max_model_len: the longest RM input (default prompt_length + response_length); a
+    longer input is an error naming these keys, for both engines.
+    """
+
+    name: str = "hf"  # veRL: required (???); hybridrl's CPU default is hf
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    tensor_model_parallel_size: int = 1  # veRL: 2
+    max_model_len: int | None = None
+    prompt_length: int = 2048
+    response_length: int = 2048
+
+    @property
+    def effective_max_model_len(self) -> int:
+        return self.max_model_len or (self.prompt_length + self.response_length)
+
+
+@dataclass
+class SandboxFusionConfig:
+    """`reward_model.sandbox_fusion`: code data sources scored on a SandboxFusion service
+    (hybridrl/workers/reward/scorers/sandbox_fusion.py); url null: off."""
+
+    url: str | None = None
+    max_concurrent: int = 64  # requests in flight per scoring process
+    memory_limit_mb: int = 1024
+
+
+@dataclass
 class RewardModelConfig:
-    """`reward_model`: an optional learned reward model, and the reward manager of the rule scores."""
+    """`reward_model`: an optional learned reward model, and the reward manager of the rule scores.
+
+    use_reward_loop: veRL's reward loop: `num_workers` reward-loop workers (Ray actors) score
+    the batch concurrently; with `enable` the model is served by `rollout.name` (see
+    RewardRolloutConfig) instead of the FSDP RewardModelWorker (the legacy path). Same scores.
+    reward_kwargs: veRL's keyword arguments of the reward manager (e.g. dapo's
+    `overlong_buffer_cfg`, `max_resp_len`); the rest go to the score function, like
+    `custom_reward_function.reward_kwargs` (both may be set if they agree).
+    """
 
     enable: bool = False
     strategy: str = "fsdp"
@@ -355,7 +418,10 @@ class RewardModelConfig:
     reward_manager: str = "naive"
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     launch_reward_fn_async: bool = False
-    use_reward_loop: bool = False  # refused when True (hybridrl/trainer/ppo/verl_compat.py)
+    use_reward_loop: bool = False
+    num_workers: int = 1
+    rollout: RewardRolloutConfig = field(default_factory=RewardRolloutConfig)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
     ulysses_sequence_parallel_size: int = 1
 
 

@@ -127,6 +127,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
                 use_remove_padding=self.model_config.use_remove_padding,
                 peak_flops=self.peak_flops,
                 **par.role_kwargs(self.actor_engine),
+                use_fused_kernels=self.model_config.use_fused_kernels,
             )
         if self._is_ref:
             self._lora_self_ref = self._is_actor and (
@@ -142,6 +143,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
                     self.ref_engine.module,
                     use_remove_padding=self.model_config.use_remove_padding,
                     **par.role_kwargs(self.ref_engine),
+                    use_fused_kernels=self.model_config.use_fused_kernels,
                 )
         if self._is_rollout:
             self._build_rollout(model_path)

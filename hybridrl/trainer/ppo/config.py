@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from hybridrl import algos
+from hybridrl.trainer.ppo.reward_kwargs import RewardManagerSection
 from hybridrl.trainer.ppo.sections import (
     AlgorithmConfig,
     AsyncTrainingConfig,
@@ -51,6 +52,7 @@ class PPOConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     reward_manager_kwargs: RewardManagerKwargs = field(default_factory=RewardManagerKwargs)
+    reward_manager: RewardManagerSection = field(default_factory=RewardManagerSection)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

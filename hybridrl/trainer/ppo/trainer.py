@@ -222,15 +222,18 @@ class RayPPOTrainer:
         return batch
 
     def _compute_reward(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, list]]:
+        """token_level_scores: the reward model's scores when one is on (the reward manager returns a
+        batch's rm_scores as they are, as in veRL), else the rule-based reward manager's."""
+        loop_extra: dict[str, list] = {}
         with timer("reward", timing):
-            if self.workers.reward_model is not None:
+            if self.workers.reward_loop is not None:
+                scored, loop_extra = self.workers.reward_loop.compute_rm_score(batch)
+                batch = batch.union(scored)
+            elif self.workers.reward_model is not None:
                 batch = batch.union(self.workers.reward_model.compute_rm_score(batch))
             out = self.reward_fn(batch, return_dict=True)
-            scores = out["reward_tensor"]
-            if "rm_scores" in batch.batch.keys():
-                scores = scores + batch.batch["rm_scores"]
-            batch.batch["token_level_scores"] = scores
-        return batch, out.get("reward_extra_info", {})
+            batch.batch["token_level_scores"] = out["reward_tensor"]
+        return batch, {**out.get("reward_extra_info", {}), **loop_extra}
 
     def _rollout_and_score(self, metrics: dict, timing: dict) -> DataProto:
         """Generate and score; with DAPO dynamic sampling keep only groups whose metric varies."""

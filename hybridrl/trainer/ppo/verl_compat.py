@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from hybridrl import algos
+from hybridrl.trainer.ppo.reward_kwargs import link_reward_manager, reward_manager_kwargs
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.profiler import check_profiler
 from hybridrl.workers.rollout.config import RolloutConfig
@@ -169,11 +170,6 @@ REFUSED: tuple[Refused, ...] = (
         "only used with dynamic batch size, not supported for the reward model",
     ),
     Refused(
-        "reward_model.reward_kwargs",
-        {},
-        "put the arguments of the score function in custom_reward_function.reward_kwargs",
-    ),
-    Refused(
         "reward_model.launch_reward_fn_async",
         False,
         "rule rewards are scored on the driver (reward_manager=prime scores them in parallel)",
@@ -184,13 +180,6 @@ REFUSED: tuple[Refused, ...] = (
         "Ulysses sequence parallelism is implemented for the actor, reference and critic, not for the reward model",
     ),
     Refused("reward_model.model.use_shm", False, "load the reward model from a local folder"),
-    Refused(
-        "reward_model.use_reward_loop",
-        False,
-        "veRL's reward loop (asynchronous reward workers, a reward model served by a rollout engine) is not "
-        "available; rewards come from the reward manager on the driver and the RewardModelWorker (veRL's legacy "
-        "path, use_reward_loop=False)",
-    ),
     Refused(
         "actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype",
         "fp32",
@@ -231,17 +220,6 @@ REFUSED: tuple[Refused, ...] = (
         "the engine runs eagerly (torch.compile of the log-prob/entropy kernels is not wired in)",
     ),
     Refused("actor_rollout_ref.ref.use_torch_compile", False, "the engine runs eagerly"),
-    Refused(
-        "global_profiler.profile_continuous_steps",
-        False,
-        "each profiled step is its own torch.profiler trace",
-    ),
-    Refused(
-        "global_profiler.global_tool_config",
-        {},
-        "these are options of nsys/torch_memory, which are not "
-        "available; the torch profiler's options are <role>.profiler.tool_config.torch.contents",
-    ),
     Refused("trainer.default_hdfs_dir", None, "no HDFS client here; copy trainer.default_local_dir yourself"),
     Refused(
         "trainer.ray_wait_register_center_timeout",
@@ -357,6 +335,48 @@ def check_profiler_keys(config: Any) -> None:
         raise config_error(str(e)) from None
 
 
+def check_reward_side(config: Any, explicit_keys) -> None:
+    """reward_model.reward_kwargs against its other spellings; the reward loop's keys."""
+    try:
+        link_reward_manager(config, explicit_keys)
+        reward_manager_kwargs(config)
+    except ValueError as e:
+        raise config_error(str(e)) from None
+    rm = config.reward_model
+    key = "reward_model"
+    if rm.sandbox_fusion.url and config.custom_reward_function.path:
+        raise config_error(
+            f"{key}.sandbox_fusion.url is used by the built-in code scorer; with custom_reward_function.path, "
+            "call the sandbox from your function (or drop one of them)"
+        )
+    if rm.sandbox_fusion.max_concurrent < 1:
+        raise config_error(f"{key}.sandbox_fusion.max_concurrent must be >= 1")
+    if not rm.use_reward_loop:
+        set_keys = sorted(
+            k for k in (explicit_keys or ()) if k.startswith(f"{key}.rollout.") or k == f"{key}.num_workers"
+        )
+        if set_keys:
+            warn_once(f"{', '.join(set_keys)} only act with {key}.use_reward_loop=True (veRL's reward loop)")
+        return
+    if rm.num_workers < 1:
+        raise config_error(f"{key}.num_workers={rm.num_workers} must be >= 1")
+    if rm.rollout.name not in ("hf", "vllm"):
+        raise config_error(
+            f"{key}.rollout.name={rm.rollout.name!r}: the reward loop serves the reward model with vllm or hf "
+            "(sglang/trtllm reward serving is not available here)"
+        )
+    slots = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    tp = rm.rollout.tensor_model_parallel_size
+    if rm.enable and (tp < 1 or slots % tp):
+        raise config_error(f"{key}.rollout.tensor_model_parallel_size={tp} must divide the {slots} slots")
+    if rm.enable and config.custom_reward_function.path:
+        raise config_error(
+            f"{key}.use_reward_loop=True with both {key}.enable and custom_reward_function.path: veRL then calls "
+            "the custom function with an HTTP router to the reward model (GenRM), which is not available here; "
+            "drop one of them (or use_reward_loop=False: the reward model's scores are used)"
+        )
+
+
 def link_critic_rollout_n(config: Any, explicit_keys) -> None:
     n = config.actor_rollout_ref.rollout.n
     c = config.critic
@@ -377,5 +397,6 @@ def apply_verl_compat(config: Any, explicit_keys=None) -> None:
     link_critic_rollout_n(config, explicit)
     check_refused(config)
     check_rollout_correction(config)
+    check_reward_side(config, explicit)
     check_profiler_keys(config)
     engine_only_warning(config, explicit)
