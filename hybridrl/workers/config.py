@@ -142,6 +142,8 @@ class ModelConfig:
     lora_rank: > 0 wraps the model with a PEFT LoRA adapter (lora_alpha, target_modules);
       lora_adapter_path loads a saved adapter instead (its own rank and targets).
     use_shm: accepted for veRL compatibility; loading always reads `path` directly.
+    enable_activation_offload: tensors saved for backward by the training forward (actor, critic)
+      live in CPU memory until backward (workers/engine/activation_offload.py; moves nothing on CPU).
     """
 
     path: str | None = "builtin:tiny"
@@ -165,7 +167,7 @@ class ModelConfig:
     custom_chat_template: str | None = None
 
     def validate(self, key: str = "actor_rollout_ref.model") -> None:
-        for name in ("enable_activation_offload", "use_fused_kernels", "use_liger"):
+        for name in ("use_fused_kernels", "use_liger"):
             if getattr(self, name):
                 raise ValueError(f"{key}.{name}=True is not implemented in hybridrl; set it to False")
         if self.lora_rank < 0:
