@@ -39,36 +39,42 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
     """Autograd function behind `linear_log_probs` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_rows, with_entropy, entropy_grad):
+    def forward(
+        ctx, hidden, weight, bias, labels, temperature, chunk_rows, with_entropy, entropy_grad, with_sps
+    ):
         n = hidden.shape[0]
         log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        sum_pi_sq = torch.empty(n if with_sps else 0, dtype=torch.float32, device=hidden.device)
         for lo in range(0, n, chunk_rows):
             hi = min(n, lo + chunk_rows)
             z = _chunk_logits(hidden[lo:hi], weight, bias, temperature)
             lse_c = torch.logsumexp(z, dim=-1)
             lse[lo:hi] = lse_c
             log_probs[lo:hi] = z.gather(1, labels[lo:hi, None])[:, 0] - lse_c
-            if with_entropy:  # -sum p log p (no cancellation for peaked distributions)
+            if with_entropy or with_sps:
                 logp_all = z - lse_c[:, None]
+            if with_entropy:  # -sum p log p (no cancellation for peaked distributions)
                 entropy[lo:hi] = -(torch.exp(logp_all) * logp_all).sum(dim=-1)
+            if with_sps:  # sum_v p_v^2 (no gradient: a statistic of the old policy)
+                sum_pi_sq[lo:hi] = torch.exp(2 * logp_all).sum(dim=-1)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
         ctx.entropy_grad = with_entropy and entropy_grad
-        if not ctx.entropy_grad:
-            ctx.mark_non_differentiable(entropy)
+        # one call: a second mark_non_differentiable replaces the first one's set
+        ctx.mark_non_differentiable(sum_pi_sq, *([] if ctx.entropy_grad else [entropy]))
         ctx.set_materialize_grads(False)
-        return log_probs, entropy
+        return log_probs, entropy, sum_pi_sq
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent, _g_sps):
         hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if not ctx.entropy_grad:
             g_ent = None
         if g_logp is None and g_ent is None:
-            return (None,) * 8
+            return (None,) * 9
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
@@ -95,7 +101,7 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
                 grad_b += gz.float().sum(dim=0)
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def linear_log_probs(
@@ -108,7 +114,8 @@ def linear_log_probs(
     calculate_entropy: bool = False,
     entropy_grad: bool = True,
     chunk_rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    calculate_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """log softmax((hidden @ weight.T + bias) / temperature)[labels] (and the entropy), chunked.
 
     Args:
@@ -120,10 +127,13 @@ def linear_log_probs(
         calculate_entropy: also return the entropy of each position's distribution.
         entropy_grad: False returns the entropy without a gradient (a metric, not in the loss).
         chunk_rows: positions per chunk (default: `default_chunk_rows(V)`).
+        calculate_sum_pi_squared: also return sum_v p_v^2 of each position (no gradient; the
+            optimal-token-baseline estimator's statistic), from the same chunk of logits.
 
     Returns:
-        log_probs (N,) float32; entropy (N,) float32 or None. Differentiable w.r.t. hidden,
-        weight and bias; the backward recomputes one chunk of logits at a time.
+        log_probs (N,) float32; entropy (N,) float32 or None; with calculate_sum_pi_squared a
+        third (N,) float32 sum_pi_squared. Differentiable w.r.t. hidden, weight and bias; the
+        backward recomputes one chunk of logits at a time.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
@@ -134,7 +144,16 @@ def linear_log_probs(
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be (N,) = ({hidden.shape[0]},), got {tuple(labels.shape)}")
     rows = chunk_rows or default_chunk_rows(weight.shape[0])
-    log_probs, entropy = _ChunkedLinearLogProbs.apply(
-        hidden, weight, bias, labels.long(), float(temperature), int(rows), calculate_entropy, entropy_grad
+    log_probs, entropy, sum_pi_sq = _ChunkedLinearLogProbs.apply(
+        hidden,
+        weight,
+        bias,
+        labels.long(),
+        float(temperature),
+        int(rows),
+        calculate_entropy,
+        entropy_grad,
+        calculate_sum_pi_squared,
     )
-    return log_probs, (entropy if calculate_entropy else None)
+    entropy = entropy if calculate_entropy else None
+    return (log_probs, entropy, sum_pi_sq) if calculate_sum_pi_squared else (log_probs, entropy)
