@@ -157,6 +157,7 @@ class CustomSamplerAdapter:
         self.position = 0
         self._it: Iterator[int] | None = None
         self._skip = 0
+        self._resumed_user_state = False  # the user sampler restored its own position
 
     @property
     def epoch_len(self) -> int:
@@ -167,16 +168,13 @@ class CustomSamplerAdapter:
 
     def _iterator(self) -> Iterator[int]:
         if self._it is None:
-            if hasattr(self.user, "set_epoch") and not self._user_resumed():
+            if hasattr(self.user, "set_epoch") and not self._resumed_user_state:
                 self.user.set_epoch(self.epoch)
             self._it = iter(self.user)
             for _ in range(self._skip):  # replay to the saved position
                 next(self._it)
             self._skip = 0
         return self._it
-
-    def _user_resumed(self) -> bool:
-        return getattr(self, "_resumed_user_state", False)
 
     def take(self, n: int) -> list[int]:
         it, out = self._iterator(), []
