@@ -49,6 +49,8 @@ QUICKSTART = {
     "actor_rollout_ref.actor.megatron.dtype": "float32",
     "actor_rollout_ref.ref.megatron.dtype": "${actor_rollout_ref.actor.megatron.dtype}",
     "critic.megatron.dtype": "float32",
+    # veRL: the reference's Ulysses SP size follows the actor's.
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "${actor_rollout_ref.actor.ulysses_sequence_parallel_size}",
     "critic.ppo_mini_batch_size": "${actor_rollout_ref.actor.ppo_mini_batch_size}",
     "critic.ppo_micro_batch_size_per_gpu": 64,
     "critic.optim.lr": 1e-4,

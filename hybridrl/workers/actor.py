@@ -51,6 +51,7 @@ class PPOActor(MicroBatchedRole):
         use_remove_padding: pack valid tokens into one row (`model.use_remove_padding`).
         dp_group: process group of the data-parallel ranks (default: WORLD when dp_size > 1).
         peak_flops: peak FLOP/s of one device for `perf/mfu/actor` (None: not reported).
+        sp: this rank's Ulysses sequence-parallel group (see `MicroBatchedRole`).
     """
 
     role = "actor"
@@ -79,6 +80,7 @@ class PPOActor(MicroBatchedRole):
             entropy_chunk_size=chunk,
             entropy_grad=entropy_grad,
             calculate_sum_pi_squared=sps,
+            sp=self.sp,
         )
 
     def compute_log_prob(

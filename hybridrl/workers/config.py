@@ -390,11 +390,8 @@ class PerRankBatchSizes:
 def _check_common(key: str, *, strategy: str, loss_agg_mode: str, ulysses: int, epochs: int) -> None:
     if strategy not in TRAIN_STRATEGIES:
         raise ValueError(f"{key}.strategy={strategy!r} is not supported; use one of {TRAIN_STRATEGIES}")
-    if ulysses != 1:
-        raise ValueError(
-            f"{key}.ulysses_sequence_parallel_size={ulysses}: Ulysses sequence parallelism is not implemented "
-            "in hybridrl; set it to 1"
-        )
+    if int(ulysses) != ulysses or ulysses < 1:
+        raise ValueError(f"{key}.ulysses_sequence_parallel_size={ulysses}: use an integer >= 1")
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"{key}.loss_agg_mode={loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
     if epochs < 1:
@@ -417,6 +414,18 @@ def _check_checkpoint(key: str, ckpt: CheckpointConfig) -> None:
             raise ValueError(
                 f"{key}.checkpoint.{name} has unknown entries {bad}; use a subset of {CHECKPOINT_CONTENTS}"
             )
+
+
+def sp_data_parallel_size(key: str, ranks: int, sp: int) -> int:
+    """Data-parallel groups of a role with Ulysses SP: its `ranks` / `sp` (the ranks of a group share
+    their rows); raises ValueError naming the key when sp does not divide the ranks."""
+    if ranks % sp:
+        divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        raise ValueError(
+            f"{key}.ulysses_sequence_parallel_size={sp} does not divide the {ranks} data-parallel ranks; "
+            f"use one of {divisors}"
+        )
+    return ranks // sp
 
 
 def _per_rank(
@@ -465,7 +474,9 @@ def normalize_actor_batch_sizes(config: ActorConfig, *, rollout_n: int, dp_size:
     Args:
         config: the actor config (not modified).
         rollout_n: responses per prompt (`actor_rollout_ref.rollout.n`).
-        dp_size: number of data-parallel ranks of the actor.
+        dp_size: number of data-parallel ranks of the actor; with Ulysses SP the batch is split
+            over dp_size / ulysses_sequence_parallel_size groups (the result's dp_size), and the
+            per-rank sizes are per group, as in veRL.
 
     Raises:
         ValueError: naming the key and the fix when sizes do not divide or a value is unsupported.
@@ -483,6 +494,7 @@ def normalize_actor_batch_sizes(config: ActorConfig, *, rollout_n: int, dp_size:
         raise ValueError(f"{ACTOR_KEY}.shuffle=True needs {ACTOR_KEY}.data_loader_seed (e.g. 42)")
     if config.use_kl_loss and config.kl_loss_coef < 0:
         raise ValueError(f"{ACTOR_KEY}.kl_loss_coef must be >= 0, got {config.kl_loss_coef}")
+    dp_size = sp_data_parallel_size(ACTOR_KEY, dp_size, config.ulysses_sequence_parallel_size)
     per_rank, micro = _per_rank(
         ACTOR_KEY,
         mini=config.ppo_mini_batch_size,
@@ -514,7 +526,8 @@ def normalize_critic_batch_sizes(
 
     Args:
         config: the critic config (not modified).
-        dp_size: number of data-parallel ranks of the critic.
+        dp_size: number of data-parallel ranks of the critic (with Ulysses SP: split over
+            dp_size / ulysses_sequence_parallel_size groups, see `normalize_actor_batch_sizes`).
         rollout_n: responses per prompt; defaults to `critic.rollout_n`.
 
     Raises:
@@ -533,6 +546,7 @@ def normalize_critic_batch_sizes(
     config.model.validate(f"{CRITIC_KEY}.model")
     if config.shuffle and config.data_loader_seed is None:
         raise ValueError(f"{CRITIC_KEY}.shuffle=True needs {CRITIC_KEY}.data_loader_seed (e.g. 42)")
+    dp_size = sp_data_parallel_size(CRITIC_KEY, dp_size, config.ulysses_sequence_parallel_size)
     per_rank, micro = _per_rank(
         CRITIC_KEY,
         mini=config.ppo_mini_batch_size,

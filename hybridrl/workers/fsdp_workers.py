@@ -35,6 +35,7 @@ from hybridrl.workers.config import (
 )
 from hybridrl.workers.profiling import StepProfiling
 from hybridrl.workers.rollout.config import RolloutConfig
+from hybridrl.workers.sequence_parallel import SequenceParallel
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 # Training calls split over the FSDP mesh (every rank data-parallel), rollout calls over dp x tp.
@@ -109,19 +110,23 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         self.model_config.validate()
         model_path = resolve_model_path(self.model_config.path, "actor_rollout_ref.model.path")
         self._declare_training_mesh()
+        par = self._sequence_parallel(
+            "actor_rollout_ref.actor" if self._is_actor else "actor_rollout_ref.ref"
+        )
         if self._is_actor:
             self.actor_engine = FSDPEngine.build(
                 self.model_config, self.actor_config.fsdp_config, self.actor_config.optim, role="actor"
             )
+            par.apply(self.actor_engine)
             self.actor = PPOActor(
                 self.actor_config,
                 self.actor_engine.module,
                 self.actor_engine.optimizer,
                 self.actor_engine.lr_scheduler,
-                dp_size=self.actor_engine.dp_size,
                 batch_sizes=self.actor_batch_sizes,
                 use_remove_padding=self.model_config.use_remove_padding,
                 peak_flops=self.peak_flops,
+                **par.role_kwargs(self.actor_engine),
             )
         if self._is_ref:
             self._lora_self_ref = self._is_actor and (
@@ -131,20 +136,26 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
                 self.ref_engine = FSDPEngine.build(
                     self.model_config, self.ref_config.fsdp_config, None, role="ref"
                 )
+                par.apply(self.ref_engine)
                 self.ref_policy = PPOActor(
                     self.ref_config.policy_config(),
                     self.ref_engine.module,
-                    dp_size=self.ref_engine.dp_size,
                     use_remove_padding=self.model_config.use_remove_padding,
+                    **par.role_kwargs(self.ref_engine),
                 )
         if self._is_rollout:
             self._build_rollout(model_path)
 
     def _declare_training_mesh(self) -> None:
-        """The FSDP actor's mesh ("actor", also used by the reference): every rank data-parallel."""
+        """The FSDP actor's mesh ("actor", also used by the reference): every rank data-parallel,
+        or dp x sp with Ulysses sequence parallelism."""
         from hybridrl.workers.rollout.parallel import training_mesh
 
-        self.set_mesh("actor", training_mesh(self.world_size, self.actor_config.fsdp_config.fsdp_size))
+        sp = (self.actor_config if self._is_actor else self.ref_config).ulysses_sequence_parallel_size
+        self.set_mesh("actor", training_mesh(self.world_size, self.actor_config.fsdp_config.fsdp_size, sp))
+
+    def _sequence_parallel(self, key: str) -> SequenceParallel:
+        return SequenceParallel.create(self.mesh_layout("actor"), self.rank, key)
 
     def _build_rollout(self, model_path: str) -> None:
         from hybridrl.single_controller.mesh import new_subgroups
@@ -349,19 +360,24 @@ class CriticWorker(StepProfiling, Worker):
 
         _setup_process(self.num_threads, self.pg_timeout_s)
         c = self.config
-        self.set_mesh("critic", training_mesh(self.world_size, c.model.fsdp_config.fsdp_size))
+        layout = training_mesh(
+            self.world_size, c.model.fsdp_config.fsdp_size, c.ulysses_sequence_parallel_size
+        )
+        self.set_mesh("critic", layout)
+        par = SequenceParallel.create(layout, self.rank, "critic")
         self.engine = FSDPEngine.build(
             c.model, c.model.fsdp_config, c.optim, role="critic", key="critic.model"
         )
+        par.apply(self.engine)
         self.critic = PPOCritic(
             c,
             self.engine.module,
             self.engine.optimizer,
             self.engine.lr_scheduler,
-            dp_size=self.engine.dp_size,
             batch_sizes=self.batch_sizes,
             use_remove_padding=c.model.use_remove_padding,
             peak_flops=self.peak_flops,
+            **par.role_kwargs(self.engine),
         )
 
     @register(dispatch_mode=ON_CRITIC_MESH)

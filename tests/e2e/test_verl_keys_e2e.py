@@ -122,3 +122,24 @@ def test_bypass_reinforce_with_multi_option_rejection(tmp_path):
     assert all(abs(r["actor/bypass_is_mean"] - 1.0) < 1e-4 for r in train)
     assert all(r["actor/rollout_rs_masked_fraction"] == 0.0 for r in train)  # HF = FSDP fp32 log-probs
     assert any(r["actor/grad_norm"] > 0 for r in train)
+
+
+@pytest.mark.slow
+def test_pf_ppo_resamples_after_gae(tmp_path):
+    """algorithm.use_pf_ppo (examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh): the batch the
+    critic and actor update on is redrawn by reward weights (max_min keeps only extreme scores)."""
+    rows = run(
+        [
+            "algorithm.adv_estimator=gae",
+            "algorithm.use_pf_ppo=True",
+            "algorithm.pf_ppo.reweight_method=max_min",
+            "actor_rollout_ref.rollout.n=1",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        ],
+        tmp_path,
+    )
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train) == 2
+    assert_finite(train, ["pf_ppo/unique_frac", "critic/vf_loss", "actor/grad_norm"])
+    assert all(0 < r["pf_ppo/unique_frac"] <= 1 for r in train)

@@ -126,6 +126,7 @@ def validate_config(config: PPOConfig) -> None:
     if n < 1:
         raise ConfigError("actor_rollout_ref.rollout.n must be >= 1")
     _check_group_size(algo.adv_estimator, n)
+    _validate_ulysses(config, world)
     _validate_actor_batches(config, world)
     if algos.estimator_needs_critic(algo.adv_estimator):
         _validate_critic(config, world)
@@ -206,7 +207,8 @@ def _validate_actor_batches(config: PPOConfig, world: int) -> None:
             f"actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = {mini * n} rows must divide across "
             f"{world} ranks (trainer.nnodes * trainer.n_gpus_per_node); change one of them"
         )
-    per_rank_mini = mini * n // data_parallel_size(arr.actor.strategy, arr.actor.megatron, world)
+    dp = data_parallel_size(arr.actor.strategy, arr.actor.megatron, world)
+    per_rank_mini = mini * n // max(1, dp // arr.actor.ulysses_sequence_parallel_size)  # per SP group
     micro = arr.actor.ppo_micro_batch_size_per_gpu
     if not arr.actor.use_dynamic_bsz and micro is not None and per_rank_mini % micro != 0:
         raise ConfigError(
@@ -216,6 +218,39 @@ def _validate_actor_batches(config: PPOConfig, world: int) -> None:
     rows = d.train_batch_size * n
     if rows % world != 0:
         raise ConfigError(f"data.train_batch_size * rollout.n = {rows} rows must divide across {world} ranks")
+
+
+def _validate_ulysses(config: PPOConfig, world: int) -> None:
+    """Ulysses SP sizes divide the ranks, run on FSDP's packed path; the colocated reference
+    shares the actor's sequence-parallel groups (hybridrl.workers.engine.ulysses)."""
+    from hybridrl.workers.engine.ulysses import check_sp_heads, check_sp_layout
+    from hybridrl.workers.rollout.parallel import heads_of_model_path
+
+    arr, c = config.actor_rollout_ref, config.critic
+    actor_sp, ref_sp = arr.actor.ulysses_sequence_parallel_size, arr.ref.ulysses_sequence_parallel_size
+    roles = [
+        ("actor_rollout_ref.actor", actor_sp, arr.model.use_remove_padding, arr.actor.strategy),
+        ("actor_rollout_ref.ref", ref_sp, arr.model.use_remove_padding, arr.ref.strategy),
+    ]
+    if algos.estimator_needs_critic(config.algorithm.adv_estimator):
+        roles.append(("critic", c.ulysses_sequence_parallel_size, c.model.use_remove_padding, c.strategy))
+    paths = {"critic": c.model.path or arr.model.path}
+    try:
+        for key, sp, packed, strategy in roles:
+            check_sp_layout(key, sp, world, use_remove_padding=packed, strategy=strategy)
+            if sp > 1:  # the heads, when the model's config can be read here (else the worker checks)
+                heads, kv_heads = heads_of_model_path(
+                    paths.get(key, arr.model.path), arr.model.trust_remote_code
+                )
+                if heads is not None:
+                    check_sp_heads(key, sp, heads, kv_heads)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if ref_sp != actor_sp and (config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss):
+        raise ConfigError(
+            f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} differs from the actor's {actor_sp}: the "
+            "reference runs in the actor's processes on its sequence-parallel groups; set them equal (veRL's default)"
+        )
 
 
 def _validate_paths(config: PPOConfig) -> None:
@@ -272,6 +307,7 @@ def _validate_critic(config: PPOConfig, world: int) -> None:
         )
     micro = c.ppo_micro_batch_size_per_gpu
     world = data_parallel_size(c.strategy, c.megatron, world)  # Megatron: only DP ranks split the batch
+    world = max(1, world // c.ulysses_sequence_parallel_size)  # Ulysses: the ranks of a group share rows
     if not c.use_dynamic_bsz and micro is not None and (mini * n // world) % micro != 0:
         raise ConfigError(
             f"per-rank critic mini-batch {mini * n // world} is not divisible by "

@@ -72,14 +72,26 @@ DEPRECATED_MICRO = (
 )
 
 
-def convert_deprecated_micro_batches(config: Any, explicit_keys) -> set[str]:
-    """Global sizes -> per-GPU sizes (floor division by the ranks, >= 1); returns the keys set."""
+def data_parallel_ranks(config: Any, key: str) -> int:
+    """Ranks that see distinct rows for the section holding `key`: world / its Ulysses SP size
+    (veRL divides global sizes by the same; the rollout's log-prob pass runs on the actor)."""
     world = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    section = {"actor_rollout_ref.rollout": "actor_rollout_ref.actor"}.get(
+        key.rpartition(".")[0], key.rpartition(".")[0]
+    )
+    sp = getattr(get(config, section), "ulysses_sequence_parallel_size", 1) or 1
+    return max(1, world // sp) if world % sp == 0 else world
+
+
+def convert_deprecated_micro_batches(config: Any, explicit_keys) -> set[str]:
+    """Global sizes -> per-GPU sizes (floor division by the data-parallel ranks, >= 1); returns
+    the keys set."""
     converted = set()
     for old, new in DEPRECATED_MICRO:
         value = get(config, old)
         if value is None:
             continue
+        world = data_parallel_ranks(config, old)
         per_gpu = value // world
         if per_gpu < 1:
             raise config_error(
@@ -103,7 +115,6 @@ def largest_divisor_at_most(n: int, cap: int) -> int:
 
 def fit_default_micro_batches(config: Any, explicit_keys) -> None:
     """A micro-batch default that does not fit the per-rank mini-batch shrinks to one that does."""
-    world = config.trainer.nnodes * config.trainer.n_gpus_per_node
     n = config.actor_rollout_ref.rollout.n
     roles = ["actor_rollout_ref.actor"]
     est = config.algorithm.adv_estimator
@@ -113,6 +124,7 @@ def fit_default_micro_batches(config: Any, explicit_keys) -> None:
     for role in roles:
         section, full = get(config, role), f"{role}.ppo_micro_batch_size_per_gpu"
         micro, rows = section.ppo_micro_batch_size_per_gpu, section.ppo_mini_batch_size * n
+        world = data_parallel_ranks(config, full)
         if is_explicit(full, explicit_keys) or section.use_dynamic_bsz or micro is None or rows % world:
             continue
         per_rank = rows // world
@@ -167,7 +179,9 @@ REFUSED: tuple[Refused, ...] = (
         "rule rewards are scored on the driver (reward_manager=prime scores them in parallel)",
     ),
     Refused(
-        "reward_model.ulysses_sequence_parallel_size", 1, "Ulysses sequence parallelism is not implemented"
+        "reward_model.ulysses_sequence_parallel_size",
+        1,
+        "Ulysses sequence parallelism is implemented for the actor, reference and critic, not for the reward model",
     ),
     Refused("reward_model.model.use_shm", False, "load the reward model from a local folder"),
     Refused(
@@ -176,11 +190,6 @@ REFUSED: tuple[Refused, ...] = (
         "veRL's reward loop (asynchronous reward workers, a reward model served by a rollout engine) is not "
         "available; rewards come from the reward manager on the driver and the RewardModelWorker (veRL's legacy "
         "path, use_reward_loop=False)",
-    ),
-    Refused(
-        "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
-        1,
-        "Ulysses sequence parallelism is not implemented",
     ),
     Refused(
         "actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype",

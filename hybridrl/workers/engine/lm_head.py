@@ -18,6 +18,8 @@ H hidden size, V vocabulary.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -35,32 +37,85 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(h, weight, bias).float() / temperature
 
 
+def chunk_stats(z: torch.Tensor, labels: torch.Tensor, with_entropy: bool, with_sps: bool):
+    """Per-row statistics of one chunk of float32 logits z (c, V) and its labels (c,):
+    (log p(label), log-sum-exp, entropy -sum p log p or None, sum p^2 or None), each (c,)."""
+    lse = torch.logsumexp(z, dim=-1)
+    log_probs = z.gather(1, labels[:, None])[:, 0] - lse
+    entropy = sum_pi_sq = None
+    if with_entropy or with_sps:
+        logp_all = z - lse[:, None]
+        if with_entropy:  # -sum p log p (no cancellation for peaked distributions)
+            entropy = -(torch.exp(logp_all) * logp_all).sum(dim=-1)
+        if with_sps:  # sum_v p_v^2 (no gradient: a statistic of the old policy)
+            sum_pi_sq = torch.exp(2 * logp_all).sum(dim=-1)
+    return log_probs, lse, entropy, sum_pi_sq
+
+
+def chunk_grad(z, lse, labels, g_logp, g_ent, entropy, temperature: float) -> torch.Tensor:
+    """d loss / d hidden-logits of one chunk (c, V) float32, from the upstream gradients of the
+    log-probs g_logp (c,) and of the entropy g_ent (c,) (either may be None):
+    d log p(label)/dz = onehot(label) - p;  dH/dz = -p (log p + H); then / temperature."""
+    logp_all = z - lse[:, None]
+    p = torch.exp(logp_all)
+    gz = torch.zeros_like(z)
+    if g_logp is not None:
+        gz = gz - p * g_logp[:, None]
+        gz = gz.scatter_add(1, labels[:, None], g_logp[:, None])
+    if g_ent is not None:
+        gz = gz - p * (logp_all + entropy[:, None]) * g_ent[:, None]
+    return gz / temperature
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _kernels(compiled: bool):
+    """(chunk_stats, chunk_grad), eager or through torch.compile (built once per process; the
+    actor's `use_torch_compile`, as veRL compiles its entropy/log-prob kernels): inductor fuses the
+    exp / sum / gather passes over each (c, V) chunk into one loop."""
+    if not compiled:
+        return chunk_stats, chunk_grad
+    if not _COMPILED:
+        _COMPILED["stats"] = torch.compile(chunk_stats, dynamic=True)
+        _COMPILED["grad"] = torch.compile(chunk_grad, dynamic=True)
+    return _COMPILED["stats"], _COMPILED["grad"]
+
+
 class _ChunkedLinearLogProbs(torch.autograd.Function):
     """Autograd function behind `linear_log_probs` (see the module docstring)."""
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, labels, temperature, chunk_rows, with_entropy, entropy_grad, with_sps
+        ctx,
+        hidden,
+        weight,
+        bias,
+        labels,
+        temperature,
+        chunk_rows,
+        with_entropy,
+        entropy_grad,
+        with_sps,
+        compiled,
     ):
         n = hidden.shape[0]
         log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         sum_pi_sq = torch.empty(n if with_sps else 0, dtype=torch.float32, device=hidden.device)
+        chunk_stats, _ = _kernels(compiled)
         for lo in range(0, n, chunk_rows):
             hi = min(n, lo + chunk_rows)
             z = _chunk_logits(hidden[lo:hi], weight, bias, temperature)
-            lse_c = torch.logsumexp(z, dim=-1)
-            lse[lo:hi] = lse_c
-            log_probs[lo:hi] = z.gather(1, labels[lo:hi, None])[:, 0] - lse_c
-            if with_entropy or with_sps:
-                logp_all = z - lse_c[:, None]
-            if with_entropy:  # -sum p log p (no cancellation for peaked distributions)
-                entropy[lo:hi] = -(torch.exp(logp_all) * logp_all).sum(dim=-1)
-            if with_sps:  # sum_v p_v^2 (no gradient: a statistic of the old policy)
-                sum_pi_sq[lo:hi] = torch.exp(2 * logp_all).sum(dim=-1)
+            lp_c, lse_c, ent_c, sps_c = chunk_stats(z, labels[lo:hi], with_entropy, with_sps)
+            log_probs[lo:hi], lse[lo:hi] = lp_c, lse_c
+            if with_entropy:
+                entropy[lo:hi] = ent_c
+            if with_sps:
+                sum_pi_sq[lo:hi] = sps_c
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.temperature, ctx.chunk_rows, ctx.compiled = temperature, chunk_rows, compiled
         ctx.entropy_grad = with_entropy and entropy_grad
         # one call: a second mark_non_differentiable replaces the first one's set
         ctx.mark_non_differentiable(sum_pi_sq, *([] if ctx.entropy_grad else [entropy]))
@@ -74,25 +129,25 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         if not ctx.entropy_grad:
             g_ent = None
         if g_logp is None and g_ent is None:
-            return (None,) * 9
+            return (None,) * 10
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         t, n = ctx.temperature, hidden.shape[0]
+        _, chunk_grad = _kernels(ctx.compiled)
         for lo in range(0, n, ctx.chunk_rows):
             hi = min(n, lo + ctx.chunk_rows)
             h = hidden[lo:hi]
             z = _chunk_logits(h, weight, bias, t)
-            logp_all = z - lse[lo:hi, None]
-            p = torch.exp(logp_all)
-            gz = torch.zeros_like(z)
-            if g_logp is not None:  # d log p(label) / dz = onehot(label) - p
-                g = g_logp[lo:hi, None].float()
-                gz = gz - p * g
-                gz.scatter_add_(1, labels[lo:hi, None], g)
-            if g_ent is not None:  # dH / dz = -p * (log p + H)
-                gz = gz - p * (logp_all + entropy[lo:hi, None]) * g_ent[lo:hi, None].float()
-            gz = (gz / t).to(weight.dtype)
+            gz = chunk_grad(
+                z,
+                lse[lo:hi],
+                labels[lo:hi],
+                None if g_logp is None else g_logp[lo:hi].float(),
+                None if g_ent is None else g_ent[lo:hi].float(),
+                entropy[lo:hi] if g_ent is not None else None,
+                t,
+            ).to(weight.dtype)
             if need_h:
                 grad_h[lo:hi] = gz @ weight
             if need_w:
@@ -101,7 +156,7 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
                 grad_b += gz.float().sum(dim=0)
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def linear_log_probs(
@@ -115,6 +170,7 @@ def linear_log_probs(
     entropy_grad: bool = True,
     chunk_rows: int | None = None,
     calculate_sum_pi_squared: bool = False,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """log softmax((hidden @ weight.T + bias) / temperature)[labels] (and the entropy), chunked.
 
@@ -129,6 +185,8 @@ def linear_log_probs(
         chunk_rows: positions per chunk (default: `default_chunk_rows(V)`).
         calculate_sum_pi_squared: also return sum_v p_v^2 of each position (no gradient; the
             optimal-token-baseline estimator's statistic), from the same chunk of logits.
+        compiled: run the per-chunk softmax statistics and their backward through torch.compile
+            (the first call compiles: seconds on CPU; needs a C++ compiler there).
 
     Returns:
         log_probs (N,) float32; entropy (N,) float32 or None; with calculate_sum_pi_squared a
@@ -154,6 +212,7 @@ def linear_log_probs(
         calculate_entropy,
         entropy_grad,
         calculate_sum_pi_squared,
+        bool(compiled),
     )
     entropy = entropy if calculate_entropy else None
     return (log_probs, entropy, sum_pi_sq) if calculate_sum_pi_squared else (log_probs, entropy)
