@@ -171,6 +171,8 @@ class ModelConfig:
     lora_rank: > 0 wraps the model with a PEFT LoRA adapter (lora_alpha, target_modules);
       lora_adapter_path loads a saved adapter instead (its own rank and targets).
     use_shm: accepted for veRL compatibility; loading always reads `path` directly.
+    enable_activation_offload: tensors saved for backward by the training forward (actor, critic)
+      live in CPU memory until backward (workers/engine/activation_offload.py; moves nothing on CPU).
     torch_dtype: the dtype the weights are loaded in (Hugging Face's `torch_dtype`); when set it
       becomes `fsdp_config.model_dtype` of every role that loads this model (actor and ref, or the
       critic), so the master weights and the optimizer are in it; compute still follows
@@ -211,7 +213,7 @@ class ModelConfig:
                 "torch implementation (hybridrl/workers/engine/lm_head.py); no Triton kernel exists in hybridrl. "
                 "Use impl_backend=torch"
             )
-        for name in ("enable_activation_offload", "use_liger"):
+        for name in ("use_liger",):
             if getattr(self, name):
                 raise ValueError(f"{key}.{name}=True is not implemented in hybridrl; set it to False")
         if self.lora_rank < 0:

@@ -209,13 +209,15 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         `meta_info["greedy"]` forces greedy decoding (the ReMax baseline).
         """
         from hybridrl.workers.rollout.parallel import check_same_rows
+        from hybridrl.workers.rollout.weight_sync import wake_and_sync
 
         if self.rollout is None:
             raise RuntimeError(f"generate_sequences called on a worker with role={self.role!r} (no rollout)")
         timing: dict[str, float] = {}
         t0 = time.perf_counter()
-        sync = self._sync_rollout_weights()
-        self.rollout.resume_memory()
+        sync = wake_and_sync(
+            self.rollout, self._sync_rollout_weights, self.rollout_config.multi_stage_wake_up
+        )
         timing["update_weights"] = sync.get("timing_s/update_weights", 0.0)
         if self._tp_group is not None:
             check_same_rows(

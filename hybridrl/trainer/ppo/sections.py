@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.data.custom_sampler import SamplerConfig
+
 
 @dataclass
 class CustomClsConfig:
@@ -41,6 +43,10 @@ class DataConfig:
     trust_remote_code: bool = False
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     custom_cls: CustomClsConfig = field(default_factory=CustomClsConfig)
+    # veRL's user sampler / curriculum (hybridrl.data.custom_sampler) and loader worker processes
+    # (0 here, veRL's default 8: rows are read in the driver unless asked; docs/config.md).
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    dataloader_num_workers: int = 0
     # Where the built-in task's parquet files are written when train_files is null.
     builtin_data_dir: str | None = None
 

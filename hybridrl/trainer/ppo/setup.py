@@ -8,8 +8,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from hybridrl.data.builtin_task import ensure_builtin_data
+from hybridrl.data.custom_sampler import build_custom_sampler
 from hybridrl.data.rl_dataset import RLDataConfig, collate_fn, create_rl_dataset
 from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 from hybridrl.models.builtin import resolve_model_path
@@ -94,16 +96,14 @@ def build_datasets(config: PPOConfig, tokenizer):
             f"data.train_files has {len(train)} prompts, fewer than data.train_batch_size={d.train_batch_size}; "
             "lower the batch size or add data"
         )
-    train_loader = RLDataLoader(
-        train,
-        d.train_batch_size,
-        ResumableSampler(len(train), shuffle=d.shuffle, seed=d.seed),
-        collate_fn,
-        drop_last=True,
-    )
+    workers = d.dataloader_num_workers
+    sampler = build_custom_sampler(
+        d.sampler, train, OmegaConf.create(dataclasses.asdict(d)), workers
+    ) or ResumableSampler(len(train), shuffle=d.shuffle, seed=d.seed)
+    train_loader = RLDataLoader(train, d.train_batch_size, sampler, collate_fn, True, num_workers=workers)
     val_bs = d.val_batch_size or len(val)
     val_loader = RLDataLoader(
-        val, val_bs, ResumableSampler(len(val), shuffle=False, seed=0), collate_fn, drop_last=False
+        val, val_bs, ResumableSampler(len(val), shuffle=False, seed=0), collate_fn, False, num_workers=workers
     )
     return train_loader, _OneEpoch(val_loader)
 

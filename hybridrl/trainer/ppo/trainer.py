@@ -153,6 +153,7 @@ class RayPPOTrainer:
                 batch = self._compute_advantage(batch, metrics, timing)
                 self._update_critic(batch, metrics, timing)
                 self._update_actor(batch, metrics, timing)
+                self._update_sampler(batch)
                 self._dump_rollouts(batch)
             profiler.end(self.global_steps)
             self._maybe_validate(metrics, timing)
@@ -180,6 +181,12 @@ class RayPPOTrainer:
             [str(uuid.UUID(int=random.getrandbits(128))) for _ in range(len(batch))], dtype=object
         )
         return batch
+
+    def _update_sampler(self, batch: DataProto) -> None:
+        """veRL's curriculum hook: a `data.sampler` with `update(batch)` sees every trained batch."""
+        update = getattr(self.train_loader.sampler, "update", None)
+        if update is not None:
+            update(batch)
 
     def _generate(self, prompts: DataProto, timing: dict) -> DataProto:
         """Repeat each prompt `rollout.n` times and generate one response per row."""

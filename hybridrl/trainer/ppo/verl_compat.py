@@ -263,6 +263,7 @@ ENGINE_ONLY = (
     "cudagraph_capture_sizes",
     "engine_kwargs",
     "layered_summon",
+    "multi_stage_wake_up",  # the HF engine never sleeps: the wake-up order has no memory effect
 )
 
 
