@@ -1,11 +1,11 @@
-"""Ulysses sequence parallelism on real FSDP2 over 2 CPU processes (gloo): SP=2 == SP=1.
+"""Ulysses sequence parallelism on real FSDP2 over CPU processes (gloo): SP=2 == SP=1.
 
 SP=1 on 2 ranks splits the rows (dp=2); SP=2 on the same 2 ranks gives both ranks every row and
-splits each packed sequence (dp=1); on 4 ranks, {dp: 2, sp: 2} with the workers' groups equals 4
-data-parallel ranks (the loss normalisation over the dp group, not WORLD). Log-probs, entropy, values, the accumulated gradients and
-the weights after one actor and one critic update must agree (fp32). Also: the plain (unfused)
-head path, dynamic micro-batches, repeated KV heads (GQA with fewer KV heads than SP ranks), and
-the start-up checks.
+splits each packed sequence (dp=1). Log-probs, entropy, values, the accumulated gradients and the
+weights after one actor and one critic update must agree (fp32). Also: the plain (unfused) head
+path, dynamic micro-batches, repeated KV heads (GQA with fewer KV heads than SP ranks), the
+start-up checks, and 4 ranks as {dp: 2, sp: 2} with the workers' groups == 4 data-parallel ranks
+(the loss normalisation runs over the dp group, not WORLD).
 """
 
 import dataclasses
