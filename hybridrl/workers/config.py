@@ -91,12 +91,15 @@ class FSDPConfig:
     reshard_after_forward: free each layer's gathered parameters after forward (True, veRL's
     default) or keep them until backward (False); None (auto) is False when each shard group is
     one CPU rank (nothing is sharded; keeping them saves a second cast in backward), else True.
+    forward_prefetch: each decoder layer's forward starts the next layer's all-gather (FSDP2
+    explicit prefetch), overlapping communication with compute; same numbers.
     """
 
     param_offload: bool = False
     optimizer_offload: bool = False
     offload_policy: bool = False
     reshard_after_forward: bool | None = None
+    forward_prefetch: bool = False
     fsdp_size: int = -1
     model_dtype: str = "fp32"
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
@@ -112,11 +115,29 @@ class CheckpointConfig:
 
 
 @dataclass
+class PolicyLossRolloutCorrection:
+    """`actor.policy_loss.rollout_correction`: the settings of the `bypass_mode` loss, copied by the
+    driver from `algorithm.rollout_correction` when its bypass_mode=True (as veRL does).
+
+    loss_type: ppo_clip | reinforce; rollout_is (null | token | sequence), rollout_is_threshold,
+    rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold: see hybridrl.algos.rollout_rs.
+    """
+
+    loss_type: str = "ppo_clip"
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: Any = None
+
+
+@dataclass
 class PolicyLossConfig:
     """`actor.policy_loss`: the registry name of the loss and the hyper-parameters of its variants.
 
     behave_imp_weight_cap: the 'decoupled' (AReaL) loss drops tokens whose behaviour importance
-    weight pi_prox / pi_behav exceeds it (None keeps all).
+    weight pi_prox / pi_behav exceeds it (None keeps all). rollout_correction: the settings of the
+    'bypass_mode' loss (veRL's algorithm.rollout_correction.bypass_mode).
     """
 
     loss_mode: str = "vanilla"
@@ -126,6 +147,7 @@ class PolicyLossConfig:
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
     behave_imp_weight_cap: float | None = None
+    rollout_correction: PolicyLossRolloutCorrection = field(default_factory=PolicyLossRolloutCorrection)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,6 +164,10 @@ class ModelConfig:
     lora_rank: > 0 wraps the model with a PEFT LoRA adapter (lora_alpha, target_modules);
       lora_adapter_path loads a saved adapter instead (its own rank and targets).
     use_shm: accepted for veRL compatibility; loading always reads `path` directly.
+    torch_dtype: the dtype the weights are loaded in (Hugging Face's `torch_dtype`); when set it
+      becomes `fsdp_config.model_dtype` of every role that loads this model (actor and ref, or the
+      critic), so the master weights and the optimizer are in it; compute still follows
+      `fsdp_config.mixed_precision.param_dtype`. None: each role's model_dtype.
     """
 
     path: str | None = "builtin:tiny"
@@ -163,6 +189,7 @@ class ModelConfig:
         None  # a saved PEFT adapter to start from (replaces lora_rank/alpha/targets)
     )
     custom_chat_template: str | None = None
+    torch_dtype: str | None = None
 
     def validate(self, key: str = "actor_rollout_ref.model") -> None:
         for name in ("enable_activation_offload", "use_fused_kernels", "use_liger"):
@@ -184,7 +211,9 @@ class ActorConfig:
     rows per forward/backward on one rank; with use_dynamic_bsz, micro-batches are instead packed
     to at most ppo_max_token_len_per_gpu tokens. grad_clip (veRL's older key) overrides
     optim.clip_grad when set. entropy_from_logits_with_chunking / entropy_checkpointing compute
-    the entropy 2048 positions at a time, recomputed in backward. use_torch_compile=True is
+    the entropy 2048 positions at a time, recomputed in backward. calculate_sum_pi_squared: the
+    old-log-prob pass also returns sum_v pi(v)^2 per token (`sum_pi_squared`, computed chunk-wise
+    with the log-probs; algorithm.adv_estimator=optimal_token_baseline needs it). use_torch_compile=True is
     refused (the engine runs eagerly; see hybridrl/trainer/ppo/verl_compat.py REFUSED).
 
     skip_on_policy_old_log_prob: when the update is exactly on-policy (ppo_epochs == 1 and one
@@ -218,6 +247,7 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = 1
     entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
+    calculate_sum_pi_squared: bool = False
     skip_on_policy_old_log_prob: bool = True
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -232,7 +262,12 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    """`actor_rollout_ref.ref`: the frozen reference policy (forward only)."""
+    """`actor_rollout_ref.ref`: the frozen reference policy (forward only).
+
+    entropy_from_logits_with_chunking: the reference's PPOActor computes any entropy 2048
+    positions at a time (as the actor's key); the reference pass itself asks for log-probs only
+    (as in veRL), so this changes no number today.
+    """
 
     strategy: str = "fsdp"
     log_prob_micro_batch_size: int | None = None  # deprecated global size
@@ -241,9 +276,14 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: int = 16384
     ulysses_sequence_parallel_size: int = 1
     use_torch_compile: bool = False
+    entropy_from_logits_with_chunking: bool = False
     fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+    def policy_config(self) -> ActorConfig:
+        """The forward-only PPOActor settings of the reference (its entropy function)."""
+        return ActorConfig(entropy_from_logits_with_chunking=self.entropy_from_logits_with_chunking)
 
 
 @dataclass

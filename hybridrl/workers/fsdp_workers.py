@@ -138,7 +138,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
                 )
                 par.apply(self.ref_engine)
                 self.ref_policy = PPOActor(
-                    None,
+                    self.ref_config.policy_config(),
                     self.ref_engine.module,
                     use_remove_padding=self.model_config.use_remove_padding,
                     **par.role_kwargs(self.ref_engine),
@@ -248,16 +248,20 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
             raise RuntimeError(f"compute_log_prob needs the actor; this worker has role={self.role!r}")
         r = self.rollout_config
         self.actor_engine.onload()
-        log_probs, entropy = self.actor.compute_log_prob(
+        log_probs, entropy, *sps = self.actor.compute_log_prob(
             data,
             calculate_entropy=True,
             micro_batch_size=r.log_prob_micro_batch_size_per_gpu,
             use_dynamic_bsz=r.log_prob_use_dynamic_bsz,
             max_token_len=r.log_prob_max_token_len_per_gpu,
             temperature=r.temperature,
+            calculate_sum_pi_squared=self.actor_config.calculate_sum_pi_squared,
         )
         self.actor_engine.offload()
-        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
+        out = {"old_log_probs": log_probs, "entropys": entropy}
+        if sps:  # actor.calculate_sum_pi_squared: the optimal token baseline's sum of pi^2
+            out["sum_pi_squared"] = sps[0]
+        return DataProto.from_dict(out)
 
     @register(dispatch_mode=ON_ACTOR_MESH)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:

@@ -3,8 +3,8 @@
 Every key is honoured or refused at start-up by `validate_megatron_config`:
 
     tensor_model_parallel_size / pipeline_model_parallel_size   honoured (TP, PP with 1F1B)
-    virtual_pipeline_model_parallel_size                        only null / 1: refused otherwise (the
-                                                                interleaved update does not match FSDP yet)
+    virtual_pipeline_model_parallel_size                        honoured (interleaved 1F1B); each batch
+                                                                must split into a multiple of PP micro-batches
     context_parallel_size, expert_model_parallel_size,          only 1 (None for ETP): refused
     expert_tensor_parallel_size                                 otherwise (no CP / MoE support)
     sequence_parallel                                           ignored at TP=1 (as in Megatron);
@@ -24,6 +24,10 @@ Every key is honoured or refused at start-up by `validate_megatron_config`:
     use_dist_checkpointing + dist_checkpointing_path            honoured: the initial weights are read
                                                                 from that Megatron dist checkpoint
                                                                 instead of the HF folder
+    dtype                                                       honoured: bfloat16 (veRL's default) or
+                                                                float32 parameters; bf16 keeps fp32 main
+                                                                params and grads in Megatron's optimizer
+                                                                and DDP; float16 refused
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from typing import Any
 __all__ = [
     "MEGATRON_STRATEGY",
     "MegatronConfig",
+    "megatron_param_dtype",
     "check_colocated_megatron",
+    "check_remove_padding",
     "data_parallel_size",
     "validate_megatron_config",
 ]
@@ -62,10 +68,27 @@ class MegatronConfig:
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
     use_dist_checkpointing: bool = False
     dist_checkpointing_path: str | None = None
+    dtype: str = "bfloat16"
 
     @property
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+
+
+def megatron_param_dtype(cfg: MegatronConfig, key: str) -> str:
+    """`megatron.dtype` as 'bfloat16' or 'float32'; float16 and unknown names are refused."""
+    name = str(cfg.dtype).lower()
+    if name in ("float16", "fp16", "half"):
+        raise ValueError(
+            f"{key}.dtype={cfg.dtype}: float16 (with Megatron's loss scaler) is not supported by hybridrl's "
+            "Megatron engine; use bfloat16 or float32"
+        )
+    if name not in _DTYPES:
+        raise ValueError(f"{key}.dtype={cfg.dtype!r}: expected bfloat16 or float32")
+    return _DTYPES[name]
 
 
 def data_parallel_size(strategy: str, cfg: MegatronConfig, world: int) -> int:
@@ -74,6 +97,23 @@ def data_parallel_size(strategy: str, cfg: MegatronConfig, world: int) -> int:
         return world
     validate_megatron_config(cfg, f"(strategy={strategy})", world_size=world)
     return world // cfg.model_parallel_size
+
+
+def check_remove_padding(strategy: str, use_remove_padding: bool, model_key: str) -> None:
+    """Refuse `model.use_remove_padding=True` with strategy=megatron.
+
+    veRL packs the rows into THD sequences (PackedSeqParams) for Megatron; packed sequences need
+    Transformer Engine's attention, and Megatron's local DotProductAttention (the layer spec this
+    engine builds, the only one on CPU) asserts `packed_seq_params is None`. veRL's
+    ppo_megatron_trainer default is false (padded batches, which the engine runs).
+    """
+    if strategy == MEGATRON_STRATEGY and use_remove_padding:
+        raise ValueError(
+            f"{model_key}.use_remove_padding=True with strategy=megatron: packed (THD) sequences need Transformer "
+            "Engine's attention, and hybridrl's Megatron engine builds Megatron's local layer spec, whose attention "
+            f"refuses packed sequences; set {model_key}.use_remove_padding=false (veRL's ppo_megatron_trainer "
+            "default; results are the same, only padding is computed)"
+        )
 
 
 def check_colocated_megatron(roles: dict[str, tuple[str, MegatronConfig]]) -> None:
@@ -133,14 +173,14 @@ def validate_megatron_config(
             f"{key}.param_offload / grad_offload / optimizer_offload: offloading is not implemented for the Megatron "
             "engine on GPU; set them to False"
         )
+    megatron_param_dtype(cfg, key)
     if cfg.use_dist_checkpointing and not cfg.dist_checkpointing_path:
         raise ValueError(f"{key}.use_dist_checkpointing=True needs {key}.dist_checkpointing_path")
     vpp = cfg.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1:
+    if vpp is not None and vpp > 1 and cfg.pipeline_model_parallel_size < 2:
         raise ValueError(
-            f"{key}.virtual_pipeline_model_parallel_size={vpp}: virtual pipeline stages are not supported yet (the "
-            "interleaved schedule's forward matches HF, but its update does not yet match FSDP in hybridrl's "
-            "tests); set it to null"
+            f"{key}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2 (virtual "
+            "stages interleave the layers of several pipeline ranks); set it to null or raise the PP size"
         )
     if world_size is not None and world_size % cfg.model_parallel_size:
         raise ValueError(

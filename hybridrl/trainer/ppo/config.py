@@ -24,7 +24,8 @@ from hybridrl.trainer.ppo.sections import (
     RewardManagerKwargs,
     TrainerConfig,
 )
-from hybridrl.trainer.ppo.verl_compat import apply_verl_compat
+from hybridrl.trainer.ppo.verl_compat import apply_verl_compat, warn_once
+from hybridrl.trainer.ppo.verl_misc import apply_verl_misc
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
@@ -74,6 +75,7 @@ def load_config(cfg: DictConfig | dict | list[str] | None = None, explicit_keys=
         raise ConfigError(str(e)) from None
     derive_config(config)
     apply_verl_compat(config, explicit_keys)
+    apply_verl_misc(config, explicit_keys)
     validate_config(config)
     return config
 
@@ -123,11 +125,7 @@ def validate_config(config: PPOConfig) -> None:
     n = arr.rollout.n
     if n < 1:
         raise ConfigError("actor_rollout_ref.rollout.n must be >= 1")
-    if algo.adv_estimator in ("grpo", "rloo", "opo", "grpo_passk", "reinforce_plus_plus_baseline") and n < 2:
-        raise ConfigError(
-            f"algorithm.adv_estimator={algo.adv_estimator} compares responses within a group, so "
-            "actor_rollout_ref.rollout.n must be >= 2 (e.g. actor_rollout_ref.rollout.n=8)"
-        )
+    _check_group_size(algo.adv_estimator, n)
     _validate_ulysses(config, world)
     _validate_actor_batches(config, world)
     if algos.estimator_needs_critic(algo.adv_estimator):
@@ -144,6 +142,36 @@ def validate_config(config: PPOConfig) -> None:
         )
     if algo.filter_groups.enable and n < 2:
         raise ConfigError("algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2")
+
+
+GROUP_ESTIMATORS_WITH_SINGLETONS = (
+    "grpo",
+    "grpo_vectorized",
+    "rloo",
+    "rloo_vectorized",
+    "opo",
+    "reinforce_plus_plus_baseline",
+    "optimal_token_baseline",
+)
+
+
+def _check_group_size(estimator: str, n: int) -> None:
+    """Group estimators with rollout.n=1: veRL gives a group of one the baseline 0 (GRPO: std 1), so
+    the advantage is the raw score (REINFORCE without a baseline); hybridrl does the same and says so
+    once. grpo_passk needs a second response and fails."""
+    if n >= 2:
+        return
+    if estimator == "grpo_passk":
+        raise ConfigError(
+            "algorithm.adv_estimator=grpo_passk compares each response with the rest of its group, so "
+            "actor_rollout_ref.rollout.n must be >= 2 (e.g. actor_rollout_ref.rollout.n=8)"
+        )
+    if estimator in GROUP_ESTIMATORS_WITH_SINGLETONS:
+        warn_once(
+            f"algorithm.adv_estimator={estimator} with actor_rollout_ref.rollout.n=1: each group has one "
+            "response, so its baseline is 0 (std 1) and the advantage is the raw score, as in veRL; "
+            "set rollout.n >= 2 for a group baseline"
+        )
 
 
 def _validate_choices(config: PPOConfig) -> None:

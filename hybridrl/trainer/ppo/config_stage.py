@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from hybridrl import algos
 from hybridrl.trainer.ppo.config import ConfigError, PPOConfig, load_config
 from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
+from hybridrl.workers.megatron_config import check_remove_padding
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
 
@@ -66,8 +67,12 @@ def check_startup(cfg, explicit_keys: Iterable[str] | None = None) -> PPOConfig:
     world = config.trainer.nnodes * config.trainer.n_gpus_per_node
     try:
         arr.model.validate()
+        check_remove_padding(arr.actor.strategy, arr.model.use_remove_padding, "actor_rollout_ref.model")
         normalize_actor_batch_sizes(arr.actor, rollout_n=arr.rollout.n, dp_size=world)
         if algos.estimator_needs_critic(config.algorithm.adv_estimator):
+            check_remove_padding(
+                config.critic.strategy, config.critic.model.use_remove_padding, "critic.model"
+            )
             normalize_critic_batch_sizes(config.critic, dp_size=world, rollout_n=arr.rollout.n)
     except ValueError as e:
         raise ConfigError(str(e)) from None

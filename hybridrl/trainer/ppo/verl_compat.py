@@ -249,12 +249,6 @@ REFUSED: tuple[Refused, ...] = (
         "workers start through Ray directly (no register center)",
     ),
     Refused("ray_kwargs.timeline_json_file", None, "use global_profiler.tool=torch for traces"),
-    Refused(
-        "algorithm.rollout_correction.loss_type",
-        "ppo_clip",
-        "the policy loss is actor.policy_loss.loss_mode; "
-        "bypass mode with a plain REINFORCE loss is not available",
-    ),
 )
 
 
@@ -317,9 +311,15 @@ def check_rollout_correction(config: Any) -> None:
     key = "algorithm.rollout_correction"
     if rc.rollout_is is not None and rc.rollout_is not in ("token", "sequence"):
         raise config_error(f"{key}.rollout_is={rc.rollout_is!r} is not one of null, token, sequence")
-    if rc.rollout_rs is not None and rc.rollout_rs not in ("token", "sequence", "geometric"):
+    if rc.rollout_rs is not None and algos.is_kl_rs(rc.rollout_rs):  # veRL's estimator options
+        try:
+            algos.parse_kl_rs(rc.rollout_rs, rc.rollout_rs_threshold)
+        except ValueError as e:
+            raise config_error(f"{key}.rollout_rs={rc.rollout_rs!r}: {e}") from None
+    elif rc.rollout_rs is not None and rc.rollout_rs not in ("token", "sequence", "geometric"):
         raise config_error(
-            f"{key}.rollout_rs={rc.rollout_rs!r} is not one of null, token, sequence, geometric"
+            f"{key}.rollout_rs={rc.rollout_rs!r} is not one of null, token, sequence, geometric, or "
+            f"comma-joined options among {', '.join(algos.rollout_rs.KL_RS_OPTIONS)}"
         )
     active = rc.rollout_is is not None or rc.rollout_rs is not None or rc.bypass_mode
     if active and algo.rollout_is:
@@ -330,6 +330,8 @@ def check_rollout_correction(config: Any) -> None:
         raise config_error(
             f"{key}.* needs the rollout engine's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=True"
         )
+    if algos.is_kl_rs(rc.rollout_rs):
+        return
     try:
         lower, upper = algos.parse_rs_threshold(rc.rollout_rs_threshold, rc.rollout_is_threshold)
     except ValueError:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridrl.algos.otb import sum_pi_squared_from_logits
 from hybridrl.algos.utils import entropy_from_logits, entropy_from_logits_chunked, logprobs_from_logits
 from hybridrl.utils.torch_utils import (
     PackedBatch,
@@ -203,13 +204,14 @@ def _sp_selector(batch: Any, packed: PackedBatch, t: int, sp: SPGroup):
     return (lambda h: h[0, local]), place, finish, labels[lo : lo + length][local]
 
 
-def _fused_log_probs_sp(module, head, batch, temperature, calculate_entropy, entropy_grad, sp):
+def _fused_log_probs_sp(module, head, batch, temperature, calculate_entropy, entropy_grad, sps, sp):
+    """`_fused_log_probs` on this rank's slice (Ulysses SP); the per-token columns are gathered."""
     t = batch["responses"].shape[-1]
     packed = pack_sequences(batch["input_ids"], batch["attention_mask"])
     select, place, finish, labels = _sp_selector(batch, packed, t, sp)
 
     def head_fn(h: torch.Tensor) -> torch.Tensor:
-        lp, ent = linear_log_probs(
+        lp, ent, *rest = linear_log_probs(
             select(h),
             head.weight,
             labels,
@@ -217,13 +219,15 @@ def _fused_log_probs_sp(module, head, batch, temperature, calculate_entropy, ent
             temperature=temperature,
             calculate_entropy=calculate_entropy,
             entropy_grad=entropy_grad and torch.is_grad_enabled(),
+            calculate_sum_pi_squared=sps,
         )
-        return place(torch.stack([lp, ent], dim=-1) if ent is not None else lp[:, None])
+        return place(torch.stack([c for c in (lp, ent, *rest) if c is not None], dim=-1))
 
     with _head_replaced(head, head_fn):
         out, _ = _run(module, batch, True, packed, sp)
-    res = finish(gather_seq(out.logits, sp, dim=0))  # (B, T, 1 or 2)
-    return res[..., 0], (res[..., 1] if calculate_entropy else None)
+    res = finish(gather_seq(out.logits, sp, dim=0))  # (B, T, 1 + calculate_entropy + sps)
+    ent = res[..., 1] if calculate_entropy else None
+    return res[..., 0], ent, (res[..., -1] if sps else None)
 
 
 def _gathered_logits(out: Any, packed: PackedBatch, sp: SPGroup | None) -> torch.Tensor:
@@ -233,13 +237,16 @@ def _gathered_logits(out: Any, packed: PackedBatch, sp: SPGroup | None) -> torch
     return gather_seq(out.logits, sp, dim=1)[:, : packed.indices.numel()]
 
 
-def _fused_log_probs(module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad):
+def _fused_log_probs(
+    module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad, sps
+):
+    """(log_probs, entropy or None, sum_pi_squared or None), each (B, T), through the chunked head."""
     t = batch["responses"].shape[-1]
     packed = pack_sequences(batch["input_ids"], batch["attention_mask"]) if use_remove_padding else None
     select, scatter, labels = _selector(batch, packed, t)
 
     def head_fn(h: torch.Tensor) -> torch.Tensor:
-        lp, ent = linear_log_probs(
+        lp, ent, *rest = linear_log_probs(
             select(h),
             head.weight,
             labels,
@@ -247,13 +254,15 @@ def _fused_log_probs(module, head, batch, temperature, use_remove_padding, calcu
             temperature=temperature,
             calculate_entropy=calculate_entropy,
             entropy_grad=entropy_grad and torch.is_grad_enabled(),
+            calculate_sum_pi_squared=sps,
         )
-        return torch.stack([lp, ent], dim=-1) if ent is not None else lp[:, None]
+        return torch.stack([c for c in (lp, ent, *rest) if c is not None], dim=-1)
 
     with _head_replaced(head, head_fn):
         out, _ = _run(module, batch, use_remove_padding, packed)
-    res = scatter(out.logits)  # (B, T, 1 or 2)
-    return res[..., 0], (res[..., 1] if calculate_entropy else None)
+    res = scatter(out.logits)  # (B, T, 1 + calculate_entropy + sps)
+    ent = res[..., 1] if calculate_entropy else None
+    return res[..., 0], ent, (res[..., -1] if sps else None)
 
 
 def forward_log_probs(
@@ -267,7 +276,8 @@ def forward_log_probs(
     entropy_grad: bool = True,
     fused: bool = True,
     sp: SPGroup | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    calculate_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of the response tokens under `module`, logits / temperature.
 
     Args:
@@ -282,20 +292,28 @@ def forward_log_probs(
         sp: this rank's Ulysses group (the model went through `ulysses.parallelize_sp`; needs
             use_remove_padding): every rank of the group gets the same batch and returns the
             same full results.
+        calculate_sum_pi_squared: also return sum_v pi(v)^2 (B, T) of each response position
+            (no gradient; the optimal token baseline's statistic), chunk-wise like the entropy.
 
     Returns:
-        log_probs (B, T) float32; entropy (B, T) float32 or None. Values at padded response
-        positions are meaningless (0 with remove-padding); mask them.
+        log_probs (B, T) float32; entropy (B, T) float32 or None; with calculate_sum_pi_squared a
+        third (B, T) float32 sum_pi_squared. Values at padded response positions are
+        meaningless (0 with remove-padding); mask them.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
     head = head_is_swappable(module) if fused else None
     if head is not None and sp is not None:
-        return _fused_log_probs_sp(module, head, batch, temperature, calculate_entropy, entropy_grad, sp)
-    if head is not None:
-        return _fused_log_probs(
-            module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad
+        lp, ent, sps = _fused_log_probs_sp(
+            module, head, batch, temperature, calculate_entropy, entropy_grad, calculate_sum_pi_squared, sp
         )
+        return (lp, ent, sps) if calculate_sum_pi_squared else (lp, ent)
+    if head is not None:
+        lp, ent, sps = _fused_log_probs(
+            module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad,
+            calculate_sum_pi_squared,
+        )  # fmt: skip
+        return (lp, ent, sps) if calculate_sum_pi_squared else (lp, ent)
     responses = batch["responses"]
     t = responses.shape[-1]
     out, packed = _run(module, batch, use_remove_padding, sp=sp)
@@ -310,6 +328,8 @@ def forward_log_probs(
         logits = out.logits[:, -t - 1 : -1].float() / temperature
         log_probs = logprobs_from_logits(logits, responses)
         entropy = ent_fn(logits) if calculate_entropy else None
+        if calculate_sum_pi_squared:
+            return log_probs, entropy, sum_pi_squared_from_logits(logits)
         return log_probs, entropy
     logits = _gathered_logits(out, packed, sp)[0].float() / temperature  # (nnz, V)
     labels = torch.roll(packed.input_ids[0], shifts=-1)  # token t + 1 (garbage at each sequence end)
@@ -317,6 +337,12 @@ def forward_log_probs(
     entropy = None
     if calculate_entropy:
         entropy = unpack_sequences(ent_fn(logits), packed)[:, -t - 1 : -1]
+    if calculate_sum_pi_squared:
+        return (
+            log_probs,
+            entropy,
+            unpack_sequences(sum_pi_squared_from_logits(logits), packed)[:, -t - 1 : -1],
+        )
     return log_probs, entropy
 
 

@@ -21,15 +21,15 @@ pytest.importorskip("megatron.core")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fsdp_testkit import make_tiny_model_dir, spawn  # noqa: E402
-from test_megatron_engine import ROWS, _batch, _configs  # noqa: E402
+from test_megatron_engine import ROWS, _batch, _configs, _four_layer_model  # noqa: E402
 
 
-def _actor(model_dir, tp, distributed_optimizer=True):
+def _actor(model_dir, tp, distributed_optimizer=True, pp=1, vpp=None):
     from hybridrl.workers.config import OptimConfig, normalize_actor_batch_sizes
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
     from hybridrl.workers.engine.megatron.roles import MegatronPPOActor
 
-    model, cfg, _, mcfg = _configs(model_dir, tp, 1)
+    model, cfg, _, mcfg = _configs(model_dir, tp, pp, vpp)
     cfg = dataclasses.replace(
         cfg, optim=OptimConfig(lr=2e-3, lr_warmup_steps=3, clip_grad=1.0, weight_decay=0.01)
     )
@@ -121,3 +121,32 @@ def _check_merger(tmp_path, model_dir):
     ids = torch.randint(3, 60, (2, 9))
     with torch.no_grad():
         assert torch.equal(merged(input_ids=ids).logits, exported(input_ids=ids).logits)
+
+
+def _run_vpp(rank, world, model_dir, ckpt, result_dir):
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    engine, actor = _actor(model_dir, tp=1, pp=2, vpp=2)
+    assert len(engine.chunks) == 2
+    batches = [_batch(seed=s) for s in (11, 12, 13)]
+    actor.update_policy(batches[0])
+    engine.save_checkpoint(ckpt, global_step=1)
+    out["straight"] = [actor.update_policy(b)["actor/pg_loss"][0] for b in batches[1:]]
+    ps.destroy_model_parallel()
+    engine, actor = _actor(model_dir, tp=1)
+    engine.load_checkpoint(ckpt)
+    out["resumed"] = [actor.update_policy(_mine(b, engine, rank))["actor/pg_loss"][0] for b in batches[1:]]
+    ps.destroy_model_parallel()
+    torch.save(out, os.path.join(result_dir, f"vpp_rank{rank}.pt"))
+
+
+def test_save_pp2_vpp2_resume_dp2(tmp_path):
+    """A checkpoint of the interleaved layout (two chunks per rank) resumes without virtual stages."""
+    model_dir = _four_layer_model(str(tmp_path / "model"))
+    spawn(_run_vpp, 2, tmp_path, model_dir, str(tmp_path / "ckpt"), str(tmp_path))
+    for rank in range(2):
+        out = torch.load(tmp_path / f"vpp_rank{rank}.pt")
+        print(rank, out)
+        for a, b in zip(out["straight"], out["resumed"]):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (out["straight"], out["resumed"])

@@ -24,8 +24,10 @@ KEY = "actor_rollout_ref.actor.megatron"
         ({"expert_model_parallel_size": 2}, False, "expert"),
         ({"expert_tensor_parallel_size": 2}, False, "expert"),
         ({"sequence_parallel": True, "tensor_model_parallel_size": 2}, False, "sequence_parallel"),
-        ({"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, False, "virtual"),
+        ({"virtual_pipeline_model_parallel_size": 2}, False, "pipeline_model_parallel_size >= 2"),
         ({"param_offload": True}, True, "offload"),
+        ({"dtype": "float16"}, False, "float16"),
+        ({"dtype": "int8"}, False, "bfloat16 or float32"),
         ({"use_dist_checkpointing": True}, False, "dist_checkpointing_path"),
         ({"tensor_model_parallel_size": 0}, False, "tensor_model_parallel_size"),
         ({"tensor_model_parallel_size": 4}, False, "divide the number of ranks"),
@@ -43,6 +45,7 @@ def test_accepted_and_no_ops():
         {"sequence_parallel": True},
         {"param_offload": True, "grad_offload": True},
         {"use_mbridge": True},
+        {"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
     ):
         validate_megatron_config(MegatronConfig(**kwargs), KEY, world_size=2, on_gpu=False)
     assert data_parallel_size("megatron", MegatronConfig(tensor_model_parallel_size=2), 4) == 2
@@ -73,3 +76,34 @@ def test_keys_compose_and_ppo_megatron_trainer(tmp_path):
     assert arr.actor.megatron.tensor_model_parallel_size == 2
     assert arr.ref.megatron.tensor_model_parallel_size == 2  # the reference follows the actor
     assert arr.actor.megatron.override_transformer_config == {"recompute_granularity": "full"}
+    assert MegatronConfig().dtype == "bfloat16"  # veRL's default; the quickstart yaml trains in fp32
+    assert (arr.actor.megatron.dtype, arr.ref.megatron.dtype, cfg.critic.megatron.dtype) == ("float32",) * 3
+    with initialize_config_module("hybridrl.trainer.config", version_base=None):
+        bf = load_config(
+            compose(
+                "ppo_megatron_trainer", overrides=[*over, "actor_rollout_ref.actor.megatron.dtype=bfloat16"]
+            )
+        )
+    assert bf.actor_rollout_ref.ref.megatron.dtype == "bfloat16"  # the reference follows the actor
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.model", "critic.model"])
+def test_remove_padding_refused_with_megatron(tmp_path, key):
+    from hydra import compose, initialize_config_module
+
+    from hybridrl.trainer.ppo.config import ConfigError
+    from hybridrl.trainer.ppo.config_stage import check_startup
+
+    over = [
+        "trainer.n_gpus_per_node=2",
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "critic.ppo_micro_batch_size_per_gpu=8",
+        f"{key}.use_remove_padding=true",
+    ]
+    with initialize_config_module("hybridrl.trainer.config", version_base=None):
+        cfg = compose("ppo_megatron_trainer", overrides=over)
+        fsdp = compose("ppo_trainer", overrides=over)
+    with pytest.raises(ConfigError, match=f"{key}.use_remove_padding=True with strategy=megatron"):
+        check_startup(cfg)
+    check_startup(fsdp)  # FSDP packs the rows (honoured there)

@@ -36,7 +36,13 @@ from hybridrl.workers.engine.megatron.model import (
     transformer_config,
 )
 from hybridrl.workers.engine.optim import lr_factor, num_warmup_steps
-from hybridrl.workers.megatron_config import MegatronConfig, validate_megatron_config
+from hybridrl.workers.megatron_config import (
+    MEGATRON_STRATEGY,
+    MegatronConfig,
+    check_remove_padding,
+    megatron_param_dtype,
+    validate_megatron_config,
+)
 
 __all__ = ["MegatronEngine", "ParamGroupLR"]
 
@@ -89,7 +95,8 @@ class ParamGroupLR:
         self._apply()
 
 
-def _build_optimizer(chunks: list[Any], optim: OptimConfig, mcfg: MegatronConfig):
+def _build_optimizer(chunks: list[Any], optim: OptimConfig, mcfg: MegatronConfig, dtype: torch.dtype):
+    """Megatron's AdamW; with bf16 parameters it keeps fp32 main parameters (and steps on fp32 grads)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ocfg = OptimizerConfig(
@@ -102,8 +109,8 @@ def _build_optimizer(chunks: list[Any], optim: OptimConfig, mcfg: MegatronConfig
         adam_eps=optim.eps,
         clip_grad=0.0,  # clipped by MegatronEngine.step
         use_distributed_optimizer=mcfg.use_distributed_optimizer,
-        params_dtype=torch.float32,
-        bf16=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         fp16=False,
     )
     with cuda_to_cpu():
@@ -134,11 +141,21 @@ def _wrap_ddp(chunks: list[Any], tcfg: Any, mcfg: MegatronConfig) -> list[Any]:
     return wrapped
 
 
-def _hf_state_dict(model_config: ModelConfig, role: str, key: str) -> tuple[dict[str, torch.Tensor], Any]:
-    """The role's HF model weights (critic: the token-classification model, head included) and config."""
+def _hf_state_dict(
+    model_config: ModelConfig, role: str, key: str, seed: int
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """The role's HF model weights (critic: the token-classification model, head included) and config.
+
+    Built under `torch.manual_seed(seed)` (megatron.seed) in a forked RNG: what transformers
+    initialises afresh (the critic's value head, a model built from scratch) is the same in every
+    launch. A Ray worker's torch RNG starts from a random seed, so without this a resumed run's
+    uninterrupted twin had a different critic from step 1 on.
+    """
     from hybridrl.workers.engine.fsdp import build_hf_model
 
-    hf = build_hf_model(model_config, role=role, dtype=torch.float32, key=key)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        hf = build_hf_model(model_config, role=role, dtype=torch.float32, key=key)
     return {k: v.detach() for k, v in hf.state_dict().items()}, hf.config
 
 
@@ -179,12 +196,14 @@ class MegatronEngine:
         validate_megatron_config(
             megatron_config, key, world_size=dist.get_world_size(), on_gpu=not needs_cpu_shims()
         )
+        check_remove_padding(MEGATRON_STRATEGY, model_config.use_remove_padding, model_key)
         init_parallel(megatron_config, key)
         _log_bridge(megatron_config.use_mbridge, key)
-        hf_sd, hf_config = _hf_state_dict(model_config, role, model_key)
+        hf_sd, hf_config = _hf_state_dict(model_config, role, model_key, megatron_config.seed)
         spec = arch_spec(hf_config)
         _check_divisible(spec, megatron_config, key)
-        tcfg = transformer_config(spec, megatron_config, torch.float32, key)
+        dtype = getattr(torch, megatron_param_dtype(megatron_config, key))
+        tcfg = transformer_config(spec, megatron_config, dtype, key)
         chunks = build_model(spec, tcfg, role, megatron_config.seed)
         load_hf_weights(chunks, hf_sd, spec, role)
         del hf_sd
@@ -198,7 +217,7 @@ class MegatronEngine:
         optimizer = lr_scheduler = None
         if trained:
             optim_key = optim_key or ("critic.optim" if role == "critic" else "actor_rollout_ref.actor.optim")
-            optimizer = _build_optimizer(chunks, optim_config, megatron_config)
+            optimizer = _build_optimizer(chunks, optim_config, megatron_config, dtype)
             lr_scheduler = ParamGroupLR(optimizer, optim_config, optim_key)
         tokenizer = None
         if load_tok:

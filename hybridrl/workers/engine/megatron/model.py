@@ -79,6 +79,7 @@ def transformer_config(spec: ArchSpec, cfg: MegatronConfig, dtype: torch.dtype, 
     """The TransformerConfig of `spec` with the engine's settings and `override_transformer_config`."""
     from megatron.core.transformer import TransformerConfig
 
+    interleaved = (cfg.virtual_pipeline_model_parallel_size or 1) > 1
     kwargs: dict[str, Any] = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -103,6 +104,12 @@ def transformer_config(spec: ArchSpec, cfg: MegatronConfig, dtype: torch.dtype, 
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        # Batched p2p posts the sends and receives of both directions in one list; at PP=2 the previous
+        # and next stage are the same peer, so an activation and a gradient of the same shape can be
+        # matched crosswise (gloo matches by order): the interleaved update was wrong. Per-direction
+        # p2p (overlapped, as veRL and Megatron-LM do with virtual stages) keeps them apart.
+        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=False,
         sequence_parallel=False,
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # (no MoE; the default allgather refuses variable lengths)
