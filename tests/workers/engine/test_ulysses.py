@@ -149,6 +149,14 @@ def _actor_checks(rank, world, model_dir):
         )
     torch.testing.assert_close(plain[mask], lp1[mask], **TOL)
     torch.testing.assert_close(plain_ent[mask], ent1[mask], **TOL)
+    with torch.no_grad():  # sum_v pi^2 (the optimal token baseline's statistic) through the SP head
+        sps1 = forward_log_probs(
+            e1.module, local.batch, use_remove_padding=True, calculate_sum_pi_squared=True
+        )[2]
+        sps2 = forward_log_probs(
+            e2.module, full.batch, use_remove_padding=True, calculate_sum_pi_squared=True, sp=a2.sp
+        )[2]
+    torch.testing.assert_close(sps2[mask], _gather_rows(sps1)[mask], **TOL)
 
     # gradients of one mini-batch, then one update: the same weights
     data = _train_batch(lp1)
