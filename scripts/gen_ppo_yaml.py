@@ -42,13 +42,13 @@ QUICKSTART = {
         "${actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size}"
     ),
     "actor_rollout_ref.ref.megatron.seed": "${actor_rollout_ref.actor.megatron.seed}",
-    # veRL: the reference's Ulysses SP size follows the actor's.
-    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "${actor_rollout_ref.actor.ulysses_sequence_parallel_size}",
     # Megatron parameters in fp32 for the built-in quickstart, like the FSDP param_dtype above
     # (MegatronConfig's own default is veRL's bfloat16); the reference follows the actor, as in veRL.
     "actor_rollout_ref.actor.megatron.dtype": "float32",
     "actor_rollout_ref.ref.megatron.dtype": "${actor_rollout_ref.actor.megatron.dtype}",
     "critic.megatron.dtype": "float32",
+    # veRL: the reference's Ulysses SP size follows the actor's.
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "${actor_rollout_ref.actor.ulysses_sequence_parallel_size}",
     "critic.ppo_mini_batch_size": "${actor_rollout_ref.actor.ppo_mini_batch_size}",
     "critic.ppo_micro_batch_size_per_gpu": 64,
     "critic.optim.lr": 1e-4,

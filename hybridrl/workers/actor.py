@@ -79,8 +79,8 @@ class PPOActor(MicroBatchedRole):
             calculate_entropy=calculate_entropy,
             entropy_chunk_size=chunk,
             entropy_grad=entropy_grad,
-            sp=self.sp,
             calculate_sum_pi_squared=sps,
+            sp=self.sp,
         )
 
     def compute_log_prob(

@@ -205,13 +205,14 @@ def _sp_selector(batch: Any, packed: PackedBatch, t: int, sp: SPGroup):
 
 
 def _fused_log_probs_sp(module, head, batch, temperature, calculate_entropy, entropy_grad, sps, sp):
-    """`_fused_log_probs` on this rank's slice (Ulysses SP); the per-token columns are gathered."""
+    """`_fused_log_probs` for one rank of a Ulysses group: the head runs on the local slice, the
+    stacked [log_prob, entropy?, sum_pi_squared?] columns are gathered along the sequence."""
     t = batch["responses"].shape[-1]
     packed = pack_sequences(batch["input_ids"], batch["attention_mask"])
     select, place, finish, labels = _sp_selector(batch, packed, t, sp)
 
     def head_fn(h: torch.Tensor) -> torch.Tensor:
-        lp, ent, *rest = linear_log_probs(
+        out = linear_log_probs(
             select(h),
             head.weight,
             labels,
@@ -221,11 +222,11 @@ def _fused_log_probs_sp(module, head, batch, temperature, calculate_entropy, ent
             entropy_grad=entropy_grad and torch.is_grad_enabled(),
             calculate_sum_pi_squared=sps,
         )
-        return place(torch.stack([c for c in (lp, ent, *rest) if c is not None], dim=-1))
+        return place(torch.stack([c for c in out if c is not None], dim=-1))
 
     with _head_replaced(head, head_fn):
         out, _ = _run(module, batch, True, packed, sp)
-    res = finish(gather_seq(out.logits, sp, dim=0))  # (B, T, 1 + calculate_entropy + sps)
+    res = finish(gather_seq(out.logits, sp, dim=0))  # (B, T, 1 + entropy + sps)
     ent = res[..., 1] if calculate_entropy else None
     return res[..., 0], ent, (res[..., -1] if sps else None)
 
@@ -275,8 +276,8 @@ def forward_log_probs(
     entropy_chunk_size: int | None = None,
     entropy_grad: bool = True,
     fused: bool = True,
-    sp: SPGroup | None = None,
     calculate_sum_pi_squared: bool = False,
+    sp: SPGroup | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of the response tokens under `module`, logits / temperature.
 
@@ -289,11 +290,11 @@ def forward_log_probs(
         fused: compute the head only at the response positions, chunked (see the module
             docstring); False, or a model whose head cannot be swapped, takes the plain path
             (full logits, then the slice).
+        calculate_sum_pi_squared: also return sum_v pi(v)^2 (B, T) of each response position
+            (no gradient; the optimal token baseline's statistic), chunk-wise like the entropy.
         sp: this rank's Ulysses group (the model went through `ulysses.parallelize_sp`; needs
             use_remove_padding): every rank of the group gets the same batch and returns the
             same full results.
-        calculate_sum_pi_squared: also return sum_v pi(v)^2 (B, T) of each response position
-            (no gradient; the optimal token baseline's statistic), chunk-wise like the entropy.
 
     Returns:
         log_probs (B, T) float32; entropy (B, T) float32 or None; with calculate_sum_pi_squared a
@@ -303,16 +304,23 @@ def forward_log_probs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
     head = head_is_swappable(module) if fused else None
-    if head is not None and sp is not None:
-        lp, ent, sps = _fused_log_probs_sp(
-            module, head, batch, temperature, calculate_entropy, entropy_grad, calculate_sum_pi_squared, sp
-        )
-        return (lp, ent, sps) if calculate_sum_pi_squared else (lp, ent)
     if head is not None:
-        lp, ent, sps = _fused_log_probs(
-            module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad,
-            calculate_sum_pi_squared,
-        )  # fmt: skip
+        if sp is not None:
+            lp, ent, sps = _fused_log_probs_sp(
+                module,
+                head,
+                batch,
+                temperature,
+                calculate_entropy,
+                entropy_grad,
+                calculate_sum_pi_squared,
+                sp,
+            )
+        else:
+            lp, ent, sps = _fused_log_probs(
+                module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad,
+                calculate_sum_pi_squared,
+            )  # fmt: skip
         return (lp, ent, sps) if calculate_sum_pi_squared else (lp, ent)
     responses = batch["responses"]
     t = responses.shape[-1]

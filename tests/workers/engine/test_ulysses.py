@@ -141,6 +141,13 @@ def _actor_checks(rank, world, model_dir):
     lp2, ent2 = a2.compute_log_prob(full, calculate_entropy=True, micro_batch_size=3)
     torch.testing.assert_close(lp2[mask], lp1[mask], **TOL)
     torch.testing.assert_close(ent2[mask], ent1[mask], **TOL)
+    # sum_v pi^2 (the optimal token baseline's statistic) through the SP head as well
+    _, _, sps1 = a1.compute_log_prob(local, micro_batch_size=2, calculate_sum_pi_squared=True)
+    _, ent_s, sps2 = a2.compute_log_prob(
+        full, calculate_entropy=True, micro_batch_size=3, calculate_sum_pi_squared=True
+    )
+    torch.testing.assert_close(sps2[mask], _gather_rows(sps1)[mask], **TOL)
+    torch.testing.assert_close(ent_s[mask], ent1[mask], **TOL)
     lp_dyn, _ = a2.compute_log_prob(full, use_dynamic_bsz=True, max_token_len=30)
     torch.testing.assert_close(lp_dyn[mask], lp1[mask], **TOL)
     with torch.no_grad():  # the plain head path (full logits gathered over the slices)
@@ -149,14 +156,6 @@ def _actor_checks(rank, world, model_dir):
         )
     torch.testing.assert_close(plain[mask], lp1[mask], **TOL)
     torch.testing.assert_close(plain_ent[mask], ent1[mask], **TOL)
-    with torch.no_grad():  # sum_v pi^2 (the optimal token baseline's statistic) through the SP head
-        sps1 = forward_log_probs(
-            e1.module, local.batch, use_remove_padding=True, calculate_sum_pi_squared=True
-        )[2]
-        sps2 = forward_log_probs(
-            e2.module, full.batch, use_remove_padding=True, calculate_sum_pi_squared=True, sp=a2.sp
-        )[2]
-    torch.testing.assert_close(sps2[mask], _gather_rows(sps1)[mask], **TOL)
 
     # gradients of one mini-batch, then one update: the same weights
     data = _train_batch(lp1)
