@@ -1,10 +1,11 @@
-"""Ulysses sequence parallelism on real FSDP2 over 2 CPU processes (gloo): SP=2 == SP=1.
+"""Ulysses sequence parallelism on real FSDP2 over CPU processes (gloo): SP=2 == SP=1.
 
 SP=1 on 2 ranks splits the rows (dp=2); SP=2 on the same 2 ranks gives both ranks every row and
-splits each packed sequence (dp=1). Log-probs, entropy, values, the accumulated gradients and
-the weights after one actor and one critic update must agree (fp32). Also: the plain (unfused)
-head path, dynamic micro-batches, repeated KV heads (GQA with fewer KV heads than SP ranks), and
-the start-up checks.
+splits each packed sequence (dp=1). Log-probs, entropy, values, the accumulated gradients and the
+weights after one actor and one critic update must agree (fp32). Also: the plain (unfused) head
+path, dynamic micro-batches, repeated KV heads (GQA with fewer KV heads than SP ranks), the
+start-up checks, and 4 ranks as {dp: 2, sp: 2} with the workers' groups == 4 data-parallel ranks
+(the loss normalisation runs over the dp group, not WORLD).
 """
 
 import dataclasses
@@ -61,8 +62,9 @@ def _sp_group():
     return SPGroup(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
 
 
-def _actor_pair(model_dir):
-    """(SP=1 actor over dp=2, SP=2 actor over dp=1), same weights, both FSDP over both ranks."""
+def _actor_pair(model_dir, world=2):
+    """(SP=1 actor over dp=world, SP=2 actor over dp=1), same weights, both FSDP over all ranks;
+    for world != 2 the second engine is returned unwrapped (the caller applies its own layout)."""
     from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.config import (
         ActorConfig,
@@ -89,16 +91,18 @@ def _actor_pair(model_dir):
     )
     e1 = FSDPEngine.build(model, fsdp, cfg.optim, load_tok=False)
     e2 = FSDPEngine.build(model, fsdp, cfg.optim, load_tok=False)
+    s1 = normalize_actor_batch_sizes(
+        dataclasses.replace(cfg, ulysses_sequence_parallel_size=1), rollout_n=1, dp_size=world
+    )
+    a1 = PPOActor(
+        cfg, e1.module, e1.optimizer, e1.lr_scheduler, dp_size=world, batch_sizes=s1, use_remove_padding=True
+    )
+    if world != 2:
+        return (e1, a1), (e2, None)
     sp = _sp_group()
     parallelize_sp(e2.module, sp)
-    s1 = normalize_actor_batch_sizes(
-        dataclasses.replace(cfg, ulysses_sequence_parallel_size=1), rollout_n=1, dp_size=2
-    )
     s2 = normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=2)
     assert (s1.dp_size, s1.mini_batch_size, s2.dp_size, s2.mini_batch_size) == (2, 4, 1, 8)
-    a1 = PPOActor(
-        cfg, e1.module, e1.optimizer, e1.lr_scheduler, dp_size=2, batch_sizes=s1, use_remove_padding=True
-    )
     a2 = PPOActor(
         cfg,
         e2.module,
@@ -296,3 +300,46 @@ def test_sp_checks_name_the_fix():
         check_sp_layout("critic", 2, 2, use_remove_padding=True, strategy="megatron")
     with pytest.raises(ValueError, match=r"does not divide the model's 6 attention heads.*\[1, 2, 3, 6\]"):
         check_sp_heads("actor_rollout_ref.actor", 4, 6, 6)
+
+
+def _dp2_sp2_checks(rank, world, model_dir):
+    """4 ranks as {dp: 2, sp: 2} (the workers' groups, `SequenceParallel`) == 4 data-parallel ranks."""
+    from hybridrl.protocol import DataProto
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.config import normalize_actor_batch_sizes
+    from hybridrl.workers.rollout.parallel import training_mesh
+    from hybridrl.workers.sequence_parallel import SequenceParallel
+
+    (e1, a1), (e2, _) = _actor_pair(model_dir, world=4)
+    layout = training_mesh(4, -1, sp=2)
+    par = SequenceParallel.create(layout, rank, "actor_rollout_ref.actor")
+    par.apply(e2)
+    cfg = a1.config
+    a2 = PPOActor(
+        cfg,
+        e2.module,
+        e2.optimizer,
+        batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=4),
+        use_remove_padding=True,
+        **par.role_kwargs(e2),
+    )
+    assert (a2.dp_size, par.sp.rank, layout.dp_rank(rank)) == (2, rank % 2, rank // 2)
+    full = DataProto.from_dict(make_batch(ROWS, prompt_len=7, response_len=6, seed=5))
+    mask = full.batch["response_mask"].bool()
+    lp1 = _gather_rows(a1.compute_log_prob(full.chunk(4)[rank], micro_batch_size=2)[0])
+    lp2 = a2.compute_log_prob(full.chunk(2)[rank // 2], micro_batch_size=2)[0]
+    gathered = _gather_rows(lp2)  # ranks 0, 1 hold dp group 0's rows; ranks 2, 3 group 1's
+    lp2 = torch.cat([gathered[: ROWS // 2], gathered[ROWS:][: ROWS // 2]])
+    torch.testing.assert_close(lp2[mask], lp1[mask], **TOL)
+    data = _train_batch(lp1)
+    m1 = a1.forward_backward(data.chunk(4)[rank])
+    m2 = a2.forward_backward(data.chunk(2)[rank // 2])
+    _assert_same(_grads(e2.module), _grads(e1.module), "dp2 x sp2 grad")
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.timeout(900)
+def test_ulysses_dp2_sp2_equals_dp4(tmp_path):
+    model_dir = make_tiny_model_dir(str(tmp_path / "model"))
+    spawn(_dp2_sp2_checks, 4, tmp_path, model_dir)
