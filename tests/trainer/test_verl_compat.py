@@ -231,3 +231,27 @@ def test_agent_rollout_options_validate_at_start_up(capsys):
     capsys.readouterr()
     _check(["actor_rollout_ref.rollout.multi_stage_wake_up=true"])
     assert "multi_stage_wake_up" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "agent_key",
+    [
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.mode=async",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+    ],
+)
+def test_rollout_tp_with_agent_loops_is_refused_at_start_up(agent_key):
+    """The agent loops drive one engine per replica: TP > 1 with them stops in the config stage
+    (not at the first generation), naming the key and the fix; TP > 1 alone still passes."""
+    tp = [
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "trainer.n_gpus_per_node=2",
+    ]
+    _check(tp)
+    with pytest.raises(
+        ConfigError,
+        match="tensor_model_parallel_size=2 with the agent loops.*Use tensor_model_parallel_size=1",
+    ):
+        _check([*tp, agent_key])

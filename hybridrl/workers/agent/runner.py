@@ -44,13 +44,13 @@ from hybridrl.workers.agent.tool_loading import load_tools
 from hybridrl.workers.agent.trace import RolloutTracer
 from hybridrl.workers.rollout.base import SamplingSpec, derive_seed, resolve_sampling
 
-__all__ = ["AgentLoopRunner", "agent_step_metrics", "uses_agent_loops"]
+__all__ = ["AgentLoopRunner", "agent_loops_configured", "agent_step_metrics", "uses_agent_loops"]
 
 ROW_METRICS = ("num_turns", "tool_calls", "tool_errors", "tool_timeouts", "agent_truncated")
 
 
-def uses_agent_loops(config: Any, prompts: DataProto) -> bool:
-    """Whether this batch goes through the agent loops (else the plain single-turn path).
+def agent_loops_configured(config: Any) -> bool:
+    """Whether the rollout section (RolloutConfig) turns the agent loops on for every batch.
 
     veRL's `rollout.mode=async` generates through its agent loops (single_turn_agent by default),
     so it does here too; so does `sglang_rollout_mode=server` (veRL's request-level server path:
@@ -60,10 +60,15 @@ def uses_agent_loops(config: Any, prompts: DataProto) -> bool:
         getattr(config, "mode", "sync") == "async"
         or getattr(config, "sglang_rollout_mode", "engine") == "server"
         or config.multi_turn.enable
-        or "agent_name" in prompts.non_tensor_batch
         or agent.default_agent_loop != "single_turn_agent"
         or agent.agent_loop_config_path
     )
+
+
+def uses_agent_loops(config: Any, prompts: DataProto) -> bool:
+    """Whether this batch goes through the agent loops (else the plain single-turn path): the
+    config turns them on, or the rows name an `agent_name`."""
+    return agent_loops_configured(config) or "agent_name" in prompts.non_tensor_batch
 
 
 def request_limits(config: Any) -> RequestLimits:
@@ -118,7 +123,8 @@ class AgentLoopRunner:
                 "the agent loops (multi_turn.enable / agent_name rows / rollout.agent.*) do not support "
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={config.tensor_model_parallel_size} yet: "
                 "the ranks of a TP engine would batch their trajectories' requests differently. Use "
-                "tensor_model_parallel_size=1 (data-parallel rollout replicas)."
+                "tensor_model_parallel_size=1 (data-parallel rollout replicas), or drop the dataset's agent_name "
+                "column."
             )
         self.rollout = rollout
         self.config = config
