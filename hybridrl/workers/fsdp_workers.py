@@ -98,6 +98,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         self._lora_self_ref = False
         self._agent_runner = None
         self._tp_group = None
+        self._relay_group = None  # gloo group of the TP ranks: the agent loops' request relay
 
     # ------------------------------------------------------------------ build
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -171,6 +172,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         self.set_mesh("rollout", rollout_mesh(self.world_size, rc.tensor_model_parallel_size))  # dp x tp
         if rc.tensor_model_parallel_size > 1:
             self._tp_group = new_subgroups(self.mesh_layout("rollout"), ["tp"], self.rank)
+            self._relay_group = new_subgroups(self.mesh_layout("rollout"), ["tp"], self.rank, "gloo")
             if get_device_name() == "cpu":  # one core set per rank: TP ranks spin in lockstep
                 bind_cpu_cores(self.local_rank, self.local_world_size, self.num_threads or 1)
         tokenizer = (
@@ -240,9 +242,29 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         """Plain single-turn generation, or the agent loops (multi_turn / agent_name rows)."""
         if not uses_agent_loops(self.rollout_config, prompts):
             return self.rollout.generate_sequences(prompts)
+        if self._relay_group is None:
+            if self._agent_runner is None:
+                self._agent_runner = AgentLoopRunner(
+                    self.rollout, self.rollout_config, self.rollout.tokenizer
+                )
+            return self._agent_runner.generate_sequences(prompts)
+        return self._tp_agent_generate(prompts)
+
+    def _tp_agent_generate(self, prompts: DataProto) -> DataProto:
+        """The agent loops over a TP engine (workers/agent/tp_relay.py): the engine's TP rank 0
+        runs them and relays every engine call; the other TP ranks replay the calls and return
+        the prompts (dropped: the rollout mesh keeps TP rank 0's result only)."""
+        from hybridrl.workers.agent.tp_relay import TPLeaderRollout, follow_leader, lead_rollout
+
+        groups = self.mesh_layout("rollout").groups(["tp"])
+        leader = next(g for g in groups if self.rank in g)[0]
+        if self.rank != leader:
+            follow_leader(self.rollout, self._relay_group, leader)
+            return prompts
         if self._agent_runner is None:
-            self._agent_runner = AgentLoopRunner(self.rollout, self.rollout_config, self.rollout.tokenizer)
-        return self._agent_runner.generate_sequences(prompts)
+            relay = TPLeaderRollout(self.rollout, self._relay_group, leader)
+            self._agent_runner = AgentLoopRunner(relay, self.rollout_config, self.rollout.tokenizer)
+        return lead_rollout(self._agent_runner, self._agent_runner.rollout, prompts)
 
     # ------------------------------------------------------------- log-probs
     @register(dispatch_mode=ON_ACTOR_MESH)

@@ -15,6 +15,7 @@ from hybridrl.trainer.ppo.config import ConfigError
 from hybridrl.trainer.ppo.config_stage import check_startup, override_key, prepare_argv
 from hybridrl.trainer.ppo.launch import merge_runtime_env
 from hybridrl.trainer.ppo.verl_compat import REFUSED, WARNED
+from hybridrl.workers.agent.runner import agent_loops_configured
 
 SMALL = [
     "data.train_batch_size=4",
@@ -241,17 +242,18 @@ def test_agent_rollout_options_validate_at_start_up(capsys):
         "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
     ],
 )
-def test_rollout_tp_with_agent_loops_is_refused_at_start_up(agent_key):
-    """The agent loops drive one engine per replica: TP > 1 with them stops in the config stage
-    (not at the first generation), naming the key and the fix; TP > 1 alone still passes."""
+def test_rollout_tp_with_agent_loops_passes_the_config_stage(agent_key):
+    """The agent loops run over a TP engine (TP leader relays its engine calls, workers/agent/
+    tp_relay.py), so TP > 1 with them passes the config stage; the TP layout checks still apply
+    (an engine without TP is refused with the agent loops too)."""
     tp = [
-        "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "trainer.n_gpus_per_node=2",
     ]
-    _check(tp)
+    c = _check([*tp, "actor_rollout_ref.rollout.name=vllm", agent_key])
+    assert c.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+    assert agent_loops_configured(c.actor_rollout_ref.rollout)
     with pytest.raises(
-        ConfigError,
-        match="tensor_model_parallel_size=2 with the agent loops.*Use tensor_model_parallel_size=1",
+        ConfigError, match="tensor_model_parallel_size=2 with actor_rollout_ref.rollout.name=hf"
     ):
-        _check([*tp, agent_key])
+        _check([*tp, "actor_rollout_ref.rollout.name=hf", agent_key])

@@ -290,16 +290,6 @@ def _validate_rollout_parallel(config: PPOConfig, world: int) -> None:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    from hybridrl.workers.agent.runner import agent_loops_configured
-
-    tp = arr.rollout.tensor_model_parallel_size
-    if tp > 1 and agent_loops_configured(arr.rollout):
-        raise ConfigError(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} with the agent loops (rollout.mode=async, "
-            "multi_turn.enable, sglang_rollout_mode=server or rollout.agent.*): the agent loops drive one engine "
-            "per replica and do not run over a TP engine yet. Use tensor_model_parallel_size=1 (data-parallel "
-            "rollout replicas; every rank generates for its own trajectories)"
-        )
 
 
 def _validate_critic(config: PPOConfig, world: int) -> None:

@@ -88,7 +88,14 @@ class BatchingEngine:
         self._slots: asyncio.Semaphore | None = None
         self._pending: list[_Request] = []
         self._drain_task: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridrl-engine")
+        # the engine thread uses the caller's intra-op thread count (OpenMP's is per thread; vLLM's
+        # CPU attention checks that its metadata and kernels agree on it)
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="hybridrl-engine",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
         self.num_batches = 0
         self.num_requests = 0
         self.num_timeouts = 0
@@ -212,6 +219,10 @@ class BatchingEngine:
     def reset_metrics(self) -> None:
         self.num_batches = self.num_requests = self.num_timeouts = 0
         self.busy_s = 0.0
+
+    def wait_idle(self) -> None:
+        """Block until the engine thread has finished its current batch (if any)."""
+        self._executor.submit(lambda: None).result()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)

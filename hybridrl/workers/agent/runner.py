@@ -112,20 +112,13 @@ class AgentLoopRunner:
     """Runs the agent loops of one rollout replica.
 
     Args:
-        rollout: the replica's BaseRollout (HF / vLLM).
+        rollout: the replica's BaseRollout (HF / vLLM); with rollout TP > 1, the TP leader's
+            TPLeaderRollout (hybridrl.workers.agent.tp_relay), the other TP ranks replay its calls.
         config: the rollout section (RolloutConfig).
         tokenizer: the policy tokenizer.
     """
 
     def __init__(self, rollout: Any, config: Any, tokenizer: Any) -> None:
-        if config.tensor_model_parallel_size > 1:
-            raise ValueError(
-                "the agent loops (multi_turn.enable / agent_name rows / rollout.agent.*) do not support "
-                f"actor_rollout_ref.rollout.tensor_model_parallel_size={config.tensor_model_parallel_size} yet: "
-                "the ranks of a TP engine would batch their trajectories' requests differently. Use "
-                "tensor_model_parallel_size=1 (data-parallel rollout replicas), or drop the dataset's agent_name "
-                "column."
-            )
         self.rollout = rollout
         self.config = config
         self.tokenizer = tokenizer
