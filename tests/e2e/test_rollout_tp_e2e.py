@@ -179,3 +179,42 @@ def test_megatron_tp2_into_vllm_tp2_matches_fsdp_into_vllm_tp2(tmp_path):
         assert m["response_length/mean"] == f["response_length/mean"]
         assert m["actor/pg_loss"] == pytest.approx(f["actor/pg_loss"], abs=1e-4)
         assert m["weight_sync/bytes_per_rank/max"] == f["weight_sync/bytes_per_rank/max"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(900)  # ~3 min: start-up dominates, as test_tp2_rollout_trains_end_to_end
+@pytest.mark.usefixtures("ray_local")
+def test_tp2_rollout_with_the_tool_agent_trains_one_step(tmp_path):
+    """multi_turn (tool agent + the built-in calculator tool) over vLLM TP=2: the TP leader runs
+    the agent loops and relays its engine calls to the other TP rank (workers/agent/tp_relay.py)."""
+    import pandas as pd
+
+    from hybridrl.data import agent_task
+
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "agent")
+    pd.DataFrame(agent_task.make_rl_rows(8, 0, "train")).to_parquet(tmp_path / "train.parquet")
+    pd.DataFrame(agent_task.make_rl_rows(8, 1, "val")).to_parquet(tmp_path / "val.parquet")
+    rows = run(
+        [
+            *TP2,
+            "algorithm.adv_estimator=grpo",
+            f"data.train_files={tmp_path}/train.parquet",
+            f"data.val_files={tmp_path}/val.parquet",
+            "data.return_raw_chat=true",
+            "data.max_prompt_length=16",
+            "data.max_response_length=48",
+            "trainer.total_training_steps=1",
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={recipe}/calculator_tool.yaml",
+            "actor_rollout_ref.rollout.multi_turn.format=hermes",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+            "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode=ignore_strippable",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+        ],
+        tmp_path,
+    )
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train) == 1
+    assert_finite(train, ["actor/pg_loss", "num_turns/mean", "tool/calls_per_traj", "timing_s/gen"])
+    assert "val-core/hybridrl/arith_tool/acc/mean@1" in rows[-1]
