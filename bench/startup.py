@@ -47,10 +47,14 @@ def child(backend: str, out: str, first_step: bool) -> None:
     from hybridrl.trainer.ppo.workers import start_workers, uses_ray
 
     t = {"imports": time.perf_counter() - t0}
+    cpu = {"imports": time.process_time()}
+    cpu_prev = [time.process_time()]
 
     def lap(name, t_prev):
         now = time.perf_counter()
         t[name] = now - t_prev
+        c = time.process_time()
+        cpu[name], cpu_prev[0] = c - cpu_prev[0], c
         return now
 
     now = time.perf_counter()
@@ -96,6 +100,13 @@ def child(backend: str, out: str, first_step: bool) -> None:
         run.tracker.finish()
         workers.shutdown()
         t["first_step"] = time.perf_counter() - now if first_step else 0.0
+    # CPU seconds of this process (all its threads) per phase: with the local backend every phase
+    # runs here, so on a busy machine this is what the start-up would take idle (the phases are
+    # single-threaded apart from model building); with Ray the worker processes are not counted.
+    t["cpu_after_imports"] = sum(
+        cpu.get(k, 0.0) for k in ("config", "prepare_run", "peak_flops", "ray_init", "workers")
+    )
+    t["cpu_imports"] = cpu["imports"]
     Path(out).write_text(json.dumps(t))
 
 
@@ -143,7 +154,7 @@ def main() -> None:
                     f"round {r + 1} {n} (load avg {load:.2f}): "
                     + ", ".join(f"{k} {v:.2f}" for k, v in t.items())
                 )
-    keys = [*PHASES, "after_imports"]
+    keys = [*PHASES, "after_imports", "cpu_imports", "cpu_after_imports"]
     med = {n: {k: C.median([t[k] for t in runs[n]]) for k in keys} for n in names}
     rows = [
         [

@@ -6,6 +6,7 @@ import os
 import tempfile
 import time
 
+import _common as C
 from compare_trl import score, workload_data
 
 
@@ -87,11 +88,13 @@ def run_trl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
                 timing["prepare_s"] += time.perf_counter() - t
 
     ends: list[float] = []
+    cpu_ends: list[float] = []
     splits: list[dict] = []
 
     class StepClock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
+            cpu_ends.append(C.tree_cpu_seconds())
             splits.append(dict(timing))
             for k in timing:
                 timing[k] = 0.0
@@ -147,6 +150,7 @@ def run_trl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
             callbacks=[StepClock()],
         )
         t_fit = time.perf_counter()
+        cpu_fit = C.tree_cpu_seconds()
         trainer.train()
         logs = [h for h in trainer.state.log_history if "reward" in h]
         acc = (
@@ -155,14 +159,16 @@ def run_trl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
             else None
         )
     steps = []
-    prev = t_fit
+    prev, cpu_prev = t_fit, cpu_fit
     for i, (end, split) in enumerate(zip(ends, splits)):
         wall = end - prev
         prev = end
+        cpu_s, cpu_prev = cpu_ends[i] - cpu_prev, cpu_ends[i]
         log = logs[i] if i < len(logs) else {}
         steps.append(
             {
                 "wall_s": wall,
+                "cpu_s": cpu_s,
                 "gen_s": split["gen_s"],
                 "weight_sync_s": 0.0,
                 "log_prob_s": split["log_prob_s"],

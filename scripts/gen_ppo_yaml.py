@@ -30,6 +30,8 @@ QUICKSTART = {
     "actor_rollout_ref.rollout.prompt_length": "${data.max_prompt_length}",
     "actor_rollout_ref.rollout.response_length": "${data.max_response_length}",
     "critic.rollout_n": "${actor_rollout_ref.rollout.n}",
+    "actor_rollout_ref.rollout.trace.project_name": "${trainer.project_name}",
+    "actor_rollout_ref.rollout.trace.experiment_name": "${trainer.experiment_name}",
     # veRL: the reference follows the actor's engine and Megatron layout.
     "actor_rollout_ref.ref.strategy": "${actor_rollout_ref.actor.strategy}",
     "actor_rollout_ref.ref.megatron.tensor_model_parallel_size": (
@@ -47,6 +49,8 @@ QUICKSTART = {
     "actor_rollout_ref.actor.megatron.dtype": "float32",
     "actor_rollout_ref.ref.megatron.dtype": "${actor_rollout_ref.actor.megatron.dtype}",
     "critic.megatron.dtype": "float32",
+    # veRL: the reference's Ulysses SP size follows the actor's.
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "${actor_rollout_ref.actor.ulysses_sequence_parallel_size}",
     "critic.ppo_mini_batch_size": "${actor_rollout_ref.actor.ppo_mini_batch_size}",
     "critic.ppo_micro_batch_size_per_gpu": 64,
     "critic.optim.lr": 1e-4,

@@ -13,7 +13,10 @@ metrics) out. Files, one idea each:
     value.py            clipped value loss
     kl_ctrl.py          fixed / adaptive KL coefficient
     rollout_is.py       rollout-vs-training importance weights
+    rollout_rs.py       rejection by KL estimators (token_k1, seq_max_k2, ...), the bypass-mode loss
     dapo.py             overlong reward shaping, dynamic-sampling group filter
+    pf_ppo.py           policy-filtered PPO resampling weights
+    otb.py              optimal token baseline (per-token baseline, sum of pi^2)
 """
 
 from hybridrl.algos.advantage import (
@@ -55,6 +58,8 @@ from hybridrl.algos.kl import (
     register_kl_estimator,
 )
 from hybridrl.algos.kl_ctrl import AdaptiveKLController, FixedKLController, get_kl_controller
+from hybridrl.algos.otb import compute_optimal_token_baseline_advantage, sum_pi_squared_from_logits
+from hybridrl.algos.pf_ppo import pf_ppo_resample_indices, pf_ppo_weights
 from hybridrl.algos.policy_loss import (
     POLICY_LOSSES,
     compute_policy_loss_cispo,
@@ -80,6 +85,12 @@ from hybridrl.algos.rollout_is import (
     compute_rollout_correction,
     compute_rollout_importance_weights,
     parse_rs_threshold,
+)
+from hybridrl.algos.rollout_rs import (
+    compute_policy_loss_bypass_mode,
+    compute_rollout_rejection_mask,
+    is_kl_rs,
+    parse_kl_rs,
 )
 from hybridrl.algos.utils import (
     entropy_from_logits,
@@ -112,8 +123,10 @@ __all__ = [
     "compute_grpo_outcome_advantage_loop",
     "compute_grpo_passk_outcome_advantage",
     "compute_opo_outcome_advantage",
+    "compute_optimal_token_baseline_advantage",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
+    "compute_policy_loss_bypass_mode",
     "compute_policy_loss_decoupled",
     "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
@@ -127,6 +140,9 @@ __all__ = [
     "compute_rloo_outcome_advantage_loop",
     "compute_rollout_correction",
     "compute_rollout_importance_weights",
+    "compute_rollout_rejection_mask",
+    "is_kl_rs",
+    "parse_kl_rs",
     "parse_rs_threshold",
     "compute_value_loss",
     "discounted_returns",
@@ -151,6 +167,9 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "outcome_scores",
+    "pf_ppo_resample_indices",
+    "pf_ppo_weights",
+    "sum_pi_squared_from_logits",
     "register_adv_est",
     "register_kl_estimator",
     "register_loss_agg",

@@ -10,10 +10,14 @@ Every registered estimator is called the same way:
         gamma=1.0, lam=1.0,
         norm_adv_by_std_in_grpo=True, epsilon=1e-6,
         reward_baselines=None, # (B,) greedy-response score (ReMax), or None
+        old_log_probs=None,    # (B, T) log pi_old (optimal_token_baseline), or None
+        sum_pi_squared=None,   # (B, T) sum_v pi_old(v)^2 (optimal_token_baseline), or None
+        rollout_is_weights=None,  # (B, T) rollout IS weights, or None
     )
 
 Each entry takes the keywords it needs and ignores the others (**_). The math lives in
-`returns.py` (per-token returns) and `group_advantage.py` (group-relative outcome advantages);
+`returns.py` (per-token returns), `group_advantage.py` (group-relative outcome advantages) and
+`otb.py` (the optimal token baseline);
 the entries below only adapt the uniform call to those functions. `estimator_needs_critic`
 tells the trainer, at config-validation time, whether a critic must be built.
 
@@ -27,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from hybridrl.algos import group_advantage as group
-from hybridrl.algos import returns
+from hybridrl.algos import otb, returns
 from hybridrl.algos.registry import Registry
 
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -139,6 +143,25 @@ def _grpo_passk(
 ):
     return group.compute_grpo_passk_outcome_advantage(
         token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo
+    )
+
+
+@register_adv_est("optimal_token_baseline")
+def _optimal_token_baseline(
+    token_level_rewards,
+    response_mask,
+    *,
+    index,
+    old_log_probs=None,
+    sum_pi_squared=None,
+    rollout_is_weights=None,
+    **_,
+):
+    fix = "set actor_rollout_ref.actor.calculate_sum_pi_squared=True (the old-log-prob pass computes both)"
+    old_log_probs = _required(old_log_probs, "old_log_probs (B, T)", "optimal_token_baseline", fix)
+    sum_pi_squared = _required(sum_pi_squared, "sum_pi_squared (B, T)", "optimal_token_baseline", fix)
+    return otb.compute_optimal_token_baseline_advantage(
+        token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights
     )
 
 

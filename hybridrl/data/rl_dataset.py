@@ -150,8 +150,8 @@ def _read_one_file(path: str, files_key: str) -> tuple[list[dict[str, Any]], lis
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        try:
-            table = pq.read_table(path)
+        try:  # ParquetFile.read, not read_table: one file needs neither pyarrow.dataset nor pandas
+            table = pq.ParquetFile(path).read()
         except Exception as exc:  # pyarrow raises several types for empty/corrupt files
             raise ValueError(
                 f"{files_key}: cannot read parquet file {path!r} (empty or corrupt?): {exc}"

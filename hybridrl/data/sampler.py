@@ -2,13 +2,21 @@
 
 `ResumableSampler` fixes one index order per epoch (a seeded permutation when shuffling, so the
 order of epoch e does not depend on how many epochs ran in this process) and remembers where it
-is: (epoch, position). `RLDataLoader` draws batches from it in the calling process (no worker
-processes, no prefetch), so its `state_dict()` after k batches says exactly "k batches
-consumed", and a fresh loader that loads that state yields the same remaining batches.
+is: (epoch, position). `RLDataLoader` draws each batch's indices from it in the calling process,
+so its `state_dict()` after k batches says exactly "k batches consumed", and a fresh loader that
+loads that state yields the same remaining batches.
+
+With `num_workers > 0` (veRL `data.dataloader_num_workers`) the rows are read and collated by a
+torch DataLoader's worker processes, which run ahead of the consumer (prefetch). The indices are
+still drawn here, batch by batch, and the sampler state after each draw is kept with the batch:
+`state_dict()` is the state after the last batch *handed out*, and a new epoch's iteration first
+rewinds the sampler to it, so prefetched-but-unused batches are never skipped.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -54,6 +62,10 @@ class ResumableSampler(Sampler[int]):
             self._order = self.epoch_order(self.epoch)
             self._order_epoch = self.epoch
         return self._order
+
+    @property
+    def epoch_len(self) -> int:
+        return self.data_len
 
     def remaining(self) -> int:
         """Indices of the current epoch not handed out yet."""
@@ -129,6 +141,7 @@ class RLDataLoader:
         sampler: a ResumableSampler over `len(dataset)` rows.
         collate_fn: list of items -> batch.
         drop_last: drop the final partial batch of each epoch.
+        num_workers: worker processes that read and collate rows (0: in this process).
     """
 
     def __init__(
@@ -138,7 +151,10 @@ class RLDataLoader:
         sampler: ResumableSampler,
         collate_fn: Callable[[list[Any]], Any],
         drop_last: bool = True,
+        num_workers: int = 0,
     ) -> None:
+        if int(num_workers) < 0:
+            raise ValueError(f"data.dataloader_num_workers must be >= 0, got {num_workers}")
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if sampler.data_len != len(dataset):
@@ -154,30 +170,56 @@ class RLDataLoader:
         self.sampler = sampler
         self.collate_fn = collate_fn
         self.drop_last = bool(drop_last)
+        self.num_workers = int(num_workers)
+        self._handed_out: dict[str, Any] | None = None  # sampler state after the last batch handed out
 
     def __len__(self) -> int:
         """Batches per full epoch."""
-        n = self.sampler.data_len
+        n = self.sampler.epoch_len
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def _epoch_has_more(self) -> bool:
         left = self.sampler.remaining()
         return left >= self.batch_size if self.drop_last else left > 0
 
-    def __iter__(self) -> Iterator[Any]:
+    def _epoch_indices(self, snapshots: collections.deque | None = None) -> Iterator[list[int]]:
+        """The index lists of the rest of the epoch; the sampler moves to the next epoch as the
+        last one is drawn. With `snapshots`, the sampler state after each draw is appended."""
         if not self._epoch_has_more():
             self.sampler.start_next_epoch()
-        while self._epoch_has_more():
+        last = False
+        while not last:
             indices = self.sampler.take(self.batch_size)
-            if not self._epoch_has_more():
+            last = not self._epoch_has_more()
+            if last:
                 self.sampler.start_next_epoch()
+            if snapshots is not None:
+                snapshots.append(copy.deepcopy(self.sampler.state_dict()))
+            yield indices
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.num_workers == 0:
+            for indices in self._epoch_indices():
                 yield self.collate_fn([self.dataset[i] for i in indices])
-                return
-            yield self.collate_fn([self.dataset[i] for i in indices])
+            return
+        from torch.utils.data import DataLoader
+
+        if self._handed_out is not None:  # batches prefetched by an abandoned iteration are redrawn
+            self.sampler.load_state_dict(self._handed_out)
+        snapshots: collections.deque = collections.deque()
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=_Batches(self, snapshots),
+            num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
+        )
+        for batch in loader:
+            self._handed_out = snapshots.popleft()
+            yield batch
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "sampler": self.sampler.state_dict(),
+            "sampler": self._handed_out if self._handed_out is not None else self.sampler.state_dict(),
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
         }
@@ -185,3 +227,17 @@ class RLDataLoader:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the sampler position; the batch size may differ (indices continue in order)."""
         self.sampler.load_state_dict(state["sampler"])
+        self._handed_out = None
+
+
+class _Batches:
+    """A torch batch sampler: one epoch's index lists drawn from an RLDataLoader's sampler."""
+
+    def __init__(self, loader: RLDataLoader, snapshots: collections.deque) -> None:
+        self.loader, self.snapshots = loader, snapshots
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.loader._epoch_indices(self.snapshots)
+
+    def __len__(self) -> int:
+        return len(self.loader)

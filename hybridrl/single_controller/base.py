@@ -35,6 +35,9 @@ from hybridrl.utils.device import get_device_name, get_visible_devices_keyword
 
 logger = logging.getLogger(__name__)
 
+# torch's default CPU generator seed in a fresh process; every worker is seeded with it on start
+FRESH_PROCESS_SEED = 67280421310721
+
 __all__ = [
     "Dispatch",
     "Execute",
@@ -169,6 +172,11 @@ class Worker:
     """
 
     def __init__(self) -> None:
+        # Every worker starts from the same torch seed, whatever its process did before (a Ray
+        # worker process arrives with a random one): weights that transformers initialises afresh
+        # (a critic's value head, init_from_scratch) are then the same on every rank and in every
+        # launch of the same command, so runs reproduce and a resumed run can equal its twin.
+        torch.manual_seed(FRESH_PROCESS_SEED)
         threads = os.environ.get("HYBRIDRL_NUM_THREADS")
         if threads:
             torch.set_num_threads(int(threads))

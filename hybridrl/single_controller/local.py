@@ -26,13 +26,11 @@ from typing import Any
 import torch
 
 from hybridrl.protocol import DataProto, DataProtoFuture
+from hybridrl.single_controller.base import FRESH_PROCESS_SEED
 from hybridrl.single_controller.worker_group import WorkerGroup, WorkerGroupError
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
 
 __all__ = ["LocalWorkerGroup"]
-
-# torch's default CPU generator seed in a fresh process (what a Ray worker starts from)
-FRESH_PROCESS_SEED = 67280421310721
 
 
 @dataclass

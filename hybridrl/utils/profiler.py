@@ -8,8 +8,11 @@ Each taking part process writes one Chrome trace per chosen step,
 of one slot share a process, so they share its trace. `tool_config.torch.contents` may hold
 `cpu`, `cuda`, `memory`, `shapes`, `stack` (default: the activities of the device).
 
-veRL's other tools (`nsys`, `npu`, `torch_memory`) need an NVIDIA or Ascend device and their
-vendor tool; they are refused at start-up.
+`global_profiler.tool=nsys` (NVIDIA Nsight Systems) and `npu` (Ascend, torch_npu) are in
+`hybridrl.utils.profiler_tools` (untested on GPU / NPU; a missing device or tool fails when the
+workers start, not in the config stage, which checks configuration only). `torch_memory` is refused.
+`profile_continuous_steps=True` joins consecutive chosen steps into one session (trace
+`step_<first>`); False gives each step its own.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-TOOLS = ("torch",)
+TOOLS = ("torch", "nsys", "npu")
 CONTENTS = ("cpu", "cuda", "memory", "shapes", "stack")
 
 
@@ -46,15 +49,26 @@ class GlobalProfilerConfig:
 
 
 def check_profiler(glob: GlobalProfilerConfig, roles: dict[str, ProfilerConfig]) -> None:
-    """Raise ValueError naming the key when a profiler setting cannot be honoured here."""
+    """Raise ValueError naming the key when a profiler setting cannot be honoured here (configuration
+    only: devices and vendor tools are checked when the workers start)."""
+    from hybridrl.utils.profiler_tools import npu_options, nsys_options
+
     for key, tool in [("global_profiler.tool", glob.tool)] + [
         (f"{k}.profiler.tool", r.tool) for k, r in roles.items()
     ]:
         if tool is not None and tool not in TOOLS:
             raise ValueError(
-                f"{key}={tool!r}: only the torch profiler is available here (set it to 'torch'); "
-                "nsys/npu/torch_memory need an NVIDIA or Ascend device and their vendor tools"
+                f"{key}={tool!r} is not one of {list(TOOLS)} (torch_memory snapshots are not available here)"
             )
+        if tool is not None and glob.tool is not None and tool != glob.tool:
+            raise ValueError(
+                f"{key}={tool!r} differs from global_profiler.tool={glob.tool!r}; leave it unset"
+            )
+    unknown = sorted(set(glob.global_tool_config or {}) - {"nsys", "npu", "torch", "torch_memory"})
+    if unknown:
+        raise ValueError(f"global_profiler.global_tool_config has unknown tools {unknown}")
+    if glob.tool == "nsys":
+        nsys_options(glob.global_tool_config)
     for key, r in roles.items():
         contents = (r.tool_config or {}).get("torch", {}).get("contents", []) or []
         bad = [c for c in contents if c not in CONTENTS]
@@ -62,6 +76,8 @@ def check_profiler(glob: GlobalProfilerConfig, roles: dict[str, ProfilerConfig])
             raise ValueError(
                 f"{key}.profiler.tool_config.torch.contents has unknown entries {bad}; use {CONTENTS}"
             )
+        if glob.tool == "npu":
+            npu_options(r.tool_config, key)
     if any(r.enable for r in roles.values()) and glob.tool is None:
         raise ValueError(
             "a role has profiler.enable=True but global_profiler.tool is null; set global_profiler.tool=torch"
@@ -79,15 +95,38 @@ class ProfileRequest:
     step: int
     save_path: str
     contents: tuple[str, ...] = ()
+    tool: str = "torch"
+    options: tuple[tuple[str, Any], ...] = ()  # npu: the role's tool_config.npu (profiler_tools.npu_options)
+    tag: str = ""  # discrete sessions: the worker call they cover
 
 
 def wants_rank(cfg: ProfilerConfig, rank: int) -> bool:
     return cfg.enable and (cfg.all_ranks or rank in (cfg.ranks or []))
 
 
-def request_for(glob: GlobalProfilerConfig, cfg: ProfilerConfig, step: int) -> ProfileRequest:
+def request_for(glob: GlobalProfilerConfig, cfg: ProfilerConfig, step: int, tag: str = "") -> ProfileRequest:
+    from hybridrl.utils.profiler_tools import npu_options
+
     contents = tuple((cfg.tool_config or {}).get("torch", {}).get("contents", []) or ())
-    return ProfileRequest(step=step, save_path=cfg.save_path or glob.save_path, contents=contents)
+    tool = glob.tool or "torch"
+    options = tuple(npu_options(cfg.tool_config, "role").items()) if tool == "npu" else ()
+    return ProfileRequest(
+        step=step,
+        save_path=cfg.save_path or glob.save_path,
+        contents=contents,
+        tool=tool,
+        options=options,
+        tag=tag,
+    )
+
+
+def _device_session(request: ProfileRequest, rank: int) -> Any:
+    from hybridrl.utils.profiler_tools import NpuSession, NsysSession
+
+    if request.tool == "nsys":
+        return NsysSession(request.step, request.tag)
+    sub = f"step_{request.step}" + (f"_{request.tag}" if request.tag else "")
+    return NpuSession(dict(request.options), os.path.join(request.save_path, sub, f"rank_{rank}"))
 
 
 class StepProfiler:
@@ -105,6 +144,11 @@ class StepProfiler:
         self._users += 1
         if self._prof is not None:
             return
+        if request.tool != "torch":  # nsys / npu: the session writes its own output
+            self._prof = _device_session(request, rank)
+            self._prof.start()
+            self._path = ""
+            return
         acts = [ProfilerActivity.CPU]
         if torch.cuda.is_available() and (not request.contents or "cuda" in request.contents):
             acts.append(ProfilerActivity.CUDA)
@@ -116,7 +160,8 @@ class StepProfiler:
             with_stack="stack" in c,
         )
         self._prof.__enter__()
-        self._path = os.path.join(request.save_path, f"step_{request.step}", f"rank_{rank}.json")
+        sub = f"step_{request.step}" + (f"_{request.tag}" if request.tag else "")
+        self._path = os.path.join(request.save_path, sub, f"rank_{rank}.json")
 
     def stop(self) -> str | None:
         """End the session when its last role stops; returns the trace file written (or None)."""
@@ -126,6 +171,9 @@ class StepProfiler:
         if self._users > 0:
             return None
         prof, self._prof = self._prof, None
+        if not self._path:
+            prof.stop()
+            return None
         prof.__exit__(None, None, None)
         os.makedirs(os.path.dirname(self._path), exist_ok=True)
         prof.export_chrome_trace(self._path)

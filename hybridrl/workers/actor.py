@@ -51,16 +51,34 @@ class PPOActor(MicroBatchedRole):
         use_remove_padding: pack valid tokens into one row (`model.use_remove_padding`).
         dp_group: process group of the data-parallel ranks (default: WORLD when dp_size > 1).
         peak_flops: peak FLOP/s of one device for `perf/mfu/actor` (None: not reported).
+        sp: this rank's Ulysses sequence-parallel group (see `MicroBatchedRole`).
+        use_fused_kernels: `model.use_fused_kernels`: log-probs/entropy from the hidden states through
+            the chunked head (`engine.lm_head`, no (B, S, V) logits); False: full logits, then the slice.
     """
 
     role = "actor"
 
-    def __init__(self, config: ActorConfig | None, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: ActorConfig | None,
+        module: nn.Module,
+        *args: Any,
+        use_fused_kernels: bool = True,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(config or ActorConfig(), module, *args, **kwargs)
+        self.use_fused_kernels = use_fused_kernels  # model.use_fused_kernels: the chunked head (lm_head.py)
         self.policy_loss_fn = get_policy_loss_fn(self.config.policy_loss.loss_mode)
 
     # ------------------------------------------------------------------------------------------
-    def _forward(self, micro: Any, temperature: float, calculate_entropy: bool, entropy_grad: bool = True):
+    def _forward(
+        self,
+        micro: Any,
+        temperature: float,
+        calculate_entropy: bool,
+        entropy_grad: bool = True,
+        sps: bool = False,
+    ):
         c = self.config
         chunk = 2048 if (c.entropy_from_logits_with_chunking or c.entropy_checkpointing) else None
         return forward_log_probs(
@@ -71,6 +89,9 @@ class PPOActor(MicroBatchedRole):
             calculate_entropy=calculate_entropy,
             entropy_chunk_size=chunk,
             entropy_grad=entropy_grad,
+            calculate_sum_pi_squared=sps,
+            sp=self.sp,
+            fused=self.use_fused_kernels,
         )
 
     def compute_log_prob(
@@ -82,7 +103,8 @@ class PPOActor(MicroBatchedRole):
         use_dynamic_bsz: bool = False,
         max_token_len: int | None = None,
         temperature: float = 1.0,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        calculate_sum_pi_squared: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """Log-probs (and entropy) of `data`'s responses, in micro-batches, without gradients.
 
         Args:
@@ -90,22 +112,27 @@ class PPOActor(MicroBatchedRole):
             micro_batch_size: rows per forward (fixed micro-batching).
             use_dynamic_bsz / max_token_len: token-budget micro-batches instead.
             temperature: the rollout's sampling temperature.
+            calculate_sum_pi_squared: also sum_v pi(v)^2 per position (`actor.calculate_sum_pi_squared`).
 
         Returns:
-            log_probs (B, T) and entropy (B, T) or None, float32 on CPU, in `data`'s row order.
+            log_probs (B, T) and entropy (B, T) or None, float32 on CPU, in `data`'s row order;
+            with calculate_sum_pi_squared a third (B, T) sum_pi_squared.
         """
         batch = data.batch.select(*_FORWARD_KEYS).to(self.device)
         micro_batch_size = micro_batch_size or len(data)
         micros, indices = self.split(
             batch, micro_batch_size, use_dynamic_bsz, max_token_len, "log_prob_max_token_len_per_gpu"
         )
+        sps = calculate_sum_pi_squared
         results = forward_without_grad(
-            self.module, micros, lambda m: self._forward(m, temperature, calculate_entropy)
+            self.module, micros, lambda m: self._forward(m, temperature, calculate_entropy, sps=sps)
         )
-        log_probs = [lp for lp, _ in results]
-        entropies = [ent for _, ent in results if ent is not None]
+        log_probs = [r[0] for r in results]
+        entropies = [r[1] for r in results if r[1] is not None]
         out = merge_outputs(log_probs, indices).cpu()
         ent = merge_outputs(entropies, indices).cpu() if calculate_entropy else None
+        if sps:
+            return out, ent, merge_outputs([r[2] for r in results], indices).cpu()
         return out, ent
 
     # ------------------------------------------------------------------------------------------
@@ -122,7 +149,27 @@ class PPOActor(MicroBatchedRole):
             "kl_cov_ratio": pl.kl_cov_ratio,
             "ppo_kl_coef": pl.ppo_kl_coef,
             "behave_imp_weight_cap": pl.behave_imp_weight_cap,
+            **self._bypass_hparams(),
         }
+
+    def _bypass_hparams(self) -> dict[str, Any]:
+        """The `bypass_mode` loss's settings (actor.policy_loss.rollout_correction); its IS-weight
+        batch mean is taken over the data-parallel ranks, as veRL does."""
+        rc = self.config.policy_loss.rollout_correction
+        out = {f"bypass_{k}": getattr(rc, k) for k in (
+            "loss_type", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
+            "rollout_rs", "rollout_rs_threshold",
+        )}  # fmt: skip
+        if self.dp_size > 1:
+            out["bypass_mean_fn"] = self._masked_mean_over_ranks
+        return out
+
+    def _masked_mean_over_ranks(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        both = torch.stack([(values * mask).sum(), mask.sum()]).float()
+        dist.all_reduce(both, group=self.dp_group)
+        return both[0] / both[1].clamp(min=1)
 
     def is_on_policy(self, rows: int) -> bool:
         """True when an update over `rows` rows is one optimizer step on data from the current policy.

@@ -91,12 +91,15 @@ class FSDPConfig:
     reshard_after_forward: free each layer's gathered parameters after forward (True, veRL's
     default) or keep them until backward (False); None (auto) is False when each shard group is
     one CPU rank (nothing is sharded; keeping them saves a second cast in backward), else True.
+    forward_prefetch: each decoder layer's forward starts the next layer's all-gather (FSDP2
+    explicit prefetch), overlapping communication with compute; same numbers.
     """
 
     param_offload: bool = False
     optimizer_offload: bool = False
     offload_policy: bool = False
     reshard_after_forward: bool | None = None
+    forward_prefetch: bool = False
     fsdp_size: int = -1
     model_dtype: str = "fp32"
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
@@ -112,11 +115,29 @@ class CheckpointConfig:
 
 
 @dataclass
+class PolicyLossRolloutCorrection:
+    """`actor.policy_loss.rollout_correction`: the settings of the `bypass_mode` loss, copied by the
+    driver from `algorithm.rollout_correction` when its bypass_mode=True (as veRL does).
+
+    loss_type: ppo_clip | reinforce; rollout_is (null | token | sequence), rollout_is_threshold,
+    rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold: see hybridrl.algos.rollout_rs.
+    """
+
+    loss_type: str = "ppo_clip"
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: Any = None
+
+
+@dataclass
 class PolicyLossConfig:
     """`actor.policy_loss`: the registry name of the loss and the hyper-parameters of its variants.
 
     behave_imp_weight_cap: the 'decoupled' (AReaL) loss drops tokens whose behaviour importance
-    weight pi_prox / pi_behav exceeds it (None keeps all).
+    weight pi_prox / pi_behav exceeds it (None keeps all). rollout_correction: the settings of the
+    'bypass_mode' loss (veRL's algorithm.rollout_correction.bypass_mode).
     """
 
     loss_mode: str = "vanilla"
@@ -126,11 +147,19 @@ class PolicyLossConfig:
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
     behave_imp_weight_cap: float | None = None
+    rollout_correction: PolicyLossRolloutCorrection = field(default_factory=PolicyLossRolloutCorrection)
 
 
 # ----------------------------------------------------------------------------------------------
 # model
 # ----------------------------------------------------------------------------------------------
+@dataclass
+class FusedKernelOptions:
+    """`model.fused_kernel_options`: impl_backend of the fused log-prob path (torch)."""
+
+    impl_backend: str = "torch"
+
+
 @dataclass
 class ModelConfig:
     """`actor_rollout_ref.model`: which Hugging Face model to load and how.
@@ -142,6 +171,16 @@ class ModelConfig:
     lora_rank: > 0 wraps the model with a PEFT LoRA adapter (lora_alpha, target_modules);
       lora_adapter_path loads a saved adapter instead (its own rank and targets).
     use_shm: accepted for veRL compatibility; loading always reads `path` directly.
+    enable_activation_offload: tensors saved for backward by the training forward (actor, critic)
+      live in CPU memory until backward (workers/engine/activation_offload.py; moves nothing on CPU).
+    torch_dtype: the dtype the weights are loaded in (Hugging Face's `torch_dtype`); when set it
+      becomes `fsdp_config.model_dtype` of every role that loads this model (actor and ref, or the
+      critic), so the master weights and the optimizer are in it; compute still follows
+      `fsdp_config.mixed_precision.param_dtype`. None: each role's model_dtype.
+    use_fused_kernels: log-probs and entropy from the hidden states without the (B, S, V) logits
+      (veRL's fused kernels; here the chunked head of hybridrl/workers/engine/lm_head.py, equal
+      numbers). hybridrl's default is True (its tested path); False computes the full logits.
+      fused_kernel_options.impl_backend: torch only (veRL's triton kernel does not exist here).
     """
 
     path: str | None = "builtin:tiny"
@@ -152,7 +191,8 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
-    use_fused_kernels: bool = False
+    use_fused_kernels: bool = True  # veRL: False; see the docstring
+    fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
     use_liger: bool = False
     use_shm: bool = False
     init_from_scratch: bool = False
@@ -163,9 +203,17 @@ class ModelConfig:
         None  # a saved PEFT adapter to start from (replaces lora_rank/alpha/targets)
     )
     custom_chat_template: str | None = None
+    torch_dtype: str | None = None
 
     def validate(self, key: str = "actor_rollout_ref.model") -> None:
-        for name in ("enable_activation_offload", "use_fused_kernels", "use_liger"):
+        backend = self.fused_kernel_options.impl_backend
+        if self.use_fused_kernels and backend != "torch":
+            raise ValueError(
+                f"{key}.fused_kernel_options.impl_backend={backend!r}: the fused log-prob path here is a chunked "
+                "torch implementation (hybridrl/workers/engine/lm_head.py); no Triton kernel exists in hybridrl. "
+                "Use impl_backend=torch"
+            )
+        for name in ("use_liger",):
             if getattr(self, name):
                 raise ValueError(f"{key}.{name}=True is not implemented in hybridrl; set it to False")
         if self.lora_rank < 0:
@@ -184,7 +232,9 @@ class ActorConfig:
     rows per forward/backward on one rank; with use_dynamic_bsz, micro-batches are instead packed
     to at most ppo_max_token_len_per_gpu tokens. grad_clip (veRL's older key) overrides
     optim.clip_grad when set. entropy_from_logits_with_chunking / entropy_checkpointing compute
-    the entropy 2048 positions at a time, recomputed in backward. use_torch_compile=True is
+    the entropy 2048 positions at a time, recomputed in backward. calculate_sum_pi_squared: the
+    old-log-prob pass also returns sum_v pi(v)^2 per token (`sum_pi_squared`, computed chunk-wise
+    with the log-probs; algorithm.adv_estimator=optimal_token_baseline needs it). use_torch_compile=True is
     refused (the engine runs eagerly; see hybridrl/trainer/ppo/verl_compat.py REFUSED).
 
     skip_on_policy_old_log_prob: when the update is exactly on-policy (ppo_epochs == 1 and one
@@ -218,6 +268,7 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = 1
     entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
+    calculate_sum_pi_squared: bool = False
     skip_on_policy_old_log_prob: bool = True
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -232,7 +283,12 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    """`actor_rollout_ref.ref`: the frozen reference policy (forward only)."""
+    """`actor_rollout_ref.ref`: the frozen reference policy (forward only).
+
+    entropy_from_logits_with_chunking: the reference's PPOActor computes any entropy 2048
+    positions at a time (as the actor's key); the reference pass itself asks for log-probs only
+    (as in veRL), so this changes no number today.
+    """
 
     strategy: str = "fsdp"
     log_prob_micro_batch_size: int | None = None  # deprecated global size
@@ -241,9 +297,14 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: int = 16384
     ulysses_sequence_parallel_size: int = 1
     use_torch_compile: bool = False
+    entropy_from_logits_with_chunking: bool = False
     fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+    def policy_config(self) -> ActorConfig:
+        """The forward-only PPOActor settings of the reference (its entropy function)."""
+        return ActorConfig(entropy_from_logits_with_chunking=self.entropy_from_logits_with_chunking)
 
 
 @dataclass
@@ -301,8 +362,52 @@ class RewardModelModelConfig:
 
 
 @dataclass
+class RewardRolloutConfig:
+    """`reward_model.rollout`: the engine that serves the reward model in veRL's reward loop
+    (`reward_model.use_reward_loop=True`; hybridrl/workers/reward/reward_loop.py).
+
+    name: vllm (vLLM's pooling runner, `LLM.classify`) or hf (the Hugging Face forward).
+    dtype: the engine's weight dtype. tensor_model_parallel_size: GPUs (CPU slots) per replica;
+    one replica per group of that many slots. gpu_memory_utilization / enforce_eager: vLLM
+    arguments. max_model_len: the longest RM input (default prompt_length + response_length); a
+    longer input is an error naming these keys, for both engines.
+    """
+
+    name: str = "hf"  # veRL: required (???); hybridrl's CPU default is hf
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    tensor_model_parallel_size: int = 1  # veRL: 2
+    max_model_len: int | None = None
+    prompt_length: int = 2048
+    response_length: int = 2048
+
+    @property
+    def effective_max_model_len(self) -> int:
+        return self.max_model_len or (self.prompt_length + self.response_length)
+
+
+@dataclass
+class SandboxFusionConfig:
+    """`reward_model.sandbox_fusion`: code data sources scored on a SandboxFusion service
+    (hybridrl/workers/reward/scorers/sandbox_fusion.py); url null: off."""
+
+    url: str | None = None
+    max_concurrent: int = 64  # requests in flight per scoring process
+    memory_limit_mb: int = 1024
+
+
+@dataclass
 class RewardModelConfig:
-    """`reward_model`: an optional learned reward model, and the reward manager of the rule scores."""
+    """`reward_model`: an optional learned reward model, and the reward manager of the rule scores.
+
+    use_reward_loop: veRL's reward loop: `num_workers` reward-loop workers (Ray actors) score
+    the batch concurrently; with `enable` the model is served by `rollout.name` (see
+    RewardRolloutConfig) instead of the FSDP RewardModelWorker (the legacy path). Same scores.
+    reward_kwargs: veRL's keyword arguments of the reward manager (e.g. dapo's
+    `overlong_buffer_cfg`, `max_resp_len`); the rest go to the score function, like
+    `custom_reward_function.reward_kwargs` (both may be set if they agree).
+    """
 
     enable: bool = False
     strategy: str = "fsdp"
@@ -315,7 +420,10 @@ class RewardModelConfig:
     reward_manager: str = "naive"
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     launch_reward_fn_async: bool = False
-    use_reward_loop: bool = False  # refused when True (hybridrl/trainer/ppo/verl_compat.py)
+    use_reward_loop: bool = False
+    num_workers: int = 1
+    rollout: RewardRolloutConfig = field(default_factory=RewardRolloutConfig)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
     ulysses_sequence_parallel_size: int = 1
 
 
@@ -348,11 +456,8 @@ class PerRankBatchSizes:
 def _check_common(key: str, *, strategy: str, loss_agg_mode: str, ulysses: int, epochs: int) -> None:
     if strategy not in TRAIN_STRATEGIES:
         raise ValueError(f"{key}.strategy={strategy!r} is not supported; use one of {TRAIN_STRATEGIES}")
-    if ulysses != 1:
-        raise ValueError(
-            f"{key}.ulysses_sequence_parallel_size={ulysses}: Ulysses sequence parallelism is not implemented "
-            "in hybridrl; set it to 1"
-        )
+    if int(ulysses) != ulysses or ulysses < 1:
+        raise ValueError(f"{key}.ulysses_sequence_parallel_size={ulysses}: use an integer >= 1")
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"{key}.loss_agg_mode={loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
     if epochs < 1:
@@ -375,6 +480,18 @@ def _check_checkpoint(key: str, ckpt: CheckpointConfig) -> None:
             raise ValueError(
                 f"{key}.checkpoint.{name} has unknown entries {bad}; use a subset of {CHECKPOINT_CONTENTS}"
             )
+
+
+def sp_data_parallel_size(key: str, ranks: int, sp: int) -> int:
+    """Data-parallel groups of a role with Ulysses SP: its `ranks` / `sp` (the ranks of a group share
+    their rows); raises ValueError naming the key when sp does not divide the ranks."""
+    if ranks % sp:
+        divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        raise ValueError(
+            f"{key}.ulysses_sequence_parallel_size={sp} does not divide the {ranks} data-parallel ranks; "
+            f"use one of {divisors}"
+        )
+    return ranks // sp
 
 
 def _per_rank(
@@ -423,7 +540,9 @@ def normalize_actor_batch_sizes(config: ActorConfig, *, rollout_n: int, dp_size:
     Args:
         config: the actor config (not modified).
         rollout_n: responses per prompt (`actor_rollout_ref.rollout.n`).
-        dp_size: number of data-parallel ranks of the actor.
+        dp_size: number of data-parallel ranks of the actor; with Ulysses SP the batch is split
+            over dp_size / ulysses_sequence_parallel_size groups (the result's dp_size), and the
+            per-rank sizes are per group, as in veRL.
 
     Raises:
         ValueError: naming the key and the fix when sizes do not divide or a value is unsupported.
@@ -441,6 +560,7 @@ def normalize_actor_batch_sizes(config: ActorConfig, *, rollout_n: int, dp_size:
         raise ValueError(f"{ACTOR_KEY}.shuffle=True needs {ACTOR_KEY}.data_loader_seed (e.g. 42)")
     if config.use_kl_loss and config.kl_loss_coef < 0:
         raise ValueError(f"{ACTOR_KEY}.kl_loss_coef must be >= 0, got {config.kl_loss_coef}")
+    dp_size = sp_data_parallel_size(ACTOR_KEY, dp_size, config.ulysses_sequence_parallel_size)
     per_rank, micro = _per_rank(
         ACTOR_KEY,
         mini=config.ppo_mini_batch_size,
@@ -472,7 +592,8 @@ def normalize_critic_batch_sizes(
 
     Args:
         config: the critic config (not modified).
-        dp_size: number of data-parallel ranks of the critic.
+        dp_size: number of data-parallel ranks of the critic (with Ulysses SP: split over
+            dp_size / ulysses_sequence_parallel_size groups, see `normalize_actor_batch_sizes`).
         rollout_n: responses per prompt; defaults to `critic.rollout_n`.
 
     Raises:
@@ -491,6 +612,7 @@ def normalize_critic_batch_sizes(
     config.model.validate(f"{CRITIC_KEY}.model")
     if config.shuffle and config.data_loader_seed is None:
         raise ValueError(f"{CRITIC_KEY}.shuffle=True needs {CRITIC_KEY}.data_loader_seed (e.g. 42)")
+    dp_size = sp_data_parallel_size(CRITIC_KEY, dp_size, config.ulysses_sequence_parallel_size)
     per_rank, micro = _per_rank(
         CRITIC_KEY,
         mini=config.ppo_mini_batch_size,

@@ -45,9 +45,16 @@ class PPOCritic(MicroBatchedRole):
         use_remove_padding: pack valid tokens into one row (`critic.model.use_remove_padding`).
         dp_group: process group of the data-parallel ranks (default: WORLD when dp_size > 1).
         peak_flops: peak FLOP/s of one device for `perf/mfu/critic` (None: not reported).
+        sp: this rank's Ulysses sequence-parallel group (see `MicroBatchedRole`).
     """
 
     role = "critic"
+
+    @property
+    def _fused(self) -> bool:
+        """`critic.model.use_fused_kernels`: the value head only at the response positions."""
+        model = getattr(self.config, "model", None)
+        return True if model is None else bool(model.use_fused_kernels)
 
     def compute_values(
         self,
@@ -74,7 +81,9 @@ class PPOCritic(MicroBatchedRole):
         outs = forward_without_grad(
             self.module,
             micros,
-            lambda m: forward_values(self.module, m, use_remove_padding=self.use_remove_padding),
+            lambda m: forward_values(
+                self.module, m, use_remove_padding=self.use_remove_padding, sp=self.sp, fused=self._fused
+            ),
         )
         values = merge_outputs(outs, indices)
         return (values * response_mask_of(batch)).cpu()
@@ -90,7 +99,9 @@ class PPOCritic(MicroBatchedRole):
 
     def _micro_batch_loss(self, micro: Any, mask: torch.Tensor, loss_scale: Any):
         """(clipped value loss, {vf_loss}, {vf_clipfrac, vpred_mean}) of one micro-batch."""
-        vpreds = forward_values(self.module, micro, use_remove_padding=self.use_remove_padding)
+        vpreds = forward_values(
+            self.module, micro, use_remove_padding=self.use_remove_padding, sp=self.sp, fused=self._fused
+        )
         vf_loss, vf_clipfrac = compute_value_loss(
             vpreds,
             micro["returns"],

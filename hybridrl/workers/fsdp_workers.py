@@ -35,6 +35,7 @@ from hybridrl.workers.config import (
 )
 from hybridrl.workers.profiling import StepProfiling
 from hybridrl.workers.rollout.config import RolloutConfig
+from hybridrl.workers.sequence_parallel import SequenceParallel
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 # Training calls split over the FSDP mesh (every rank data-parallel), rollout calls over dp x tp.
@@ -109,19 +110,24 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         self.model_config.validate()
         model_path = resolve_model_path(self.model_config.path, "actor_rollout_ref.model.path")
         self._declare_training_mesh()
+        par = self._sequence_parallel(
+            "actor_rollout_ref.actor" if self._is_actor else "actor_rollout_ref.ref"
+        )
         if self._is_actor:
             self.actor_engine = FSDPEngine.build(
                 self.model_config, self.actor_config.fsdp_config, self.actor_config.optim, role="actor"
             )
+            par.apply(self.actor_engine)
             self.actor = PPOActor(
                 self.actor_config,
                 self.actor_engine.module,
                 self.actor_engine.optimizer,
                 self.actor_engine.lr_scheduler,
-                dp_size=self.actor_engine.dp_size,
                 batch_sizes=self.actor_batch_sizes,
                 use_remove_padding=self.model_config.use_remove_padding,
                 peak_flops=self.peak_flops,
+                **par.role_kwargs(self.actor_engine),
+                use_fused_kernels=self.model_config.use_fused_kernels,
             )
         if self._is_ref:
             self._lora_self_ref = self._is_actor and (
@@ -131,20 +137,27 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
                 self.ref_engine = FSDPEngine.build(
                     self.model_config, self.ref_config.fsdp_config, None, role="ref"
                 )
+                par.apply(self.ref_engine)
                 self.ref_policy = PPOActor(
-                    None,
+                    self.ref_config.policy_config(),
                     self.ref_engine.module,
-                    dp_size=self.ref_engine.dp_size,
                     use_remove_padding=self.model_config.use_remove_padding,
+                    **par.role_kwargs(self.ref_engine),
+                    use_fused_kernels=self.model_config.use_fused_kernels,
                 )
         if self._is_rollout:
             self._build_rollout(model_path)
 
     def _declare_training_mesh(self) -> None:
-        """The FSDP actor's mesh ("actor", also used by the reference): every rank data-parallel."""
+        """The FSDP actor's mesh ("actor", also used by the reference): every rank data-parallel,
+        or dp x sp with Ulysses sequence parallelism."""
         from hybridrl.workers.rollout.parallel import training_mesh
 
-        self.set_mesh("actor", training_mesh(self.world_size, self.actor_config.fsdp_config.fsdp_size))
+        sp = (self.actor_config if self._is_actor else self.ref_config).ulysses_sequence_parallel_size
+        self.set_mesh("actor", training_mesh(self.world_size, self.actor_config.fsdp_config.fsdp_size, sp))
+
+    def _sequence_parallel(self, key: str) -> SequenceParallel:
+        return SequenceParallel.create(self.mesh_layout("actor"), self.rank, key)
 
     def _build_rollout(self, model_path: str) -> None:
         from hybridrl.single_controller.mesh import new_subgroups
@@ -196,13 +209,15 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         `meta_info["greedy"]` forces greedy decoding (the ReMax baseline).
         """
         from hybridrl.workers.rollout.parallel import check_same_rows
+        from hybridrl.workers.rollout.weight_sync import wake_and_sync
 
         if self.rollout is None:
             raise RuntimeError(f"generate_sequences called on a worker with role={self.role!r} (no rollout)")
         timing: dict[str, float] = {}
         t0 = time.perf_counter()
-        sync = self._sync_rollout_weights()
-        self.rollout.resume_memory()
+        sync = wake_and_sync(
+            self.rollout, self._sync_rollout_weights, self.rollout_config.multi_stage_wake_up
+        )
         timing["update_weights"] = sync.get("timing_s/update_weights", 0.0)
         if self._tp_group is not None:
             check_same_rows(
@@ -237,16 +252,20 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
             raise RuntimeError(f"compute_log_prob needs the actor; this worker has role={self.role!r}")
         r = self.rollout_config
         self.actor_engine.onload()
-        log_probs, entropy = self.actor.compute_log_prob(
+        log_probs, entropy, *sps = self.actor.compute_log_prob(
             data,
             calculate_entropy=True,
             micro_batch_size=r.log_prob_micro_batch_size_per_gpu,
             use_dynamic_bsz=r.log_prob_use_dynamic_bsz,
             max_token_len=r.log_prob_max_token_len_per_gpu,
             temperature=r.temperature,
+            calculate_sum_pi_squared=self.actor_config.calculate_sum_pi_squared,
         )
         self.actor_engine.offload()
-        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
+        out = {"old_log_probs": log_probs, "entropys": entropy}
+        if sps:  # actor.calculate_sum_pi_squared: the optimal token baseline's sum of pi^2
+            out["sum_pi_squared"] = sps[0]
+        return DataProto.from_dict(out)
 
     @register(dispatch_mode=ON_ACTOR_MESH)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
@@ -343,19 +362,24 @@ class CriticWorker(StepProfiling, Worker):
 
         _setup_process(self.num_threads, self.pg_timeout_s)
         c = self.config
-        self.set_mesh("critic", training_mesh(self.world_size, c.model.fsdp_config.fsdp_size))
+        layout = training_mesh(
+            self.world_size, c.model.fsdp_config.fsdp_size, c.ulysses_sequence_parallel_size
+        )
+        self.set_mesh("critic", layout)
+        par = SequenceParallel.create(layout, self.rank, "critic")
         self.engine = FSDPEngine.build(
             c.model, c.model.fsdp_config, c.optim, role="critic", key="critic.model"
         )
+        par.apply(self.engine)
         self.critic = PPOCritic(
             c,
             self.engine.module,
             self.engine.optimizer,
             self.engine.lr_scheduler,
-            dp_size=self.engine.dp_size,
             batch_sizes=self.batch_sizes,
             use_remove_padding=c.model.use_remove_padding,
             peak_flops=self.peak_flops,
+            **par.role_kwargs(self.engine),
         )
 
     @register(dispatch_mode=ON_CRITIC_MESH)

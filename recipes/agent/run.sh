@@ -17,11 +17,13 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}
 export TOKENIZERS_PARALLELISM=false
+# two or more torch threads on a busy machine spin unless OpenMP waits passively (NOTES-cpu.md)
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 OUT=${AGENT_OUT:-outputs/agent}
 TRAINER=${AGENT_TRAINER:-main_ppo}
 SFT="$OUT/warm_start"
 if [ ! -f "$SFT/model.safetensors" ]; then
-    python recipes/agent/warm_start.py --out "$SFT" --steps "${AGENT_SFT_STEPS:-600}"
+    python recipes/agent/warm_start.py --out "$SFT" --steps "${AGENT_SFT_STEPS:-300}"
 fi
 python -c "from hybridrl.data.agent_task import ensure_agent_data; ensure_agent_data('$OUT/data')"
 ASYNC=()

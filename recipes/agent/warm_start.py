@@ -8,13 +8,14 @@ rollout time (prompt ids, generated turn ids + EOS, the chat template's tool-tur
 loss covers the assistant turns only. The result is a model that *sometimes* calls the tool; GRPO
 then has to learn to call it every time.
 
-    python recipes/agent/warm_start.py --out /tmp/agent_sft --steps 600
+    python recipes/agent/warm_start.py --out /tmp/agent_sft --steps 300
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -105,10 +106,16 @@ def main() -> None:
     ap.add_argument("--tool-fraction", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--threads",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="torch threads (default: cores, at most 4)",
+    )
+    ap.add_argument(
         "--init", default="builtin:tiny", help="model to start from (default: the built-in model)"
     )
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -50,6 +50,8 @@ def test_every_advantage_estimator(name):
     values = torch.randn(B, T, generator=gen) * mask
     common = dict(index=INDEX, gamma=0.9, lam=0.95, norm_adv_by_std_in_grpo=True, epsilon=1e-6)
     common["reward_baselines"] = torch.randn(B, generator=gen)
+    common["old_log_probs"] = -torch.rand(B, T, generator=gen) * 2  # optimal_token_baseline
+    common["sum_pi_squared"] = torch.rand(B, T, generator=gen)
     fn = get_adv_estimator_fn(name)
 
     outputs = []
@@ -150,7 +152,7 @@ def test_duplicate_registration_raises(register, existing):
     "registry, known",
     [
         (ADV_ESTIMATORS, "gae, gpg, grpo"),
-        (POLICY_LOSSES, "cispo, clip_cov"),
+        (POLICY_LOSSES, "bypass_mode, cispo, clip_cov"),
         (KL_ESTIMATORS, "abs, k1"),
         (LOSS_AGG_MODES, "seq-mean"),
     ],

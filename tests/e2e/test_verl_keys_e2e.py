@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from tests.e2e.ppo_runs import run
+from tests.e2e.ppo_runs import assert_finite, run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -78,3 +78,68 @@ def test_rollout_correction_weights_reach_the_update(tmp_path):
     # HF rollout and FSDP actor compute the same fp32 log-probs: ratios ~1, nothing rejected
     assert all(r["rollout_corr/rs_reject_frac"] == 0.0 for r in train)
     assert not any("timing_s/old_log_prob" not in r for r in train)  # correction needs the old-log-prob pass
+
+
+def test_optimal_token_baseline_reads_sum_pi_squared_from_the_old_log_prob_pass(tmp_path):
+    """algorithm.adv_estimator=optimal_token_baseline + actor.calculate_sum_pi_squared: the FSDP
+    old-log-prob pass returns sum_pi_squared and the estimator reads it (examples/otb_trainer)."""
+    rows = run(
+        [
+            "algorithm.adv_estimator=optimal_token_baseline",
+            "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+        ],
+        tmp_path,
+    )
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train) == 2
+    assert all("timing_s/old_log_prob" in r for r in train)  # not skipped although on-policy
+    assert_finite(train, ["critic/advantages/mean", "critic/advantages/max", "actor/grad_norm"])
+    assert any(r["actor/grad_norm"] > 0 for r in train)
+
+
+def test_bypass_reinforce_with_multi_option_rejection(tmp_path):
+    """examples/rollout_correction: bypass mode (rollout log-probs as the old ones, no old-log-prob
+    pass), loss_type=reinforce with sequence IS weights, and rollout_rs=token_k1,seq_max_k2."""
+    rc = "algorithm.rollout_correction."
+    rows = run(
+        [
+            "actor_rollout_ref.rollout.calculate_log_probs=True",
+            f"{rc}bypass_mode=True",
+            f"{rc}loss_type=reinforce",
+            f"{rc}rollout_is=sequence",
+            f"{rc}rollout_is_batch_normalize=True",
+            f"{rc}rollout_rs='token_k1,seq_max_k2'",
+            f"{rc}rollout_rs_threshold='0.6_1.6,2.5'",
+            "actor_rollout_ref.actor.skip_on_policy_old_log_prob=False",
+        ],
+        tmp_path,
+    )
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train) == 2
+    assert not any("timing_s/old_log_prob" in r for r in train)  # bypass: no old-log-prob pass
+    # the bypass loss ran: its IS weights (normalised to mean 1) and rejection metrics are logged
+    assert_finite(train, ["actor/bypass_is_mean", "actor/rollout_rs_masked_fraction", "actor/grad_norm"])
+    assert all(abs(r["actor/bypass_is_mean"] - 1.0) < 1e-4 for r in train)
+    assert all(r["actor/rollout_rs_masked_fraction"] == 0.0 for r in train)  # HF = FSDP fp32 log-probs
+    assert any(r["actor/grad_norm"] > 0 for r in train)
+
+
+@pytest.mark.slow
+def test_pf_ppo_resamples_after_gae(tmp_path):
+    """algorithm.use_pf_ppo (examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh): the batch the
+    critic and actor update on is redrawn by reward weights (max_min keeps only extreme scores)."""
+    rows = run(
+        [
+            "algorithm.adv_estimator=gae",
+            "algorithm.use_pf_ppo=True",
+            "algorithm.pf_ppo.reweight_method=max_min",
+            "actor_rollout_ref.rollout.n=1",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        ],
+        tmp_path,
+    )
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train) == 2
+    assert_finite(train, ["pf_ppo/unique_frac", "critic/vf_loss", "actor/grad_norm"])
+    assert all(0 < r["pf_ppo/unique_frac"] <= 1 for r in train)

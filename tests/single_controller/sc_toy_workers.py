@@ -53,6 +53,11 @@ class ToyWorker(Worker):
     def __init__(self, offset: int = 0) -> None:
         super().__init__()
         self.offset = offset
+        self.first_draw = torch.rand(4).tolist()  # what a fresh weight init would see
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_draw(self) -> list[float]:
+        return self.first_draw
 
     @register(Dispatch.ONE_TO_ALL)
     def env(self) -> dict[str, Any]:

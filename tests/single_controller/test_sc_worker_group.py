@@ -146,3 +146,14 @@ def test_gloo_process_group_across_actors(group2):
     assert group2.init_pg() == [(0, 2), (1, 2)]
     # all_reduce(sum) of [rank + 1, 10 * rank] over ranks 0 and 1
     assert group2.all_reduce_rank() == [[3.0, 10.0], [3.0, 10.0]]
+
+
+def test_every_rank_starts_from_the_same_torch_seed(group):
+    """A Ray worker process arrives with a random torch seed; the Worker base class reseeds, so a
+    fresh initialisation (a critic's value head) is the same on every rank and in every launch."""
+    import torch
+
+    from hybridrl.single_controller.base import FRESH_PROCESS_SEED
+
+    expected = torch.rand(4, generator=torch.Generator().manual_seed(FRESH_PROCESS_SEED)).tolist()
+    assert group.init_draw() == [expected] * group.world_size

@@ -52,7 +52,7 @@ def test_unknown_key_names_the_key_and_suggests():
         ),
         (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"], "ppo_micro_batch_size_per_gpu=7"),
         (["trainer.n_gpus_per_node=3"], "ranks"),
-        (["actor_rollout_ref.rollout.n=1"], "rollout.n must be >= 2"),
+        (["algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.rollout.n=1"], "rollout.n must be >= 2"),
         (["algorithm.adv_estimator=nope"], "algorithm.adv_estimator='nope'"),
         (["actor_rollout_ref.rollout.name=trt"], "actor_rollout_ref.rollout.name"),
         (["data.train_files=/no/such.parquet"], "data.train_files: file '/no/such.parquet' does not exist"),

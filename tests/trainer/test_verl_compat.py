@@ -202,3 +202,56 @@ def test_rollout_mode_async_generates_through_the_agent_loops():
     assert uses_agent_loops(RolloutConfig(name="hf", mode="async"), batch)
     assert not uses_agent_loops(RolloutConfig(name="hf", mode="sync"), batch)
     assert _check(["actor_rollout_ref.rollout.mode=async"]).actor_rollout_ref.rollout.mode == "async"
+
+
+def test_agent_rollout_options_validate_at_start_up(capsys):
+    """over_sample_rate / trace need the agent loops; server.max_start_wait_time and trace=weave
+    are refused; multi_stage_wake_up with rollout.name=hf is named in the engine-only warning."""
+    mt = "actor_rollout_ref.rollout.multi_turn.enable=true"
+    with pytest.raises(ConfigError, match="over_sample_rate=0.2 is invalid: it aborts the slowest"):
+        _check(["actor_rollout_ref.rollout.over_sample_rate=0.2"])
+    assert (
+        _check(
+            [mt, "actor_rollout_ref.rollout.over_sample_rate=0.2"]
+        ).actor_rollout_ref.rollout.over_sample_rate
+        == 0.2
+    )
+    with pytest.raises(
+        ConfigError, match="max_start_wait_time=10.0 is invalid: hybridrl's engines start in-process"
+    ):
+        _check(["actor_rollout_ref.rollout.server.max_start_wait_time=10"])
+    with pytest.raises(ConfigError, match="sglang_rollout_mode='http'"):
+        _check(["actor_rollout_ref.rollout.sglang_rollout_mode=http"])
+    with pytest.raises(ConfigError, match="weave is not supported"):
+        _check([mt, "actor_rollout_ref.rollout.trace.backend=weave"])
+    with pytest.raises(ConfigError, match="traces agent-loop trajectories"):
+        _check(["actor_rollout_ref.rollout.trace.backend=mlflow"])
+    c = _check(["actor_rollout_ref.rollout.sglang_rollout_mode=server", "trainer.project_name=p1"])
+    assert c.actor_rollout_ref.rollout.trace.project_name == "p1"  # linked to trainer.project_name
+    capsys.readouterr()
+    _check(["actor_rollout_ref.rollout.multi_stage_wake_up=true"])
+    assert "multi_stage_wake_up" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "agent_key",
+    [
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.mode=async",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+    ],
+)
+def test_rollout_tp_with_agent_loops_is_refused_at_start_up(agent_key):
+    """The agent loops drive one engine per replica: TP > 1 with them stops in the config stage
+    (not at the first generation), naming the key and the fix; TP > 1 alone still passes."""
+    tp = [
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "trainer.n_gpus_per_node=2",
+    ]
+    _check(tp)
+    with pytest.raises(
+        ConfigError,
+        match="tensor_model_parallel_size=2 with the agent loops.*Use tensor_model_parallel_size=1",
+    ):
+        _check([*tp, agent_key])

@@ -33,7 +33,13 @@ from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_workers
 from hybridrl.trainer.ppo.batch_steps import attach_reward_extra
 from hybridrl.trainer.ppo.setup import prepare_run, trainer_of
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
-from hybridrl.trainer.ppo.workers import WorkerGroups, support_role_classes, use_gpu, worker_classes
+from hybridrl.trainer.ppo.workers import (
+    WorkerGroups,
+    start_reward_loop,
+    support_role_classes,
+    use_gpu,
+    worker_classes,
+)
 from hybridrl.utils.metrics import timer
 from hybridrl.workers.config import normalize_actor_batch_sizes
 
@@ -221,7 +227,12 @@ class AsyncPPOTrainer(RayPPOTrainer):
         self.async_config = config.async_training
         self.async_workers = workers
         view = PolicyView(workers.actor_rollout, self._started_manager)
-        groups = WorkerGroups(actor_rollout=view, critic=workers.critic, reward_model=workers.reward_model)
+        groups = WorkerGroups(
+            actor_rollout=view,
+            critic=workers.critic,
+            reward_model=workers.reward_model,
+            reward_loop=workers.reward_loop,
+        )
         super().__init__(
             config, tokenizer, groups, train_loader, val_loader, reward_fn, val_reward_fn, tracker
         )
@@ -333,6 +344,7 @@ def build_async_trainer(config: AsyncPPOConfig) -> AsyncPPOTrainer:
     """Tokenizer, data, rewards, tracker, the two worker pools and the trainer (workers last)."""
     run = prepare_run(config)
     workers = start_async_workers(config)
+    workers.reward_loop = start_reward_loop(config, run.reward_fn)  # scores chunks as they finish
     print(
         f"[hybridrl.async] {workers.actor_rollout.world_size} training slot(s), {n_rollout_workers(config)} "
         f"rollout slot(s), max_head_offpolicyness={config.async_training.max_head_offpolicyness}"

@@ -1,5 +1,5 @@
-"""Batch-level steps of the PPO fit loop that need no trainer state: rollout correction, reward
-extras, the DAPO group metric, and decoded-sample dumps."""
+"""Batch-level steps of the PPO fit loop that need no trainer state: rollout correction, PF-PPO
+resampling, reward extras, the DAPO group metric, and decoded-sample dumps."""
 
 from __future__ import annotations
 
@@ -28,9 +28,15 @@ def rollout_correction_active(rc) -> bool:
 
 
 def apply_rollout_correction(rc, batch: DataProto, metrics: dict) -> DataProto:
-    """`algorithm.rollout_correction`: IS weights x rejection mask into `rollout_is_weights`."""
+    """`algorithm.rollout_correction`: IS weights x rejection mask into `rollout_is_weights`.
+
+    With veRL's estimator options (rollout_rs=token_k1,seq_max_k2, ...) the rejected tokens leave
+    `response_mask` instead (as veRL does), and the IS weights are computed before that.
+    """
     if not rollout_correction_active(rc):
         return batch
+    if algos.is_kl_rs(rc.rollout_rs):
+        return _reject_by_kl_estimators(rc, batch, metrics)
     lower, upper = algos.parse_rs_threshold(rc.rollout_rs_threshold, rc.rollout_is_threshold)
     weights, rc_metrics = algos.compute_rollout_correction(
         batch.batch["old_log_probs"],
@@ -46,6 +52,35 @@ def apply_rollout_correction(rc, batch: DataProto, metrics: dict) -> DataProto:
     batch.batch["rollout_is_weights"] = weights
     metrics.update({f"rollout_corr/{k}": float(v) for k, v in rc_metrics.items()})
     return batch
+
+
+def _reject_by_kl_estimators(rc, batch: DataProto, metrics: dict) -> DataProto:
+    b = batch.batch
+    if rc.rollout_is is not None:
+        weights, is_metrics = algos.compute_rollout_correction(
+            b["old_log_probs"], b["rollout_log_probs"], b["response_mask"],
+            rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=None,
+            rollout_rs_lower=0.0, rollout_rs_upper=float("inf"),
+        )  # fmt: skip
+        b["rollout_is_weights"] = weights
+        metrics.update({f"rollout_corr/{k}": float(v) for k, v in is_metrics.items()})
+    log_ratio = (b["old_log_probs"] - b["rollout_log_probs"]) * b["response_mask"]
+    keep, rs_metrics = algos.compute_rollout_rejection_mask(
+        log_ratio, b["response_mask"], rc.rollout_rs, rc.rollout_rs_threshold
+    )
+    b["response_mask"] = (b["response_mask"] * keep).to(b["response_mask"].dtype)
+    metrics.update({f"rollout_corr/{k}": float(v) for k, v in rs_metrics.items()})
+    return batch
+
+
+def pf_ppo_resample(pf, batch: DataProto, metrics: dict) -> DataProto:
+    """`algorithm.use_pf_ppo`: the batch redrawn (same size, with replacement) by reward weights."""
+    idx = algos.pf_ppo_resample_indices(
+        batch.batch["token_level_scores"], reweight_method=pf.reweight_method, weight_pow=pf.weight_pow
+    )
+    metrics["pf_ppo/unique_frac"] = float(idx.unique().numel() / max(1, len(batch)))
+    return batch.select_idxs(idx)
 
 
 def attach_reward_extra(batch: DataProto, extra: dict[str, list]) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from hybridrl import algos
+from hybridrl.trainer.ppo.reward_kwargs import RewardManagerSection
 from hybridrl.trainer.ppo.sections import (
     AlgorithmConfig,
     AsyncTrainingConfig,
@@ -24,7 +25,8 @@ from hybridrl.trainer.ppo.sections import (
     RewardManagerKwargs,
     TrainerConfig,
 )
-from hybridrl.trainer.ppo.verl_compat import apply_verl_compat
+from hybridrl.trainer.ppo.verl_compat import apply_verl_compat, warn_once
+from hybridrl.trainer.ppo.verl_misc import apply_verl_misc
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
@@ -50,6 +52,7 @@ class PPOConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     reward_manager_kwargs: RewardManagerKwargs = field(default_factory=RewardManagerKwargs)
+    reward_manager: RewardManagerSection = field(default_factory=RewardManagerSection)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
@@ -74,6 +77,7 @@ def load_config(cfg: DictConfig | dict | list[str] | None = None, explicit_keys=
         raise ConfigError(str(e)) from None
     derive_config(config)
     apply_verl_compat(config, explicit_keys)
+    apply_verl_misc(config, explicit_keys)
     validate_config(config)
     return config
 
@@ -123,11 +127,8 @@ def validate_config(config: PPOConfig) -> None:
     n = arr.rollout.n
     if n < 1:
         raise ConfigError("actor_rollout_ref.rollout.n must be >= 1")
-    if algo.adv_estimator in ("grpo", "rloo", "opo", "grpo_passk", "reinforce_plus_plus_baseline") and n < 2:
-        raise ConfigError(
-            f"algorithm.adv_estimator={algo.adv_estimator} compares responses within a group, so "
-            "actor_rollout_ref.rollout.n must be >= 2 (e.g. actor_rollout_ref.rollout.n=8)"
-        )
+    _check_group_size(algo.adv_estimator, n)
+    _validate_ulysses(config, world)
     _validate_actor_batches(config, world)
     if algos.estimator_needs_critic(algo.adv_estimator):
         _validate_critic(config, world)
@@ -143,6 +144,36 @@ def validate_config(config: PPOConfig) -> None:
         )
     if algo.filter_groups.enable and n < 2:
         raise ConfigError("algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2")
+
+
+GROUP_ESTIMATORS_WITH_SINGLETONS = (
+    "grpo",
+    "grpo_vectorized",
+    "rloo",
+    "rloo_vectorized",
+    "opo",
+    "reinforce_plus_plus_baseline",
+    "optimal_token_baseline",
+)
+
+
+def _check_group_size(estimator: str, n: int) -> None:
+    """Group estimators with rollout.n=1: veRL gives a group of one the baseline 0 (GRPO: std 1), so
+    the advantage is the raw score (REINFORCE without a baseline); hybridrl does the same and says so
+    once. grpo_passk needs a second response and fails."""
+    if n >= 2:
+        return
+    if estimator == "grpo_passk":
+        raise ConfigError(
+            "algorithm.adv_estimator=grpo_passk compares each response with the rest of its group, so "
+            "actor_rollout_ref.rollout.n must be >= 2 (e.g. actor_rollout_ref.rollout.n=8)"
+        )
+    if estimator in GROUP_ESTIMATORS_WITH_SINGLETONS:
+        warn_once(
+            f"algorithm.adv_estimator={estimator} with actor_rollout_ref.rollout.n=1: each group has one "
+            "response, so its baseline is 0 (std 1) and the advantage is the raw score, as in veRL; "
+            "set rollout.n >= 2 for a group baseline"
+        )
 
 
 def _validate_choices(config: PPOConfig) -> None:
@@ -178,7 +209,8 @@ def _validate_actor_batches(config: PPOConfig, world: int) -> None:
             f"actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = {mini * n} rows must divide across "
             f"{world} ranks (trainer.nnodes * trainer.n_gpus_per_node); change one of them"
         )
-    per_rank_mini = mini * n // data_parallel_size(arr.actor.strategy, arr.actor.megatron, world)
+    dp = data_parallel_size(arr.actor.strategy, arr.actor.megatron, world)
+    per_rank_mini = mini * n // max(1, dp // arr.actor.ulysses_sequence_parallel_size)  # per SP group
     micro = arr.actor.ppo_micro_batch_size_per_gpu
     if not arr.actor.use_dynamic_bsz and micro is not None and per_rank_mini % micro != 0:
         raise ConfigError(
@@ -188,6 +220,39 @@ def _validate_actor_batches(config: PPOConfig, world: int) -> None:
     rows = d.train_batch_size * n
     if rows % world != 0:
         raise ConfigError(f"data.train_batch_size * rollout.n = {rows} rows must divide across {world} ranks")
+
+
+def _validate_ulysses(config: PPOConfig, world: int) -> None:
+    """Ulysses SP sizes divide the ranks, run on FSDP's packed path; the colocated reference
+    shares the actor's sequence-parallel groups (hybridrl.workers.engine.ulysses)."""
+    from hybridrl.workers.engine.ulysses import check_sp_heads, check_sp_layout
+    from hybridrl.workers.rollout.parallel import heads_of_model_path
+
+    arr, c = config.actor_rollout_ref, config.critic
+    actor_sp, ref_sp = arr.actor.ulysses_sequence_parallel_size, arr.ref.ulysses_sequence_parallel_size
+    roles = [
+        ("actor_rollout_ref.actor", actor_sp, arr.model.use_remove_padding, arr.actor.strategy),
+        ("actor_rollout_ref.ref", ref_sp, arr.model.use_remove_padding, arr.ref.strategy),
+    ]
+    if algos.estimator_needs_critic(config.algorithm.adv_estimator):
+        roles.append(("critic", c.ulysses_sequence_parallel_size, c.model.use_remove_padding, c.strategy))
+    paths = {"critic": c.model.path or arr.model.path}
+    try:
+        for key, sp, packed, strategy in roles:
+            check_sp_layout(key, sp, world, use_remove_padding=packed, strategy=strategy)
+            if sp > 1:  # the heads, when the model's config can be read here (else the worker checks)
+                heads, kv_heads = heads_of_model_path(
+                    paths.get(key, arr.model.path), arr.model.trust_remote_code
+                )
+                if heads is not None:
+                    check_sp_heads(key, sp, heads, kv_heads)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if ref_sp != actor_sp and (config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss):
+        raise ConfigError(
+            f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} differs from the actor's {actor_sp}: the "
+            "reference runs in the actor's processes on its sequence-parallel groups; set them equal (veRL's default)"
+        )
 
 
 def _validate_paths(config: PPOConfig) -> None:
@@ -225,6 +290,16 @@ def _validate_rollout_parallel(config: PPOConfig, world: int) -> None:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    from hybridrl.workers.agent.runner import agent_loops_configured
+
+    tp = arr.rollout.tensor_model_parallel_size
+    if tp > 1 and agent_loops_configured(arr.rollout):
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} with the agent loops (rollout.mode=async, "
+            "multi_turn.enable, sglang_rollout_mode=server or rollout.agent.*): the agent loops drive one engine "
+            "per replica and do not run over a TP engine yet. Use tensor_model_parallel_size=1 (data-parallel "
+            "rollout replicas; every rank generates for its own trajectories)"
+        )
 
 
 def _validate_critic(config: PPOConfig, world: int) -> None:
@@ -244,6 +319,7 @@ def _validate_critic(config: PPOConfig, world: int) -> None:
         )
     micro = c.ppo_micro_batch_size_per_gpu
     world = data_parallel_size(c.strategy, c.megatron, world)  # Megatron: only DP ranks split the batch
+    world = max(1, world // c.ulysses_sequence_parallel_size)  # Ulysses: the ranks of a group share rows
     if not c.use_dynamic_bsz and micro is not None and (mini * n // world) % micro != 0:
         raise ConfigError(
             f"per-rank critic mini-batch {mini * n // world} is not divisible by "

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.data.custom_sampler import SamplerConfig
+
 
 @dataclass
 class CustomClsConfig:
@@ -41,6 +43,10 @@ class DataConfig:
     trust_remote_code: bool = False
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     custom_cls: CustomClsConfig = field(default_factory=CustomClsConfig)
+    # veRL's user sampler / curriculum (hybridrl.data.custom_sampler) and loader worker processes
+    # (0 here, veRL's default 8: rows are read in the driver unless asked; docs/config.md).
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    dataloader_num_workers: int = 0
     # Where the built-in task's parquet files are written when train_files is null.
     builtin_data_dir: str | None = None
 
@@ -87,6 +93,14 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class PFPPOConfig:
+    """`algorithm.pf_ppo`: policy-filtered PPO resampling weights (hybridrl.algos.pf_ppo)."""
+
+    reweight_method: str = "pow"  # pow | max_min | max_random
+    weight_pow: float = 2.0
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
@@ -97,6 +111,9 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # PF-PPO (Zhang et al. 2025): resample the batch by reward weights after GAE, as veRL does.
+    use_pf_ppo: bool = False
+    pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
     # Rollout importance sampling (rollout vs training policy mismatch correction).
     rollout_is: bool = False
     rollout_is_threshold: float | None = None
@@ -161,6 +178,7 @@ class TrainerConfig:
     balance_batch: bool = True
     device: str = "auto"  # auto | cpu | cuda
     ray_wait_register_center_timeout: int = 300
+    use_legacy_worker_impl: str = "auto"  # auto only: hybridrl has one worker implementation
     progress_bar: bool = True
     make_report: bool = True
     seed: int = 1

@@ -8,15 +8,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from hybridrl.data.builtin_task import ensure_builtin_data
+from hybridrl.data.custom_sampler import build_custom_sampler
 from hybridrl.data.rl_dataset import RLDataConfig, collate_fn, create_rl_dataset
 from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 from hybridrl.models.builtin import resolve_model_path
 from hybridrl.models.shm import copy_to_shm
 from hybridrl.trainer.ppo.config import PPOConfig
+from hybridrl.trainer.ppo.reward_kwargs import reward_manager_class, reward_manager_kwargs
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
-from hybridrl.trainer.ppo.workers import start_workers, uses_ray
+from hybridrl.trainer.ppo.workers import start_reward_loop, start_workers, uses_ray
 from hybridrl.utils.flops import get_peak_flops
 from hybridrl.utils.torch_utils import str_to_dtype
 from hybridrl.utils.tracking import Tracking
@@ -93,16 +96,14 @@ def build_datasets(config: PPOConfig, tokenizer):
             f"data.train_files has {len(train)} prompts, fewer than data.train_batch_size={d.train_batch_size}; "
             "lower the batch size or add data"
         )
-    train_loader = RLDataLoader(
-        train,
-        d.train_batch_size,
-        ResumableSampler(len(train), shuffle=d.shuffle, seed=d.seed),
-        collate_fn,
-        drop_last=True,
-    )
+    workers = d.dataloader_num_workers
+    sampler = build_custom_sampler(
+        d.sampler, train, OmegaConf.create(dataclasses.asdict(d)), workers
+    ) or ResumableSampler(len(train), shuffle=d.shuffle, seed=d.seed)
+    train_loader = RLDataLoader(train, d.train_batch_size, sampler, collate_fn, True, num_workers=workers)
     val_bs = d.val_batch_size or len(val)
     val_loader = RLDataLoader(
-        val, val_bs, ResumableSampler(len(val), shuffle=False, seed=0), collate_fn, drop_last=False
+        val, val_bs, ResumableSampler(len(val), shuffle=False, seed=0), collate_fn, False, num_workers=workers
     )
     return train_loader, _OneEpoch(val_loader)
 
@@ -124,23 +125,22 @@ def build_reward_fns(config: PPOConfig, tokenizer):
 
     crf = config.custom_reward_function
     compute_score = load_custom_reward_fn(crf.path, crf.name, dict(crf.reward_kwargs)) if crf.path else None
+    sandbox = config.reward_model.sandbox_fusion
+    if sandbox.url and compute_score is None:  # code data sources run on SandboxFusion
+        import functools
+
+        from hybridrl.workers.reward.scorers.sandbox_fusion import SandboxSettings, compute_score_with_sandbox
+
+        settings = SandboxSettings(sandbox.url, sandbox.max_concurrent, sandbox.memory_limit_mb)
+        compute_score = functools.partial(compute_score_with_sandbox, sandbox=settings)
     name = config.reward_model.reward_manager
-    kw = config.reward_manager_kwargs
-    extra = {}
-    if name == "prime":
-        extra = {"num_workers": kw.num_workers, "timeout": kw.timeout}
-    elif name == "dapo":
-        ob = kw.overlong_buffer
-        extra = {
-            "max_resp_len": config.data.max_response_length,
-            "overlong_buffer_cfg": {
-                "enable": ob.enable,
-                "len": ob.len,
-                "penalty_factor": ob.penalty_factor,
-                "log": ob.log,
-            },
-        }
+    extra = reward_manager_kwargs(config)  # hybridrl's keys + reward_model.reward_kwargs (one setting)
     key = config.data.reward_fn_key
+    cls = reward_manager_class(config)  # reward_manager.source=importlib
+    if cls is not None:
+        return tuple(
+            cls(tokenizer, n, compute_score=compute_score, reward_fn_key=key, **extra) for n in (0, 1)
+        )
     train = load_reward_manager(name, tokenizer, 0, compute_score, reward_fn_key=key, **extra)
     val = load_reward_manager(name, tokenizer, 1, compute_score, reward_fn_key=key, **extra)
     return train, val
@@ -193,7 +193,9 @@ def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     peak = _peak_flops(config)
     if init_ray is not None and uses_ray(config):
         init_ray(config)
-    return trainer_of(RayPPOTrainer, config, run, start_workers(config, peak_flops=peak))
+    workers = start_workers(config, peak_flops=peak)
+    workers.reward_loop = start_reward_loop(config, run.reward_fn)
+    return trainer_of(RayPPOTrainer, config, run, workers)
 
 
 def trainer_of(trainer_cls: type, config, run, workers):

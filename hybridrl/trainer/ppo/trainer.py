@@ -27,6 +27,7 @@ from hybridrl.trainer.ppo.batch_steps import (
     attach_reward_extra,
     decode_samples,
     group_metric,
+    pf_ppo_resample,
     rollout_correction_active,
     write_jsonl,
 )
@@ -55,7 +56,8 @@ def old_log_prob_is_redundant(config: Any) -> bool:
     That is when the actor update is exactly on-policy: one PPO epoch over one mini-batch (the
     whole step's batch), so the old log-probs equal the detached log-probs of the update's own
     forward, and nothing reads them before the update (KL in the reward, rollout importance
-    sampling). `actor_rollout_ref.actor.skip_on_policy_old_log_prob=false` turns the skip off.
+    sampling, the optimal token baseline's sum of pi^2). `actor_rollout_ref.actor.skip_on_policy_old_log_prob=false`
+    turns the skip off.
     """
     actor = config.actor_rollout_ref.actor
     algo = config.algorithm
@@ -64,6 +66,7 @@ def old_log_prob_is_redundant(config: Any) -> bool:
         and actor.ppo_epochs == 1
         and actor.ppo_mini_batch_size >= config.data.train_batch_size
         and not algo.use_kl_in_reward
+        and not actor.calculate_sum_pi_squared
         and not algo.rollout_is
         and not rollout_correction_active(algo.rollout_correction)
     )
@@ -150,6 +153,7 @@ class RayPPOTrainer:
                 batch = self._compute_advantage(batch, metrics, timing)
                 self._update_critic(batch, metrics, timing)
                 self._update_actor(batch, metrics, timing)
+                self._update_sampler(batch)
                 self._dump_rollouts(batch)
             profiler.end(self.global_steps)
             self._maybe_validate(metrics, timing)
@@ -177,6 +181,12 @@ class RayPPOTrainer:
             [str(uuid.UUID(int=random.getrandbits(128))) for _ in range(len(batch))], dtype=object
         )
         return batch
+
+    def _update_sampler(self, batch: DataProto) -> None:
+        """veRL's curriculum hook: a `data.sampler` with `update(batch)` sees every trained batch."""
+        update = getattr(self.train_loader.sampler, "update", None)
+        if update is not None:
+            update(batch)
 
     def _generate(self, prompts: DataProto, timing: dict) -> DataProto:
         """Repeat each prompt `rollout.n` times and generate one response per row."""
@@ -219,15 +229,18 @@ class RayPPOTrainer:
         return batch
 
     def _compute_reward(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, list]]:
+        """token_level_scores: the reward model's scores when one is on (the reward manager returns a
+        batch's rm_scores as they are, as in veRL), else the rule-based reward manager's."""
+        loop_extra: dict[str, list] = {}
         with timer("reward", timing):
-            if self.workers.reward_model is not None:
+            if self.workers.reward_loop is not None:
+                scored, loop_extra = self.workers.reward_loop.compute_rm_score(batch)
+                batch = batch.union(scored)
+            elif self.workers.reward_model is not None:
                 batch = batch.union(self.workers.reward_model.compute_rm_score(batch))
             out = self.reward_fn(batch, return_dict=True)
-            scores = out["reward_tensor"]
-            if "rm_scores" in batch.batch.keys():
-                scores = scores + batch.batch["rm_scores"]
-            batch.batch["token_level_scores"] = scores
-        return batch, out.get("reward_extra_info", {})
+            batch.batch["token_level_scores"] = out["reward_tensor"]
+        return batch, {**out.get("reward_extra_info", {}), **loop_extra}
 
     def _rollout_and_score(self, metrics: dict, timing: dict) -> DataProto:
         """Generate and score; with DAPO dynamic sampling keep only groups whose metric varies."""
@@ -276,9 +289,10 @@ class RayPPOTrainer:
 
     def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
         rc = self.config.algorithm.rollout_correction
-        if rc.bypass_mode:  # veRL's bypass: the engine's log-probs are the old log-probs
+        if rc.bypass_mode:  # veRL's bypass: the engine's log-probs are the old log-probs; IS weights
+            # and rejection are computed in the actor's bypass_mode loss, against the current policy
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-            return apply_rollout_correction(rc, batch, metrics)
+            return batch
         if old_log_prob_is_redundant(self.config):
             return batch  # the update takes them from its own forward (exactly on-policy)
         with timer("old_log_prob", timing):
@@ -334,8 +348,13 @@ class RayPPOTrainer:
                 norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
                 epsilon=1e-6,
                 reward_baselines=b["reward_baselines"] if "reward_baselines" in b.keys() else None,
+                old_log_probs=b["old_log_probs"] if "old_log_probs" in b.keys() else None,
+                sum_pi_squared=b["sum_pi_squared"] if "sum_pi_squared" in b.keys() else None,
+                rollout_is_weights=b["rollout_is_weights"] if "rollout_is_weights" in b.keys() else None,
             )
             b["advantages"], b["returns"] = advantages, returns
+            if algo.use_pf_ppo:  # veRL: only after GAE (verl_misc.check_pf_ppo)
+                batch = pf_ppo_resample(algo.pf_ppo, batch, metrics)
         return batch
 
     def _apply_kl_penalty(self, batch: DataProto, metrics: dict) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from hybridrl import algos
+from hybridrl.trainer.ppo.reward_kwargs import link_reward_manager, reward_manager_kwargs
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.profiler import check_profiler
 from hybridrl.workers.rollout.config import RolloutConfig
@@ -72,14 +73,26 @@ DEPRECATED_MICRO = (
 )
 
 
-def convert_deprecated_micro_batches(config: Any, explicit_keys) -> set[str]:
-    """Global sizes -> per-GPU sizes (floor division by the ranks, >= 1); returns the keys set."""
+def data_parallel_ranks(config: Any, key: str) -> int:
+    """Ranks that see distinct rows for the section holding `key`: world / its Ulysses SP size
+    (veRL divides global sizes by the same; the rollout's log-prob pass runs on the actor)."""
     world = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    section = {"actor_rollout_ref.rollout": "actor_rollout_ref.actor"}.get(
+        key.rpartition(".")[0], key.rpartition(".")[0]
+    )
+    sp = getattr(get(config, section), "ulysses_sequence_parallel_size", 1) or 1
+    return max(1, world // sp) if world % sp == 0 else world
+
+
+def convert_deprecated_micro_batches(config: Any, explicit_keys) -> set[str]:
+    """Global sizes -> per-GPU sizes (floor division by the data-parallel ranks, >= 1); returns
+    the keys set."""
     converted = set()
     for old, new in DEPRECATED_MICRO:
         value = get(config, old)
         if value is None:
             continue
+        world = data_parallel_ranks(config, old)
         per_gpu = value // world
         if per_gpu < 1:
             raise config_error(
@@ -103,7 +116,6 @@ def largest_divisor_at_most(n: int, cap: int) -> int:
 
 def fit_default_micro_batches(config: Any, explicit_keys) -> None:
     """A micro-batch default that does not fit the per-rank mini-batch shrinks to one that does."""
-    world = config.trainer.nnodes * config.trainer.n_gpus_per_node
     n = config.actor_rollout_ref.rollout.n
     roles = ["actor_rollout_ref.actor"]
     est = config.algorithm.adv_estimator
@@ -113,6 +125,7 @@ def fit_default_micro_batches(config: Any, explicit_keys) -> None:
     for role in roles:
         section, full = get(config, role), f"{role}.ppo_micro_batch_size_per_gpu"
         micro, rows = section.ppo_micro_batch_size_per_gpu, section.ppo_mini_batch_size * n
+        world = data_parallel_ranks(config, full)
         if is_explicit(full, explicit_keys) or section.use_dynamic_bsz or micro is None or rows % world:
             continue
         per_rank = rows // world
@@ -157,31 +170,16 @@ REFUSED: tuple[Refused, ...] = (
         "only used with dynamic batch size, not supported for the reward model",
     ),
     Refused(
-        "reward_model.reward_kwargs",
-        {},
-        "put the arguments of the score function in custom_reward_function.reward_kwargs",
-    ),
-    Refused(
         "reward_model.launch_reward_fn_async",
         False,
         "rule rewards are scored on the driver (reward_manager=prime scores them in parallel)",
     ),
     Refused(
-        "reward_model.ulysses_sequence_parallel_size", 1, "Ulysses sequence parallelism is not implemented"
+        "reward_model.ulysses_sequence_parallel_size",
+        1,
+        "Ulysses sequence parallelism is implemented for the actor, reference and critic, not for the reward model",
     ),
     Refused("reward_model.model.use_shm", False, "load the reward model from a local folder"),
-    Refused(
-        "reward_model.use_reward_loop",
-        False,
-        "veRL's reward loop (asynchronous reward workers, a reward model served by a rollout engine) is not "
-        "available; rewards come from the reward manager on the driver and the RewardModelWorker (veRL's legacy "
-        "path, use_reward_loop=False)",
-    ),
-    Refused(
-        "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
-        1,
-        "Ulysses sequence parallelism is not implemented",
-    ),
     Refused(
         "actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype",
         "fp32",
@@ -222,17 +220,6 @@ REFUSED: tuple[Refused, ...] = (
         "the engine runs eagerly (torch.compile of the log-prob/entropy kernels is not wired in)",
     ),
     Refused("actor_rollout_ref.ref.use_torch_compile", False, "the engine runs eagerly"),
-    Refused(
-        "global_profiler.profile_continuous_steps",
-        False,
-        "each profiled step is its own torch.profiler trace",
-    ),
-    Refused(
-        "global_profiler.global_tool_config",
-        {},
-        "these are options of nsys/torch_memory, which are not "
-        "available; the torch profiler's options are <role>.profiler.tool_config.torch.contents",
-    ),
     Refused("trainer.default_hdfs_dir", None, "no HDFS client here; copy trainer.default_local_dir yourself"),
     Refused(
         "trainer.ray_wait_register_center_timeout",
@@ -240,12 +227,6 @@ REFUSED: tuple[Refused, ...] = (
         "workers start through Ray directly (no register center)",
     ),
     Refused("ray_kwargs.timeline_json_file", None, "use global_profiler.tool=torch for traces"),
-    Refused(
-        "algorithm.rollout_correction.loss_type",
-        "ppo_clip",
-        "the policy loss is actor.policy_loss.loss_mode; "
-        "bypass mode with a plain REINFORCE loss is not available",
-    ),
 )
 
 
@@ -282,6 +263,7 @@ ENGINE_ONLY = (
     "cudagraph_capture_sizes",
     "engine_kwargs",
     "layered_summon",
+    "multi_stage_wake_up",  # the HF engine never sleeps: the wake-up order has no memory effect
 )
 
 
@@ -308,9 +290,15 @@ def check_rollout_correction(config: Any) -> None:
     key = "algorithm.rollout_correction"
     if rc.rollout_is is not None and rc.rollout_is not in ("token", "sequence"):
         raise config_error(f"{key}.rollout_is={rc.rollout_is!r} is not one of null, token, sequence")
-    if rc.rollout_rs is not None and rc.rollout_rs not in ("token", "sequence", "geometric"):
+    if rc.rollout_rs is not None and algos.is_kl_rs(rc.rollout_rs):  # veRL's estimator options
+        try:
+            algos.parse_kl_rs(rc.rollout_rs, rc.rollout_rs_threshold)
+        except ValueError as e:
+            raise config_error(f"{key}.rollout_rs={rc.rollout_rs!r}: {e}") from None
+    elif rc.rollout_rs is not None and rc.rollout_rs not in ("token", "sequence", "geometric"):
         raise config_error(
-            f"{key}.rollout_rs={rc.rollout_rs!r} is not one of null, token, sequence, geometric"
+            f"{key}.rollout_rs={rc.rollout_rs!r} is not one of null, token, sequence, geometric, or "
+            f"comma-joined options among {', '.join(algos.rollout_rs.KL_RS_OPTIONS)}"
         )
     active = rc.rollout_is is not None or rc.rollout_rs is not None or rc.bypass_mode
     if active and algo.rollout_is:
@@ -321,6 +309,8 @@ def check_rollout_correction(config: Any) -> None:
         raise config_error(
             f"{key}.* needs the rollout engine's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=True"
         )
+    if algos.is_kl_rs(rc.rollout_rs):
+        return
     try:
         lower, upper = algos.parse_rs_threshold(rc.rollout_rs_threshold, rc.rollout_is_threshold)
     except ValueError:
@@ -346,6 +336,48 @@ def check_profiler_keys(config: Any) -> None:
         raise config_error(str(e)) from None
 
 
+def check_reward_side(config: Any, explicit_keys) -> None:
+    """reward_model.reward_kwargs against its other spellings; the reward loop's keys."""
+    try:
+        link_reward_manager(config, explicit_keys)
+        reward_manager_kwargs(config)
+    except ValueError as e:
+        raise config_error(str(e)) from None
+    rm = config.reward_model
+    key = "reward_model"
+    if rm.sandbox_fusion.url and config.custom_reward_function.path:
+        raise config_error(
+            f"{key}.sandbox_fusion.url is used by the built-in code scorer; with custom_reward_function.path, "
+            "call the sandbox from your function (or drop one of them)"
+        )
+    if rm.sandbox_fusion.max_concurrent < 1:
+        raise config_error(f"{key}.sandbox_fusion.max_concurrent must be >= 1")
+    if not rm.use_reward_loop:
+        set_keys = sorted(
+            k for k in (explicit_keys or ()) if k.startswith(f"{key}.rollout.") or k == f"{key}.num_workers"
+        )
+        if set_keys:
+            warn_once(f"{', '.join(set_keys)} only act with {key}.use_reward_loop=True (veRL's reward loop)")
+        return
+    if rm.num_workers < 1:
+        raise config_error(f"{key}.num_workers={rm.num_workers} must be >= 1")
+    if rm.rollout.name not in ("hf", "vllm"):
+        raise config_error(
+            f"{key}.rollout.name={rm.rollout.name!r}: the reward loop serves the reward model with vllm or hf "
+            "(sglang/trtllm reward serving is not available here)"
+        )
+    slots = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    tp = rm.rollout.tensor_model_parallel_size
+    if rm.enable and (tp < 1 or slots % tp):
+        raise config_error(f"{key}.rollout.tensor_model_parallel_size={tp} must divide the {slots} slots")
+    if rm.enable and config.custom_reward_function.path:
+        raise config_error(
+            f"{key}.use_reward_loop=True with both {key}.enable and custom_reward_function.path: veRL then calls "
+            "the custom function with an HTTP router to the reward model (GenRM), which is not available here; "
+            "drop one of them (or use_reward_loop=False: the reward model's scores are used)"
+        )
+
+
 def link_critic_rollout_n(config: Any, explicit_keys) -> None:
     n = config.actor_rollout_ref.rollout.n
     c = config.critic
@@ -366,5 +398,6 @@ def apply_verl_compat(config: Any, explicit_keys=None) -> None:
     link_critic_rollout_n(config, explicit)
     check_refused(config)
     check_rollout_correction(config)
+    check_reward_side(config, explicit)
     check_profiler_keys(config)
     engine_only_warning(config, explicit)

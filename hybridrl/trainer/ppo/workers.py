@@ -29,10 +29,13 @@ class WorkerGroups:
     actor_rollout: Any
     critic: Any = None
     reward_model: Any = None
+    reward_loop: Any = None  # RewardLoopManager with reward_model.use_reward_loop (start_reward_loop)
     _group: Any = None
     _pool: Any = None
 
     def shutdown(self) -> None:
+        if self.reward_loop is not None:
+            self.reward_loop.shutdown()
         if self._group is not None:
             self._group.shutdown()
         if self._pool is not None:
@@ -116,7 +119,7 @@ def support_role_classes(
             pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
         )
-    if config.reward_model.enable:
+    if config.reward_model.enable and not config.reward_model.use_reward_loop:
         classes["reward_model"] = RayClassWithInitArgs(
             reward_cls,
             config=config.reward_model,
@@ -133,7 +136,9 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
     gpu = use_gpu(config)
     threads = max(1, int(tr.cpus_per_worker)) if not gpu else None
     classes = role_classes(config, tr.nnodes * tr.n_gpus_per_node, threads, peak_flops)
-    group, pool = _start_group(config, create_colocated_worker_cls(classes), gpu, threads)
+    spec = create_colocated_worker_cls(classes)
+    apply_nsight(config, spec, gpu)
+    group, pool = _start_group(config, spec, gpu, threads)
     views = group.spawn(list(classes))
     groups = WorkerGroups(
         actor_rollout=views["actor_rollout"],
@@ -147,6 +152,45 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
         if name in views:
             views[name].init_model()
     return groups
+
+
+def start_reward_loop(config, reward_fn) -> Any:
+    """veRL's reward loop (`reward_model.use_reward_loop=True`): its workers and served reward model, or
+    None (hybridrl/workers/reward/reward_loop.py)."""
+    if not config.reward_model.use_reward_loop:
+        return None
+    from hybridrl.workers.reward.reward_loop import RewardLoopManager
+
+    tr, rm, rollout = config.trainer, config.reward_model, config.actor_rollout_ref.rollout
+    total = rollout.gpu_memory_utilization + rm.rollout.gpu_memory_utilization
+    if use_gpu(config) and rm.enable and rm.rollout.name == "vllm" and rollout.name == "vllm" and total > 1:
+        raise ValueError(  # untested on GPU: the served RM keeps its memory (no sleep/wake here)
+            f"actor_rollout_ref.rollout.gpu_memory_utilization + reward_model.rollout.gpu_memory_utilization = "
+            f"{total:.2f} > 1 on the same GPUs; the reward model's engine does not sleep between steps here, so "
+            "lower them to sum to at most 1"
+        )
+    return RewardLoopManager(
+        config.reward_model,
+        config.actor_rollout_ref.model.path,
+        reward_fn,
+        slots=tr.nnodes * tr.n_gpus_per_node,
+        use_ray=uses_ray(config),
+        num_threads=None if use_gpu(config) else max(1, int(tr.cpus_per_worker)),
+    )
+
+
+def apply_nsight(config, spec, gpu: bool) -> None:
+    """global_profiler.tool=nsys: check CUDA and `nsys`, and let Ray start the workers under Nsight
+    (runtime_env nsight = global_tool_config.nsys.worker_nsight_options). Untested on GPU."""
+    glob = config.global_profiler
+    if glob.tool != "nsys" or not glob.steps:
+        return
+    from hybridrl.utils.profiler_tools import check_nsys_available, nsys_options
+
+    check_nsys_available(gpu)
+    spec.update_options(
+        {"runtime_env": {"nsight": nsys_options(glob.global_tool_config)["worker_nsight_options"]}}
+    )
 
 
 def uses_ray(config) -> bool:

@@ -11,6 +11,8 @@ Key names and defaults follow veRL's rollout config, so veRL command lines carry
 * `multi_turn.max_tool_response_length` / `tool_response_truncate_side` (left | right | middle):
   a tool response longer than this many characters is cut on that side.
 * `multi_turn.tool_config_path`: veRL's tool yaml (`tools: [{class_name, config, tool_schema}]`).
+* `multi_turn.interaction_config_path`: veRL's interaction yaml (`interaction: [{name, class_name,
+  config}]`): a simulated user answers assistant turns that call no tool (interaction.py).
 * `multi_turn.format`: the tool-call format the policy writes (`hermes`: `<tool_call>{json}</tool_call>`).
 * `multi_turn.tokenization_sanity_check_mode`: `strict` | `ignore_strippable` | `disable`:
   compare the turn-by-turn token ids with a whole-conversation tokenisation.
@@ -45,6 +47,7 @@ class MultiTurnConfig:
     max_tool_response_length: int = 256
     tool_response_truncate_side: str = "middle"
     tool_config_path: str | None = None
+    interaction_config_path: str | None = None
     function_tool_path: str | None = None
     tool_timeout_s: float = 30.0
     format: str = "hermes"
@@ -91,7 +94,7 @@ def validate_multi_turn_config(cfg: MultiTurnConfig) -> None:
         cfg.tokenization_sanity_check_mode,
         f"use one of {SANITY_MODES}",
     )
-    for key in ("tool_config_path", "function_tool_path"):
+    for key in ("tool_config_path", "interaction_config_path", "function_tool_path"):
         path = getattr(cfg, key)
         _check(
             path is None or os.path.isfile(os.path.expanduser(path)),

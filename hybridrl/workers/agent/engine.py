@@ -17,6 +17,7 @@ first row's seed, so HF samples depend on how requests were batched (vLLM honour
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import torch
 
 from hybridrl.workers.rollout.base import GenerationRequest, SamplingSpec
 
-__all__ = ["BatchingEngine", "TokenGeneration"]
+__all__ = ["BatchingEngine", "RequestLimits", "TokenGeneration"]
 
 
 @dataclass
@@ -35,6 +36,23 @@ class TokenGeneration:
 
     token_ids: list[int]
     log_probs: list[float] | None
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request limits of the queue (`sglang_rollout_mode=server`: `rollout.server.*`).
+
+    Attributes:
+        timeout_s: seconds a request may take (queued + generating) per attempt; None: no limit.
+        max_attempts: tries per request before TimeoutError.
+        retry_delay_s: pause between tries.
+        max_in_flight: requests submitted at once (others wait their turn); None: no limit.
+    """
+
+    timeout_s: float | None = None
+    max_attempts: int = 1
+    retry_delay_s: float = 0.0
+    max_in_flight: int | None = None
 
 
 @dataclass
@@ -56,15 +74,24 @@ class BatchingEngine:
         wait_s: how long to wait for more requests after the first pending one.
     """
 
-    def __init__(self, rollout: Any, max_batch_size: int, wait_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        rollout: Any,
+        max_batch_size: int,
+        wait_s: float = 0.002,
+        limits: RequestLimits | None = None,
+    ) -> None:
         self.rollout = rollout
         self.max_batch_size = max(1, int(max_batch_size))
         self.wait_s = float(wait_s)
+        self.limits = limits or RequestLimits()
+        self._slots: asyncio.Semaphore | None = None
         self._pending: list[_Request] = []
         self._drain_task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridrl-engine")
         self.num_batches = 0
         self.num_requests = 0
+        self.num_timeouts = 0
         self.busy_s = 0.0
 
     async def generate(
@@ -75,21 +102,48 @@ class BatchingEngine:
         max_new_tokens: int,
         want_log_probs: bool,
     ) -> TokenGeneration:
-        """Generate up to `max_new_tokens` tokens after `prompt_ids` (queued and batched)."""
+        """Generate up to `max_new_tokens` tokens after `prompt_ids` (queued and batched).
+
+        With RequestLimits: at most `max_in_flight` requests at once; a request not answered within
+        `timeout_s` is dropped (its queued entry removed, or its running batch's result for it
+        discarded) and retried after `retry_delay_s`, `max_attempts` tries in all."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        lim = self.limits
+        if lim.max_in_flight is not None and self._slots is None:
+            self._slots = asyncio.Semaphore(lim.max_in_flight)
+        args = (list(prompt_ids), sampling, int(seed), int(max_new_tokens), bool(want_log_probs))
+        async with self._slots if self._slots is not None else contextlib.nullcontext():
+            for attempt in range(1, lim.max_attempts + 1):
+                future = self._submit(_Request(*args))
+                if lim.timeout_s is None:
+                    return await future
+                try:
+                    return await asyncio.wait_for(future, lim.timeout_s)
+                except asyncio.TimeoutError:
+                    self.num_timeouts += 1
+                    if attempt < lim.max_attempts:
+                        await asyncio.sleep(lim.retry_delay_s)
+        raise TimeoutError(
+            f"a generation request got no answer within {lim.timeout_s:g}s in {lim.max_attempts} attempts "
+            "(actor_rollout_ref.rollout.server.timeout / max_attempts); raise the timeout, or lower "
+            "server.max_connections / rollout.max_num_seqs so that one engine batch finishes in time"
+        )
+
+    def _submit(self, req: _Request) -> asyncio.Future:
         loop = asyncio.get_running_loop()
-        req = _Request(list(prompt_ids), sampling, int(seed), int(max_new_tokens), bool(want_log_probs))
         req.future = loop.create_future()
         self._pending.append(req)
         if self._drain_task is None or self._drain_task.done():
             self._drain_task = loop.create_task(self._drain())
-        return await req.future
+        return req.future
 
     async def _drain(self) -> None:
         while self._pending:
             await asyncio.sleep(self.wait_s)
             batch = self._take_group()
+            if not batch:
+                break
             try:
                 results = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, batch)
             except Exception as e:  # the engine failed: every request of the batch fails with it
@@ -102,7 +156,11 @@ class BatchingEngine:
                     r.future.set_result(res)
 
     def _take_group(self) -> list[_Request]:
-        """The oldest request and up to max_batch_size - 1 others with the same sampling."""
+        """The oldest request and up to max_batch_size - 1 others with the same sampling
+        (requests whose caller was cancelled, e.g. aborted by over_sample_rate, are dropped)."""
+        self._pending = [r for r in self._pending if not r.future.done()]
+        if not self._pending:
+            return []
         key = (self._pending[0].sampling, self._pending[0].want_log_probs)
         group, rest = [], []
         for r in self._pending:
@@ -148,10 +206,11 @@ class BatchingEngine:
             "agent/engine_batches": float(self.num_batches),
             "agent/engine_mean_batch_size": self.num_requests / max(self.num_batches, 1),
             "agent/engine_busy_s": self.busy_s,
+            "agent/engine_request_timeouts": float(self.num_timeouts),
         }
 
     def reset_metrics(self) -> None:
-        self.num_batches = self.num_requests = 0
+        self.num_batches = self.num_requests = self.num_timeouts = 0
         self.busy_s = 0.0
 
     def close(self) -> None:

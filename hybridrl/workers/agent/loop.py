@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridrl.workers.agent.engine import BatchingEngine, TokenGeneration
+from hybridrl.workers.agent.trace import set_span_outputs, span
 from hybridrl.workers.rollout.base import SamplingSpec, derive_seed
 
 __all__ = [
@@ -49,6 +50,8 @@ class AgentLoopOutput:
         num_turns: messages in the conversation, the prompt included (veRL's convention).
         reward_score: an optional trajectory reward (e.g. from tools' calc_reward).
         metrics: per-trajectory numbers (tool calls, errors, timeouts, truncation, ...).
+        extra_fields: per-trajectory data that becomes a non-tensor column (e.g. `turn_scores`,
+            the interaction's score of each user turn).
     """
 
     prompt_ids: list[int]
@@ -58,6 +61,7 @@ class AgentLoopOutput:
     num_turns: int
     reward_score: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    extra_fields: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -82,6 +86,8 @@ class AgentContext:
         tools: the run's tools by name.
         eos_token_ids: ids that end an assistant turn.
         want_log_probs: whether rollout log-probs are recorded (rollout.calculate_log_probs).
+        interactions: the run's interactions by name (multi_turn.interaction_config_path).
+        tracer: the replica's RolloutTracer (rollout.trace.*), or None.
     """
 
     config: Any
@@ -90,6 +96,8 @@ class AgentContext:
     tools: dict[str, Any]
     eos_token_ids: list[int]
     want_log_probs: bool
+    interactions: dict[str, Any] = field(default_factory=dict)
+    tracer: Any = None
 
     @property
     def response_length(self) -> int:
@@ -111,10 +119,15 @@ class AgentLoopBase:
     async def generate(
         self, ids: list[int], sampling: SamplingSpec, seed: int, turn: int, max_new_tokens: int
     ) -> TokenGeneration:
-        """One assistant turn after `ids` (queued with the other trajectories' requests)."""
-        return await self.context.engine.generate(
-            ids, sampling, derive_seed(seed, turn, 0), max_new_tokens, self.context.want_log_probs
-        )
+        """One assistant turn after `ids` (queued with the other trajectories' requests; a span
+        of the trajectory's trace when rollout.trace is on)."""
+        with span("generate", turn=turn, prompt_length=len(ids), max_new_tokens=max_new_tokens) as s:
+            gen = await self.context.engine.generate(
+                ids, sampling, derive_seed(seed, turn, 0), max_new_tokens, self.context.want_log_probs
+            )
+            tracer = self.context.tracer
+            set_span_outputs(s, token_ids=gen.token_ids, **(tracer.text(gen.token_ids) if tracer else {}))
+        return gen
 
     def ended_with_eos(self, token_ids: list[int]) -> bool:
         return bool(token_ids) and token_ids[-1] in self.context.eos_token_ids

@@ -7,12 +7,18 @@ token of the trajectory (tool responses and templates included). The actor's los
 and the advantages all use `response_mask`, so they see the policy's tokens only; the forward
 passes use `attention_mask`, so the model conditions on the whole conversation.
 
+Over-sampling (veRL's `rollout.over_sample_rate`, training batches only): once
+(1 - over_sample_rate) x B trajectories have finished, the others are aborted (their queued engine
+requests dropped, their coroutines cancelled; tools are still released) and come back as empty
+responses with every mask 0 (`agent/aborted/mean` counts them), to cut the long tail.
+
 Routing: row r runs the loop named by its `agent_name` column, else
 `rollout.agent.default_agent_loop`. At most `rollout.agent.max_concurrent_trajectories` run at
 once (their generation requests share the engine through the batching queue).
 
 Extra outputs: non-tensor per-row `num_turns`, `tool_calls`, `tool_errors`, `tool_timeouts`,
-`agent_truncated`, `agent_reward` (None without one), and meta_info["metrics"] summaries.
+`agent_truncated`, `agent_reward` (None without one), `turn_scores` (the interaction's score of
+each user turn, a list per row), and meta_info["metrics"] summaries.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import numpy as np
 import torch
 
 from hybridrl.protocol import DataProto
-from hybridrl.workers.agent.engine import BatchingEngine
+from hybridrl.workers.agent.engine import BatchingEngine, RequestLimits
+from hybridrl.workers.agent.interaction import load_interactions
 from hybridrl.workers.agent.loop import (
     AgentContext,
     AgentLoopOutput,
@@ -34,25 +41,48 @@ from hybridrl.workers.agent.loop import (
     load_agent_loop_config,
 )
 from hybridrl.workers.agent.tool_loading import load_tools
+from hybridrl.workers.agent.trace import RolloutTracer
 from hybridrl.workers.rollout.base import SamplingSpec, derive_seed, resolve_sampling
 
-__all__ = ["AgentLoopRunner", "agent_step_metrics", "uses_agent_loops"]
+__all__ = ["AgentLoopRunner", "agent_loops_configured", "agent_step_metrics", "uses_agent_loops"]
 
 ROW_METRICS = ("num_turns", "tool_calls", "tool_errors", "tool_timeouts", "agent_truncated")
 
 
-def uses_agent_loops(config: Any, prompts: DataProto) -> bool:
-    """Whether this batch goes through the agent loops (else the plain single-turn path).
+def agent_loops_configured(config: Any) -> bool:
+    """Whether the rollout section (RolloutConfig) turns the agent loops on for every batch.
 
     veRL's `rollout.mode=async` generates through its agent loops (single_turn_agent by default),
-    so it does here too."""
+    so it does here too; so does `sglang_rollout_mode=server` (veRL's request-level server path:
+    here the batching queue with the rollout.server.* limits)."""
     agent = config.agent
     return bool(
         getattr(config, "mode", "sync") == "async"
+        or getattr(config, "sglang_rollout_mode", "engine") == "server"
         or config.multi_turn.enable
-        or "agent_name" in prompts.non_tensor_batch
         or agent.default_agent_loop != "single_turn_agent"
         or agent.agent_loop_config_path
+    )
+
+
+def uses_agent_loops(config: Any, prompts: DataProto) -> bool:
+    """Whether this batch goes through the agent loops (else the plain single-turn path): the
+    config turns them on, or the rows name an `agent_name`."""
+    return agent_loops_configured(config) or "agent_name" in prompts.non_tensor_batch
+
+
+def request_limits(config: Any) -> RequestLimits:
+    """veRL's `sglang_rollout_mode=server` options as limits of the request queue (engine mode:
+    none). hybridrl's engines stay in-process; the server's request timeout, retries and
+    connection limit apply to each generation request of the agent loops."""
+    if config.sglang_rollout_mode != "server":
+        return RequestLimits()
+    sv = config.server
+    return RequestLimits(
+        timeout_s=float(sv.timeout),
+        max_attempts=int(sv.max_attempts),
+        retry_delay_s=float(sv.retry_delay),
+        max_in_flight=int(sv.max_connections),
     )
 
 
@@ -93,7 +123,8 @@ class AgentLoopRunner:
                 "the agent loops (multi_turn.enable / agent_name rows / rollout.agent.*) do not support "
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={config.tensor_model_parallel_size} yet: "
                 "the ranks of a TP engine would batch their trajectories' requests differently. Use "
-                "tensor_model_parallel_size=1 (data-parallel rollout replicas)."
+                "tensor_model_parallel_size=1 (data-parallel rollout replicas), or drop the dataset's agent_name "
+                "column."
             )
         self.rollout = rollout
         self.config = config
@@ -103,7 +134,10 @@ class AgentLoopRunner:
         get_agent_loop_class(config.agent.default_agent_loop)  # fail at start-up on a bad name
         mt = config.multi_turn
         self.tools = load_tools(mt.tool_config_path, mt.function_tool_path)
-        self.engine = BatchingEngine(rollout, config.max_num_seqs, config.agent.batch_wait_ms / 1000.0)
+        interactions = load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {}
+        self.engine = BatchingEngine(
+            rollout, config.max_num_seqs, config.agent.batch_wait_ms / 1000.0, request_limits(config)
+        )
         self.context = AgentContext(
             config=config,
             tokenizer=tokenizer,
@@ -111,6 +145,8 @@ class AgentLoopRunner:
             tools=self.tools,
             eos_token_ids=list(rollout.eos_token_ids),
             want_log_probs=bool(config.calculate_log_probs),
+            interactions=interactions,
+            tracer=RolloutTracer(config.trace, tokenizer, config.seed) if config.trace.backend else None,
         )
         self._loops: dict[str, Any] = {}
         self.num_calls = 0
@@ -139,20 +175,70 @@ class AgentLoopRunner:
         return names
 
     async def _run_all(
-        self, prompts: DataProto, sampling: SamplingSpec, seeds: list[int]
+        self, prompts: DataProto, sampling: SamplingSpec, seeds: list[int], needed: int
     ) -> list[AgentLoopOutput]:
+        """Every row's trajectory; once `needed` have finished the others are aborted (empty)."""
         ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].bool().cpu()
         names = self.agent_names(prompts)
         gate = asyncio.Semaphore(self.config.agent.max_concurrent_trajectories)
+        rows = [self._row_kwargs(prompts, i) for i in range(len(prompts))]
+        trace_tags = self._trace_tags(prompts, rows)
 
         async def one(i: int) -> AgentLoopOutput:
             async with gate:
-                row = self._row_kwargs(prompts, i)
-                return await self._loop(names[i]).run(
-                    sampling, prompt_ids=ids[i][mask[i]].tolist(), seed=seeds[i], **row
-                )
+                prompt = ids[i][mask[i]].tolist()
+                run = self._loop(names[i]).run(sampling, prompt_ids=prompt, seed=seeds[i], **rows[i])
+                if i not in trace_tags:
+                    return await run
+                with self.context.tracer.trajectory(trace_tags[i], prompt) as finish:
+                    out = await run
+                    finish(out)
+                return out
 
-        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+        if needed >= len(tasks):
+            return list(await asyncio.gather(*tasks))
+        done = 0
+        for fut in asyncio.as_completed(tasks):
+            await fut  # a failing trajectory fails the step, as without over-sampling
+            done += 1
+            if done >= needed:
+                break
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        want_lp = self.context.want_log_probs
+        return [
+            t.result() if not t.cancelled() else aborted_output(ids[i][mask[i]].tolist(), want_lp)
+            for i, t in enumerate(tasks)
+        ]
+
+    def _trace_tags(self, prompts: DataProto, rows: list[dict]) -> dict[int, dict[str, Any]]:
+        """Tags of the rows to trace (rollout.trace.*): step, sample_index, rollout_n, validate."""
+        tracer = self.context.tracer
+        if tracer is None:
+            return {}
+        samples = tracer.sample_ids(rows)
+        seen: dict[str, int] = {}
+        tags = {}
+        chosen = tracer.selected_rows(samples, self.num_calls)
+        for i, sample in enumerate(samples):
+            seen[sample] = seen.get(sample, -1) + 1
+            if i in chosen:
+                tags[i] = {
+                    "step": prompts.meta_info.get("global_steps", self.num_calls),
+                    "sample_index": sample,
+                    "rollout_n": seen[sample],
+                    "validate": bool(prompts.meta_info.get("validate", False)),
+                }
+        return tags
+
+    def _needed(self, prompts: DataProto) -> int:
+        """Trajectories to wait for: all, or (1 - over_sample_rate) of a training batch (veRL)."""
+        rate = float(self.config.over_sample_rate)
+        if rate <= 0 or prompts.meta_info.get("validate", False):
+            return len(prompts)
+        return max(1, int(len(prompts) * (1.0 - rate)))
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """One trajectory per row; the output follows the rollout contract (module docstring)."""
@@ -163,7 +249,8 @@ class AgentLoopRunner:
         seeds = [derive_seed(self.config.seed, call, r, dp) for r in range(len(prompts))]
         self.engine.reset_metrics()
         t0 = time.perf_counter()
-        outputs = _run_coroutine(self._run_all(prompts, self._sampling(meta), seeds)) if len(prompts) else []
+        coro = self._run_all(prompts, self._sampling(meta), seeds, self._needed(prompts))
+        outputs = _run_coroutine(coro) if len(prompts) else []
         elapsed = time.perf_counter() - t0
         out = build_agent_output(prompts, outputs, self.rollout.pad_token_id, self.config.response_length)
         metrics = {"timing_s/generate_sequences": elapsed, **self.engine.metrics()}
@@ -175,6 +262,14 @@ class AgentLoopRunner:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def aborted_output(prompt_ids: list[int], want_log_probs: bool) -> AgentLoopOutput:
+    """The row of a trajectory aborted by over_sample_rate: the prompt, an empty response (every
+    mask 0, so it adds nothing to the loss), marked `aborted` in the metrics."""
+    return AgentLoopOutput(
+        list(prompt_ids), [], [], [] if want_log_probs else None, num_turns=1, metrics={"aborted": 1.0}
+    )
 
 
 def build_agent_output(
@@ -234,6 +329,10 @@ def build_agent_output(
         [int(o.metrics.get("truncated", 0)) for o in outputs], dtype=object
     )
     non_tensor["agent_reward"] = np.array([o.reward_score for o in outputs], dtype=object)
+    turn_scores = np.empty(bsz, dtype=object)  # lists of different lengths: one object per row
+    for i, o in enumerate(outputs):
+        turn_scores[i] = list(o.extra_fields.get("turn_scores", []))
+    non_tensor["turn_scores"] = turn_scores
     meta = dict(prompts.meta_info)
     meta["metrics"] = {**meta.get("metrics", {}), **summarize(outputs)}
     return DataProto.from_dict(tensors, non_tensor, meta)

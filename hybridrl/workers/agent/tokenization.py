@@ -47,15 +47,16 @@ class ToolTurnRenderer:
         except Exception as e:
             raise ValueError(f"the tokenizer's chat template cannot render a conversation: {e}") from e
 
-    def ids(self, contents: list[str]) -> list[int]:
-        """Ids of the tool messages `contents` followed by the assistant generation prompt."""
-        messages = _STAND_IN + [{"role": "tool", "content": c} for c in contents]
+    def ids(self, contents: list[str], role: str = "tool") -> list[int]:
+        """Ids of the `role` messages `contents` (tool responses, or an interaction's user turn)
+        followed by the assistant generation prompt."""
+        messages = _STAND_IN + [{"role": role, "content": c} for c in contents]
         try:
             full = _render_ids(self.tokenizer, messages, add_generation_prompt=True)
         except Exception as e:
             raise ValueError(
-                f"the chat template cannot render role 'tool' messages ({e}); use a model whose chat "
-                "template supports tool messages, or set a custom_chat_template"
+                f"the chat template cannot render role {role!r} messages ({e}); use a model whose chat "
+                "template supports them, or set a custom_chat_template"
             ) from e
         if full[: len(self._base)] != self._base:
             raise ValueError(

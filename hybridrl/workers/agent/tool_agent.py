@@ -4,9 +4,14 @@ One trajectory (T = rollout.response_length tokens in all, across turns)::
 
     prompt -> [assistant turn (mask 1)] -> tool calls? -> [tool turn (mask 0)] -> [assistant turn] ...
 
-It stops when an assistant turn calls no tool, at `multi_turn.max_assistant_turns` assistant
-turns or `max_user_turns` tool turns, or when the budget T is used up (a tool turn that does not
-fit is cut to the budget and the trajectory is marked truncated; the cut tokens are mask 0).
+With `multi_turn.interaction_config_path`, an assistant turn that calls no tool is answered by
+the row's interaction (interaction.py): a user turn (mask 0) follows, its score goes to the row's
+`turn_scores`, and the interaction's `should_terminate_sequence` ends the trajectory.
+
+It stops when an assistant turn calls no tool (and there is no interaction), at
+`multi_turn.max_assistant_turns` assistant turns or `max_user_turns` tool / user turns, or when the
+budget T is used up (a tool or user turn that does not fit is cut to the budget and the
+trajectory is marked truncated; the cut tokens are mask 0).
 At most `max_parallel_calls` calls of a turn run (concurrently); each response is cut to
 `max_tool_response_length` characters on `tool_response_truncate_side`.
 
@@ -19,12 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.workers.agent.interaction import row_interaction_kwargs
 from hybridrl.workers.agent.loop import AgentLoopBase, AgentLoopOutput, register_agent_loop
 from hybridrl.workers.agent.parser import ToolCall, get_tool_parser
 from hybridrl.workers.agent.tokenization import ToolTurnRenderer, check_tokenization, conversation_ids
 from hybridrl.workers.agent.tool import ToolResponse
+from hybridrl.workers.agent.trace import set_span_outputs, span
 from hybridrl.workers.rollout.base import SamplingSpec
 
 __all__ = ["ToolAgentLoop", "TrajectoryTools", "truncate_text"]
@@ -68,6 +77,12 @@ class TrajectoryTools:
 
     async def call(self, call: ToolCall) -> str:
         """Run one parsed call; returns the tool response text (an error text on failure)."""
+        with span(f"tool/{call.name}", arguments=call.arguments, parse_error=call.error) as s:
+            text = await self._call(call)
+            set_span_outputs(s, response=text)
+        return text
+
+    async def _call(self, call: ToolCall) -> str:
         self.calls += 1
         if call.error is not None:
             self.errors += 1
@@ -118,6 +133,52 @@ class TrajectoryTools:
         return total
 
 
+@dataclass
+class _Trajectory:
+    """The growing state of one trajectory (ids / mask / log-probs of everything after the prompt)."""
+
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    lps: list[float] | None = None
+    messages: list[dict] = field(default_factory=list)
+    turns: dict[str, int] = field(default_factory=lambda: {"assistant": 0, "user": 0})
+    truncated: bool = False
+    interaction_turns: int = 0
+    turn_scores: list[float] = field(default_factory=list)
+
+
+class UserSession:
+    """The row's interaction (extra_info.interaction_kwargs.name) for one trajectory."""
+
+    def __init__(self, interaction: Any, instance_id: str, kwargs: dict[str, Any]) -> None:
+        self.interaction, self.instance_id, self.kwargs = interaction, instance_id, kwargs
+
+    @classmethod
+    async def start(cls, interactions: dict[str, Any], row: dict[str, Any]) -> UserSession:
+        kwargs = row_interaction_kwargs(row, interactions)
+        interaction = interactions[kwargs["name"]]
+        instance_id = await interaction.start_interaction(str(uuid.uuid4()), **kwargs)
+        return cls(interaction, instance_id, kwargs)
+
+    async def respond(self, messages: list[dict], st: _Trajectory) -> tuple[bool, str]:
+        """(should_terminate, user text) after `messages`; the turn score goes to st.turn_scores."""
+        done, text, score, _ = await self.interaction.generate_response(
+            self.instance_id, messages, **self.kwargs
+        )
+        st.interaction_turns += 1
+        if score is not None:
+            st.turn_scores.append(float(score))
+        return bool(done), str(text)
+
+    async def finish(self) -> None:
+        try:
+            await self.interaction.finalize_interaction(self.instance_id)
+        except Exception as e:
+            logger.warning(
+                "interaction %r finalize raised %s: %s", self.interaction.name, type(e).__name__, e
+            )
+
+
 @register_agent_loop("tool_agent")
 class ToolAgentLoop(AgentLoopBase):
     """Multi-turn generation with tool calls (see the module docstring)."""
@@ -146,59 +207,75 @@ class ToolAgentLoop(AgentLoopBase):
         tools = TrajectoryTools(
             ctx.tools, row.get("tools_kwargs") or extra.get("tools_kwargs"), mt.tool_timeout_s
         )
-        ids, mask, lps = [], [], [] if ctx.want_log_probs else None
-        messages: list[dict] = []
-        turns = {"assistant": 0, "user": 0}
-        truncated = False
+        user = await UserSession.start(ctx.interactions, row) if ctx.interactions else None
+        st = _Trajectory(lps=[] if ctx.want_log_probs else None)
         try:
-            while True:
-                budget = ctx.response_length - len(ids)
-                if budget <= 0:
-                    truncated = True
+            while await self._assistant_turn(st, prompt, sampling, seed):
+                _, calls = self.parser.parse(st.messages[-1]["content"])
+                if calls:
+                    results = await asyncio.gather(*(tools.call(c) for c in calls[: mt.max_parallel_calls]))
+                    texts = [
+                        truncate_text(r, mt.max_tool_response_length, mt.tool_response_truncate_side)
+                        for r in results
+                    ]
+                    more = self._env_turn(st, texts, "tool")
+                elif user is not None:
+                    done, text = await user.respond(list(raw_prompt or []) + st.messages, st)
+                    more = self._env_turn(st, [text], "user") and not done
+                else:
                     break
-                gen = await self.generate(prompt + ids, sampling, seed, turns["assistant"], budget)
-                self._append(ids, mask, lps, gen.token_ids, 1, gen.log_probs)
-                turns["assistant"] += 1
-                text = ctx.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-                messages.append({"role": "assistant", "content": text})
-                if not self.ended_with_eos(gen.token_ids):
-                    truncated = True  # cut by the budget mid-turn
-                    break
-                if mt.max_assistant_turns and turns["assistant"] >= mt.max_assistant_turns:
-                    break
-                if mt.max_user_turns and turns["user"] >= mt.max_user_turns:
-                    break
-                _, calls = self.parser.parse(text)
-                if not calls:
-                    break
-                results = await asyncio.gather(*(tools.call(c) for c in calls[: mt.max_parallel_calls]))
-                texts = [
-                    truncate_text(r, mt.max_tool_response_length, mt.tool_response_truncate_side)
-                    for r in results
-                ]
-                messages += [{"role": "tool", "content": t} for t in texts]
-                tool_ids = self.renderer.ids(texts)
-                turns["user"] += 1
-                room = ctx.response_length - len(ids)
-                self._append(ids, mask, lps, tool_ids[:room], 0, None)
-                if len(tool_ids) >= room:
-                    truncated = True
+                if not more:
                     break
         finally:
             reward = await tools.finish()
+            if user is not None:
+                await user.finish()
         metrics = {
-            "assistant_turns": float(turns["assistant"]),
-            "user_turns": float(turns["user"]),
+            "assistant_turns": float(st.turns["assistant"]),
+            "user_turns": float(st.turns["user"]),
+            "interaction_turns": float(st.interaction_turns),
             "tool_calls": float(tools.calls),
             "tool_errors": float(tools.errors),
             "tool_timeouts": float(tools.timeouts),
-            "truncated": float(truncated),
+            "truncated": float(st.truncated),
             "tool_step_reward": tools.step_reward,
         }
-        metrics.update(self._sanity(prompt, ids, raw_prompt, messages, truncated))
-        return AgentLoopOutput(
-            prompt, ids, mask, lps, 1 + turns["assistant"] + turns["user"], reward, metrics
-        )
+        metrics.update(self._sanity(prompt, st.ids, raw_prompt, st.messages, st.truncated))
+        turns = 1 + st.turns["assistant"] + st.turns["user"]
+        out = AgentLoopOutput(prompt, st.ids, st.mask, st.lps, turns, reward, metrics)
+        out.extra_fields["turn_scores"] = list(st.turn_scores)
+        return out
+
+    async def _assistant_turn(self, st: _Trajectory, prompt, sampling: SamplingSpec, seed: int) -> bool:
+        """Generate one assistant turn; False when the trajectory ends after it (budget, limits)."""
+        ctx, mt = self.context, self.mt
+        budget = ctx.response_length - len(st.ids)
+        if budget <= 0:
+            st.truncated = True
+            return False
+        gen = await self.generate(prompt + st.ids, sampling, seed, st.turns["assistant"], budget)
+        self._append(st.ids, st.mask, st.lps, gen.token_ids, 1, gen.log_probs)
+        st.turns["assistant"] += 1
+        text = ctx.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        st.messages.append({"role": "assistant", "content": text})
+        if not self.ended_with_eos(gen.token_ids):
+            st.truncated = True  # cut by the budget mid-turn
+            return False
+        if mt.max_assistant_turns and st.turns["assistant"] >= mt.max_assistant_turns:
+            return False
+        return not (mt.max_user_turns and st.turns["user"] >= mt.max_user_turns)
+
+    def _env_turn(self, st: _Trajectory, texts: list[str], role: str) -> bool:
+        """Append tool responses / an interaction's user turn (mask 0); False when cut by the budget."""
+        st.messages += [{"role": role, "content": t} for t in texts]
+        new_ids = self.renderer.ids(texts, role=role)
+        st.turns["user"] += 1
+        room = self.context.response_length - len(st.ids)
+        self._append(st.ids, st.mask, st.lps, new_ids[:room], 0, None)
+        if len(new_ids) >= room:
+            st.truncated = True
+            return False
+        return True
 
     @staticmethod
     def _append(ids, mask, lps, new_ids, flag: int, new_lps) -> None:
@@ -212,7 +289,7 @@ class ToolAgentLoop(AgentLoopBase):
         if mode == "disable" or raw_prompt is None or truncated:
             return {}
         tok = self.context.tokenizer
-        ends_with_tool = bool(messages) and messages[-1]["role"] == "tool"
+        ends_with_tool = bool(messages) and messages[-1]["role"] in ("tool", "user")
         whole = conversation_ids(tok, list(raw_prompt) + messages, ends_with_tool, self.schemas)
         ok = check_tokenization(tok, prompt + ids, whole, mode)
         if not ok:

@@ -31,17 +31,20 @@ VERL_TOOL_ALIASES = {
 }
 
 
-def import_object(path: str, key: str) -> Any:
-    """`pkg.module.Name` -> the object; errors name the config key and the import path."""
+def import_object(path: str, key: str, aliases: dict[str, str] | None = None) -> Any:
+    """`pkg.module.Name` -> the object; errors name the config key and the import path.
+
+    `aliases` (default VERL_TOOL_ALIASES) maps veRL's import paths to hybridrl's equivalents,
+    used when the veRL path cannot be imported."""
     module_name, _, attr = str(path).rpartition(".")
     if not module_name:
         raise ValueError(f"{key}: {path!r} is not an import path like 'my_pkg.module.ClassName'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        alias = VERL_TOOL_ALIASES.get(path)
+        alias = (VERL_TOOL_ALIASES if aliases is None else aliases).get(path)
         if alias is not None:
-            return import_object(alias, key)
+            return import_object(alias, key, aliases)
         raise ImportError(f"{key}: cannot import {module_name!r} for {path!r}: {e}") from e
     if not hasattr(module, attr):
         raise ImportError(f"{key}: module {module_name!r} has no {attr!r}")

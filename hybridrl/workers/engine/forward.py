@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridrl.algos.otb import sum_pi_squared_from_logits
 from hybridrl.algos.utils import entropy_from_logits, entropy_from_logits_chunked, logprobs_from_logits
 from hybridrl.utils.torch_utils import (
     PackedBatch,
@@ -43,15 +44,30 @@ from hybridrl.utils.torch_utils import (
     unpack_sequences,
 )
 from hybridrl.workers.engine.lm_head import linear_log_probs
+from hybridrl.workers.engine.ulysses import SPGroup, gather_seq, padded_length, slice_packed
 
 _DETECTS_PACKING = transformers_detects_packed_sequences()
 
 
 def _run(
-    module: nn.Module, batch: Any, use_remove_padding: bool, packed: PackedBatch | None = None
+    module: nn.Module,
+    batch: Any,
+    use_remove_padding: bool,
+    packed: PackedBatch | None = None,
+    sp: SPGroup | None = None,
 ) -> tuple[Any, PackedBatch | None]:
-    """Forward on the padded batch, or on its packed valid tokens; returns (HF output, packing)."""
+    """Forward on the padded batch, or on its packed valid tokens; returns (HF output, packing).
+
+    With Ulysses SP (`sp`) the forward runs on this rank's slice of the packed row
+    (`ulysses.slice_packed`); the output's per-token tensors are then (1, L, ...) local.
+    """
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    if sp is not None:
+        if not use_remove_padding:
+            raise ValueError("Ulysses sequence parallelism needs use_remove_padding=True (the packed path)")
+        packed = packed or pack_sequences(input_ids, attention_mask)
+        ids, pos = slice_packed(packed.input_ids, packed.position_ids, sp)
+        return module(input_ids=ids, position_ids=pos, use_cache=False), packed
     if not use_remove_padding:
         position_ids = batch["position_ids"] if "position_ids" in batch.keys() else None
         out = module(
@@ -163,13 +179,40 @@ def _selector(batch: Any, packed: PackedBatch | None, t: int):
     return (lambda h: h[0, pred]), scatter, batch["responses"].reshape(-1)[flat]
 
 
-def _fused_log_probs(module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad):
+def _sp_selector(batch: Any, packed: PackedBatch, t: int, sp: SPGroup):
+    """Like `_selector` for this rank's slice of the padded packed row (Ulysses SP):
+    (select: hidden (1, L, H) -> (n, H) local response-predicting rows; place: (n, ...) -> (L, ...)
+    zeros elsewhere; finish: the gathered (padded, ...) row -> (B, T, ...); local labels (n,))."""
+    b = batch["responses"].shape[0]
+    pred, flat = response_positions(packed, batch["attention_mask"], t)
+    padded = padded_length(packed.indices.numel(), sp)
+    length = padded // sp.size
+    wanted = torch.zeros(padded, dtype=torch.bool, device=pred.device)
+    wanted[pred] = True
+    labels = torch.zeros(padded, dtype=torch.long, device=pred.device)
+    labels[pred] = batch["responses"].reshape(-1)[flat].long()
+    lo = sp.rank * length
+    local = wanted[lo : lo + length].nonzero().squeeze(-1)
+
+    def place(v: torch.Tensor) -> torch.Tensor:
+        return v.new_zeros((length, *v.shape[1:])).index_put((local,), v)
+
+    def finish(full: torch.Tensor) -> torch.Tensor:
+        out = full.new_zeros((b * t, *full.shape[1:])).index_put((flat,), full[pred])
+        return out.view(b, t, *full.shape[1:])
+
+    return (lambda h: h[0, local]), place, finish, labels[lo : lo + length][local]
+
+
+def _fused_log_probs_sp(module, head, batch, temperature, calculate_entropy, entropy_grad, sps, sp):
+    """`_fused_log_probs` for one rank of a Ulysses group: the head runs on the local slice, the
+    stacked [log_prob, entropy?, sum_pi_squared?] columns are gathered along the sequence."""
     t = batch["responses"].shape[-1]
-    packed = pack_sequences(batch["input_ids"], batch["attention_mask"]) if use_remove_padding else None
-    select, scatter, labels = _selector(batch, packed, t)
+    packed = pack_sequences(batch["input_ids"], batch["attention_mask"])
+    select, place, finish, labels = _sp_selector(batch, packed, t, sp)
 
     def head_fn(h: torch.Tensor) -> torch.Tensor:
-        lp, ent = linear_log_probs(
+        out = linear_log_probs(
             select(h),
             head.weight,
             labels,
@@ -177,13 +220,50 @@ def _fused_log_probs(module, head, batch, temperature, use_remove_padding, calcu
             temperature=temperature,
             calculate_entropy=calculate_entropy,
             entropy_grad=entropy_grad and torch.is_grad_enabled(),
+            calculate_sum_pi_squared=sps,
         )
-        return torch.stack([lp, ent], dim=-1) if ent is not None else lp[:, None]
+        return place(torch.stack([c for c in out if c is not None], dim=-1))
+
+    with _head_replaced(head, head_fn):
+        out, _ = _run(module, batch, True, packed, sp)
+    res = finish(gather_seq(out.logits, sp, dim=0))  # (B, T, 1 + entropy + sps)
+    ent = res[..., 1] if calculate_entropy else None
+    return res[..., 0], ent, (res[..., -1] if sps else None)
+
+
+def _gathered_logits(out: Any, packed: PackedBatch, sp: SPGroup | None) -> torch.Tensor:
+    """The (1, nnz, C) logits of a packed forward (with SP: gathered from the slices, padding dropped)."""
+    if sp is None:
+        return out.logits
+    return gather_seq(out.logits, sp, dim=1)[:, : packed.indices.numel()]
+
+
+def _fused_log_probs(
+    module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad, sps
+):
+    """(log_probs, entropy or None, sum_pi_squared or None), each (B, T), through the chunked head."""
+    t = batch["responses"].shape[-1]
+    packed = pack_sequences(batch["input_ids"], batch["attention_mask"]) if use_remove_padding else None
+    select, scatter, labels = _selector(batch, packed, t)
+
+    def head_fn(h: torch.Tensor) -> torch.Tensor:
+        lp, ent, *rest = linear_log_probs(
+            select(h),
+            head.weight,
+            labels,
+            bias=head.bias,
+            temperature=temperature,
+            calculate_entropy=calculate_entropy,
+            entropy_grad=entropy_grad and torch.is_grad_enabled(),
+            calculate_sum_pi_squared=sps,
+        )
+        return torch.stack([c for c in (lp, ent, *rest) if c is not None], dim=-1)
 
     with _head_replaced(head, head_fn):
         out, _ = _run(module, batch, use_remove_padding, packed)
-    res = scatter(out.logits)  # (B, T, 1 or 2)
-    return res[..., 0], (res[..., 1] if calculate_entropy else None)
+    res = scatter(out.logits)  # (B, T, 1 + calculate_entropy + sps)
+    ent = res[..., 1] if calculate_entropy else None
+    return res[..., 0], ent, (res[..., -1] if sps else None)
 
 
 def forward_log_probs(
@@ -196,7 +276,9 @@ def forward_log_probs(
     entropy_chunk_size: int | None = None,
     entropy_grad: bool = True,
     fused: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    calculate_sum_pi_squared: bool = False,
+    sp: SPGroup | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of the response tokens under `module`, logits / temperature.
 
     Args:
@@ -208,21 +290,41 @@ def forward_log_probs(
         fused: compute the head only at the response positions, chunked (see the module
             docstring); False, or a model whose head cannot be swapped, takes the plain path
             (full logits, then the slice).
+        calculate_sum_pi_squared: also return sum_v pi(v)^2 (B, T) of each response position
+            (no gradient; the optimal token baseline's statistic), chunk-wise like the entropy.
+        sp: this rank's Ulysses group (the model went through `ulysses.parallelize_sp`; needs
+            use_remove_padding): every rank of the group gets the same batch and returns the
+            same full results.
 
     Returns:
-        log_probs (B, T) float32; entropy (B, T) float32 or None. Values at padded response
-        positions are meaningless (0 with remove-padding); mask them.
+        log_probs (B, T) float32; entropy (B, T) float32 or None; with calculate_sum_pi_squared a
+        third (B, T) float32 sum_pi_squared. Values at padded response positions are
+        meaningless (0 with remove-padding); mask them.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
     head = head_is_swappable(module) if fused else None
     if head is not None:
-        return _fused_log_probs(
-            module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad
-        )
+        if sp is not None:
+            lp, ent, sps = _fused_log_probs_sp(
+                module,
+                head,
+                batch,
+                temperature,
+                calculate_entropy,
+                entropy_grad,
+                calculate_sum_pi_squared,
+                sp,
+            )
+        else:
+            lp, ent, sps = _fused_log_probs(
+                module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad,
+                calculate_sum_pi_squared,
+            )  # fmt: skip
+        return (lp, ent, sps) if calculate_sum_pi_squared else (lp, ent)
     responses = batch["responses"]
     t = responses.shape[-1]
-    out, packed = _run(module, batch, use_remove_padding)
+    out, packed = _run(module, batch, use_remove_padding, sp=sp)
 
     def ent_fn(x: torch.Tensor) -> torch.Tensor:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -234,18 +336,31 @@ def forward_log_probs(
         logits = out.logits[:, -t - 1 : -1].float() / temperature
         log_probs = logprobs_from_logits(logits, responses)
         entropy = ent_fn(logits) if calculate_entropy else None
+        if calculate_sum_pi_squared:
+            return log_probs, entropy, sum_pi_squared_from_logits(logits)
         return log_probs, entropy
-    logits = out.logits[0].float() / temperature  # (nnz, V)
+    logits = _gathered_logits(out, packed, sp)[0].float() / temperature  # (nnz, V)
     labels = torch.roll(packed.input_ids[0], shifts=-1)  # token t + 1 (garbage at each sequence end)
     log_probs = unpack_sequences(logprobs_from_logits(logits, labels), packed)[:, -t - 1 : -1]
     entropy = None
     if calculate_entropy:
         entropy = unpack_sequences(ent_fn(logits), packed)[:, -t - 1 : -1]
+    if calculate_sum_pi_squared:
+        return (
+            log_probs,
+            entropy,
+            unpack_sequences(sum_pi_squared_from_logits(logits), packed)[:, -t - 1 : -1],
+        )
     return log_probs, entropy
 
 
 def forward_values(
-    module: nn.Module, batch: Any, *, use_remove_padding: bool = False, fused: bool = True
+    module: nn.Module,
+    batch: Any,
+    *,
+    use_remove_padding: bool = False,
+    fused: bool = True,
+    sp: SPGroup | None = None,
 ) -> torch.Tensor:
     """Values of a token-classification critic (num_labels=1) at the response-predicting positions.
 
@@ -254,24 +369,31 @@ def forward_values(
             responses (B, T).
         fused: run the value head only at the response-predicting positions (when the model's
             head can be swapped, see `head_is_swappable`); False: on every position, then slice.
+        sp: this rank's Ulysses group (see `forward_log_probs`).
 
     Returns:
         (B, T) float32: the value of the state before each response token.
     """
     t = batch["responses"].shape[-1]
     head = head_is_swappable(module) if fused else None
+    if head is not None and head.out_features != 1:
+        raise ValueError(
+            f"the critic must output one value per token (num_labels=1), got {head.out_features}"
+        )
+    if head is not None and sp is not None:
+        packed = pack_sequences(batch["input_ids"], batch["attention_mask"])
+        select, place, finish, _ = _sp_selector(batch, packed, t, sp)
+        with _head_replaced(head, lambda h: place(nn.functional.linear(select(h), head.weight, head.bias))):
+            out, _ = _run(module, batch, True, packed, sp)
+        return finish(gather_seq(out.logits, sp, dim=0))[..., 0].float()
     if head is not None:
         packed = pack_sequences(batch["input_ids"], batch["attention_mask"]) if use_remove_padding else None
         select, scatter, _ = _selector(batch, packed, t)
-        if head.out_features != 1:
-            raise ValueError(
-                f"the critic must output one value per token (num_labels=1), got {head.out_features}"
-            )
         with _head_replaced(head, lambda h: nn.functional.linear(select(h), head.weight, head.bias)):
             out, _ = _run(module, batch, use_remove_padding, packed)
         return scatter(out.logits)[..., 0].float()
-    out, packed = _run(module, batch, use_remove_padding)
-    logits = out.logits
+    out, packed = _run(module, batch, use_remove_padding, sp=sp)
+    logits = out.logits if packed is None else _gathered_logits(out, packed, sp)
     if logits.shape[-1] != 1:
         raise ValueError(f"the critic must output one value per token (num_labels=1), got {logits.shape[-1]}")
     if packed is None:

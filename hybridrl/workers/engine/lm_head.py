@@ -18,6 +18,8 @@ H hidden size, V vocabulary.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -35,58 +37,117 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(h, weight, bias).float() / temperature
 
 
+def chunk_stats(z: torch.Tensor, labels: torch.Tensor, with_entropy: bool, with_sps: bool):
+    """Per-row statistics of one chunk of float32 logits z (c, V) and its labels (c,):
+    (log p(label), log-sum-exp, entropy -sum p log p or None, sum p^2 or None), each (c,)."""
+    lse = torch.logsumexp(z, dim=-1)
+    log_probs = z.gather(1, labels[:, None])[:, 0] - lse
+    entropy = sum_pi_sq = None
+    if with_entropy or with_sps:
+        logp_all = z - lse[:, None]
+        if with_entropy:  # -sum p log p (no cancellation for peaked distributions)
+            entropy = -(torch.exp(logp_all) * logp_all).sum(dim=-1)
+        if with_sps:  # sum_v p_v^2 (no gradient: a statistic of the old policy)
+            sum_pi_sq = torch.exp(2 * logp_all).sum(dim=-1)
+    return log_probs, lse, entropy, sum_pi_sq
+
+
+def chunk_grad(z, lse, labels, g_logp, g_ent, entropy, temperature: float) -> torch.Tensor:
+    """d loss / d hidden-logits of one chunk (c, V) float32, from the upstream gradients of the
+    log-probs g_logp (c,) and of the entropy g_ent (c,) (either may be None):
+    d log p(label)/dz = onehot(label) - p;  dH/dz = -p (log p + H); then / temperature."""
+    logp_all = z - lse[:, None]
+    p = torch.exp(logp_all)
+    gz = torch.zeros_like(z)
+    if g_logp is not None:
+        gz = gz - p * g_logp[:, None]
+        gz = gz.scatter_add(1, labels[:, None], g_logp[:, None])
+    if g_ent is not None:
+        gz = gz - p * (logp_all + entropy[:, None]) * g_ent[:, None]
+    return gz / temperature
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _kernels(compiled: bool):
+    """(chunk_stats, chunk_grad), eager or through torch.compile (built once per process; the
+    actor's `use_torch_compile`, as veRL compiles its entropy/log-prob kernels): inductor fuses the
+    exp / sum / gather passes over each (c, V) chunk into one loop."""
+    if not compiled:
+        return chunk_stats, chunk_grad
+    if not _COMPILED:
+        _COMPILED["stats"] = torch.compile(chunk_stats, dynamic=True)
+        _COMPILED["grad"] = torch.compile(chunk_grad, dynamic=True)
+    return _COMPILED["stats"], _COMPILED["grad"]
+
+
 class _ChunkedLinearLogProbs(torch.autograd.Function):
     """Autograd function behind `linear_log_probs` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_rows, with_entropy, entropy_grad):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        labels,
+        temperature,
+        chunk_rows,
+        with_entropy,
+        entropy_grad,
+        with_sps,
+        compiled,
+    ):
         n = hidden.shape[0]
         log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        sum_pi_sq = torch.empty(n if with_sps else 0, dtype=torch.float32, device=hidden.device)
+        chunk_stats, _ = _kernels(compiled)
         for lo in range(0, n, chunk_rows):
             hi = min(n, lo + chunk_rows)
             z = _chunk_logits(hidden[lo:hi], weight, bias, temperature)
-            lse_c = torch.logsumexp(z, dim=-1)
-            lse[lo:hi] = lse_c
-            log_probs[lo:hi] = z.gather(1, labels[lo:hi, None])[:, 0] - lse_c
-            if with_entropy:  # -sum p log p (no cancellation for peaked distributions)
-                logp_all = z - lse_c[:, None]
-                entropy[lo:hi] = -(torch.exp(logp_all) * logp_all).sum(dim=-1)
+            lp_c, lse_c, ent_c, sps_c = chunk_stats(z, labels[lo:hi], with_entropy, with_sps)
+            log_probs[lo:hi], lse[lo:hi] = lp_c, lse_c
+            if with_entropy:
+                entropy[lo:hi] = ent_c
+            if with_sps:
+                sum_pi_sq[lo:hi] = sps_c
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.temperature, ctx.chunk_rows, ctx.compiled = temperature, chunk_rows, compiled
         ctx.entropy_grad = with_entropy and entropy_grad
-        if not ctx.entropy_grad:
-            ctx.mark_non_differentiable(entropy)
+        # one call: a second mark_non_differentiable replaces the first one's set
+        ctx.mark_non_differentiable(sum_pi_sq, *([] if ctx.entropy_grad else [entropy]))
         ctx.set_materialize_grads(False)
-        return log_probs, entropy
+        return log_probs, entropy, sum_pi_sq
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent, _g_sps):
         hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if not ctx.entropy_grad:
             g_ent = None
         if g_logp is None and g_ent is None:
-            return (None,) * 8
+            return (None,) * 10
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         t, n = ctx.temperature, hidden.shape[0]
+        _, chunk_grad = _kernels(ctx.compiled)
         for lo in range(0, n, ctx.chunk_rows):
             hi = min(n, lo + ctx.chunk_rows)
             h = hidden[lo:hi]
             z = _chunk_logits(h, weight, bias, t)
-            logp_all = z - lse[lo:hi, None]
-            p = torch.exp(logp_all)
-            gz = torch.zeros_like(z)
-            if g_logp is not None:  # d log p(label) / dz = onehot(label) - p
-                g = g_logp[lo:hi, None].float()
-                gz = gz - p * g
-                gz.scatter_add_(1, labels[lo:hi, None], g)
-            if g_ent is not None:  # dH / dz = -p * (log p + H)
-                gz = gz - p * (logp_all + entropy[lo:hi, None]) * g_ent[lo:hi, None].float()
-            gz = (gz / t).to(weight.dtype)
+            gz = chunk_grad(
+                z,
+                lse[lo:hi],
+                labels[lo:hi],
+                None if g_logp is None else g_logp[lo:hi].float(),
+                None if g_ent is None else g_ent[lo:hi].float(),
+                entropy[lo:hi] if g_ent is not None else None,
+                t,
+            ).to(weight.dtype)
             if need_h:
                 grad_h[lo:hi] = gz @ weight
             if need_w:
@@ -95,7 +156,7 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
                 grad_b += gz.float().sum(dim=0)
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def linear_log_probs(
@@ -108,7 +169,9 @@ def linear_log_probs(
     calculate_entropy: bool = False,
     entropy_grad: bool = True,
     chunk_rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    calculate_sum_pi_squared: bool = False,
+    compiled: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """log softmax((hidden @ weight.T + bias) / temperature)[labels] (and the entropy), chunked.
 
     Args:
@@ -120,10 +183,15 @@ def linear_log_probs(
         calculate_entropy: also return the entropy of each position's distribution.
         entropy_grad: False returns the entropy without a gradient (a metric, not in the loss).
         chunk_rows: positions per chunk (default: `default_chunk_rows(V)`).
+        calculate_sum_pi_squared: also return sum_v p_v^2 of each position (no gradient; the
+            optimal-token-baseline estimator's statistic), from the same chunk of logits.
+        compiled: run the per-chunk softmax statistics and their backward through torch.compile
+            (the first call compiles: seconds on CPU; needs a C++ compiler there).
 
     Returns:
-        log_probs (N,) float32; entropy (N,) float32 or None. Differentiable w.r.t. hidden,
-        weight and bias; the backward recomputes one chunk of logits at a time.
+        log_probs (N,) float32; entropy (N,) float32 or None; with calculate_sum_pi_squared a
+        third (N,) float32 sum_pi_squared. Differentiable w.r.t. hidden, weight and bias; the
+        backward recomputes one chunk of logits at a time.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
@@ -134,7 +202,17 @@ def linear_log_probs(
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be (N,) = ({hidden.shape[0]},), got {tuple(labels.shape)}")
     rows = chunk_rows or default_chunk_rows(weight.shape[0])
-    log_probs, entropy = _ChunkedLinearLogProbs.apply(
-        hidden, weight, bias, labels.long(), float(temperature), int(rows), calculate_entropy, entropy_grad
+    log_probs, entropy, sum_pi_sq = _ChunkedLinearLogProbs.apply(
+        hidden,
+        weight,
+        bias,
+        labels.long(),
+        float(temperature),
+        int(rows),
+        calculate_entropy,
+        entropy_grad,
+        calculate_sum_pi_squared,
+        bool(compiled),
     )
-    return log_probs, (entropy if calculate_entropy else None)
+    entropy = entropy if calculate_entropy else None
+    return (log_probs, entropy, sum_pi_sq) if calculate_sum_pi_squared else (log_probs, entropy)

@@ -38,6 +38,7 @@ from hybridrl.workers.engine.batching import (
     shuffle_seed,
     split_micro_batches,
 )
+from hybridrl.workers.engine.ulysses import SPGroup
 
 # micro-batch, its response mask (b, T), the mini-batch's LossScale ->
 #   (loss to backpropagate, {metric: value summed over micro-batches}, {metric: token-mean value})
@@ -112,11 +113,12 @@ def forward_without_grad(module: nn.Module, micros: Iterable, forward: Callable[
 class UpdatePerf:
     """`perf/{role}/tokens`, `perf/{role}/update_s` and `perf/mfu/{role}` of one update call.
 
-    The model's parameter count and attention shape are read once, at the first call.
+    The model's parameter count and attention shape are read once, at the first call. With
+    Ulysses SP each of the `sp_size` ranks of a group does 1 / sp_size of its group's FLOPs.
     """
 
-    def __init__(self, role: str, module: nn.Module, peak_flops: float | None) -> None:
-        self.role, self.module, self.peak_flops = role, module, peak_flops
+    def __init__(self, role: str, module: nn.Module, peak_flops: float | None, sp_size: int = 1) -> None:
+        self.role, self.module, self.peak_flops, self.sp_size = role, module, peak_flops, sp_size
         self._dims: tuple[int, int, int] | None = None
 
     def metrics(self, seqlens: list[int], seconds: float) -> dict[str, float]:
@@ -125,7 +127,9 @@ class UpdatePerf:
             self._dims = (count_params(self.module), layers, attn_dim)
         out = {f"perf/{self.role}/tokens": float(sum(seqlens)), f"perf/{self.role}/update_s": seconds}
         mfu = compute_mfu(
-            estimate_flops(self._dims[0], seqlens, self._dims[1], self._dims[2]), seconds, self.peak_flops
+            estimate_flops(self._dims[0], seqlens, self._dims[1], self._dims[2]) / self.sp_size,
+            seconds,
+            self.peak_flops,
         )
         if mfu is not None:
             out[f"perf/mfu/{self.role}"] = mfu
@@ -195,6 +199,9 @@ class MicroBatchedRole:
         use_remove_padding: pack valid tokens into one row.
         dp_group: process group of the data-parallel ranks (default: WORLD when dp_size > 1).
         peak_flops: peak FLOP/s of one device for `perf/mfu/{role}` (None: not reported).
+        sp: this rank's Ulysses group (`engine.ulysses`; the module went through
+            `parallelize_sp`): the ranks of a group get the same rows, dp_size / dp_group then
+            count the groups (world / sp), not the ranks.
     """
 
     role = "role"
@@ -211,8 +218,10 @@ class MicroBatchedRole:
         use_remove_padding: bool = False,
         dp_group: Any = None,
         peak_flops: float | None = None,
+        sp: SPGroup | None = None,
     ) -> None:
         self.config = config
+        self.sp = sp
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -222,7 +231,7 @@ class MicroBatchedRole:
         self.dp_group = default_dp_group(dp_size, dp_group)
         self.peak_flops = peak_flops
         self.device = get_torch_device()
-        self._perf = UpdatePerf(self.role, module, peak_flops)
+        self._perf = UpdatePerf(self.role, module, peak_flops, sp.size if sp is not None else 1)
 
     def split(
         self, batch: Any, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int | None, key: str

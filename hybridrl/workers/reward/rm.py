@@ -37,7 +37,7 @@ def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     return out * (response_mask.sum(-1, keepdim=True) > 0)
 
 
-def _retemplate(
+def retemplate(
     data: DataProto, policy_tok: Any, rm_tok: Any, max_length: int | None
 ) -> dict[str, torch.Tensor]:
     """Decode with the policy tokenizer, re-apply the RM's chat template, re-tokenise (right-padded)."""
@@ -78,6 +78,35 @@ def _retemplate(
     }
 
 
+def rm_inputs(
+    data: DataProto, policy_tok: Any, rm_tok: Any, max_length: int | None
+) -> dict[str, torch.Tensor]:
+    """What the reward model reads, (B, S') tensors: the batch's own input_ids / attention_mask /
+    position_ids, or (policy_tok given: the tokenizers differ) the re-templated text."""
+    if policy_tok is None:
+        return {k: data.batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    if rm_tok is None:
+        raise ValueError("reward_model.model.path has no tokenizer; re-templating needs one")
+    return retemplate(data, policy_tok, rm_tok, max_length)
+
+
+def token_lists(inputs: dict[str, torch.Tensor]) -> list[list[int]]:
+    """(B, S') input_ids / attention_mask -> the B valid token-id sequences."""
+    ids, mask = inputs["input_ids"], inputs["attention_mask"].bool()
+    return [ids[i][mask[i]].tolist() for i in range(len(ids))]
+
+
+def right_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Token-id sequences -> right-padded input_ids / attention_mask / position_ids (B, max len)."""
+    width = max((len(x) for x in seqs), default=0)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        mask[i, : len(x)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+
+
 def compute_rm_scores(
     engine: Any, config: RewardModelConfig, data: DataProto, policy_tokenizer: Any
 ) -> torch.Tensor:
@@ -87,12 +116,7 @@ def compute_rm_scores(
     from hybridrl.utils.device import get_torch_device
     from hybridrl.workers.engine.forward import forward_scores
 
-    if policy_tokenizer is not None:
-        if engine.tokenizer is None:
-            raise ValueError("reward_model.model.path has no tokenizer; re-templating needs one")
-        tensors = _retemplate(data, policy_tokenizer, engine.tokenizer, config.max_length)
-    else:
-        tensors = {k: data.batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    tensors = rm_inputs(data, policy_tokenizer, engine.tokenizer, config.max_length)
     batch = TensorDict(tensors, batch_size=[len(data)]).to(get_torch_device())
     micro = config.micro_batch_size_per_gpu or len(data)
     engine.module.eval()

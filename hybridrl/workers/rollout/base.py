@@ -294,6 +294,25 @@ def build_rollout_output(
     return DataProto.from_dict(tensors, dict(prompts.non_tensor_batch), meta)
 
 
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+class SleepTracker:
+    """Which parts of a sleeping engine's memory are still released (vLLM / SGLang tags)."""
+
+    def __init__(self) -> None:
+        self.released: set[str] = set()
+
+    def release(self) -> None:
+        self.released = set(MEMORY_TAGS)
+
+    def wake(self, tags: list[str] | None) -> list[str]:
+        """The tags of `tags` (None: all) still released, now marked awake (in MEMORY_TAGS order)."""
+        want = set(MEMORY_TAGS if tags is None else tags) & self.released
+        self.released -= want
+        return [t for t in MEMORY_TAGS if t in want]
+
+
 def truncate_at_eos(tokens: list[int], eos_token_ids: Iterable[int]) -> list[int]:
     """`tokens` up to and including the first EOS."""
     eos = set(eos_token_ids)

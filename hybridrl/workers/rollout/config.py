@@ -32,6 +32,7 @@ Notes on a few keys:
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,42 @@ CHECKPOINT_ENGINE_BACKENDS = ("naive",)
 
 
 @dataclass
+class ServerConfig:
+    """`actor_rollout_ref.rollout.server`: limits of the request-level path of
+    `sglang_rollout_mode=server` (hybridrl: the batching queue in front of the in-process engine).
+
+    timeout: seconds one generation request may wait + run before it is retried; max_attempts:
+    tries per request (then the step fails, naming the keys); retry_delay: seconds between tries;
+    max_connections: requests in flight at once. max_start_wait_time (waiting for a separate
+    server process to come up) has no counterpart: the engine starts in-process; refused if changed.
+    """
+
+    timeout: float = 60.0
+    max_attempts: int = 3
+    retry_delay: float = 2.0
+    max_connections: int = 1000
+    max_start_wait_time: float = 300.0
+
+
+@dataclass
+class TraceConfig:
+    """`actor_rollout_ref.rollout.trace`: trace agent-loop trajectories (backend: mlflow | null;
+    weave is refused), with decoded text when token2text (hybridrl.workers.agent.trace)."""
+
+    backend: str | None = None
+    token2text: bool = False
+    max_samples_per_step_per_worker: int | None = None
+    # hybridrl: the MLflow experiment and the experiment_name tag (the yaml links them to
+    # trainer.project_name / trainer.experiment_name, as veRL does).
+    project_name: str | None = None
+    experiment_name: str | None = None
+
+
+SGLANG_ROLLOUT_MODES = ("engine", "server")
+TRACE_BACKENDS = (None, "mlflow")
+
+
+@dataclass
 class RolloutConfig:
     """`actor_rollout_ref.rollout`: which engine generates, and how."""
 
@@ -120,6 +157,11 @@ class RolloutConfig:
     layered_summon: bool = False  # weight-sync buckets end at decoder-layer boundaries
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    over_sample_rate: float = 0.0
+    multi_stage_wake_up: bool = False
+    sglang_rollout_mode: str = "engine"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
     def __post_init__(self) -> None:
         # Plain dicts (e.g. from a Python caller) become the typed sections.
@@ -136,6 +178,10 @@ class RolloutConfig:
             self.multi_turn = MultiTurnConfig(**self.multi_turn)
         if isinstance(self.agent, dict):
             self.agent = AgentConfig(**self.agent)
+        if isinstance(self.server, dict):
+            self.server = ServerConfig(**self.server)
+        if isinstance(self.trace, dict):
+            self.trace = TraceConfig(**self.trace)
         validate_rollout_config(self)
 
     @property
@@ -227,3 +273,67 @@ def validate_rollout_config(cfg: RolloutConfig) -> None:
     _check(v.n >= 1, "val_kwargs.n", v.n, "use n >= 1")
     validate_multi_turn_config(cfg.multi_turn)
     validate_agent_config(cfg.agent)
+    validate_request_options(cfg)
+
+
+def validate_request_options(cfg: RolloutConfig) -> None:
+    """over_sample_rate, sglang_rollout_mode / server.*, trace.*: values, and that they act here."""
+    _check(
+        0 <= cfg.over_sample_rate < 1, "over_sample_rate", cfg.over_sample_rate, "use a fraction in [0, 1)"
+    )
+    agent_path = (
+        cfg.mode == "async"
+        or cfg.sglang_rollout_mode == "server"
+        or cfg.multi_turn.enable
+        or cfg.agent.default_agent_loop != "single_turn_agent"
+        or bool(cfg.agent.agent_loop_config_path)
+    )
+    _check(
+        cfg.over_sample_rate == 0 or agent_path,
+        "over_sample_rate",
+        cfg.over_sample_rate,
+        "it aborts the slowest trajectories of the agent loops; enable them (multi_turn.enable=true or "
+        "rollout.mode=async) or set it to 0",
+    )
+    _check(
+        cfg.sglang_rollout_mode in SGLANG_ROLLOUT_MODES,
+        "sglang_rollout_mode",
+        cfg.sglang_rollout_mode,
+        f"use one of {SGLANG_ROLLOUT_MODES}",
+    )
+    sv = cfg.server
+    _check(sv.timeout > 0, "server.timeout", sv.timeout, "use seconds > 0")
+    _check(sv.max_attempts >= 1, "server.max_attempts", sv.max_attempts, "use >= 1")
+    _check(sv.retry_delay >= 0, "server.retry_delay", sv.retry_delay, "use seconds >= 0")
+    _check(sv.max_connections >= 1, "server.max_connections", sv.max_connections, "use >= 1")
+    _check(
+        sv.max_start_wait_time == 300.0,
+        "server.max_start_wait_time",
+        sv.max_start_wait_time,
+        "hybridrl's engines start in-process (no server process to wait for); leave it at 300",
+    )
+    tr = cfg.trace
+    _check(
+        tr.backend is None or agent_path,
+        "trace.backend",
+        tr.backend,
+        "it traces agent-loop trajectories; enable them (multi_turn.enable=true or rollout.mode=async)",
+    )
+    _check(
+        tr.backend != "mlflow" or importlib.util.find_spec("mlflow") is not None,
+        "trace.backend",
+        tr.backend,
+        "the 'mlflow-skinny' (or 'mlflow') package is not installed: pip install mlflow-skinny",
+    )
+    _check(
+        tr.backend in TRACE_BACKENDS,
+        "trace.backend",
+        tr.backend,
+        "use mlflow or null (weave is not supported here)",
+    )
+    _check(
+        tr.max_samples_per_step_per_worker is None or tr.max_samples_per_step_per_worker >= 0,
+        "trace.max_samples_per_step_per_worker",
+        tr.max_samples_per_step_per_worker,
+        "use a count >= 0 or null (all)",
+    )

@@ -44,8 +44,13 @@ def rollout_mesh(world_size: int, tp: int) -> MeshLayout:
     return MeshLayout.create(world_size, {"dp": -1, "tp": tp})
 
 
-def training_mesh(world_size: int, fsdp_size: int = -1) -> MeshLayout:
-    """The FSDP engine's mesh: every rank is data-parallel (replicate ``ddp`` x shard ``fsdp``)."""
+def training_mesh(world_size: int, fsdp_size: int = -1, sp: int = 1) -> MeshLayout:
+    """The FSDP engine's dispatch mesh: every rank is data-parallel (replicate ``ddp`` x shard
+    ``fsdp``); with Ulysses SP (sp > 1) ``{"dp": world / sp, "sp": sp}``, sp innermost: the sp
+    ranks of a group get the same rows and its sp rank 0 returns them (the parameters are still
+    sharded over every rank, see engine/ulysses.py)."""
+    if sp > 1:
+        return MeshLayout.create(world_size, {"dp": -1, "sp": sp})
     shard = world_size if fsdp_size <= 0 or fsdp_size >= world_size else fsdp_size
     return MeshLayout.create(world_size, {"ddp": -1, "fsdp": shard}, dp_dims=("ddp", "fsdp"))
 
@@ -162,7 +167,9 @@ def weight_loader_for(load_format: str, strategy: str = "fsdp") -> str:
     return "hf" if load_format in ("dummy_hf", "hf") else "dtensor"
 
 
-def _heads_of(model_path: str | None, trust_remote_code: bool) -> tuple[int | None, int | None]:
+def heads_of_model_path(
+    model_path: str | None, trust_remote_code: bool = False
+) -> tuple[int | None, int | None]:
     """Heads from the model's config when it can be read here (a local folder or a cached hub id)."""
     from hybridrl.models.builtin import resolve_model_path
 
@@ -192,6 +199,6 @@ def check_rollout_parallel_config(
     Raises:
         ValueError: from :func:`validate_rollout_parallel` or :func:`weight_loader_for`.
     """
-    heads, kv_heads = _heads_of(model_path, trust_remote_code) if tp > 1 else (None, None)
+    heads, kv_heads = heads_of_model_path(model_path, trust_remote_code) if tp > 1 else (None, None)
     validate_rollout_parallel(tp, world_size, engine, heads, kv_heads)
     weight_loader_for(load_format, strategy)

@@ -36,6 +36,7 @@ from hybridrl.workers.rollout.base import (
     BaseRollout,
     GenerationRequest,
     GenerationResult,
+    SleepTracker,
     register_rollout,
 )
 from hybridrl.workers.rollout.config import RolloutConfig
@@ -93,7 +94,7 @@ class SGLangRollout(BaseRollout):
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._name_map = get_weight_name_map("sglang")
         self._memory_saver = bool(config.free_cache_engine)
-        self._asleep = False
+        self._sleep = SleepTracker()
         self._seeded = _supports_sampling_seed()
         tp = config.tensor_model_parallel_size
         self.owns_engine = _global_rank() % tp == 0
@@ -166,15 +167,16 @@ class SGLangRollout(BaseRollout):
         self.engine.flush_cache()
 
     def release_memory(self) -> None:
-        if self.engine is not None and self._memory_saver and not self._asleep:
+        if self.engine is not None and self._memory_saver and not self._sleep.released:
             self.engine.release_memory_occupation()
-            self._asleep = True
+            self._sleep.release()
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        if self.engine is not None and self._memory_saver and self._asleep:
-            self.engine.resume_memory_occupation(tags=tags)
-            if tags is None or set(tags) >= {"weights", "kv_cache"}:
-                self._asleep = False
+        """Wake all, or only `tags` ("weights", "kv_cache": veRL's multi_stage_wake_up order)."""
+        if self.engine is not None and self._memory_saver:
+            todo = self._sleep.wake(tags)
+            if todo:
+                self.engine.resume_memory_occupation(tags=todo)
 
     def shutdown(self) -> None:
         engine = getattr(self, "engine", None)

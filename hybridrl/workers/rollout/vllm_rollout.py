@@ -61,6 +61,7 @@ from hybridrl.workers.rollout.base import (
     BaseRollout,
     GenerationRequest,
     GenerationResult,
+    SleepTracker,
     register_rollout,
 )
 from hybridrl.workers.rollout.config import RolloutConfig
@@ -220,7 +221,7 @@ class VLLMRollout(BaseRollout):
         self._name_map = get_weight_name_map("vllm")
         self._owns_default_group = not (dist.is_available() and dist.is_initialized())
         self._sleep_enabled = bool(config.free_cache_engine and current_platform.is_sleep_mode_available())
-        self._asleep = False
+        self._sleep = SleepTracker()
 
         kwargs: dict[str, Any] = {
             "model": model_path,
@@ -322,17 +323,18 @@ class VLLMRollout(BaseRollout):
     # ---- memory -------------------------------------------------------------------------------
     def release_memory(self) -> None:
         """Offload weights and drop the KV cache (GPU sleep level 1); a no-op on CPU."""
-        if self._sleep_enabled and not self._asleep:
+        if self._sleep_enabled and not self._sleep.released:
             self.llm.reset_prefix_cache()
             self.llm.sleep(level=1)
-            self._asleep = True
+            self._sleep.release()
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        """Wake what release_memory freed (all, or only `tags` such as ["weights"])."""
-        if self._sleep_enabled and self._asleep:
-            self.llm.wake_up(tags=tags)
-            if tags is None or set(tags) >= {"weights", "kv_cache"}:
-                self._asleep = False
+        """Wake what release_memory freed (all, or only `tags`: "weights", "kv_cache"; the
+        multi-stage wake-up wakes the weights, syncs them, then wakes the KV cache)."""
+        if self._sleep_enabled:
+            todo = self._sleep.wake(tags)
+            if todo:
+                self.llm.wake_up(tags=todo)
 
     def shutdown(self) -> None:
         """Shut the engine core down; keeps the caller's default process group alive."""

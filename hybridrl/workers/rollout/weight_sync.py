@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["iter_buckets", "layer_of", "per_rank_sync_metrics", "sync_weights", "tensor_nbytes"]
+__all__ = [
+    "iter_buckets",
+    "layer_of",
+    "per_rank_sync_metrics",
+    "sync_weights",
+    "tensor_nbytes",
+    "wake_and_sync",
+]
 
 _LAYER = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
 
@@ -146,3 +153,20 @@ def weight_sync_step_metrics(rollout_metrics: dict[str, Any]) -> dict[str, float
             values = value if isinstance(value, (list, tuple)) else [value]
             out[key] = float(max(values))
     return out
+
+
+def wake_and_sync(rollout: Any, sync: Callable[[], dict], multi_stage: bool) -> dict:
+    """Wake a sleeping engine and load the new weights; returns `sync()`'s metrics.
+
+    veRL's `rollout.multi_stage_wake_up`: True wakes the weights only, syncs them, then wakes the
+    KV cache, so the training side's gathered buckets and the KV cache are never resident at the
+    same time (lower peak memory); False wakes everything, then syncs. Engines without sleep
+    mode (HF; vLLM on CPU) make the wake-ups no-ops: the order is the same, the memory is not.
+    """
+    if not multi_stage:
+        rollout.resume_memory()
+        return sync()
+    rollout.resume_memory(tags=["weights"])
+    metrics = sync()
+    rollout.resume_memory(tags=["kv_cache"])
+    return metrics

@@ -395,3 +395,110 @@ def test_rollout_log_probs_of_a_3_turn_trajectory_equal_the_fsdp_recompute(
     mask = out.batch["response_mask"].bool()
     assert int(mask.sum()) > 20
     torch.testing.assert_close(out.batch["rollout_log_probs"][mask], recomputed[mask], atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------- interactions (a simulated user)
+VERL_INTERACTION_YAML = """\
+interaction:
+  - name: "gsm8k"
+    class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
+    config: {}
+"""
+# the built-in model's context is 256 characters: short texts for the user turns
+SHORT_INTERACTION_YAML = VERL_INTERACTION_YAML.replace(
+    "config: {}", "config: {correct_response: 'ok', incorrect_response: 'no, again'}"
+)
+
+
+def interaction_prompts(tokenizer, questions, ground_truths):
+    data = prompts(tokenizer, questions)
+    data.non_tensor_batch["extra_info"] = np.array(
+        [{"interaction_kwargs": {"name": "gsm8k", "ground_truth": g}} for g in ground_truths], dtype=object
+    )
+    data.meta_info["greedy"] = True
+    return data
+
+
+def test_interaction_user_turns_are_masked_scored_and_limited(hf_engine, tokenizer, tmp_path):
+    """veRL's gsm8k interaction (short texts): a wrong answer gets "try again" user turns (mask 0,
+    score 0) until max_user_turns; a right one gets "correct" and ends the trajectory."""
+    path = tmp_path / "gsm8k_interaction_config.yaml"
+    path.write_text(SHORT_INTERACTION_YAML)
+    runner = make_runner(
+        hf_engine,
+        tokenizer,
+        [],
+        response_length=96,
+        interaction_config_path=str(path),
+        max_user_turns=2,
+        tokenization_sanity_check_mode="ignore_strippable",
+    )
+    out = runner.generate_sequences(interaction_prompts(tokenizer, ["12+34=", "20+30="], ["-1", "-1"]))
+    b, nt = out.batch, out.non_tensor_batch
+    T = b["responses"].shape[1]
+    again = "<|user|>no, again<|assistant|>"
+    first_answers = []
+    for i in range(2):
+        assert nt["agent_truncated"][i] == 0
+        assert nt["num_turns"][i] == 6  # prompt, 3 assistant turns, 2 user turns (max_user_turns=2)
+        assert nt["turn_scores"][i] == [0.0, 0.0]
+        valid = int(b["attention_mask"][i, -T:].sum())
+        ids, mask = b["responses"][i, :valid].tolist(), b["response_mask"][i, :valid].tolist()
+        runs = spans(mask)
+        assert [f for _, _, f in runs] == [1, 0, 1, 0, 1]
+        assert all(
+            tokenizer.decode(ids[s:e]).replace(" ", "") == again.replace(" ", "")
+            for s, e, f in runs
+            if f == 0
+        )
+        first_answers.append(tokenizer.decode(ids[runs[0][0] : runs[0][1]], skip_special_tokens=True))
+    assert out.meta_info["metrics"]["agent/interaction_turns/mean"] == 2.0
+
+    # the model's own first answers as ground truth: one "correct" user turn, then the end
+    truths = [a.split("####")[-1].strip() for a in first_answers]
+    out = runner.generate_sequences(interaction_prompts(tokenizer, ["12+34=", "20+30="], truths))
+    for i in range(2):
+        assert out.non_tensor_batch["turn_scores"][i] == [1.0], (first_answers, truths)
+        assert out.non_tensor_batch["num_turns"][i] == 3
+        valid = int(out.batch["attention_mask"][i, -T:].sum())
+        ids = out.batch["responses"][i, :valid].tolist()
+        s, e, flag = spans(out.batch["response_mask"][i, :valid].tolist())[-1]
+        assert flag == 0 and tokenizer.decode(ids[s:e]).replace(" ", "") == "<|user|>ok<|assistant|>"
+
+    bad = prompts(tokenizer, ["12+34="])
+    with pytest.raises(ValueError, match="interaction_kwargs with a 'name'"):
+        runner.generate_sequences(bad)
+
+
+def test_interaction_yaml_errors_name_the_cause(tmp_path):
+    from hybridrl.workers.agent.interaction import Gsm8kInteraction, load_interactions
+
+    path = tmp_path / "i.yaml"
+    path.write_text("interaction:\n  - class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction\n")
+    ((name, inter),) = load_interactions(str(path)).items()
+    assert name == "gsm8k" and isinstance(inter, Gsm8kInteraction)  # veRL's default name
+
+    async def turns():
+        iid = await inter.start_interaction("r0", name="gsm8k", ground_truth="72")
+        wrong = await inter.generate_response(
+            iid, [{"role": "assistant", "content": "#### 71"}], name="gsm8k"
+        )
+        right = await inter.generate_response(iid, [{"role": "assistant", "content": "so #### 72"}])
+        await inter.finalize_interaction(iid)
+        return wrong, right
+
+    wrong, right = asyncio.run(turns())
+    assert wrong == (False, Gsm8kInteraction.INCORRECT, 0.0, {}) and "try again" in wrong[1]
+    assert right == (True, "Your response is correct!", 1.0, {})
+    path.write_text(
+        VERL_INTERACTION_YAML
+        + '  - name: "gsm8k"\n    class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"\n'
+    )
+    with pytest.raises(ValueError, match="duplicate interaction name 'gsm8k'"):
+        load_interactions(str(path))
+    path.write_text("interaction:\n  - class_name: hybridrl.workers.agent.tool.BaseTool\n")
+    with pytest.raises(TypeError, match="not a hybridrl BaseInteraction"):
+        load_interactions(str(path))
+    path.write_text("tools: []\n")
+    with pytest.raises(ValueError, match="top-level `interaction:` list"):
+        load_interactions(str(path))

@@ -102,8 +102,14 @@ def test_build_errors(tmp_path, model_dir):
         build_hf_model(ModelConfig(path=model_dir, override_config={"not_an_attr": 1}))
     with pytest.raises(ImportError, match="external_lib='no_such_module_xyz'"):
         build_hf_model(ModelConfig(path=model_dir, external_lib="no_such_module_xyz"))
-    with pytest.raises(ValueError, match="use_fused_kernels=True is not implemented"):
-        build_hf_model(ModelConfig(path=model_dir, use_fused_kernels=True))
+    with pytest.raises(
+        ValueError, match="use_liger=True is not implemented"
+    ):  # use_fused_kernels is honoured
+        build_hf_model(ModelConfig(path=model_dir, use_liger=True))
+    triton = ModelConfig(path=model_dir, use_fused_kernels=True)
+    triton.fused_kernel_options.impl_backend = "triton"
+    with pytest.raises(ValueError, match="impl_backend='triton'"):
+        build_hf_model(triton)
     with pytest.raises(
         FileNotFoundError, match="holds no tokenizer files; set actor_rollout_ref.model.tokenizer_path"
     ):

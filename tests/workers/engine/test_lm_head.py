@@ -207,3 +207,69 @@ def _fsdp_fused_vs_plain(rank, world, model_dir, param_dtype):
 @pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
 def test_fused_matches_plain_under_fsdp_two_ranks(tmp_path, model_dir, param_dtype):
     spawn(_fsdp_fused_vs_plain, 2, tmp_path, model_dir, param_dtype)
+
+
+@pytest.mark.parametrize("chunk_rows", [5, 1000])
+def test_linear_log_probs_sum_pi_squared(chunk_rows):
+    hidden, weight, bias, labels, _, _ = _leaves(2)
+    lp, ent, sps = linear_log_probs(
+        hidden, weight, labels, bias=bias, temperature=0.7, calculate_entropy=True,
+        calculate_sum_pi_squared=True, chunk_rows=chunk_rows,
+    )  # fmt: skip
+    logits = (hidden @ weight.T + bias) / 0.7
+    torch.testing.assert_close(sps, torch.softmax(logits, -1).square().sum(-1).detach(), **TOL)
+    lp_p, ent_p = _plain(hidden, weight, bias, labels, 0.7)
+    torch.testing.assert_close(lp, lp_p, **TOL)
+    torch.testing.assert_close(ent, ent_p, **TOL)
+    assert not sps.requires_grad
+    lp.sum().backward()  # the extra output leaves the log-prob gradient path intact
+    assert hidden.grad is not None
+
+
+@pytest.mark.parametrize("rmpad", [False, True])
+def test_forward_sum_pi_squared_fused_equals_plain(model_dir, rmpad):
+    model = build_hf_model(ModelConfig(path=model_dir))
+    batch = _td(make_batch(6, seed=5))
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        out_f = forward.forward_log_probs(
+            model, batch, temperature=0.7, use_remove_padding=rmpad, calculate_sum_pi_squared=True
+        )
+        out_p = forward.forward_log_probs(
+            model,
+            batch,
+            temperature=0.7,
+            use_remove_padding=rmpad,
+            calculate_sum_pi_squared=True,
+            fused=False,
+        )
+        lp_only, _ = forward.forward_log_probs(model, batch, temperature=0.7, use_remove_padding=rmpad)
+    assert len(out_f) == len(out_p) == 3 and out_f[1] is None
+    torch.testing.assert_close(out_f[2][mask], out_p[2][mask], **TOL)
+    torch.testing.assert_close(out_f[0][mask], lp_only[mask], **TOL)
+    assert ((out_f[2][mask] > 0) & (out_f[2][mask] <= 1)).all()
+
+
+def test_compiled_kernels_equal_eager():
+    """use_torch_compile: the chunk statistics and their backward through torch.compile give the
+    eager results (log-probs, entropy, gradients; 1e-5: inductor reorders the reductions)."""
+    from hybridrl.workers.engine import lm_head
+
+    hidden, weight, bias, labels, w_lp, w_ent = _leaves(3, n=41, v=300)
+    out = {}
+    for compiled in (False, True):
+        lp, ent = linear_log_probs(
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            temperature=0.7,
+            calculate_entropy=True,
+            chunk_rows=16,
+            compiled=compiled,
+        )
+        grads = torch.autograd.grad((lp * w_lp).sum() + (ent * w_ent).sum(), (hidden, weight, bias))
+        out[compiled] = (lp, ent, *grads)
+    assert lm_head._COMPILED, "the compiled kernels were not built"
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

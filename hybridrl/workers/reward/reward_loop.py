@@ -1,0 +1,215 @@
+"""veRL's reward loop (`reward_model.use_reward_loop=True`), colocate mode.
+
+After the rollout the driver's `RewardLoopManager.compute_rm_score(batch)` splits the batch into
+`reward_model.num_workers` contiguous chunks, one per `RewardLoopWorker` (a Ray actor; in the
+driver with `trainer.backend=local`), and the workers score their chunks concurrently:
+
+* `reward_model.enable=True` (a discriminative reward model): each row's RM input is built exactly
+  as the legacy RewardModelWorker builds it (`rm.rm_inputs`: the batch's own tokens, or the text
+  re-templated with the RM's chat template when the policy tokenizer differs), and the token ids
+  go to a `RewardModelServer` replica (Ray actor, `reward_model.rollout.*`: vLLM's pooling
+  runner or the HF forward; one replica per `rollout.tensor_model_parallel_size` slots, workers
+  round-robin over them).
+* otherwise the rule-based reward manager of the run (`reward_model.reward_manager`,
+  `custom_reward_function`) scores the chunk, as the driver's reward function would.
+
+The result is `rm_scores` (B, T), each row's score on its last valid response token (plus the
+reward manager's per-row extras): the reward manager then returns these scores as they are, so
+the token-level scores equal the legacy path's (tests/reward/test_reward_loop.py).
+Not here: veRL's standalone mode (`enable_resource_pool`), GenRM through an HTTP router (a custom
+reward function beside the reward model is refused at start-up), sleep/wake of the served model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+import torch
+
+from hybridrl.protocol import DataProto
+from hybridrl.workers.config import ModelConfig, RewardModelConfig
+from hybridrl.workers.reward.rm import place_on_last_token, rm_inputs, token_lists
+from hybridrl.workers.reward.rm_server import RewardModelServer
+
+
+def policy_tokenizer_source(config: RewardModelConfig, policy_tokenizer_path: str | None) -> str | None:
+    """The tokenizer responses are decoded with before re-templating, or None when it is the RM's own
+    (then the batch's token ids are scored directly): the legacy RewardModelWorker's rule."""
+    src = config.model.input_tokenizer or policy_tokenizer_path
+    if src and os.path.abspath(str(src)) != os.path.abspath(str(config.model.path)):
+        return str(src)
+    return None
+
+
+def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous [lo, hi) ranges covering range(n), sizes differing by at most one (some may be empty)."""
+    base, extra = divmod(n, parts)
+    bounds, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def _call(server: Any, seqs: list[list[int]]) -> list[float]:
+    if isinstance(server, RewardModelServer):
+        return server.score(seqs)
+    import ray
+
+    return ray.get(server.score.remote(seqs))
+
+
+_ACTOR_IDS = itertools.count()
+
+
+class RewardLoopWorker:
+    """Scores one chunk of a batch (the body of a Ray actor).
+
+    Args:
+        config: `reward_model`.
+        policy_tokenizer_path: the policy's tokenizer (`actor_rollout_ref.model.path`).
+        reward_fn: the rule-based reward manager (used when the reward model is off).
+        server: a RewardModelServer replica (an actor handle, or the object itself); None without RM.
+        num_threads: torch threads of this process.
+    """
+
+    def __init__(
+        self,
+        config: RewardModelConfig,
+        policy_tokenizer_path: str | None,
+        reward_fn: Any,
+        server: Any = None,
+        num_threads: int | None = None,
+    ) -> None:
+        from hybridrl.workers.engine.fsdp import load_tokenizer
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.config, self.reward_fn, self.server = config, reward_fn, server
+        self.policy_tok = self.rm_tok = None
+        if config.enable:
+            m = config.model
+            self.rm_tok = load_tokenizer(
+                ModelConfig(path=m.path, trust_remote_code=m.trust_remote_code), key="reward_model.model"
+            )
+            src = policy_tokenizer_source(config, policy_tokenizer_path)
+            if src:
+                self.policy_tok = load_tokenizer(
+                    ModelConfig(path=src), key="reward_model.model.input_tokenizer"
+                )
+
+    def compute_scores(self, data: DataProto) -> dict[str, Any]:
+        """{"reward_tensor": (b, T) float32, "reward_extra_info": dict of lists} for this chunk."""
+        if len(data) == 0:
+            return {"reward_tensor": torch.zeros(data.batch["responses"].shape), "reward_extra_info": {}}
+        if self.server is None:
+            return self.reward_fn(data, return_dict=True)
+        seqs = token_lists(rm_inputs(data, self.policy_tok, self.rm_tok, self.config.max_length))
+        scores = torch.tensor(_call(self.server, seqs), dtype=torch.float32)
+        return {
+            "reward_tensor": place_on_last_token(scores, data.batch["response_mask"]),
+            "reward_extra_info": {},
+        }
+
+
+def merge_extras(parts: list[dict[str, list]], sizes: list[int]) -> dict[str, list]:
+    """Per-chunk extras (lists aligned with each chunk) -> lists aligned with the whole batch (None where a
+    chunk lacks a key)."""
+    keys: dict[str, None] = {}
+    for p in parts:
+        keys.update(dict.fromkeys(p))
+    return {k: [v for p, n in zip(parts, sizes) for v in p.get(k, [None] * n)] for k in keys}
+
+
+class RewardLoopManager:
+    """The driver's side of the reward loop: starts the RM replicas and the workers, scores batches.
+
+    Args:
+        config: `reward_model` (use_reward_loop, num_workers, rollout.*, enable, model.*).
+        policy_tokenizer_path: `actor_rollout_ref.model.path`.
+        reward_fn: the run's rule-based reward manager (scored by the workers when the RM is off).
+        slots: trainer.nnodes * trainer.n_gpus_per_node (colocate mode: the RM replicas share them).
+        use_ray: Ray actors (True), or the workers and the replica as objects in this process.
+        num_threads: torch threads of each worker / replica process.
+    """
+
+    def __init__(
+        self,
+        config: RewardModelConfig,
+        policy_tokenizer_path: str | None,
+        reward_fn: Any,
+        *,
+        slots: int = 1,
+        use_ray: bool = True,
+        num_threads: int | None = None,
+    ) -> None:
+        if config.num_workers < 1:
+            raise ValueError(f"reward_model.num_workers must be >= 1, got {config.num_workers}")
+        self.use_ray = use_ray
+        self.servers = self._start_servers(config, slots, num_threads) if config.enable else []
+        self.workers = []
+        for i in range(config.num_workers):
+            server = self.servers[i % len(self.servers)] if self.servers else None
+            args = (config, policy_tokenizer_path, reward_fn, server, num_threads)
+            self.workers.append(self._actor(RewardLoopWorker, f"reward_loop_worker_{i}", args))
+
+    def _actor(self, cls: type, name: str, args: tuple) -> Any:
+        if not self.use_ray:
+            return cls(*args)
+        import ray
+
+        # Colocate mode: these processes share the training slots' resources (num_cpus=0).
+        unique = f"hybridrl_{name}_{os.getpid()}_{next(_ACTOR_IDS)}"
+        return ray.remote(cls).options(num_cpus=0, name=unique).remote(*args)
+
+    def _start_servers(self, config: RewardModelConfig, slots: int, num_threads: int | None) -> list[Any]:
+        tp = config.rollout.tensor_model_parallel_size
+        if tp < 1 or slots % tp:
+            raise ValueError(
+                f"reward_model.rollout.tensor_model_parallel_size={tp} must divide the {slots} slots "
+                "(trainer.nnodes * trainer.n_gpus_per_node)"
+            )
+        m = config.model
+        args = (m.path, config.rollout, m.trust_remote_code, config.micro_batch_size_per_gpu, num_threads)
+        servers = [
+            self._actor(RewardModelServer, f"reward_model_server_{i}", args) for i in range(slots // tp)
+        ]
+        if self.use_ray:  # surface a start-up error here, not at the first batch
+            import ray
+
+            try:
+                ray.get([s.score.remote([]) for s in servers])
+            except Exception:
+                for server in servers:
+                    ray.kill(server)
+                raise
+        return servers
+
+    def compute_rm_score(self, batch: DataProto) -> tuple[DataProto, dict[str, list]]:
+        """rm_scores (B, T) of `batch` (and the reward manager's extras, lists of len B)."""
+        bounds = [b for b in chunk_bounds(len(batch), len(self.workers)) if b[1] > b[0]]
+        chunks = [batch.slice(lo, hi) for lo, hi in bounds]
+        workers = self.workers[: len(chunks)]
+        if self.use_ray:
+            import ray
+
+            outs = ray.get([w.compute_scores.remote(c) for w, c in zip(workers, chunks)])
+        else:
+            outs = [w.compute_scores(c) for w, c in zip(workers, chunks)]
+        if not outs:
+            return DataProto.from_dict({"rm_scores": torch.zeros(batch.batch["responses"].shape)}), {}
+        scores = torch.cat([o["reward_tensor"].float() for o in outs])
+        extras = merge_extras([o.get("reward_extra_info", {}) for o in outs], [len(c) for c in chunks])
+        return DataProto.from_dict({"rm_scores": scores}), extras
+
+    def shutdown(self) -> None:
+        if not self.use_ray:
+            return
+        import ray
+
+        for actor in self.workers + self.servers:
+            ray.kill(actor)
+        self.workers, self.servers = [], []

@@ -1,0 +1,107 @@
+"""Profiler keys that act: continuous steps, discrete sessions, nsys / npu start-up errors on CPU.
+
+The worker is a real StepProfiling worker in this process (local backend) and the torch sessions
+are real torch.profiler traces; nsys and npu cannot run here (no CUDA, no torch_npu): their config
+stage passes and their sessions fail at worker start with a message naming the tool.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hybridrl.single_controller.base import Worker, register
+from hybridrl.single_controller.dispatch import Dispatch
+from hybridrl.single_controller.local import LocalWorkerGroup
+from hybridrl.single_controller.ray.base import RayClassWithInitArgs
+from hybridrl.trainer.ppo.config import PPOConfig
+from hybridrl.trainer.ppo.profiling import DiscreteGroup, StepProfilerDriver, session_bounds
+from hybridrl.trainer.ppo.workers import WorkerGroups, apply_nsight
+from hybridrl.utils.profiler import ProfilerConfig, ProfileRequest, StepProfiler, check_profiler
+from hybridrl.utils.profiler_tools import npu_options, nsys_options
+from hybridrl.workers.profiling import StepProfiling
+
+
+class ProfWorker(StepProfiling, Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def work(self) -> float:
+        return float((torch.randn(32, 32) @ torch.randn(32, 32)).sum())
+
+
+@pytest.fixture
+def group():
+    g = LocalWorkerGroup(RayClassWithInitArgs(ProfWorker), name_prefix="prof", num_threads=1)
+    yield g
+    g.shutdown()
+
+
+def config_for(tmp_path, tool="torch", steps=(1, 2, 4), continuous=False) -> PPOConfig:
+    c = PPOConfig()
+    c.global_profiler.tool, c.global_profiler.steps = tool, list(steps)
+    c.global_profiler.profile_continuous_steps = continuous
+    c.global_profiler.save_path = str(tmp_path)
+    c.actor_rollout_ref.actor.profiler.enable = c.actor_rollout_ref.actor.profiler.all_ranks = True
+    return c
+
+
+def run_steps(config, group, n=4) -> StepProfilerDriver:
+    workers = WorkerGroups(actor_rollout=group)
+    driver = StepProfilerDriver(config, workers)
+    for step in range(1, n + 1):
+        driver.begin(step)
+        workers.actor_rollout.work()
+        driver.end(step)
+    return driver
+
+
+def test_session_bounds():
+    assert session_bounds({1, 2, 5}, True) == ({1, 5}, {2, 5})
+    assert session_bounds({1, 2, 5}, False) == ({1, 2, 5}, {1, 2, 5})
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_profile_continuous_steps_joins_consecutive_steps_into_one_trace(tmp_path, group, continuous):
+    driver = run_steps(config_for(tmp_path, continuous=continuous), group)
+    want = ["step_1", "step_4"] if continuous else ["step_1", "step_2", "step_4"]
+    assert sorted(os.listdir(tmp_path)) == want
+    assert len(driver.traces) == len(want) and all(os.path.getsize(p) > 0 for p in driver.traces)
+
+
+def test_discrete_group_gives_each_call_its_own_session(tmp_path, group):
+    c = config_for(tmp_path)
+    traces: list[str] = []
+    dg = DiscreteGroup(group, c.global_profiler, c.actor_rollout_ref.actor.profiler, 3, traces)
+    dg.work()
+    dg.work()
+    assert sorted(os.listdir(tmp_path)) == ["step_3_work"] and len(traces) == 2
+
+
+def test_nsys_and_npu_pass_the_config_stage_and_fail_at_worker_start_on_cpu(tmp_path):
+    roles = {"actor_rollout_ref.actor": ProfilerConfig(enable=True, all_ranks=True)}
+    c = config_for(tmp_path, tool="nsys")
+    c.global_profiler.global_tool_config = {"nsys": {"discrete": True}}
+    check_profiler(c.global_profiler, roles)  # configuration only
+    assert nsys_options(c.global_profiler.global_tool_config)["worker_nsight_options"]["capture-range"] == (
+        "cudaProfilerApi"
+    )
+    with pytest.raises(RuntimeError, match="tool=nsys profiles CUDA workers"):
+        apply_nsight(c, RayClassWithInitArgs(ProfWorker), gpu=False)
+    for tool, match in (("nsys", "needs CUDA"), ("npu", "needs torch_npu")):
+        if tool == "npu":
+            pytest.importorskip("torch")  # torch_npu absent here: the error path
+        with pytest.raises(RuntimeError, match=match):
+            StepProfiler().start(ProfileRequest(step=1, save_path=str(tmp_path), tool=tool, options=()), 0)
+
+
+def test_bad_tool_options_are_config_errors():
+    with pytest.raises(ValueError, match="controller_nsight_options"):
+        nsys_options({"nsys": {"controller_nsight_options": {"trace": "cuda"}}})
+    with pytest.raises(ValueError, match="unknown keys"):
+        nsys_options({"nsys": {"dicsrete": True}})
+    with pytest.raises(ValueError, match="level"):
+        npu_options({"npu": {"level": "level9"}}, "actor_rollout_ref.actor")
+    assert npu_options({"npu": {"contents": ["npu", "cpu"], "discrete": True}}, "k")["discrete"] is True
+    with pytest.raises(ValueError, match="torch_memory"):
+        check_profiler(PPOConfig().global_profiler.__class__(tool="torch_memory"), {})
