@@ -5,7 +5,7 @@ over all ranks) and the Megatron actor (`--tp` tensor parallel, the rest data pa
 ~30M model, then time `update_policy` on the same global batch, alternating F M F M ..., and
 print the median of `--repeats` per engine and their ratio (Megatron / FSDP).
 
-    python bench/megatron_vs_fsdp.py [--ranks 2] [--tp 2] [--rows 16] [--prompt 32] [--response 32]
+    python bench/megatron_vs_fsdp.py [--ranks 2] [--tp 2] [--rows 16] [--prompt 32] [--response 32] [--dtype fp32|bf16]
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, port: int, path: str, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     init_process_group(rank=rank, world_size=world, timeout_s=600)
-    fsdp_cfg = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))
+    fsdp_cfg = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype=args.dtype))
     cfg = ActorConfig(
         ppo_mini_batch_size=args.rows,
         ppo_micro_batch_size_per_gpu=args.micro,
@@ -83,7 +83,9 @@ def _worker(rank: int, world: int, port: int, path: str, args) -> None:
         dp_size=world,
         batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=world),
     )
-    mcfg = MegatronConfig(tensor_model_parallel_size=args.tp)
+    mcfg = MegatronConfig(
+        tensor_model_parallel_size=args.tp, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype]
+    )
     meg = MegatronEngine.build(model, mcfg, cfg.optim, max_grad_norm=cfg.max_grad_norm, load_tok=False)
     m_actor = MegatronPPOActor(
         cfg, meg, batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=meg.dp_size)
@@ -124,6 +126,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--response", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default="fp32", help="FSDP param_dtype / megatron.dtype"
+    )
     p.add_argument("--model", default="30m", help="'tiny', '30m' or a HF folder")
     args = p.parse_args()
     C.print_header(
@@ -131,7 +136,7 @@ def main() -> None:
     )
     print(
         f"one update_policy of {args.rows} rows x ({args.prompt} + {args.response}) tokens, micro-batch "
-        f"{args.micro} per rank, fp32, median of {args.repeats}\n"
+        f"{args.micro} per rank, {args.dtype}, median of {args.repeats}\n"
     )
     print("| ranks | FSDP | Megatron | FSDP s | Megatron s | Megatron / FSDP |")
     print("|---|---|---|---|---|---|")

@@ -10,7 +10,9 @@ of one slot share a process, so they share its trace. `tool_config.torch.content
 
 `global_profiler.tool=nsys` (NVIDIA Nsight Systems) and `npu` (Ascend, torch_npu) are in
 `hybridrl.utils.profiler_tools` (untested on GPU / NPU; a missing device or tool fails when the
-workers start, not in the config stage, which checks configuration only). `torch_memory` is refused.
+workers start, not in the config stage, which checks configuration only). `torch_memory` records
+the CUDA caching allocator's history over each chosen step and dumps a snapshot,
+`<save_path>/step_<step>/rank_<rank>.pickle` (global_tool_config.torch_memory; CUDA only, untested on GPU).
 `profile_continuous_steps=True` joins consecutive chosen steps into one session (trace
 `step_<first>`); False gives each step its own.
 """
@@ -21,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-TOOLS = ("torch", "nsys", "npu")
+TOOLS = ("torch", "nsys", "npu", "torch_memory")
 CONTENTS = ("cpu", "cuda", "memory", "shapes", "stack")
 
 
@@ -51,15 +53,13 @@ class GlobalProfilerConfig:
 def check_profiler(glob: GlobalProfilerConfig, roles: dict[str, ProfilerConfig]) -> None:
     """Raise ValueError naming the key when a profiler setting cannot be honoured here (configuration
     only: devices and vendor tools are checked when the workers start)."""
-    from hybridrl.utils.profiler_tools import npu_options, nsys_options
+    from hybridrl.utils.profiler_tools import npu_options, nsys_options, torch_memory_options
 
     for key, tool in [("global_profiler.tool", glob.tool)] + [
         (f"{k}.profiler.tool", r.tool) for k, r in roles.items()
     ]:
         if tool is not None and tool not in TOOLS:
-            raise ValueError(
-                f"{key}={tool!r} is not one of {list(TOOLS)} (torch_memory snapshots are not available here)"
-            )
+            raise ValueError(f"{key}={tool!r} is not one of {list(TOOLS)}")
         if tool is not None and glob.tool is not None and tool != glob.tool:
             raise ValueError(
                 f"{key}={tool!r} differs from global_profiler.tool={glob.tool!r}; leave it unset"
@@ -69,6 +69,8 @@ def check_profiler(glob: GlobalProfilerConfig, roles: dict[str, ProfilerConfig])
         raise ValueError(f"global_profiler.global_tool_config has unknown tools {unknown}")
     if glob.tool == "nsys":
         nsys_options(glob.global_tool_config)
+    if glob.tool == "torch_memory":
+        torch_memory_options(glob.global_tool_config)
     for key, r in roles.items():
         contents = (r.tool_config or {}).get("torch", {}).get("contents", []) or []
         bad = [c for c in contents if c not in CONTENTS]
@@ -105,11 +107,15 @@ def wants_rank(cfg: ProfilerConfig, rank: int) -> bool:
 
 
 def request_for(glob: GlobalProfilerConfig, cfg: ProfilerConfig, step: int, tag: str = "") -> ProfileRequest:
-    from hybridrl.utils.profiler_tools import npu_options
+    from hybridrl.utils.profiler_tools import npu_options, torch_memory_options
 
     contents = tuple((cfg.tool_config or {}).get("torch", {}).get("contents", []) or ())
     tool = glob.tool or "torch"
-    options = tuple(npu_options(cfg.tool_config, "role").items()) if tool == "npu" else ()
+    options: tuple = ()
+    if tool == "npu":
+        options = tuple(npu_options(cfg.tool_config, "role").items())
+    elif tool == "torch_memory":
+        options = tuple(torch_memory_options(glob.global_tool_config).items())
     return ProfileRequest(
         step=step,
         save_path=cfg.save_path or glob.save_path,
@@ -121,11 +127,14 @@ def request_for(glob: GlobalProfilerConfig, cfg: ProfilerConfig, step: int, tag:
 
 
 def _device_session(request: ProfileRequest, rank: int) -> Any:
-    from hybridrl.utils.profiler_tools import NpuSession, NsysSession
+    from hybridrl.utils.profiler_tools import NpuSession, NsysSession, TorchMemorySession
 
     if request.tool == "nsys":
         return NsysSession(request.step, request.tag)
     sub = f"step_{request.step}" + (f"_{request.tag}" if request.tag else "")
+    if request.tool == "torch_memory":
+        path = os.path.join(request.save_path, sub, f"rank_{rank}.pickle")
+        return TorchMemorySession(dict(request.options), path)
     return NpuSession(dict(request.options), os.path.join(request.save_path, sub, f"rank_{rank}"))
 
 
@@ -144,7 +153,7 @@ class StepProfiler:
         self._users += 1
         if self._prof is not None:
             return
-        if request.tool != "torch":  # nsys / npu: the session writes its own output
+        if request.tool != "torch":  # nsys / npu / torch_memory: the session writes its own output
             self._prof = _device_session(request, rank)
             self._prof.start()
             self._path = ""
@@ -171,9 +180,9 @@ class StepProfiler:
         if self._users > 0:
             return None
         prof, self._prof = self._prof, None
-        if not self._path:
+        if not self._path:  # a device session (nsys / npu / torch_memory)
             prof.stop()
-            return None
+            return getattr(prof, "path", None)
         prof.__exit__(None, None, None)
         os.makedirs(os.path.dirname(self._path), exist_ok=True)
         prof.export_chrome_trace(self._path)

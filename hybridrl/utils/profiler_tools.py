@@ -1,4 +1,4 @@
-"""The device profilers behind `global_profiler.tool=nsys` and `=npu` (untested on GPU / NPU).
+"""The device profilers behind `global_profiler.tool=nsys`, `=npu` and `=torch_memory` (untested on GPU / NPU).
 
 nsys (NVIDIA Nsight Systems), as veRL does it: Ray starts each worker process under `nsys profile`
 (the actor's runtime_env `nsight` option, from `global_tool_config.nsys.worker_nsight_options`,
@@ -26,6 +26,13 @@ NSYS_KEYS = ("discrete", "controller_nsight_options", "worker_nsight_options")
 NPU_KEYS = ("discrete", "contents", "level", "analysis")
 NPU_CONTENTS = ("npu", "cpu", "memory", "shapes", "module", "stack")
 NPU_LEVELS = ("level_none", "level0", "level1", "level2")
+TORCH_MEMORY_DEFAULTS = {
+    "trace_alloc_max_entries": 100_000,
+    "stack_depth": 32,
+    "context": "all",
+    "stacks": "all",
+    "kw_args": {},
+}
 # What Ray needs to start a worker under Nsight so that cudaProfilerStart/Stop delimit the capture.
 NSYS_WORKER_DEFAULTS = {
     "trace": "cuda,nvtx,cublas,ucx",
@@ -157,3 +164,61 @@ class NpuSession:
 
     def stop(self) -> None:
         self.prof.stop()
+
+
+def torch_memory_options(global_tool_config: dict[str, Any]) -> dict[str, Any]:
+    """`global_tool_config.torch_memory` with veRL's defaults; ValueError for a bad entry."""
+    opts = dict((global_tool_config or {}).get("torch_memory") or {})
+    bad = sorted(set(opts) - set(TORCH_MEMORY_DEFAULTS))
+    if bad:
+        raise ValueError(
+            f"global_profiler.global_tool_config.torch_memory has unknown keys {bad}; "
+            f"known: {list(TORCH_MEMORY_DEFAULTS)}"
+        )
+    opts = {**TORCH_MEMORY_DEFAULTS, **opts}
+    for name, allowed in (("context", ("alloc", "state", "all")), ("stacks", ("python", "cpp", "all"))):
+        if opts[name] not in allowed:
+            raise ValueError(
+                f"global_profiler.global_tool_config.torch_memory.{name}={opts[name]!r} is not one of {allowed}"
+            )
+    opts["kw_args"] = dict(opts["kw_args"] or {})
+    return opts
+
+
+class TorchMemorySession:
+    """CUDA caching-allocator history over one step: `torch.cuda.memory._record_memory_history`
+    at start, `_dump_snapshot` to `path` (a pickle for pytorch.org/memory_viz) at stop. Options
+    the installed torch does not take (torch 2.13 has no `stack_depth`) are left out, as veRL does."""
+
+    def __init__(self, options: dict[str, Any], path: str) -> None:
+        import inspect
+
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "global_profiler.tool=torch_memory records the CUDA caching allocator, but this worker has no "
+                "CUDA device; use global_profiler.tool=torch (tool_config.torch.contents=[memory]) on CPU"
+            )
+        self._record = torch.cuda.memory._record_memory_history
+        params = set(inspect.signature(self._record).parameters)
+        kwargs = {
+            "context": options["context"],
+            "stacks": options["stacks"],
+            "max_entries": options["trace_alloc_max_entries"],
+            "stack_depth": options["stack_depth"],
+            **options["kw_args"],
+        }
+        self.kwargs = {k: v for k, v in kwargs.items() if k in params}
+        self.path = path
+
+    def start(self) -> None:
+        self._record(enabled="all", **self.kwargs)
+
+    def stop(self) -> None:
+        import torch
+
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        torch.cuda.synchronize()
+        torch.cuda.memory._dump_snapshot(self.path)
+        self._record(enabled=None)

@@ -92,6 +92,7 @@ class PPOActor(MicroBatchedRole):
             calculate_sum_pi_squared=sps,
             sp=self.sp,
             fused=self.use_fused_kernels,
+            compile_kernels=c.use_torch_compile,
         )
 
     def compute_log_prob(

@@ -234,8 +234,11 @@ class ActorConfig:
     optim.clip_grad when set. entropy_from_logits_with_chunking / entropy_checkpointing compute
     the entropy 2048 positions at a time, recomputed in backward. calculate_sum_pi_squared: the
     old-log-prob pass also returns sum_v pi(v)^2 per token (`sum_pi_squared`, computed chunk-wise
-    with the log-probs; algorithm.adv_estimator=optimal_token_baseline needs it). use_torch_compile=True is
-    refused (the engine runs eagerly; see hybridrl/trainer/ppo/verl_compat.py REFUSED).
+    with the log-probs; algorithm.adv_estimator=optimal_token_baseline needs it). use_torch_compile: the log-prob /
+    entropy kernels (the chunked head's per-chunk softmax statistics and their backward, or the
+    plain path's entropy) run through torch.compile, as veRL compiles its entropy kernel; same
+    numbers to ~1e-6; hybridrl's default is False (veRL: True): the first step compiles, which
+    takes seconds on a CPU and needs a C++ compiler there.
 
     skip_on_policy_old_log_prob: when the update is exactly on-policy (ppo_epochs == 1 and one
     mini-batch per step, i.e. ppo_mini_batch_size == data.train_batch_size, and nothing reads the
@@ -304,7 +307,10 @@ class RefConfig:
 
     def policy_config(self) -> ActorConfig:
         """The forward-only PPOActor settings of the reference (its entropy function)."""
-        return ActorConfig(entropy_from_logits_with_chunking=self.entropy_from_logits_with_chunking)
+        return ActorConfig(
+            entropy_from_logits_with_chunking=self.entropy_from_logits_with_chunking,
+            use_torch_compile=self.use_torch_compile,
+        )
 
 
 @dataclass

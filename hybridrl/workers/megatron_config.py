@@ -41,6 +41,7 @@ __all__ = [
     "megatron_param_dtype",
     "check_colocated_megatron",
     "check_remove_padding",
+    "resolve_fused_kernels",
     "data_parallel_size",
     "validate_megatron_config",
 ]
@@ -114,6 +115,24 @@ def check_remove_padding(strategy: str, use_remove_padding: bool, model_key: str
             f"refuses packed sequences; set {model_key}.use_remove_padding=false (veRL's ppo_megatron_trainer "
             "default; results are the same, only padding is computed)"
         )
+
+
+def resolve_fused_kernels(model: Any, strategy: str, model_key: str, explicit: bool) -> None:
+    """`model.use_fused_kernels` with strategy=megatron. The Megatron engine computes log-probs and
+    entropy from the vocabulary-parallel logits (each TP rank its vocabulary slice, never
+    gathered): veRL's Megatron path with use_fused_kernels=False, its default there. veRL's fused
+    Megatron kernel (linear cross-entropy from the hidden states) is not implemented, so True set
+    by the user is refused; hybridrl's FSDP default True, not set by the user, becomes False."""
+    if strategy != MEGATRON_STRATEGY or not model.use_fused_kernels:
+        return
+    if explicit:
+        raise ValueError(
+            f"{model_key}.use_fused_kernels=True with strategy=megatron: veRL's fused Megatron kernel (linear "
+            "cross-entropy from the hidden states) is not implemented here; the Megatron engine computes log-probs "
+            "from vocabulary-parallel logits without gathering the vocabulary (veRL's use_fused_kernels=False "
+            f"path). Set {model_key}.use_fused_kernels=false"
+        )
+    model.use_fused_kernels = False
 
 
 def check_colocated_megatron(roles: dict[str, tuple[str, MegatronConfig]]) -> None:

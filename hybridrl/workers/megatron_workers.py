@@ -26,8 +26,15 @@ from hybridrl.single_controller.mesh import MeshLayout
 from hybridrl.utils.device import init_process_group
 from hybridrl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 from hybridrl.workers.megatron_config import MEGATRON_STRATEGY
+from hybridrl.workers.rollout_worker import AsyncActorWorker
 
-__all__ = ["MegatronActorRolloutRefWorker", "MegatronCriticWorker", "megatron_mesh", "uses_megatron"]
+__all__ = [
+    "MegatronActorRolloutRefWorker",
+    "MegatronAsyncActorWorker",
+    "MegatronCriticWorker",
+    "megatron_mesh",
+    "uses_megatron",
+]
 
 _PG_TIMEOUT_S = float(os.environ.get("HYBRIDRL_PG_TIMEOUT_S", 600))
 
@@ -125,3 +132,9 @@ class MegatronCriticWorker(CriticWorker):
         self.critic = MegatronPPOCritic(
             c, self.engine, batch_sizes=self.batch_sizes, peak_flops=self.peak_flops
         )
+
+
+class MegatronAsyncActorWorker(AsyncActorWorker, MegatronActorRolloutRefWorker):
+    """The asynchronous trainer's training side on Megatron: AsyncActorWorker's role set-up (no
+    rollout engine) and weight publishing (`iter_full_params`, a collective over TP and PP that
+    every rank joins), MegatronActorRolloutRefWorker's model build and mesh."""

@@ -78,14 +78,6 @@ def test_without_decoupled_loss_the_actor_loss_is_left_alone(base):
         ({"algorithm.filter_groups.enable": "true"}, "not supported in asynchronous mode"),
         ({"algorithm.adv_estimator": "remax"}, "not supported in asynchronous mode"),
         ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}, "must be 1 in asynchronous mode"),
-        (
-            {"actor_rollout_ref.actor.strategy": "megatron"},
-            "actor.strategy=megatron is not supported in asynchronous",
-        ),
-        (
-            {"algorithm.adv_estimator": "gae", "critic.strategy": "megatron"},
-            "critic.strategy=megatron is not supported in asynchronous",
-        ),
     ],
 )
 def test_bad_values_fail_at_start_naming_the_key(base, keys, message):

@@ -19,8 +19,15 @@ from hybridrl.single_controller.ray.base import RayClassWithInitArgs
 from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.profiling import DiscreteGroup, StepProfilerDriver, session_bounds
 from hybridrl.trainer.ppo.workers import WorkerGroups, apply_nsight
-from hybridrl.utils.profiler import ProfilerConfig, ProfileRequest, StepProfiler, check_profiler
-from hybridrl.utils.profiler_tools import npu_options, nsys_options
+from hybridrl.utils.profiler import (
+    GlobalProfilerConfig,
+    ProfilerConfig,
+    ProfileRequest,
+    StepProfiler,
+    check_profiler,
+    request_for,
+)
+from hybridrl.utils.profiler_tools import npu_options, nsys_options, torch_memory_options
 from hybridrl.workers.profiling import StepProfiling
 
 
@@ -103,5 +110,50 @@ def test_bad_tool_options_are_config_errors():
     with pytest.raises(ValueError, match="level"):
         npu_options({"npu": {"level": "level9"}}, "actor_rollout_ref.actor")
     assert npu_options({"npu": {"contents": ["npu", "cpu"], "discrete": True}}, "k")["discrete"] is True
-    with pytest.raises(ValueError, match="torch_memory"):
-        check_profiler(PPOConfig().global_profiler.__class__(tool="torch_memory"), {})
+    with pytest.raises(ValueError, match="torch_memory.context='heap'"):
+        check_profiler(
+            GlobalProfilerConfig(
+                tool="torch_memory", global_tool_config={"torch_memory": {"context": "heap"}}
+            ),
+            {},
+        )
+    with pytest.raises(ValueError, match="torch_memory has unknown keys"):
+        torch_memory_options({"torch_memory": {"max_entries": 5}})
+
+
+def _torch_memory_config(tmp_path) -> PPOConfig:
+    """veRL's example (sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh) options."""
+    c = config_for(tmp_path, tool="torch_memory", steps=(1,))
+    c.global_profiler.global_tool_config = {
+        "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32}
+    }
+    return c
+
+
+def test_torch_memory_passes_the_config_stage_and_needs_cuda_in_the_worker(tmp_path):
+    c = _torch_memory_config(tmp_path)
+    cfg = c.actor_rollout_ref.actor.profiler
+    check_profiler(c.global_profiler, {"actor_rollout_ref.actor": cfg})
+    request = request_for(c.global_profiler, cfg, 1)
+    assert dict(request.options)["trace_alloc_max_entries"] == 100000
+    assert dict(request.options)["context"] == "all"  # veRL's default
+    if torch.cuda.is_available():
+        pytest.skip("the CPU error path")
+    with pytest.raises(RuntimeError, match="tool=torch_memory records the CUDA caching allocator"):
+        StepProfiler().start(request, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torch_memory_dumps_a_snapshot_per_step_on_cuda(tmp_path):
+    import pickle
+
+    c = _torch_memory_config(tmp_path)
+    prof = StepProfiler()
+    prof.start(request_for(c.global_profiler, c.actor_rollout_ref.actor.profiler, 1), 0)
+    x = torch.randn(256, 256, device="cuda") @ torch.randn(256, 256, device="cuda")
+    path = prof.stop()
+    assert path == os.path.join(str(tmp_path), "step_1", "rank_0.pickle") and x.numel()
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    assert snap["device_traces"] and any(snap["device_traces"])

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from hybridrl import algos
 from hybridrl.trainer.ppo.config import PPO_KEYS_DOC, PPOConfig, derive_config, validate_config
 from hybridrl.trainer.ppo.sections import AsyncTrainingConfig
 from hybridrl.utils.config_loader import ConfigError, load_structured
@@ -119,29 +118,11 @@ def validate_async_config(config: AsyncPPOConfig) -> None:
             "algorithm.adv_estimator=remax needs a greedy rollout per step from the current policy; it is not "
             "supported in asynchronous mode (use grpo, rloo, reinforce_plus_plus or gae)"
         )
-    _refuse_megatron(config)
     if arr.rollout.tensor_model_parallel_size != 1:
         raise ConfigError(
             "actor_rollout_ref.rollout.tensor_model_parallel_size must be 1 in asynchronous mode (one engine "
             f"per rollout slot); use more slots ({KEY}.rollout_n_gpus_per_node) instead"
         )
-
-
-def _refuse_megatron(config: AsyncPPOConfig) -> None:
-    """The asynchronous trainer's training workers are FSDP workers: strategy=megatron is refused, not ignored."""
-    arr = config.actor_rollout_ref
-    keys = {
-        "actor_rollout_ref.actor.strategy": arr.actor.strategy,
-        "actor_rollout_ref.ref.strategy": arr.ref.strategy,
-    }
-    if algos.estimator_needs_critic(config.algorithm.adv_estimator):
-        keys["critic.strategy"] = config.critic.strategy
-    for key, strategy in keys.items():
-        if strategy == "megatron":
-            raise ConfigError(
-                f"{key}=megatron is not supported in asynchronous mode yet (its training workers are FSDP "
-                f"workers); set {key}=fsdp or use python -m hybridrl.trainer.main_ppo"
-            )
 
 
 def derive_async_config(config: AsyncPPOConfig) -> None:

@@ -33,7 +33,13 @@ from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_workers
 from hybridrl.trainer.ppo.batch_steps import attach_reward_extra
 from hybridrl.trainer.ppo.setup import prepare_run, trainer_of
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
-from hybridrl.trainer.ppo.workers import WorkerGroups, start_reward_loop, support_role_classes, use_gpu
+from hybridrl.trainer.ppo.workers import (
+    WorkerGroups,
+    start_reward_loop,
+    support_role_classes,
+    use_gpu,
+    worker_classes,
+)
 from hybridrl.utils.metrics import timer
 from hybridrl.workers.config import normalize_actor_batch_sizes
 
@@ -116,24 +122,31 @@ def _pools(config: AsyncPPOConfig, gpu: bool) -> tuple[RayResourcePool, RayResou
 
 def _train_classes(config: AsyncPPOConfig, world: int, threads: int | None, peak_flops: float | None) -> dict:
     """{role: RayClassWithInitArgs} colocated on the training slots (actor [+ ref], critic, reward model)."""
-    from hybridrl.workers.fsdp_workers import CriticWorker, RewardModelWorker
+    from hybridrl.workers.megatron_config import data_parallel_size
+    from hybridrl.workers.megatron_workers import MegatronAsyncActorWorker, uses_megatron
     from hybridrl.workers.rollout_worker import AsyncActorWorker
 
     arr = config.actor_rollout_ref
+    _, critic_cls, reward_cls = worker_classes(config)  # FSDP or Megatron per *.strategy, as in main_ppo
+    actor_cls = MegatronAsyncActorWorker if uses_megatron(arr.actor.strategy) else AsyncActorWorker
+    actor_dp = data_parallel_size(arr.actor.strategy, arr.actor.megatron, world)
     classes = {
         "actor": RayClassWithInitArgs(
-            AsyncActorWorker,
+            actor_cls,
             model=arr.model,
             actor=arr.actor,
             ref=arr.ref,
             rollout=arr.rollout,
             use_ref=config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss,
-            actor_batch_sizes=normalize_actor_batch_sizes(arr.actor, rollout_n=arr.rollout.n, dp_size=world),
+            actor_batch_sizes=normalize_actor_batch_sizes(
+                arr.actor, rollout_n=arr.rollout.n, dp_size=actor_dp
+            ),
             num_threads=threads,
             peak_flops=peak_flops,
         )
     }
-    classes.update(support_role_classes(config, CriticWorker, RewardModelWorker, world, threads, peak_flops))
+    critic_dp = data_parallel_size(config.critic.strategy, config.critic.megatron, world)
+    classes.update(support_role_classes(config, critic_cls, reward_cls, critic_dp, threads, peak_flops))
     return classes
 
 

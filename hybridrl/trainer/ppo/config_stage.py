@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from hybridrl import algos
 from hybridrl.trainer.ppo.config import ConfigError, PPOConfig, load_config
 from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
-from hybridrl.workers.megatron_config import check_remove_padding
+from hybridrl.workers.megatron_config import check_remove_padding, resolve_fused_kernels
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
 
@@ -54,6 +54,11 @@ def hydra_explicit_keys() -> set[str] | None:
         return None
 
 
+def set_by_user(key: str, explicit_keys: set[str] | None) -> bool:
+    """Whether the user set `key` on the command line (unknown: False, unlike the micro-batch rule)."""
+    return explicit_keys is not None and key in explicit_keys
+
+
 def check_startup(cfg, explicit_keys: Iterable[str] | None = None) -> PPOConfig:
     """Load and validate `cfg` and derive the per-rank batch sizes; raises ConfigError.
 
@@ -62,16 +67,27 @@ def check_startup(cfg, explicit_keys: Iterable[str] | None = None) -> PPOConfig:
         explicit_keys: keys the user set; a default micro-batch size that does not fit a small
             mini-batch is only adapted when its key is not among them (None: all keys explicit).
     """
+    explicit_keys = set(explicit_keys) if explicit_keys is not None else None
     config = load_config(cfg, explicit_keys=explicit_keys)
     arr = config.actor_rollout_ref
     world = config.trainer.nnodes * config.trainer.n_gpus_per_node
     try:
         arr.model.validate()
         check_remove_padding(arr.actor.strategy, arr.model.use_remove_padding, "actor_rollout_ref.model")
+        key = "actor_rollout_ref.model"
+        resolve_fused_kernels(
+            arr.model, arr.actor.strategy, key, set_by_user(f"{key}.use_fused_kernels", explicit_keys)
+        )
         normalize_actor_batch_sizes(arr.actor, rollout_n=arr.rollout.n, dp_size=world)
         if algos.estimator_needs_critic(config.algorithm.adv_estimator):
             check_remove_padding(
                 config.critic.strategy, config.critic.model.use_remove_padding, "critic.model"
+            )
+            resolve_fused_kernels(
+                config.critic.model,
+                config.critic.strategy,
+                "critic.model",
+                set_by_user("critic.model.use_fused_kernels", explicit_keys),
             )
             normalize_critic_batch_sizes(config.critic, dp_size=world, rollout_n=arr.rollout.n)
     except ValueError as e:

@@ -214,12 +214,6 @@ REFUSED: tuple[Refused, ...] = (
         0,
         "FSDP2 shards per decoder layer; use wrap_policy.transformer_layer_cls_to_wrap",
     ),
-    Refused(
-        "actor_rollout_ref.actor.use_torch_compile",
-        False,
-        "the engine runs eagerly (torch.compile of the log-prob/entropy kernels is not wired in)",
-    ),
-    Refused("actor_rollout_ref.ref.use_torch_compile", False, "the engine runs eagerly"),
     Refused("trainer.default_hdfs_dir", None, "no HDFS client here; copy trainer.default_local_dir yourself"),
     Refused(
         "trainer.ray_wait_register_center_timeout",

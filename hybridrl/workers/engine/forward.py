@@ -46,6 +46,17 @@ from hybridrl.utils.torch_utils import (
 from hybridrl.workers.engine.lm_head import linear_log_probs
 from hybridrl.workers.engine.ulysses import SPGroup, gather_seq, padded_length, slice_packed
 
+
+@functools.cache
+def _compiled_entropy():
+    return torch.compile(entropy_from_logits, dynamic=True)
+
+
+def compiled_entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """`entropy_from_logits` through torch.compile (built once per process)."""
+    return _compiled_entropy()(logits)
+
+
 _DETECTS_PACKING = transformers_detects_packed_sequences()
 
 
@@ -204,7 +215,9 @@ def _sp_selector(batch: Any, packed: PackedBatch, t: int, sp: SPGroup):
     return (lambda h: h[0, local]), place, finish, labels[lo : lo + length][local]
 
 
-def _fused_log_probs_sp(module, head, batch, temperature, calculate_entropy, entropy_grad, sps, sp):
+def _fused_log_probs_sp(
+    module, head, batch, temperature, calculate_entropy, entropy_grad, sps, sp, compiled=False
+):
     """`_fused_log_probs` for one rank of a Ulysses group: the head runs on the local slice, the
     stacked [log_prob, entropy?, sum_pi_squared?] columns are gathered along the sequence."""
     t = batch["responses"].shape[-1]
@@ -221,6 +234,7 @@ def _fused_log_probs_sp(module, head, batch, temperature, calculate_entropy, ent
             calculate_entropy=calculate_entropy,
             entropy_grad=entropy_grad and torch.is_grad_enabled(),
             calculate_sum_pi_squared=sps,
+            compiled=compiled,
         )
         return place(torch.stack([c for c in out if c is not None], dim=-1))
 
@@ -239,7 +253,7 @@ def _gathered_logits(out: Any, packed: PackedBatch, sp: SPGroup | None) -> torch
 
 
 def _fused_log_probs(
-    module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad, sps
+    module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad, sps, compiled=False
 ):
     """(log_probs, entropy or None, sum_pi_squared or None), each (B, T), through the chunked head."""
     t = batch["responses"].shape[-1]
@@ -256,6 +270,7 @@ def _fused_log_probs(
             calculate_entropy=calculate_entropy,
             entropy_grad=entropy_grad and torch.is_grad_enabled(),
             calculate_sum_pi_squared=sps,
+            compiled=compiled,
         )
         return torch.stack([c for c in (lp, ent, *rest) if c is not None], dim=-1)
 
@@ -278,6 +293,7 @@ def forward_log_probs(
     fused: bool = True,
     calculate_sum_pi_squared: bool = False,
     sp: SPGroup | None = None,
+    compile_kernels: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of the response tokens under `module`, logits / temperature.
 
@@ -295,6 +311,9 @@ def forward_log_probs(
         sp: this rank's Ulysses group (the model went through `ulysses.parallelize_sp`; needs
             use_remove_padding): every rank of the group gets the same batch and returns the
             same full results.
+        compile_kernels: the actor's `use_torch_compile` (veRL compiles its entropy / log-prob
+            kernels): the chunked head's per-chunk softmax statistics and their backward, or the
+            plain path's entropy, run through torch.compile (the first call compiles).
 
     Returns:
         log_probs (B, T) float32; entropy (B, T) float32 or None; with calculate_sum_pi_squared a
@@ -315,11 +334,12 @@ def forward_log_probs(
                 entropy_grad,
                 calculate_sum_pi_squared,
                 sp,
+                compiled=compile_kernels,
             )
         else:
             lp, ent, sps = _fused_log_probs(
                 module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad,
-                calculate_sum_pi_squared,
+                calculate_sum_pi_squared, compiled=compile_kernels,
             )  # fmt: skip
         return (lp, ent, sps) if calculate_sum_pi_squared else (lp, ent)
     responses = batch["responses"]
@@ -330,7 +350,7 @@ def forward_log_probs(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             if entropy_chunk_size:
                 return entropy_from_logits_chunked(x, entropy_chunk_size)
-            return entropy_from_logits(x)
+            return compiled_entropy_from_logits(x) if compile_kernels else entropy_from_logits(x)
 
     if packed is None:
         logits = out.logits[:, -t - 1 : -1].float() / temperature

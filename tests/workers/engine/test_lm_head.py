@@ -273,3 +273,30 @@ def test_compiled_kernels_equal_eager():
     assert lm_head._COMPILED, "the compiled kernels were not built"
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_actor_use_torch_compile_runs_the_compiled_kernels(model_dir, fused, monkeypatch):
+    """actor.use_torch_compile=True: PPOActor's log-prob pass goes through the compiled kernels
+    (the chunked head's, or the plain path's entropy) and gives the eager numbers."""
+    from hybridrl.protocol import DataProto
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.config import ActorConfig
+    from hybridrl.workers.engine import lm_head
+
+    asked = []
+    kernels = lm_head._kernels
+    monkeypatch.setattr(lm_head, "_kernels", lambda compiled: asked.append(compiled) or kernels(compiled))
+    model = build_hf_model(ModelConfig(path=model_dir))
+    data = DataProto.from_dict(make_batch(6, seed=4))
+    mask = data.batch["response_mask"].bool()
+    out = {}
+    for compiled in (False, True):
+        actor = PPOActor(ActorConfig(use_torch_compile=compiled), model, use_fused_kernels=fused)
+        out[compiled] = actor.compute_log_prob(data, calculate_entropy=True, temperature=0.7)
+    if fused:
+        assert asked and asked[-1] is True and False in asked
+    else:
+        assert not asked and forward._compiled_entropy.cache_info().currsize == 1
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=1e-5)

@@ -107,3 +107,36 @@ def test_remove_padding_refused_with_megatron(tmp_path, key):
     with pytest.raises(ConfigError, match=f"{key}.use_remove_padding=True with strategy=megatron"):
         check_startup(cfg)
     check_startup(fsdp)  # FSDP packs the rows (honoured there)
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.model", "critic.model"])
+def test_use_fused_kernels_with_megatron(key):
+    """Megatron computes log-probs from vocab-parallel logits (veRL's use_fused_kernels=False path):
+    False passes, True set by the user is refused (no fused Megatron kernel here), and hybridrl's
+    default True (not set by the user) becomes False; FSDP keeps True."""
+    from hydra import compose, initialize_config_module
+
+    from hybridrl.trainer.ppo.config import ConfigError
+    from hybridrl.trainer.ppo.config_stage import check_startup
+
+    over = [
+        "trainer.n_gpus_per_node=2",
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "critic.ppo_micro_batch_size_per_gpu=8",
+    ]
+    flag = f"{key}.use_fused_kernels"
+
+    def model_of(c):
+        return c.actor_rollout_ref.model if key.startswith("actor") else c.critic.model
+
+    with initialize_config_module("hybridrl.trainer.config", version_base=None):
+        meg_default = compose("ppo_megatron_trainer", overrides=over)
+        meg_true = compose("ppo_megatron_trainer", overrides=[*over, f"{flag}=true"])
+        meg_false = compose("ppo_megatron_trainer", overrides=[*over, f"{flag}=false"])
+        fsdp = compose("ppo_trainer", overrides=over)
+    with pytest.raises(ConfigError, match=f"{flag}=True with strategy=megatron"):
+        check_startup(meg_true, explicit_keys=[flag])
+    assert model_of(check_startup(meg_false, explicit_keys=[flag])).use_fused_kernels is False
+    assert model_of(check_startup(meg_default, explicit_keys=[])).use_fused_kernels is False
+    assert model_of(check_startup(fsdp, explicit_keys=[])).use_fused_kernels is True

@@ -188,6 +188,10 @@ def _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role) -> None
             )
         if critic and post:
             model.output_layer = ValueHead(spec.hidden_size, spec.initializer_range, tcfg.params_dtype)
+        if tcfg.bf16:
+            # Megatron's local RMSNorm keeps fp32 weights; bf16 everywhere, as Megatron-LM's Float16Module
+            # casts (mixed-dtype grad buffers break the distributed optimizer's checkpoint gather).
+            model.to(torch.bfloat16)
         model.requires_grad_(role in ("actor", "critic"))
         chunks.append(model)
 
