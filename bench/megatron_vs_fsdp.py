@@ -50,13 +50,13 @@ def _worker(rank: int, world: int, port: int, path: str, args) -> None:
 
     from hybridrl.utils.device import init_process_group
     from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.config import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         ModelConfig,
         OptimConfig,
-        normalize_actor_batch_sizes,
     )
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine

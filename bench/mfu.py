@@ -106,13 +106,13 @@ def prompt_batch(tokenizer, prompts: int, n: int, pad_to: int | None):
 def build(model_path: str, args):
     from hybridrl.utils.device import init_process_group
     from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.config import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         ModelConfig,
         OptimConfig,
-        normalize_actor_batch_sizes,
     )
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.rollout.base import create_rollout

@@ -25,14 +25,8 @@ from hybridrl.single_controller.base import Worker, register
 from hybridrl.single_controller.dispatch import Dispatch, make_mesh_dispatch
 from hybridrl.utils.device import init_process_group
 from hybridrl.workers.agent.runner import AgentLoopRunner, uses_agent_loops
-from hybridrl.workers.config import (
-    ActorConfig,
-    CriticConfig,
-    ModelConfig,
-    PerRankBatchSizes,
-    RefConfig,
-    RewardModelConfig,
-)
+from hybridrl.workers.batch_sizes import PerRankBatchSizes
+from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.workers.profiling import StepProfiling
 from hybridrl.workers.rollout.config import RolloutConfig
 from hybridrl.workers.sequence_parallel import SequenceParallel

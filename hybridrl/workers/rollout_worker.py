@@ -22,7 +22,8 @@ from hybridrl.models.weight_map import to_torch_dtype
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import register
 from hybridrl.single_controller.dispatch import Dispatch
-from hybridrl.workers.config import ActorConfig, ModelConfig, PerRankBatchSizes, RefConfig
+from hybridrl.workers.batch_sizes import PerRankBatchSizes
+from hybridrl.workers.config import ActorConfig, ModelConfig, RefConfig
 from hybridrl.workers.fsdp_workers import ActorRolloutRefWorker
 from hybridrl.workers.rollout.config import RolloutConfig
 

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_module
 from hybridrl.trainer.ppo.config import ConfigError
 from hybridrl.trainer.ppo.config_stage import check_startup, override_key, prepare_argv
 from hybridrl.trainer.ppo.verl_compat import WARNED
-from hybridrl.workers.config import normalize_actor_batch_sizes
+from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
 
 SP = [
     "data.train_batch_size=4",

@@ -24,6 +24,7 @@ def _checks(rank, world, model_dir):
 
     from hybridrl.protocol import DataProto
     from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.config import (
         ActorConfig,
         FSDPConfig,
@@ -32,7 +33,6 @@ def _checks(rank, world, model_dir):
         OptimConfig,
         PolicyLossConfig,
         PolicyLossRolloutCorrection,
-        normalize_actor_batch_sizes,
     )
     from hybridrl.workers.engine.fsdp import FSDPEngine
 

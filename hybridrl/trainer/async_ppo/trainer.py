@@ -41,7 +41,7 @@ from hybridrl.trainer.ppo.workers import (
     worker_classes,
 )
 from hybridrl.utils.metrics import timer
-from hybridrl.workers.config import normalize_actor_batch_sizes
+from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
 
 __all__ = ["AsyncPPOTrainer", "AsyncWorkers", "build_async_trainer", "start_async_workers"]
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from hybridrl import algos
 from hybridrl.trainer.ppo.config import ConfigError, PPOConfig, load_config
-from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
+from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 from hybridrl.workers.megatron_config import check_remove_padding, resolve_fused_kernels
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")

@@ -16,7 +16,7 @@ from hybridrl.single_controller.local import LocalWorkerGroup
 from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.utils.device import is_cuda_available
-from hybridrl.workers.config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
+from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 from hybridrl.workers.megatron_config import check_colocated_megatron, data_parallel_size
 
 LOCAL_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

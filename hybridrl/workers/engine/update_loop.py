@@ -27,7 +27,7 @@ from hybridrl.algos.agg import LossScale
 from hybridrl.protocol import DataProto
 from hybridrl.utils.device import get_torch_device
 from hybridrl.utils.flops import attention_dims, compute_mfu, count_params, estimate_flops
-from hybridrl.workers.config import PerRankBatchSizes
+from hybridrl.workers.batch_sizes import PerRankBatchSizes
 from hybridrl.workers.engine.batching import (
     TokenWeightedMeans,
     append_metrics,

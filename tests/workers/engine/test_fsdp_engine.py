@@ -12,13 +12,13 @@ from fsdp_testkit import make_batch, make_tiny_model_dir, spawn  # noqa: E402
 
 
 def _setup(model_dir, **fsdp_kwargs):
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.config import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         ModelConfig,
         OptimConfig,
-        normalize_actor_batch_sizes,
     )
     from hybridrl.workers.engine.fsdp import FSDPEngine
 

@@ -66,13 +66,13 @@ def _actor_pair(model_dir, world=2):
     """(SP=1 actor over dp=world, SP=2 actor over dp=1), same weights, both FSDP over all ranks;
     for world != 2 the second engine is returned unwrapped (the caller applies its own layout)."""
     from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.config import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         ModelConfig,
         OptimConfig,
-        normalize_actor_batch_sizes,
     )
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.ulysses import parallelize_sp
@@ -186,13 +186,13 @@ def _actor_checks(rank, world, model_dir):
 
 def _critic_checks(rank, world, model_dir):
     from hybridrl.protocol import DataProto
+    from hybridrl.workers.batch_sizes import normalize_critic_batch_sizes
     from hybridrl.workers.config import (
         CriticConfig,
         CriticModelConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         OptimConfig,
-        normalize_critic_batch_sizes,
     )
     from hybridrl.workers.critic import PPOCritic
     from hybridrl.workers.engine.fsdp import FSDPEngine
@@ -306,7 +306,7 @@ def _dp2_sp2_checks(rank, world, model_dir):
     """4 ranks as {dp: 2, sp: 2} (the workers' groups, `SequenceParallel`) == 4 data-parallel ranks."""
     from hybridrl.protocol import DataProto
     from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.config import normalize_actor_batch_sizes
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.rollout.parallel import training_mesh
     from hybridrl.workers.sequence_parallel import SequenceParallel
 

@@ -3,6 +3,7 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
+from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 from hybridrl.workers.config import (
     ActorConfig,
     CriticConfig,
@@ -10,8 +11,6 @@ from hybridrl.workers.config import (
     OptimConfig,
     RefConfig,
     RewardModelConfig,
-    normalize_actor_batch_sizes,
-    normalize_critic_batch_sizes,
 )
 
 

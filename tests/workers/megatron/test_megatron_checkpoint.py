@@ -25,7 +25,8 @@ from test_megatron_engine import ROWS, _batch, _configs, _four_layer_model  # no
 
 
 def _actor(model_dir, tp, distributed_optimizer=True, pp=1, vpp=None):
-    from hybridrl.workers.config import OptimConfig, normalize_actor_batch_sizes
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
+    from hybridrl.workers.config import OptimConfig
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
     from hybridrl.workers.engine.megatron.roles import MegatronPPOActor
 

@@ -85,7 +85,7 @@ def _check_actor(rank, model_dir, tp, pp, out, vpp=None):
     import torch.distributed as dist
 
     from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.config import normalize_actor_batch_sizes
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
     from hybridrl.workers.engine.megatron.roles import MegatronPPOActor
@@ -139,7 +139,7 @@ def _initial(model_dir):
 
 
 def _check_critic(rank, model_dir, tp, pp, out, vpp=None):
-    from hybridrl.workers.config import normalize_critic_batch_sizes
+    from hybridrl.workers.batch_sizes import normalize_critic_batch_sizes
     from hybridrl.workers.critic import PPOCritic
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
@@ -236,7 +236,8 @@ def test_megatron_matches_fsdp(tmp_path, tp, pp, vpp):
 def _run_bf16(rank, world, model_dir, result_dir):
     """megatron.dtype=bfloat16 (TP=2) vs FSDP with param_dtype bf16 on 2 ranks: same batch, one update."""
     from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig, normalize_actor_batch_sizes
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
+    from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
     from hybridrl.workers.engine.megatron.roles import MegatronPPOActor
@@ -279,7 +280,7 @@ def _bf16_resume(meg, m_actor, model, cfg, mcfg, ckpt) -> tuple[float, float]:
     """Save, step on; rebuild, load, step: the fp32 main params and Adam state come back exactly."""
     from megatron.core import parallel_state as ps
 
-    from hybridrl.workers.config import normalize_actor_batch_sizes
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
     from hybridrl.workers.engine.megatron.roles import MegatronPPOActor
 

@@ -63,6 +63,7 @@ def make_30m_model(path: str, seed: int = 0) -> int:
 
 
 def _worker(model_dir: str, tp: int):
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.config import (
         ActorConfig,
         FSDPConfig,
@@ -70,7 +71,6 @@ def _worker(model_dir: str, tp: int):
         ModelConfig,
         OptimConfig,
         RefConfig,
-        normalize_actor_batch_sizes,
     )
     from hybridrl.workers.fsdp_workers import ActorRolloutRefWorker
     from hybridrl.workers.rollout import RolloutConfig
