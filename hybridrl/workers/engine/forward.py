@@ -215,18 +215,13 @@ def _sp_selector(batch: Any, packed: PackedBatch, t: int, sp: SPGroup):
     return (lambda h: h[0, local]), place, finish, labels[lo : lo + length][local]
 
 
-def _fused_log_probs_sp(
-    module, head, batch, temperature, calculate_entropy, entropy_grad, sps, sp, compiled=False
-):
-    """`_fused_log_probs` for one rank of a Ulysses group: the head runs on the local slice, the
-    stacked [log_prob, entropy?, sum_pi_squared?] columns are gathered along the sequence."""
-    t = batch["responses"].shape[-1]
-    packed = pack_sequences(batch["input_ids"], batch["attention_mask"])
-    select, place, finish, labels = _sp_selector(batch, packed, t, sp)
+def _head_columns(head, labels, temperature, calculate_entropy, entropy_grad, sps, compiled):
+    """The swapped head: (n, H) hidden rows -> (n, 1 + entropy + sps) stacked columns
+    [log_prob, entropy?, sum_pi_squared?] from the chunked `linear_log_probs`."""
 
-    def head_fn(h: torch.Tensor) -> torch.Tensor:
+    def columns(h: torch.Tensor) -> torch.Tensor:
         out = linear_log_probs(
-            select(h),
+            h,
             head.weight,
             labels,
             bias=head.bias,
@@ -236,13 +231,30 @@ def _fused_log_probs_sp(
             calculate_sum_pi_squared=sps,
             compiled=compiled,
         )
-        return place(torch.stack([c for c in out if c is not None], dim=-1))
+        return torch.stack([c for c in out if c is not None], dim=-1)
 
-    with _head_replaced(head, head_fn):
-        out, _ = _run(module, batch, True, packed, sp)
-    res = finish(gather_seq(out.logits, sp, dim=0))  # (B, T, 1 + entropy + sps)
+    return columns
+
+
+def _split_columns(res: torch.Tensor, calculate_entropy: bool, sps: bool):
+    """(B, T, C) stacked columns -> (log_probs, entropy or None, sum_pi_squared or None)."""
     ent = res[..., 1] if calculate_entropy else None
     return res[..., 0], ent, (res[..., -1] if sps else None)
+
+
+def _fused_log_probs_sp(
+    module, head, batch, temperature, calculate_entropy, entropy_grad, sps, sp, compiled=False
+):
+    """`_fused_log_probs` for one rank of a Ulysses group: the head runs on the local slice, the
+    stacked [log_prob, entropy?, sum_pi_squared?] columns are gathered along the sequence."""
+    t = batch["responses"].shape[-1]
+    packed = pack_sequences(batch["input_ids"], batch["attention_mask"])
+    select, place, finish, labels = _sp_selector(batch, packed, t, sp)
+
+    columns = _head_columns(head, labels, temperature, calculate_entropy, entropy_grad, sps, compiled)
+    with _head_replaced(head, lambda h: place(columns(select(h)))):
+        out, _ = _run(module, batch, True, packed, sp)
+    return _split_columns(finish(gather_seq(out.logits, sp, dim=0)), calculate_entropy, sps)
 
 
 def _gathered_logits(out: Any, packed: PackedBatch, sp: SPGroup | None) -> torch.Tensor:
@@ -260,25 +272,10 @@ def _fused_log_probs(
     packed = pack_sequences(batch["input_ids"], batch["attention_mask"]) if use_remove_padding else None
     select, scatter, labels = _selector(batch, packed, t)
 
-    def head_fn(h: torch.Tensor) -> torch.Tensor:
-        lp, ent, *rest = linear_log_probs(
-            select(h),
-            head.weight,
-            labels,
-            bias=head.bias,
-            temperature=temperature,
-            calculate_entropy=calculate_entropy,
-            entropy_grad=entropy_grad and torch.is_grad_enabled(),
-            calculate_sum_pi_squared=sps,
-            compiled=compiled,
-        )
-        return torch.stack([c for c in (lp, ent, *rest) if c is not None], dim=-1)
-
-    with _head_replaced(head, head_fn):
+    columns = _head_columns(head, labels, temperature, calculate_entropy, entropy_grad, sps, compiled)
+    with _head_replaced(head, lambda h: columns(select(h))):
         out, _ = _run(module, batch, use_remove_padding, packed)
-    res = scatter(out.logits)  # (B, T, 1 + calculate_entropy + sps)
-    ent = res[..., 1] if calculate_entropy else None
-    return res[..., 0], ent, (res[..., -1] if sps else None)
+    return _split_columns(scatter(out.logits), calculate_entropy, sps)
 
 
 def forward_log_probs(
