@@ -48,6 +48,15 @@ MODEL_SIZES = {
         num_hidden_layers=12,
         num_attention_heads=10,
     ),
+    # bench/real_model.py's real-vocabulary workload: 32k vocabulary, 12 layers of 768, GQA 12/4
+    "real100m": dict(
+        vocab_size=32768,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+    ),
     # SmolLM-135M-like: 30 layers of hidden 576, 9 heads, 3 KV heads, vocab 49152
     "135m": dict(
         vocab_size=49152,

@@ -44,6 +44,7 @@ from hybridrl.utils.torch_utils import (
     unpack_sequences,
 )
 from hybridrl.workers.engine.lm_head import linear_log_probs
+from hybridrl.workers.engine.prefix_group import LAYOUT_KWARG, build_prefix_layout, prefix_grouped
 from hybridrl.workers.engine.ulysses import SPGroup, gather_seq, padded_length, slice_packed
 
 
@@ -278,6 +279,40 @@ def _fused_log_probs(
     return _split_columns(scatter(out.logits), calculate_entropy, sps)
 
 
+def _grouped_log_probs(
+    module, head, batch, temperature, calculate_entropy, entropy_grad, sps, entropy_fn, compiled=False
+):
+    """(log_probs, entropy or None, sum_pi_squared or None), each (B, T), through the shared-prompt
+    packed row (`prefix_group`): the head at the response-predicting positions, chunked when it
+    can be swapped (`head`), else full logits there."""
+    t = batch["responses"].shape[-1]
+    b = batch["responses"].shape[0]
+    layout = build_prefix_layout(batch["input_ids"], batch["attention_mask"], t)
+    labels = batch["responses"].reshape(-1)[layout.flat]
+
+    def scatter(v: torch.Tensor) -> torch.Tensor:
+        return v.new_zeros((b * t, *v.shape[1:])).index_put((layout.flat,), v).view(b, t, *v.shape[1:])
+
+    def run():
+        with prefix_grouped(module):
+            return module(
+                input_ids=layout.input_ids,
+                position_ids=layout.position_ids,
+                use_cache=False,
+                **{LAYOUT_KWARG: layout},
+            )
+
+    if head is not None:
+        columns = _head_columns(head, labels, temperature, calculate_entropy, entropy_grad, sps, compiled)
+        with _head_replaced(head, lambda h: columns(h[0, layout.pred])):
+            out = run()
+        return _split_columns(scatter(out.logits), calculate_entropy, sps)
+    logits = run().logits[0, layout.pred].float() / temperature  # (K, V)
+    log_probs = scatter(logprobs_from_logits(logits, labels))
+    entropy = scatter(entropy_fn(logits)) if calculate_entropy else None
+    return log_probs, entropy, (scatter(sum_pi_squared_from_logits(logits)) if sps else None)
+
+
 def forward_log_probs(
     module: nn.Module,
     batch: Any,
@@ -291,6 +326,7 @@ def forward_log_probs(
     calculate_sum_pi_squared: bool = False,
     sp: SPGroup | None = None,
     compile_kernels: bool = False,
+    prefix_group: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of the response tokens under `module`, logits / temperature.
 
@@ -311,6 +347,9 @@ def forward_log_probs(
         compile_kernels: the actor's `use_torch_compile` (veRL compiles its entropy / log-prob
             kernels): the chunked head's per-chunk softmax statistics and their backward, or the
             plain path's entropy, run through torch.compile (the first call compiles).
+        prefix_group: the actor's `use_prefix_grouper`: rows with the same prompt share one
+            forward of it (`engine.prefix_group`; always packed, whatever use_remove_padding);
+            not with `sp`.
 
     Returns:
         log_probs (B, T) float32; entropy (B, T) float32 or None; with calculate_sum_pi_squared a
@@ -320,6 +359,21 @@ def forward_log_probs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
     head = head_is_swappable(module) if fused else None
+
+    def ent_fn(x: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            if entropy_chunk_size:
+                return entropy_from_logits_chunked(x, entropy_chunk_size)
+            return compiled_entropy_from_logits(x) if compile_kernels else entropy_from_logits(x)
+
+    if prefix_group:
+        if sp is not None:
+            raise ValueError("use_prefix_grouper does not combine with Ulysses sequence parallelism")
+        lp, ent, sps = _grouped_log_probs(
+            module, head, batch, temperature, calculate_entropy, entropy_grad, calculate_sum_pi_squared,
+            ent_fn, compiled=compile_kernels,
+        )  # fmt: skip
+        return (lp, ent, sps) if calculate_sum_pi_squared else (lp, ent)
     if head is not None:
         if sp is not None:
             lp, ent, sps = _fused_log_probs_sp(
@@ -342,13 +396,6 @@ def forward_log_probs(
     responses = batch["responses"]
     t = responses.shape[-1]
     out, packed = _run(module, batch, use_remove_padding, sp=sp)
-
-    def ent_fn(x: torch.Tensor) -> torch.Tensor:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            if entropy_chunk_size:
-                return entropy_from_logits_chunked(x, entropy_chunk_size)
-            return compiled_entropy_from_logits(x) if compile_kernels else entropy_from_logits(x)
-
     if packed is None:
         logits = out.logits[:, -t - 1 : -1].float() / temperature
         log_probs = logprobs_from_logits(logits, responses)
