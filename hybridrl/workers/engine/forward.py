@@ -44,7 +44,13 @@ from hybridrl.utils.torch_utils import (
     unpack_sequences,
 )
 from hybridrl.workers.engine.lm_head import linear_log_probs
-from hybridrl.workers.engine.prefix_group import LAYOUT_KWARG, build_prefix_layout, prefix_grouped
+from hybridrl.workers.engine.prefix_group import (
+    LAYOUT_KWARG,
+    LayoutNotPassed,
+    build_prefix_layout,
+    prefix_grouped,
+    sequence_layout,
+)
 from hybridrl.workers.engine.ulysses import SPGroup, gather_seq, padded_length, slice_packed
 
 
@@ -87,12 +93,38 @@ def _run(
         )
         return out, None
     packed = packed or pack_sequences(input_ids, attention_mask)
+    if _sequence_wise(module):
+        try:
+            with prefix_grouped(module):
+                out = module(
+                    input_ids=packed.input_ids,
+                    position_ids=packed.position_ids,
+                    use_cache=False,
+                    **{LAYOUT_KWARG: sequence_layout(packed.cu_seqlens)},
+                )
+            return out, packed
+        except LayoutNotPassed:  # this model's forward drops extra kwargs: the block mask below
+            _NO_SEQUENCE_WISE.add(type(module))
     kwargs: dict[str, Any] = {}
     if not _DETECTS_PACKING:
         dtype = next(module.parameters()).dtype
         kwargs["attention_mask"] = block_causal_mask(packed.seq_lens, dtype, input_ids.device)
     out = module(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **kwargs)
     return out, packed
+
+
+_NO_SEQUENCE_WISE: set[type] = set()
+
+
+def _sequence_wise(module: nn.Module) -> bool:
+    """Whether a packed forward attends sequence by sequence (`prefix_group.sequence_layout`)
+    instead of through a block-diagonal mask over the whole row, whose cost grows with the square
+    of the row's length: for the sdpa and eager implementations (flash-attention finds the
+    sequences from the position ids itself) of models that pass their kwargs to attention."""
+    if type(module) in _NO_SEQUENCE_WISE:
+        return False
+    config = getattr(module, "config", None)
+    return getattr(config, "_attn_implementation", None) in ("sdpa", "eager")  # eager stays eager inside
 
 
 # ----------------------------------------------------------------------------------------------

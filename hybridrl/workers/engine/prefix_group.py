@@ -38,8 +38,21 @@ from torch import nn
 
 ATTN_NAME = "hybridrl_prefix_group"
 LAYOUT_KWARG = "hybridrl_prefix_layout"
+INNER_ATTR = "_hybridrl_inner_attn"  # set on the model's configs: the implementation it had
 
-__all__ = ["ATTN_NAME", "PrefixGroupLayout", "build_prefix_layout", "grouped_attention", "prefix_grouped"]
+__all__ = [
+    "ATTN_NAME",
+    "LayoutNotPassed",
+    "PrefixGroupLayout",
+    "build_prefix_layout",
+    "grouped_attention",
+    "prefix_grouped",
+    "sequence_layout",
+]
+
+
+class LayoutNotPassed(RuntimeError):
+    """The model's forward did not pass the layout down to its attention function."""
 
 
 @dataclass
@@ -170,13 +183,59 @@ def build_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, t
     )
 
 
+def sequence_layout(cu_seqlens: torch.Tensor) -> PrefixGroupLayout:
+    """The layout of a plain packed row (`pack_sequences`): every sequence a group of its own with
+    no response part, so `grouped_attention` attends within each sequence: B x Lmax^2 work instead
+    of the nnz^2 of a block-diagonal mask over the whole row.
+
+    Args:
+        cu_seqlens: (B + 1,) cumulative sequence lengths of the packed row.
+    """
+    dev = cu_seqlens.device
+    starts, ends = cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()
+    pre_idx, pre_valid = _padded([torch.arange(a, b, device=dev) for a, b in zip(starts, ends)], dev)
+    b = len(starts)
+    suf_idx = torch.zeros(b, 1, dtype=torch.long, device=dev)
+    suf_valid = torch.zeros(b, 1, dtype=torch.bool, device=dev)
+    row_group = torch.arange(b, device=dev)
+    prefix_mask, suffix_mask = _masks(pre_valid, suf_valid, row_group)
+    none = torch.zeros(0, dtype=torch.long, device=dev)
+    nnz = int(ends[-1]) if ends else 0
+    return PrefixGroupLayout(
+        input_ids=none[None],
+        position_ids=none[None],
+        pre_idx=pre_idx,
+        pre_valid=pre_valid,
+        suf_idx=suf_idx,
+        suf_valid=suf_valid,
+        row_group=row_group,
+        prefix_mask=prefix_mask,
+        suffix_mask=suffix_mask,
+        order=torch.arange(nnz, device=dev),
+        pred=none,
+        flat=none,
+    )
+
+
+def _attend(q, k, v, mask, dropout: float, scale: float | None, eager: bool) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v for (R, H, W, D) q and (R, H, W', D) k/v, a boolean
+    (R, 1, W, W') mask; `eager` spells it out (the model's own choice, e.g. bf16 on CPU, where
+    PyTorch's SDPA backward is slow), else torch's scaled_dot_product_attention."""
+    if not eager:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = F.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p=dropout, training=dropout > 0)
+    return torch.matmul(probs, v)
+
+
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Registered as ``ATTN_NAME``: q (1, H, N, D), k/v (1, KV, N, D) of the packed row ->
     (1, N, H, D); the layout comes in ``kwargs[LAYOUT_KWARG]`` (the model's forward passes its
     extra keyword arguments down to attention)."""
     layout: PrefixGroupLayout | None = kwargs.get(LAYOUT_KWARG)
     if layout is None:
-        raise RuntimeError(
+        raise LayoutNotPassed(
             f"{type(module).__name__} did not pass the prefix layout to its attention function (its "
             "forward drops extra keyword arguments); set actor.use_prefix_grouper=false for this model"
         )
@@ -189,20 +248,17 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         rep = q.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
     drop = dropout if module.training else 0.0
+    eager = getattr(getattr(module, "config", None), INNER_ATTR, "sdpa") == "eager"
 
     def take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # (H, N, D) -> (R, H, W, D)
         return x[:, idx].transpose(0, 1)
 
     kp, vp = take(k, layout.pre_idx), take(v, layout.pre_idx)
-    out_p = F.scaled_dot_product_attention(
-        take(q, layout.pre_idx), kp, vp, attn_mask=layout.prefix_mask, dropout_p=drop, scale=scaling
-    )
+    out_p = _attend(take(q, layout.pre_idx), kp, vp, layout.prefix_mask, drop, scaling, eager)
     g = layout.row_group
     ks = torch.cat([kp[g], take(k, layout.suf_idx)], dim=2)
     vs = torch.cat([vp[g], take(v, layout.suf_idx)], dim=2)
-    out_s = F.scaled_dot_product_attention(
-        take(q, layout.suf_idx), ks, vs, attn_mask=layout.suffix_mask, dropout_p=drop, scale=scaling
-    )
+    out_s = _attend(take(q, layout.suf_idx), ks, vs, layout.suffix_mask, drop, scaling, eager)
     # (R, H, W, D) -> the valid (n, H, D) rows, back in packed order
     rows = torch.cat([out_p.transpose(1, 2)[layout.pre_valid], out_s.transpose(1, 2)[layout.suf_valid]])
     return rows[layout.order][None], None
@@ -230,10 +286,12 @@ def prefix_grouped(module: nn.Module) -> Iterator[None]:
     before = [c._attn_implementation for c in configs]
     if ATTN_NAME in before:
         raise RuntimeError("prefix_grouped: the model's attention is already grouped (nested call)")
-    for c in configs:
+    for c, name in zip(configs, before):
+        setattr(c, INNER_ATTR, name)
         c._attn_implementation = ATTN_NAME
     try:
         yield
     finally:
         for c, name in zip(configs, before):
             c._attn_implementation = name
+            delattr(c, INNER_ATTR)

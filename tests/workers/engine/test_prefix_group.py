@@ -132,3 +132,74 @@ def test_refused_with_sequence_parallelism(model):
 
     with pytest.raises(ValueError, match="use_prefix_grouper does not combine with Ulysses"):
         forward.forward_log_probs(model, grouped_batch(), prefix_group=True, sp=SPGroup(None, 0, 2))
+
+
+# ---- the plain packed path (use_remove_padding) attends sequence by sequence --------------------
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """Counts the calls of the grouped attention (the real function runs)."""
+    import hybridrl.workers.engine.prefix_group as pg
+
+    n = {"calls": 0}
+    real = pg.grouped_attention
+
+    def counting(*args, **kwargs):
+        n["calls"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pg, "grouped_attention", counting)
+    return n
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_packed_forward_attends_per_sequence_and_equals_the_padded_one(model, impl, attention_calls):
+    from tests.workers.fsdp_testkit import make_batch
+
+    model.config._attn_implementation = impl
+    try:
+        batch = make_batch(5, prompt_len=7, response_len=6, seed=4)
+        outs = {}
+        for packed in (False, True):
+            model.zero_grad()
+            lp, ent = forward.forward_log_probs(
+                model, batch, use_remove_padding=packed, calculate_entropy=True
+            )
+            mask = batch["response_mask"].bool()
+            ((lp + 0.1 * ent) * mask).sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            outs[packed] = (lp[mask], ent[mask], grads)
+            assert (attention_calls["calls"] > 0) == packed  # the packed row went through it
+    finally:
+        model.config._attn_implementation = "sdpa"
+    for a, b in zip(outs[False][:2], outs[True][:2]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    for name, g in outs[False][2].items():
+        torch.testing.assert_close(outs[True][2][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+class DropsKwargs(torch.nn.Module):
+    """A causal LM whose forward does not pass extra keyword arguments on (as some remote-code
+    models): the packed path falls back to transformers' block-diagonal mask."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, use_cache=False, **_):
+        return self.inner(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=use_cache
+        )
+
+
+def test_packed_forward_of_a_model_that_drops_kwargs_falls_back(model):
+    from tests.workers.fsdp_testkit import make_batch
+
+    batch = make_batch(3, seed=6)
+    wrapped = DropsKwargs(model)
+    lp_packed, _ = forward.forward_log_probs(wrapped, batch, use_remove_padding=True, fused=False)
+    lp_padded, _ = forward.forward_log_probs(wrapped, batch, use_remove_padding=False, fused=False)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(lp_packed[mask], lp_padded[mask], atol=1e-5, rtol=1e-5)
+    assert DropsKwargs in forward._NO_SEQUENCE_WISE
+    with pytest.raises(RuntimeError, match="set actor.use_prefix_grouper=false"):
+        forward.forward_log_probs(wrapped, grouped_batch(), prefix_group=True, fused=False)
