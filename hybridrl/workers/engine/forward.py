@@ -100,7 +100,7 @@ def _run(
                     input_ids=packed.input_ids,
                     position_ids=packed.position_ids,
                     use_cache=False,
-                    **{LAYOUT_KWARG: sequence_layout(packed.cu_seqlens)},
+                    **{LAYOUT_KWARG: sequence_layout(packed.seq_lens)},
                 )
             return out, packed
         except LayoutNotPassed:  # this model's forward drops extra kwargs: the block mask below

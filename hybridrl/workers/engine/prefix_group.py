@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,57 +59,35 @@ class LayoutNotPassed(RuntimeError):
 class PrefixGroupLayout:
     """Where each token of a micro-batch sits in the shared-prompt packed row.
 
-    input_ids / position_ids: (1, N). pre_idx (G, Pm) / suf_idx (B, Tm): packed index of each
-    group's prompt tokens / each row's response tokens (valid first, 0 where padded, see
-    pre_valid / suf_valid); row_group (B,): the group of each row. prefix_mask (G, 1, Pm, Pm) /
-    suffix_mask (B, 1, Tm, Pm + Tm): the boolean attention masks (True = attend). order (N,):
-    the permutation that puts [prompt outputs; response outputs] back in packed order.
-    pred / flat (K,): packed positions predicting the valid response tokens and their indices
-    in the flattened (B, T) response layout (as `forward.response_positions`).
+    The row is a sequence of segments: for each group its prompt, then its rows' responses.
+    input_ids / position_ids: (1, N) (empty for `sequence_layout`, which reuses a packed row's
+    own). lengths: the tokens of each segment, in row order (they sum to N). prompt_of: for each
+    segment, -1 for a prompt, else the index of its group's prompt segment. pred / flat (K,):
+    packed positions predicting the valid response tokens and their indices in the flattened
+    (B, T) response layout (as `forward.response_positions`). num_groups: G.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    pre_idx: torch.Tensor
-    pre_valid: torch.Tensor
-    suf_idx: torch.Tensor
-    suf_valid: torch.Tensor
-    row_group: torch.Tensor
-    prefix_mask: torch.Tensor
-    suffix_mask: torch.Tensor
-    order: torch.Tensor
+    lengths: list[int]
+    prompt_of: list[int]
     pred: torch.Tensor
     flat: torch.Tensor
-
-    @property
-    def num_groups(self) -> int:
-        return int(self.pre_idx.shape[0])
+    num_groups: int
+    _masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[-1])
+        return sum(self.lengths)
 
-
-def _padded(rows: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack 1-D index tensors into (len(rows), longest) with zeros after each row, and its mask."""
-    width = max(1, max(r.numel() for r in rows))
-    out = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
-        valid[i, : r.numel()] = True
-    return out, valid
-
-
-def _masks(pre_valid: torch.Tensor, suf_valid: torch.Tensor, row_group: torch.Tensor):
-    """(prefix_mask (G, 1, Pm, Pm), suffix_mask (B, 1, Tm, Pm + Tm)): causal over valid keys."""
-    pm, tm = pre_valid.shape[1], suf_valid.shape[1]
-    causal_p = torch.ones(pm, pm, dtype=torch.bool, device=pre_valid.device).tril()
-    prefix = causal_p[None] & pre_valid[:, None, :]
-    causal_s = torch.ones(tm, tm, dtype=torch.bool, device=suf_valid.device).tril()
-    to_prompt = pre_valid[row_group][:, None, :].expand(-1, tm, -1)
-    to_self = causal_s[None] & suf_valid[:, None, :]
-    return prefix[:, None], torch.cat([to_prompt, to_self], dim=-1)[:, None]
+    def response_mask(self, length: int, prompt: int, device: torch.device) -> torch.Tensor:
+        """(length, prompt + length) bool: a response token sees the prompt and its own past."""
+        key = (length, prompt, str(device))
+        if key not in self._masks:
+            self._masks[key] = torch.ones(length, prompt + length, dtype=torch.bool, device=device).tril(
+                prompt
+            )
+        return self._masks[key]
 
 
 def build_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, t: int) -> PrefixGroupLayout:
@@ -131,98 +109,74 @@ def build_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, t
         raise ValueError("a row has an empty prompt (attention_mask all 0 over the prompt); drop it first")
     prompt_key = torch.where(mask[:, :p], input_ids[:, :p], -1)
     _, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
-    first: dict[int, int] = {}
+    groups: dict[int, list[int]] = {}
     for row, key in enumerate(inverse.tolist()):
-        first.setdefault(key, row)
-    group_of = {key: g for g, key in enumerate(sorted(first, key=first.get))}
-    row_group = torch.tensor([group_of[k] for k in inverse.tolist()], dtype=torch.long, device=dev)
+        groups.setdefault(key, []).append(row)  # dicts keep the order of first appearance
 
     where = torch.full((b, s), -1, dtype=torch.long, device=dev)  # (row, column) -> packed index
-    ids, pos, pre_rows, suf_rows = [], [], [], []
+    ids, pos, lengths, prompt_of = [], [], [], []
     cursor = 0
-    for g in range(len(first)):
-        rows = (row_group == g).nonzero().squeeze(-1).tolist()
+    for rows in groups.values():
         cols = mask[rows[0], :p].nonzero().squeeze(-1)
         lp = cols.numel()
-        here = torch.arange(cursor, cursor + lp, device=dev)
-        pre_rows.append(here)
+        where[torch.tensor(rows, device=dev)[:, None], cols[None]] = torch.arange(
+            cursor, cursor + lp, device=dev
+        )
         ids.append(input_ids[rows[0], cols])
         pos.append(torch.arange(lp, device=dev))
-        where[torch.tensor(rows, device=dev)[:, None], cols[None]] = here
+        prompt_seg = len(lengths)
+        lengths.append(lp)
+        prompt_of.append(-1)
         cursor += lp
         for row in rows:
             rcols = mask[row, p:].nonzero().squeeze(-1)
-            here = torch.arange(cursor, cursor + rcols.numel(), device=dev)
-            suf_rows.append((row, here))
+            n = rcols.numel()
+            where[row, p + rcols] = torch.arange(cursor, cursor + n, device=dev)
             ids.append(input_ids[row, p + rcols])
-            pos.append(lp + torch.arange(rcols.numel(), device=dev))
-            where[row, p + rcols] = here
-            cursor += rcols.numel()
-    suf_rows.sort(key=lambda item: item[0])
-    pre_idx, pre_valid = _padded(pre_rows, dev)
-    suf_idx, suf_valid = _padded([idx for _, idx in suf_rows], dev)
-    prefix_mask, suffix_mask = _masks(pre_valid, suf_valid, row_group)
-    order = torch.empty(cursor, dtype=torch.long, device=dev)
-    order[torch.cat([pre_idx[pre_valid], suf_idx[suf_valid]])] = torch.arange(cursor, device=dev)
+            pos.append(lp + torch.arange(n, device=dev))
+            lengths.append(n)
+            prompt_of.append(prompt_seg)
+            cursor += n
     pred = where[:, -t - 1 : -1]
     valid = mask[:, -t:] & (pred >= 0)
     flat = valid.reshape(-1).nonzero().squeeze(-1)
     return PrefixGroupLayout(
         input_ids=torch.cat(ids)[None],
         position_ids=torch.cat(pos)[None],
-        pre_idx=pre_idx,
-        pre_valid=pre_valid,
-        suf_idx=suf_idx,
-        suf_valid=suf_valid,
-        row_group=row_group,
-        prefix_mask=prefix_mask,
-        suffix_mask=suffix_mask,
-        order=order,
+        lengths=lengths,
+        prompt_of=prompt_of,
         pred=pred.reshape(-1)[flat],
         flat=flat,
+        num_groups=len(groups),
     )
 
 
-def sequence_layout(cu_seqlens: torch.Tensor) -> PrefixGroupLayout:
-    """The layout of a plain packed row (`pack_sequences`): every sequence a group of its own with
-    no response part, so `grouped_attention` attends within each sequence: B x Lmax^2 work instead
-    of the nnz^2 of a block-diagonal mask over the whole row.
+def sequence_layout(seq_lens: torch.Tensor) -> PrefixGroupLayout:
+    """The layout of a plain packed row (`pack_sequences`): every sequence a prompt segment with
+    no response, so `grouped_attention` attends within each sequence (causal), B x L^2 work
+    instead of the nnz^2 of a block-diagonal mask over the whole row.
 
     Args:
-        cu_seqlens: (B + 1,) cumulative sequence lengths of the packed row.
+        seq_lens: (B,) the packed row's sequence lengths.
     """
-    dev = cu_seqlens.device
-    starts, ends = cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()
-    pre_idx, pre_valid = _padded([torch.arange(a, b, device=dev) for a, b in zip(starts, ends)], dev)
-    b = len(starts)
-    suf_idx = torch.zeros(b, 1, dtype=torch.long, device=dev)
-    suf_valid = torch.zeros(b, 1, dtype=torch.bool, device=dev)
-    row_group = torch.arange(b, device=dev)
-    prefix_mask, suffix_mask = _masks(pre_valid, suf_valid, row_group)
-    none = torch.zeros(0, dtype=torch.long, device=dev)
-    nnz = int(ends[-1]) if ends else 0
-    return PrefixGroupLayout(
-        input_ids=none[None],
-        position_ids=none[None],
-        pre_idx=pre_idx,
-        pre_valid=pre_valid,
-        suf_idx=suf_idx,
-        suf_valid=suf_valid,
-        row_group=row_group,
-        prefix_mask=prefix_mask,
-        suffix_mask=suffix_mask,
-        order=torch.arange(nnz, device=dev),
-        pred=none,
-        flat=none,
-    )
+    lengths = [int(n) for n in seq_lens.tolist()]
+    none = torch.zeros(0, dtype=torch.long, device=seq_lens.device)
+    return PrefixGroupLayout(none[None], none[None], lengths, [-1] * len(lengths), none, none, len(lengths))
 
 
 def _attend(q, k, v, mask, dropout: float, scale: float | None, eager: bool) -> torch.Tensor:
-    """softmax(q k^T * scale, masked) v for (R, H, W, D) q and (R, H, W', D) k/v, a boolean
-    (R, 1, W, W') mask; `eager` spells it out (the model's own choice, e.g. bf16 on CPU, where
-    PyTorch's SDPA backward is slow), else torch's scaled_dot_product_attention."""
+    """softmax(q k^T * scale) v for q (H, Lq, D), k/v (KV, Lk, D): causal when `mask` is None,
+    else the boolean (Lq, Lk) mask; `eager` spells it out (the model's own choice, e.g. bf16 on
+    CPU, where PyTorch's SDPA backward is slow), else torch's scaled_dot_product_attention."""
     if not eager:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=scale, enable_gqa=True
+        )
+    if k.shape[0] != q.shape[0]:  # grouped-query attention: one K/V head per group of query heads
+        rep = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+    if mask is None:
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = F.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p=dropout, training=dropout > 0)
@@ -232,7 +186,8 @@ def _attend(q, k, v, mask, dropout: float, scale: float | None, eager: bool) -> 
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Registered as ``ATTN_NAME``: q (1, H, N, D), k/v (1, KV, N, D) of the packed row ->
     (1, N, H, D); the layout comes in ``kwargs[LAYOUT_KWARG]`` (the model's forward passes its
-    extra keyword arguments down to attention)."""
+    extra keyword arguments down to attention). Segments are views of the row (`split`), so the
+    backward is one concatenation, with no scatter."""
     layout: PrefixGroupLayout | None = kwargs.get(LAYOUT_KWARG)
     if layout is None:
         raise LayoutNotPassed(
@@ -243,25 +198,21 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         raise ValueError(
             "actor.use_prefix_grouper does not support sliding-window attention; set it to false"
         )
-    q, k, v = query[0], key[0], value[0]  # (H, N, D), (KV, N, D)
-    if k.shape[0] != q.shape[0]:  # grouped-query attention: one K/V head per group of query heads
-        rep = q.shape[0] // k.shape[0]
-        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
     drop = dropout if module.training else 0.0
     eager = getattr(getattr(module, "config", None), INNER_ATTR, "sdpa") == "eager"
-
-    def take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # (H, N, D) -> (R, H, W, D)
-        return x[:, idx].transpose(0, 1)
-
-    kp, vp = take(k, layout.pre_idx), take(v, layout.pre_idx)
-    out_p = _attend(take(q, layout.pre_idx), kp, vp, layout.prefix_mask, drop, scaling, eager)
-    g = layout.row_group
-    ks = torch.cat([kp[g], take(k, layout.suf_idx)], dim=2)
-    vs = torch.cat([vp[g], take(v, layout.suf_idx)], dim=2)
-    out_s = _attend(take(q, layout.suf_idx), ks, vs, layout.suffix_mask, drop, scaling, eager)
-    # (R, H, W, D) -> the valid (n, H, D) rows, back in packed order
-    rows = torch.cat([out_p.transpose(1, 2)[layout.pre_valid], out_s.transpose(1, 2)[layout.suf_valid]])
-    return rows[layout.order][None], None
+    qs, ks, vs = (x[0].split(layout.lengths, dim=1) for x in (query, key, value))
+    outs = []
+    for i, (q, k, v) in enumerate(zip(qs, ks, vs)):
+        p = layout.prompt_of[i]
+        if q.shape[1] == 0:
+            outs.append(q)
+        elif p < 0:  # a prompt (or a whole sequence): causal within itself
+            outs.append(_attend(q, k, v, None, drop, scaling, eager))
+        else:  # a response: its group's prompt, then causal within itself
+            mask = layout.response_mask(q.shape[1], ks[p].shape[1], q.device)
+            kk, vv = torch.cat([ks[p], k], dim=1), torch.cat([vs[p], v], dim=1)
+            outs.append(_attend(q, kk, vv, mask, drop, scaling, eager))
+    return torch.cat(outs, dim=1).transpose(0, 1)[None], None
 
 
 def _configs(module: nn.Module) -> list[Any]:

@@ -116,15 +116,15 @@ def test_layout_counts_each_prompt_once():
     layout = build_prefix_layout(batch["input_ids"], batch["attention_mask"], t=6)
     assert layout.num_groups == 3
     mask = batch["attention_mask"]
-    prompt_tokens = mask[:, :7].sum(-1)
-    response_tokens = mask[:, 7:].sum(-1)
-    plain = int(mask.sum())
-    shared = plain - sum(int(prompt_tokens[layout.row_group == g][0]) * (int((layout.row_group == g).sum()) - 1)
-                         for g in range(3))  # fmt: skip
-    assert layout.num_tokens == shared < plain
-    assert layout.pred.numel() == int(response_tokens.sum())
-    # every packed token appears once in the [prompts; responses] order
-    assert sorted(layout.order.tolist()) == list(range(layout.num_tokens))
+    prompt_tokens = mask[:, :7].sum(-1)  # per row
+    # three prompt segments, each followed by its rows' responses (one of them empty)
+    prompts = [i for i, p in enumerate(layout.prompt_of) if p < 0]
+    assert len(prompts) == 3 and len(layout.lengths) == 3 + 6
+    assert sorted(layout.lengths[i] for i in prompts) == sorted({int(n) for n in prompt_tokens})
+    responses = sorted(n for n, p in zip(layout.lengths, layout.prompt_of) if p >= 0)
+    assert responses == sorted(int(n) for n in mask[:, 7:].sum(-1))
+    assert layout.num_tokens == layout.input_ids.shape[-1] < int(mask.sum())
+    assert layout.pred.numel() == int(mask[:, 7:].sum())
 
 
 def test_refused_with_sequence_parallelism(model):
