@@ -1,17 +1,23 @@
 """Decode-step GEMMs on CPU: F.linear vs the weight-first form vs oneDNN, over the row count M.
 
-One "step" runs every linear layer of the real-vocabulary ~100M Qwen2 (bench/real_model.py: 12
-layers of hidden 768, 4 KV heads of 64, MLP 2048, 32k head) once on an (M, in) float32 input,
-each layer with its own weights (as in the model: they do not stay in cache). Formulations:
+Step mode (default): one "step" runs every linear layer of the real-vocabulary ~100M Qwen2
+(bench/real_model.py: 12 layers of hidden 768, 4 KV heads of 64, MLP 2048, 32k head) once on an
+(M, in) float32 input, each layer with its own weights (as in the model: they do not stay in
+cache). Formulations:
 
 - `linear`: F.linear(x, W, b) (what nn.Linear runs);
-- `wfirst`: (W @ x^T)^T made contiguous (hybridrl/workers/rollout/cpu_gemm.py);
+- `wfirst`: (W @ x^T)^T made contiguous (hybridrl/workers/rollout/cpu_gemm.py) in every layer;
+- `rule`: what the HF rollout runs: `wfirst` where `decode_gemm_applies` (rows, weight size,
+  threads), else `linear`;
 - `onednn`: torch.ops.mkldnn._linear_pointwise on the dense weight (torch's own oneDNN).
 
-The formulations alternate within each round (A B C A B C ...), and the table prints the median
-ms per step and the ratios to `linear`, with the load average. Usage:
+`--per-shape`: one layer shape at a time (enough copies of the weight to leave the cache),
+F.linear / wfirst time per shape and M: the table the rule's weight-size bound comes from.
 
-    python bench/cpu_gemm.py [--threads 2] [--rows 1,4,16,64,256,1024] [--rounds 5]
+The formulations alternate within each round (A B C A B C ...); the tables print the median ms
+(or us) and the ratios to `linear`, with the load average. Usage:
+
+    python bench/cpu_gemm.py [--threads 2] [--rows 1,4,16,64,256,1024] [--rounds 5] [--per-shape]
 """
 
 from __future__ import annotations
@@ -24,7 +30,11 @@ import torch
 import torch.nn.functional as F
 from _common import load_average, print_header, print_table
 
-from hybridrl.workers.rollout.cpu_gemm import linear_weight_first
+from hybridrl.workers.rollout.cpu_gemm import (
+    DEFAULT_DECODE_GEMM_MAX_ROWS,
+    decode_gemm_applies,
+    linear_weight_first,
+)
 
 HIDDEN, KV, MLP, LAYERS, VOCAB = 768, 256, 2048, 12, 32768
 
@@ -47,7 +57,40 @@ def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> t
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
-FORMS = {"linear": F.linear, "wfirst": linear_weight_first, "onednn": onednn_linear}
+def rule_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    if decode_gemm_applies(x, w, DEFAULT_DECODE_GEMM_MAX_ROWS):
+        return linear_weight_first(x, w, b)
+    return F.linear(x, w, b)
+
+
+FORMS = {"linear": F.linear, "wfirst": linear_weight_first, "rule": rule_linear, "onednn": onednn_linear}
+SHAPES = [(256, 256), (704, 256), (512, 512), (1408, 512), (768, 768), (2048, 768), (768, 2048), (8192, 512)]
+SHAPES += [(VOCAB, HIDDEN)]
+
+
+def per_shape_table(rows: list[int], rounds: int) -> None:
+    """us per call of F.linear and wfirst for each (out, in) of SHAPES and M of `rows`."""
+    table = []
+    for out_f, in_f in SHAPES:
+        copies = max(1, (32 << 20) // (out_f * in_f * 4))  # > 32 MiB of weights: out of cache
+        ws = [torch.randn(out_f, in_f) for _ in range(copies)]
+        cells = [f"{out_f}x{in_f}"]
+        for m in rows:
+            x = torch.randn(m, in_f)
+            reps = max(1, 20_000_000 // (out_f * in_f * max(m, 16)))
+            times: dict[str, list[float]] = {"linear": [], "wfirst": []}
+            for _ in range(rounds):
+                for name in times:
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        for w in ws:
+                            FORMS[name](x, w, None)
+                    times[name].append((time.perf_counter() - t0) / reps / copies * 1e6)
+            lin, wf = statistics.median(times["linear"]), statistics.median(times["wfirst"])
+            cells.append(f"{lin:.0f} / {wf:.0f} = {lin / wf:.2f}x")
+        table.append(cells)
+    print("us per call, F.linear / wfirst = speed-up of wfirst")
+    print_table(["out x in"] + [f"M={m}" for m in rows], table)
 
 
 def step_ms(form, weights, xs: dict[int, torch.Tensor], inner: int) -> float:
@@ -89,10 +132,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="1,4,8,16,32,64,128,256,512,1024")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--forms", default="linear,wfirst,onednn")
+    parser.add_argument("--forms", default="linear,wfirst,rule,onednn")
+    parser.add_argument("--per-shape", action="store_true", help="one layer shape at a time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print_header(f"decode GEMMs, {torch.get_num_threads()} thread(s), float32")
+    if args.per_shape:
+        per_shape_table([int(r) for r in args.rows.split(",")], args.rounds)
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in load_average())}")
+        return
     torch.manual_seed(0)
     weights = [
         (torch.randn(o, i) * 0.02, torch.randn(o) * 0.02 if bias else None) for o, i, bias in layer_shapes()

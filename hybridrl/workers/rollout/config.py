@@ -26,10 +26,11 @@ Notes on a few keys:
 - `log_prob_micro_batch_size`: veRL's deprecated global size, converted to
   `log_prob_micro_batch_size_per_gpu` (divided by the number of ranks) with a warning.
 - `hf_decode_gemm_max_rows` (hybridrl, HF engine only): on CPU in float32, each linear layer of
-  the rollout's model copy whose input has at most this many rows (decode steps: one per row of
-  the micro-batch) computes x @ W^T as (W @ x^T)^T, which MKL runs up to ~2x faster at small row
-  counts on the 2-core CPU machines (bench/cpu_gemm.py); more rows (prefill) and other devices
-  or dtypes stay on F.linear. 0 turns it off. Same numbers up to float rounding.
+  the rollout's model copy whose input has 2..this many rows (decode steps: one per row of the
+  micro-batch) and whose weight is large enough (>= 2**19 elements with 2+ threads, >= 2**22 with
+  one) computes x @ W^T as (W @ x^T)^T, which MKL runs 1.1-2.8x faster there on the 2-core CPU
+  machines (workers/rollout/cpu_gemm.py, bench/cpu_gemm.py); prefill, other devices and dtypes
+  stay on F.linear. 0 turns it off. Same numbers up to float rounding.
 - `gpu_memory_utilization`: vLLM / SGLang GPU memory fraction. On vLLM's CPU backend the KV
   cache size comes from `VLLM_CPU_KVCACHE_SPACE` or `engine_kwargs.vllm.kv_cache_memory_bytes`
   (if neither is set the engine sizes it for max_num_seqs x max_model_len, within bounds).

@@ -16,7 +16,9 @@ from hybridrl.workers.rollout.cpu_gemm import (
     install_decode_gemm,
     linear_rows,
     linear_weight_first,
+    min_weight_numel,
     uninstall_decode_gemm,
+    use_weight_first,
 )
 
 TEXTS = ["12+34=", "7+1=", "abc", "9"]
@@ -47,12 +49,30 @@ def test_weight_first_accepts_a_non_contiguous_input():
 def test_dispatch_by_rows_device_and_dtype():
     w = torch.zeros(8, 16)
     assert linear_rows(torch.zeros(4, 3, 16), 16) == 12
-    assert decode_gemm_applies(torch.zeros(4, 3, 16), w, max_rows=12)
-    assert not decode_gemm_applies(torch.zeros(4, 3, 16), w, max_rows=11)
-    assert not decode_gemm_applies(torch.zeros(2, 16, dtype=torch.bfloat16), w.bfloat16(), 64)
-    assert not decode_gemm_applies(torch.zeros(2, 16, dtype=torch.float64), w.double(), 64)
-    assert not decode_gemm_applies(torch.zeros(2, 16), w, max_rows=0)
-    assert not decode_gemm_applies(torch.zeros(2, 16, device="meta"), w.to("meta"), 64)
+    assert decode_gemm_applies(torch.zeros(4, 3, 16), w, max_rows=12, min_numel=0)
+    assert not decode_gemm_applies(torch.zeros(4, 3, 16), w, max_rows=11, min_numel=0)
+    assert not decode_gemm_applies(torch.zeros(1, 16), w, max_rows=64, min_numel=0)  # a GEMV
+    assert not decode_gemm_applies(torch.zeros(2, 16), w, max_rows=64, min_numel=129)  # 128 elements
+    assert not decode_gemm_applies(torch.zeros(2, 16, dtype=torch.bfloat16), w.bfloat16(), 64, 0)
+    assert not decode_gemm_applies(torch.zeros(2, 16, dtype=torch.float64), w.double(), 64, 0)
+    assert not decode_gemm_applies(torch.zeros(2, 16), w, max_rows=0, min_numel=0)
+    assert not decode_gemm_applies(torch.zeros(2, 16, device="meta"), w.to("meta"), 64, 0)
+
+
+def test_default_weight_size_bound_follows_the_thread_count():
+    assert min_weight_numel(1) == 1 << 22 and min_weight_numel(2) == min_weight_numel(16) == 1 << 19
+    assert use_weight_first(16, 1 << 19, max_rows=128, min_numel=1 << 19)
+    assert not use_weight_first(16, (1 << 19) - 1, max_rows=128, min_numel=1 << 19)
+    mlp, head, x = torch.empty(2048, 768), torch.empty(32768, 768), torch.zeros(16, 768)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert decode_gemm_applies(x, head, 128) and not decode_gemm_applies(x, mlp, 128)
+        torch.set_num_threads(2)
+        assert decode_gemm_applies(x, head, 128) and decode_gemm_applies(x, mlp, 128)
+        assert not decode_gemm_applies(x, torch.empty(512, 512), 128)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _layer_pair(bias: bool):
@@ -60,7 +80,7 @@ def _layer_pair(bias: bool):
     plain = nn.Linear(32, 20, bias=bias)
     patched = nn.Linear(32, 20, bias=bias)
     patched.load_state_dict(plain.state_dict())
-    assert install_decode_gemm(patched, max_rows=6) == 1
+    assert install_decode_gemm(patched, max_rows=6, min_numel=0) == 1
     return plain, patched
 
 
@@ -77,7 +97,7 @@ def test_patched_layer_keeps_its_parameters_grads_and_can_be_undone():
     plain, patched = _layer_pair(bias=True)
     weight = patched.weight
     assert isinstance(patched, nn.Linear) and type(patched) is DecodeGemmLinear
-    assert "decode_gemm_max_rows=6" in repr(patched)
+    assert "decode_gemm_max_rows=6, decode_gemm_min_numel=0" in repr(patched)
     assert list(patched.state_dict()) == ["weight", "bias"] and patched.weight is weight
     x = torch.randn(3, 32)
     patched(x).sum().backward()  # autograd works through the weight-first form too
@@ -127,6 +147,12 @@ def _count_decode_layers(model) -> int:
     return sum(type(m) is DecodeGemmLinear for m in model.modules())
 
 
+def _forced(rollout):
+    """The tiny model's weights are below the default size bound: use the form in every layer."""
+    assert install_decode_gemm(rollout.model, rollout.config.hf_decode_gemm_max_rows, min_numel=0) == 15
+    return rollout
+
+
 def test_rollout_installs_the_decode_gemm_only_when_enabled(tiny_model_dir, tokenizer):
     on = create_rollout(_cfg(), tiny_model_dir, tokenizer, device="cpu")
     # 2 layers x (q, k, v, o, gate, up, down) + the tied lm_head
@@ -143,16 +169,21 @@ def test_rollout_installs_the_decode_gemm_only_when_enabled(tiny_model_dir, toke
 def test_rollout_greedy_equals_plain_generate_after_sync(tiny_model_dir, tokenizer, source_model):
     """Greedy tokens equal plain model.generate on the synced weights, and differ before the sync."""
     prompts = make_prompts(tokenizer, TEXTS, {"validate": True})
-    rollout = create_rollout(_cfg(ignore_eos=True), tiny_model_dir, tokenizer, device="cpu")
-    assert _count_decode_layers(rollout.model) > 0
+    rollout = _forced(create_rollout(_cfg(ignore_eos=True), tiny_model_dir, tokenizer, device="cpu"))
     before = rollout.generate_sequences(prompts).batch["responses"]
     sync_weights(rollout, source_model.state_dict().items())
     rows: list[int] = []
-    hook = rollout.model.lm_head.register_forward_pre_hook(lambda m, a: rows.append(linear_rows(a[0], 128)))
+
+    def record(layer, args):  # rows of each head call that took the weight-first form
+        x = args[0]
+        if decode_gemm_applies(x, layer.weight, layer.decode_gemm_max_rows, layer.decode_gemm_min_numel):
+            rows.append(linear_rows(x, layer.in_features))
+
+    hook = rollout.model.lm_head.register_forward_pre_hook(record)
     after = rollout.generate_sequences(prompts).batch["responses"]
     hook.remove()
     # the decode steps ran the weight-first form: one head call of 4 rows per new token
-    assert rows.count(len(TEXTS)) >= T - 1 and max(rows) <= rollout.config.hf_decode_gemm_max_rows
+    assert rows == [len(TEXTS)] * T
     want = _plain_generate(source_model, prompts, do_sample=False)
     assert type(source_model.lm_head) is nn.Linear  # the source (training) model is untouched
     assert torch.equal(after, want)
@@ -165,14 +196,14 @@ def test_rollout_greedy_equals_plain_generate_after_sync(tiny_model_dir, tokeniz
 def test_rollout_sampling_is_reproducible_and_matches_plain(tiny_model_dir, tokenizer, source_model):
     prompts = make_prompts(tokenizer, TEXTS)
     state = source_model.state_dict().items()
-    on = create_rollout(_cfg(ignore_eos=True, seed=7), tiny_model_dir, tokenizer, device="cpu")
+    on = _forced(create_rollout(_cfg(ignore_eos=True, seed=7), tiny_model_dir, tokenizer, device="cpu"))
     off = create_rollout(
         _cfg(ignore_eos=True, seed=7, hf_decode_gemm_max_rows=0), tiny_model_dir, tokenizer, device="cpu"
     )
     sync_weights(on, state)
     sync_weights(off, state)
     a = on.generate_sequences(prompts).batch["responses"]
-    again = create_rollout(_cfg(ignore_eos=True, seed=7), tiny_model_dir, tokenizer, device="cpu")
+    again = _forced(create_rollout(_cfg(ignore_eos=True, seed=7), tiny_model_dir, tokenizer, device="cpu"))
     sync_weights(again, state)
     assert torch.equal(again.generate_sequences(prompts).batch["responses"], a)
     # same seed, plain layers: the tiny model's peaked distributions give the same samples
