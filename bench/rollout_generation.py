@@ -55,7 +55,7 @@ MODEL_SIZES = {
         num_hidden_layers=12,
         num_attention_heads=10,
     ),
-    # bench/real_model.py's ~100M Qwen2: 12 layers of hidden 768, 4 KV heads, MLP 2048, 32k vocab
+    # bench/real_model.py's real-vocabulary workload: 32k vocabulary, 12 layers of 768, GQA 12/4
     "real100m": dict(
         vocab_size=32768,
         hidden_size=768,

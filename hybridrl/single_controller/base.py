@@ -188,6 +188,11 @@ class Worker:
     def rank(self) -> int:
         return _env_int("RANK", 0)
 
+    def close(self) -> None:
+        """Release what must go before this process's process group does (e.g. a rollout engine
+        that tears down its own distributed state). The in-process backend calls it on shutdown;
+        a Ray worker's process simply ends. Default: nothing."""
+
     # ---- named device meshes -------------------------------------------------------------------
     def set_mesh(self, name: str, layout: MeshLayout) -> MeshCoord:
         """Declare this worker's place in the mesh ``name`` (e.g. "actor", "rollout"); methods

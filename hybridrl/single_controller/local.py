@@ -199,7 +199,9 @@ class LocalWorkerGroup(WorkerGroup):
         """Drop the worker, destroy the process group it created and restore the environment."""
         import torch.distributed as dist
 
-        self._worker = None
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         for key, value in self._saved_env.items():

@@ -93,6 +93,7 @@ class PPOActor(MicroBatchedRole):
             sp=self.sp,
             fused=self.use_fused_kernels,
             compile_kernels=c.use_torch_compile,
+            prefix_group=c.use_prefix_grouper,
         )
 
     def compute_log_prob(

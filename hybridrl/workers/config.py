@@ -243,6 +243,12 @@ class ActorConfig:
     old log-probs before the update: no KL in the reward, no rollout importance sampling), the
     trainer skips the separate old-log-prob forward and the update uses the detached log-probs of
     its own forward, which are the same numbers. False always runs the separate pass.
+
+    use_prefix_grouper: rows of a micro-batch with the same prompt (a GRPO group) share one
+    forward of it in the old-log-prob and update passes (engine/prefix_group.py): the prompt's
+    tokens are computed once per group instead of once per row, with the same numbers. Works
+    with the packed and the padded layout and the fused head (veRL refuses those with it); not
+    with Ulysses SP or Megatron. The reference keeps the plain forward (veRL's ref has no key).
     """
 
     strategy: str = "fsdp"
@@ -271,6 +277,7 @@ class ActorConfig:
     entropy_checkpointing: bool = False
     calculate_sum_pi_squared: bool = False
     skip_on_policy_old_log_prob: bool = True
+    use_prefix_grouper: bool = False
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)

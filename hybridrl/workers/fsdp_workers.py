@@ -143,6 +143,13 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         if self._is_rollout:
             self._build_rollout(model_path)
 
+    def close(self) -> None:
+        """Shut the rollout engine down (vLLM/SGLang tear down their distributed state) while
+        the process group still exists."""
+        rollout, self.rollout = self.rollout, None
+        if rollout is not None:
+            rollout.shutdown()
+
     def _declare_training_mesh(self) -> None:
         """The FSDP actor's mesh ("actor", also used by the reference): every rank data-parallel,
         or dp x sp with Ulysses sequence parallelism."""

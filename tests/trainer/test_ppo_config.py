@@ -63,6 +63,19 @@ def test_unknown_key_names_the_key_and_suggests():
         ),
         (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
         (["reward_model.enable=true"], "reward_model.model.path"),
+        (
+            ["actor_rollout_ref.actor.use_prefix_grouper=true", "actor_rollout_ref.actor.strategy=megatron"],
+            "use_prefix_grouper=True with strategy=megatron",
+        ),
+        (
+            [
+                "actor_rollout_ref.actor.use_prefix_grouper=true",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "trainer.n_gpus_per_node=2",
+                "actor_rollout_ref.model.use_remove_padding=true",
+            ],
+            "use_prefix_grouper=True with ulysses_sequence_parallel_size=2",
+        ),
     ],
 )
 def test_bad_config_fails_at_start_up_naming_the_key(overrides, pattern):

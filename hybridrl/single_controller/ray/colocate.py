@@ -38,6 +38,11 @@ class ColocatedWorker(Worker):
             return super()._hybridrl_mesh_info(name)
         return self._hybridrl_roles[role]._hybridrl_mesh_info(name)
 
+    def close(self) -> None:
+        """Close every role's object (see `Worker.close`)."""
+        for worker in self._hybridrl_roles.values():
+            worker.close()
+
     def get_role(self, role: str) -> Worker:
         """The object of one role inside this process."""
         return self._hybridrl_roles[role]

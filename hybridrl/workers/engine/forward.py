@@ -44,6 +44,13 @@ from hybridrl.utils.torch_utils import (
     unpack_sequences,
 )
 from hybridrl.workers.engine.lm_head import linear_log_probs
+from hybridrl.workers.engine.prefix_group import (
+    LAYOUT_KWARG,
+    LayoutNotPassed,
+    build_prefix_layout,
+    prefix_grouped,
+    sequence_layout,
+)
 from hybridrl.workers.engine.ulysses import SPGroup, gather_seq, padded_length, slice_packed
 
 
@@ -86,12 +93,38 @@ def _run(
         )
         return out, None
     packed = packed or pack_sequences(input_ids, attention_mask)
+    if _sequence_wise(module):
+        try:
+            with prefix_grouped(module):
+                out = module(
+                    input_ids=packed.input_ids,
+                    position_ids=packed.position_ids,
+                    use_cache=False,
+                    **{LAYOUT_KWARG: sequence_layout(packed.cu_seqlens)},
+                )
+            return out, packed
+        except LayoutNotPassed:  # this model's forward drops extra kwargs: the block mask below
+            _NO_SEQUENCE_WISE.add(type(module))
     kwargs: dict[str, Any] = {}
     if not _DETECTS_PACKING:
         dtype = next(module.parameters()).dtype
         kwargs["attention_mask"] = block_causal_mask(packed.seq_lens, dtype, input_ids.device)
     out = module(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **kwargs)
     return out, packed
+
+
+_NO_SEQUENCE_WISE: set[type] = set()
+
+
+def _sequence_wise(module: nn.Module) -> bool:
+    """Whether a packed forward attends sequence by sequence (`prefix_group.sequence_layout`)
+    instead of through a block-diagonal mask over the whole row, whose cost grows with the square
+    of the row's length: for the sdpa and eager implementations (flash-attention finds the
+    sequences from the position ids itself) of models that pass their kwargs to attention."""
+    if type(module) in _NO_SEQUENCE_WISE:
+        return False
+    config = getattr(module, "config", None)
+    return getattr(config, "_attn_implementation", None) in ("sdpa", "eager")  # eager stays eager inside
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,6 +311,40 @@ def _fused_log_probs(
     return _split_columns(scatter(out.logits), calculate_entropy, sps)
 
 
+def _grouped_log_probs(
+    module, head, batch, temperature, calculate_entropy, entropy_grad, sps, entropy_fn, compiled=False
+):
+    """(log_probs, entropy or None, sum_pi_squared or None), each (B, T), through the shared-prompt
+    packed row (`prefix_group`): the head at the response-predicting positions, chunked when it
+    can be swapped (`head`), else full logits there."""
+    t = batch["responses"].shape[-1]
+    b = batch["responses"].shape[0]
+    layout = build_prefix_layout(batch["input_ids"], batch["attention_mask"], t)
+    labels = batch["responses"].reshape(-1)[layout.flat]
+
+    def scatter(v: torch.Tensor) -> torch.Tensor:
+        return v.new_zeros((b * t, *v.shape[1:])).index_put((layout.flat,), v).view(b, t, *v.shape[1:])
+
+    def run():
+        with prefix_grouped(module):
+            return module(
+                input_ids=layout.input_ids,
+                position_ids=layout.position_ids,
+                use_cache=False,
+                **{LAYOUT_KWARG: layout},
+            )
+
+    if head is not None:
+        columns = _head_columns(head, labels, temperature, calculate_entropy, entropy_grad, sps, compiled)
+        with _head_replaced(head, lambda h: columns(h[0, layout.pred])):
+            out = run()
+        return _split_columns(scatter(out.logits), calculate_entropy, sps)
+    logits = run().logits[0, layout.pred].float() / temperature  # (K, V)
+    log_probs = scatter(logprobs_from_logits(logits, labels))
+    entropy = scatter(entropy_fn(logits)) if calculate_entropy else None
+    return log_probs, entropy, (scatter(sum_pi_squared_from_logits(logits)) if sps else None)
+
+
 def forward_log_probs(
     module: nn.Module,
     batch: Any,
@@ -291,6 +358,7 @@ def forward_log_probs(
     calculate_sum_pi_squared: bool = False,
     sp: SPGroup | None = None,
     compile_kernels: bool = False,
+    prefix_group: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of the response tokens under `module`, logits / temperature.
 
@@ -311,6 +379,9 @@ def forward_log_probs(
         compile_kernels: the actor's `use_torch_compile` (veRL compiles its entropy / log-prob
             kernels): the chunked head's per-chunk softmax statistics and their backward, or the
             plain path's entropy, run through torch.compile (the first call compiles).
+        prefix_group: the actor's `use_prefix_grouper`: rows with the same prompt share one
+            forward of it (`engine.prefix_group`; always packed, whatever use_remove_padding);
+            not with `sp`.
 
     Returns:
         log_probs (B, T) float32; entropy (B, T) float32 or None; with calculate_sum_pi_squared a
@@ -320,6 +391,21 @@ def forward_log_probs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
     head = head_is_swappable(module) if fused else None
+
+    def ent_fn(x: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            if entropy_chunk_size:
+                return entropy_from_logits_chunked(x, entropy_chunk_size)
+            return compiled_entropy_from_logits(x) if compile_kernels else entropy_from_logits(x)
+
+    if prefix_group:
+        if sp is not None:
+            raise ValueError("use_prefix_grouper does not combine with Ulysses sequence parallelism")
+        lp, ent, sps = _grouped_log_probs(
+            module, head, batch, temperature, calculate_entropy, entropy_grad, calculate_sum_pi_squared,
+            ent_fn, compiled=compile_kernels,
+        )  # fmt: skip
+        return (lp, ent, sps) if calculate_sum_pi_squared else (lp, ent)
     if head is not None:
         if sp is not None:
             lp, ent, sps = _fused_log_probs_sp(
@@ -342,13 +428,6 @@ def forward_log_probs(
     responses = batch["responses"]
     t = responses.shape[-1]
     out, packed = _run(module, batch, use_remove_padding, sp=sp)
-
-    def ent_fn(x: torch.Tensor) -> torch.Tensor:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            if entropy_chunk_size:
-                return entropy_from_logits_chunked(x, entropy_chunk_size)
-            return compiled_entropy_from_logits(x) if compile_kernels else entropy_from_logits(x)
-
     if packed is None:
         logits = out.logits[:, -t - 1 : -1].float() / temperature
         log_probs = logprobs_from_logits(logits, responses)

@@ -1,0 +1,205 @@
+"""`actor.use_prefix_grouper`: rows with the same prompt share one forward of it.
+
+The grouped forward must give what the plain forward gives, row by row: log-probs, entropy,
+sum_pi^2 and the gradients of every parameter (fp32), for the chunked head and the full-logits
+head, with temperature, padded prompts of several lengths, responses of several lengths (one
+empty), groups of unequal size, and a GQA model with q/k/v biases. And it must run fewer tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridrl.workers.engine.forward as forward
+from hybridrl.workers.engine.prefix_group import ATTN_NAME, build_prefix_layout
+from tests.workers.fsdp_testkit import VOCAB
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).float()
+
+
+def grouped_batch(group_sizes=(3, 1, 2), prompt_len=7, response_len=6, seed=0):
+    """veRL layout with repeated prompts: group g's rows share one left-padded prompt; the
+    responses are right-padded to different lengths (the last row of group 0 is empty)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, masks = [], []
+    for gi, n in enumerate(group_sizes):
+        pad = gi % (prompt_len - 2)
+        prompt = torch.randint(3, VOCAB, (prompt_len,), generator=g)
+        p_mask = torch.ones(prompt_len, dtype=torch.long)
+        p_mask[:pad] = 0
+        for r in range(n):
+            resp = torch.randint(3, VOCAB, (response_len,), generator=g)
+            length = (
+                0 if (gi == 0 and r == n - 1) else int(torch.randint(1, response_len + 1, (1,), generator=g))
+            )
+            r_mask = torch.zeros(response_len, dtype=torch.long)
+            r_mask[:length] = 1
+            ids.append(torch.cat([prompt * p_mask, resp * r_mask]))
+            masks.append(torch.cat([p_mask, r_mask]))
+    input_ids, attention_mask = torch.stack(ids), torch.stack(masks)
+    perm = torch.tensor([0, 3, 1, 4, 2, 5])[: len(ids)]  # interleave the groups
+    input_ids, attention_mask = input_ids[perm], attention_mask[perm]
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "responses": input_ids[:, -response_len:],
+        "response_mask": attention_mask[:, -response_len:],
+    }
+
+
+def run(model, batch, *, grouped, fused, grad=True):
+    model.zero_grad()
+    with torch.set_grad_enabled(grad):
+        lp, ent, sps = forward.forward_log_probs(
+            model,
+            batch,
+            temperature=0.7,
+            use_remove_padding=True,
+            calculate_entropy=True,
+            calculate_sum_pi_squared=True,
+            fused=fused,
+            prefix_group=grouped,
+        )
+    mask = batch["response_mask"].bool()
+    grads = {}
+    if grad:
+        ((lp + 0.1 * ent) * mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return lp[mask], ent[mask], sps[mask], grads
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_grouped_forward_equals_the_plain_one_with_gradients(model, fused):
+    batch = grouped_batch()
+    plain = run(model, batch, grouped=False, fused=fused)
+    grouped = run(model, batch, grouped=True, fused=fused)
+    for a, b in zip(plain[:3], grouped[:3]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert plain[3].keys() == grouped[3].keys() and len(plain[3]) > 5
+    for name in plain[3]:
+        torch.testing.assert_close(grouped[3][name], plain[3][name], atol=1e-5, rtol=1e-4, msg=name)
+    assert model.config._attn_implementation != ATTN_NAME  # restored after the forward
+
+
+def test_no_shared_prompt_is_the_packed_forward(model):
+    from tests.workers.fsdp_testkit import make_batch
+
+    batch = make_batch(4, prompt_len=6, response_len=5, seed=2)  # four different prompts
+    plain = run(model, batch, grouped=False, fused=True, grad=False)
+    grouped = run(model, batch, grouped=True, fused=True, grad=False)
+    for a, b in zip(plain[:3], grouped[:3]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_layout_counts_each_prompt_once():
+    batch = grouped_batch(group_sizes=(3, 1, 2))
+    layout = build_prefix_layout(batch["input_ids"], batch["attention_mask"], t=6)
+    assert layout.num_groups == 3
+    mask = batch["attention_mask"]
+    prompt_tokens = mask[:, :7].sum(-1)
+    response_tokens = mask[:, 7:].sum(-1)
+    plain = int(mask.sum())
+    shared = plain - sum(int(prompt_tokens[layout.row_group == g][0]) * (int((layout.row_group == g).sum()) - 1)
+                         for g in range(3))  # fmt: skip
+    assert layout.num_tokens == shared < plain
+    assert layout.pred.numel() == int(response_tokens.sum())
+    # every packed token appears once in the [prompts; responses] order
+    assert sorted(layout.order.tolist()) == list(range(layout.num_tokens))
+
+
+def test_refused_with_sequence_parallelism(model):
+    from hybridrl.workers.engine.ulysses import SPGroup
+
+    with pytest.raises(ValueError, match="use_prefix_grouper does not combine with Ulysses"):
+        forward.forward_log_probs(model, grouped_batch(), prefix_group=True, sp=SPGroup(None, 0, 2))
+
+
+# ---- the plain packed path (use_remove_padding) attends sequence by sequence --------------------
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """Counts the calls of the grouped attention (the real function runs)."""
+    import hybridrl.workers.engine.prefix_group as pg
+
+    n = {"calls": 0}
+    real = pg.grouped_attention
+
+    def counting(*args, **kwargs):
+        n["calls"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pg, "grouped_attention", counting)
+    return n
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_packed_forward_attends_per_sequence_and_equals_the_padded_one(model, impl, attention_calls):
+    from tests.workers.fsdp_testkit import make_batch
+
+    model.config._attn_implementation = impl
+    try:
+        batch = make_batch(5, prompt_len=7, response_len=6, seed=4)
+        outs = {}
+        for packed in (False, True):
+            model.zero_grad()
+            lp, ent = forward.forward_log_probs(
+                model, batch, use_remove_padding=packed, calculate_entropy=True
+            )
+            mask = batch["response_mask"].bool()
+            ((lp + 0.1 * ent) * mask).sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            outs[packed] = (lp[mask], ent[mask], grads)
+            assert (attention_calls["calls"] > 0) == packed  # the packed row went through it
+    finally:
+        model.config._attn_implementation = "sdpa"
+    for a, b in zip(outs[False][:2], outs[True][:2]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    for name, g in outs[False][2].items():
+        torch.testing.assert_close(outs[True][2][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+class DropsKwargs(torch.nn.Module):
+    """A causal LM whose forward does not pass extra keyword arguments on (as some remote-code
+    models): the packed path falls back to transformers' block-diagonal mask."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, use_cache=False, **_):
+        return self.inner(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=use_cache
+        )
+
+
+def test_packed_forward_of_a_model_that_drops_kwargs_falls_back(model):
+    from tests.workers.fsdp_testkit import make_batch
+
+    batch = make_batch(3, seed=6)
+    wrapped = DropsKwargs(model)
+    lp_packed, _ = forward.forward_log_probs(wrapped, batch, use_remove_padding=True, fused=False)
+    lp_padded, _ = forward.forward_log_probs(wrapped, batch, use_remove_padding=False, fused=False)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(lp_packed[mask], lp_padded[mask], atol=1e-5, rtol=1e-5)
+    assert DropsKwargs in forward._NO_SEQUENCE_WISE
+    with pytest.raises(RuntimeError, match="set actor.use_prefix_grouper=false"):
+        forward.forward_log_probs(wrapped, grouped_batch(), prefix_group=True, fused=False)
