@@ -7,7 +7,14 @@ Each engine starts with dummy weights, receives the same random weights through
     VLLM_CPU_KVCACHE_SPACE=1 python bench/rollout_generation.py [--sizes tiny,30m] [--dtype bfloat16]
 
 Prints tokens/s per engine and the vLLM / HF ratio. Numbers on the shared CPU machines are
-noisy; compare within one run.
+noisy; compare within one run: the timed calls of the engines alternate (A B A B ...).
+
+`--decode-gemm both` adds `hf-plain`, the HF engine with `rollout.hf_decode_gemm_max_rows=0`
+(plain F.linear in every layer), and prints hf-plain / hf time per call (float32 on CPU only;
+workers/rollout/cpu_gemm.py). `real100m` is the shape of bench/real_model.py's model.
+
+    python bench/rollout_generation.py --sizes real100m --engines hf --decode-gemm both \
+        --dtype float32 --threads 2 --prompt-len 60 --new-tokens 128 --repeats 2
 """
 
 from __future__ import annotations
@@ -104,7 +111,13 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> Da
     return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos})
 
 
-def bench_engine(name, path, model, prompts, args) -> dict:
+def start_engine(label: str, path, model, prompts, args):
+    """Build engine `label` (hf | hf-plain | vllm), sync `model`'s weights, warm it up.
+
+    Returns (rollout, start seconds, sync seconds).
+    """
+    name = "hf" if label.startswith("hf") else label
+    extra = {"hf_decode_gemm_max_rows": 0} if label == "hf-plain" else {}
     cfg = RolloutConfig(
         name=name,
         dtype=args.dtype,
@@ -115,6 +128,7 @@ def bench_engine(name, path, model, prompts, args) -> dict:
         max_num_seqs=args.batch,
         temperature=1.0,
         seed=0,
+        **extra,
     )
     tok = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     t0 = time.perf_counter()
@@ -122,23 +136,38 @@ def bench_engine(name, path, model, prompts, args) -> dict:
     rollout = create_rollout(cfg, path, tok, **kwargs)
     start_s = time.perf_counter() - t0
     sync = sync_weights(rollout, model.state_dict().items())
-    rollout.generate_sequences(prompts)  # warm-up
-    times = []
+    for _ in range(args.warmup):
+        rollout.generate_sequences(prompts)
+    return rollout, start_s, sync["timing_s/update_weights"]
+
+
+def bench_engines(labels: list[str], path, model, prompts, args) -> list[dict]:
+    """Start every engine, then time `--repeats` rounds of one call per engine, alternating."""
+    started = {label: start_engine(label, path, model, prompts, args) for label in labels}
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    tokens: dict[str, int] = {}
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        out = rollout.generate_sequences(prompts)
-        times.append(time.perf_counter() - t0)
-    n_tokens = int(out.batch["response_mask"].sum())
-    rollout.shutdown()
-    best = min(times)
-    return {
-        "engine": name,
-        "start_s": start_s,
-        "sync_s": sync["timing_s/update_weights"],
-        "gen_s": best,
-        "tokens": n_tokens,
-        "tok_per_s": n_tokens / best,
-    }
+        for label in labels:
+            t0 = time.perf_counter()
+            out = started[label][0].generate_sequences(prompts)
+            times[label].append(time.perf_counter() - t0)
+            tokens[label] = int(out.batch["response_mask"].sum())
+    rows = []
+    for label, (rollout, start_s, sync_s) in started.items():
+        rollout.shutdown()
+        best = min(times[label])
+        rows.append(
+            {
+                "engine": label,
+                "start_s": start_s,
+                "sync_s": sync_s,
+                "gen_s": best,
+                "all_s": times[label],
+                "tokens": tokens[label],
+                "tok_per_s": tokens[label] / best,
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -151,6 +180,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls per engine first")
+    parser.add_argument(
+        "--decode-gemm",
+        choices=("on", "off", "both"),
+        default="on",
+        help="HF engine: the CPU decode GEMM (library default) on, off (hf-plain), or both alternating",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument(
         "--threads",
@@ -167,17 +203,27 @@ def main() -> None:
         for size in args.sizes.split(","):
             path, model = build_model_dir(size, root)
             prompts = random_prompts(args.batch, args.prompt_len, model.config.vocab_size)
-            rows = [bench_engine(e, path, model, prompts, args) for e in args.engines.split(",")]
+            labels = []
+            for e in args.engines.split(","):
+                if e == "hf" and args.decode_gemm != "on":
+                    labels += ["hf", "hf-plain"] if args.decode_gemm == "both" else ["hf-plain"]
+                else:
+                    labels.append(e)
+            rows = bench_engines(labels, path, model, prompts, args)
             print(f"\nmodel {size}: {count_params(model) / 1e6:.1f}M params")
             print(f"{'engine':8s} {'start_s':>8s} {'sync_s':>8s} {'gen_s':>8s} {'tokens':>7s} {'tok/s':>9s}")
             for r in rows:
                 print(
                     f"{r['engine']:8s} {r['start_s']:8.2f} {r['sync_s']:8.3f} {r['gen_s']:8.2f} "
-                    f"{r['tokens']:7d} {r['tok_per_s']:9.0f}"
+                    f"{r['tokens']:7d} {r['tok_per_s']:9.0f}  (calls: {', '.join(f'{t:.2f}' for t in r['all_s'])} s)"
                 )
             by = {r["engine"]: r for r in rows}
             if "hf" in by and "vllm" in by:
                 print(f"vllm / hf throughput: {by['vllm']['tok_per_s'] / by['hf']['tok_per_s']:.2f}x")
+            if "hf" in by and "hf-plain" in by:
+                pairs = [p / d for p, d in zip(by["hf-plain"]["all_s"], by["hf"]["all_s"])]
+                print(f"hf-plain / hf time per call, round by round: {', '.join(f'{x:.2f}x' for x in pairs)}")
+            print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

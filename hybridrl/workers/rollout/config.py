@@ -25,6 +25,12 @@ Notes on a few keys:
   top-level key of the same name).
 - `log_prob_micro_batch_size`: veRL's deprecated global size, converted to
   `log_prob_micro_batch_size_per_gpu` (divided by the number of ranks) with a warning.
+- `hf_decode_gemm_max_rows` (hybridrl, HF engine only): on CPU in float32, each linear layer of
+  the rollout's model copy whose input has 2..this many rows (decode steps: one per row of the
+  micro-batch) and whose weight is large enough (>= 2**19 elements with 2+ threads, >= 2**22 with
+  one) computes x @ W^T as (W @ x^T)^T, which MKL runs 1.1-2.8x faster there on the 2-core CPU
+  machines (workers/rollout/cpu_gemm.py, bench/cpu_gemm.py); prefill, other devices and dtypes
+  stay on F.linear. 0 turns it off. Same numbers up to float rounding.
 - `gpu_memory_utilization`: vLLM / SGLang GPU memory fraction. On vLLM's CPU backend the KV
   cache size comes from `VLLM_CPU_KVCACHE_SPACE` or `engine_kwargs.vllm.kv_cache_memory_bytes`
   (if neither is set the engine sizes it for max_num_seqs x max_model_len, within bounds).
@@ -162,6 +168,7 @@ class RolloutConfig:
     sglang_rollout_mode: str = "engine"
     server: ServerConfig = field(default_factory=ServerConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    hf_decode_gemm_max_rows: int = 128  # hybridrl: see the module docstring; 0 = off
 
     def __post_init__(self) -> None:
         # Plain dicts (e.g. from a Python caller) become the typed sections.
@@ -266,6 +273,12 @@ def validate_rollout_config(cfg: RolloutConfig) -> None:
         "scheduling_policy",
         cfg.scheduling_policy,
         "use 'fcfs' or 'priority'",
+    )
+    _check(
+        cfg.hf_decode_gemm_max_rows >= 0,
+        "hf_decode_gemm_max_rows",
+        cfg.hf_decode_gemm_max_rows,
+        "use a row count >= 0 (0 turns the CPU decode GEMM off)",
     )
     v = cfg.val_kwargs
     _check(v.temperature >= 0, "val_kwargs.temperature", v.temperature, "use a value >= 0")

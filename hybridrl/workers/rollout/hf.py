@@ -24,6 +24,7 @@ from hybridrl.workers.rollout.base import (
     truncate_at_eos,
 )
 from hybridrl.workers.rollout.config import RolloutConfig
+from hybridrl.workers.rollout.cpu_gemm import install_decode_gemm
 
 __all__ = ["HFRollout"]
 
@@ -34,7 +35,8 @@ class HFRollout(BaseRollout):
 
     Args:
         config: rollout section. Uses temperature/top_k/top_p/do_sample, response_length,
-            ignore_eos, dtype, load_format, calculate_log_probs, seed, and the micro-batch size
+            ignore_eos, dtype, load_format, calculate_log_probs, seed, hf_decode_gemm_max_rows
+            (CPU float32 only: workers/rollout/cpu_gemm.py), and the micro-batch size
             `log_prob_micro_batch_size_per_gpu` (else max_num_seqs; with log_prob_use_dynamic_bsz
             the rows per micro-batch are log_prob_max_token_len_per_gpu // (P + T)).
         model_path: HF model directory (config always; weights unless load_format is dummy).
@@ -80,6 +82,9 @@ class HFRollout(BaseRollout):
             eos_token_id=None,
             bos_token_id=getattr(hf_config, "bos_token_id", None),
         )
+        if self.device.type == "cpu" and self.dtype == torch.float32 and config.hf_decode_gemm_max_rows > 0:
+            # decode steps (few rows per linear) as W @ x^T: the parameters stay the same objects
+            install_decode_gemm(model, config.hf_decode_gemm_max_rows)
         self.model = model
         out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
         self.tied_embeddings = out_emb is not None and out_emb.weight is in_emb.weight

@@ -1,0 +1,210 @@
+"""The HF rollout's decode GEMM (workers/rollout/cpu_gemm.py): equal to F.linear, and the rollout
+with it generates what plain `model.generate` does, before and after a weight sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rollout_testlib import PAD_ID, make_prompts
+from torch import nn
+
+from hybridrl.workers.rollout import RolloutConfig, create_rollout, sync_weights
+from hybridrl.workers.rollout.cpu_gemm import (
+    DecodeGemmLinear,
+    decode_gemm_applies,
+    install_decode_gemm,
+    linear_rows,
+    linear_weight_first,
+    min_weight_numel,
+    uninstall_decode_gemm,
+    use_weight_first,
+)
+
+TEXTS = ["12+34=", "7+1=", "abc", "9"]
+T = 12
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5, 48), (3, 4, 48), (2, 1, 48), (1, 48), (7, 0, 48)])
+def test_weight_first_equals_f_linear(shape, bias):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 48, generator=gen)
+    b = torch.randn(40, generator=gen) if bias else None
+    x = torch.randn(shape, generator=gen)
+    got = linear_weight_first(x, w, b)
+    want = F.linear(x, w, b)
+    assert got.shape == want.shape == (*shape[:-1], 40)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_weight_first_accepts_a_non_contiguous_input():
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
+    x = torch.randn(16, 6, 3, generator=gen).permute(2, 1, 0)  # (3, 6, 16), strided
+    torch.testing.assert_close(linear_weight_first(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_by_rows_device_and_dtype():
+    w = torch.zeros(8, 16)
+    assert linear_rows(torch.zeros(4, 3, 16), 16) == 12
+    assert decode_gemm_applies(torch.zeros(4, 3, 16), w, max_rows=12, min_numel=0)
+    assert not decode_gemm_applies(torch.zeros(4, 3, 16), w, max_rows=11, min_numel=0)
+    assert not decode_gemm_applies(torch.zeros(1, 16), w, max_rows=64, min_numel=0)  # a GEMV
+    assert not decode_gemm_applies(torch.zeros(2, 16), w, max_rows=64, min_numel=129)  # 128 elements
+    assert not decode_gemm_applies(torch.zeros(2, 16, dtype=torch.bfloat16), w.bfloat16(), 64, 0)
+    assert not decode_gemm_applies(torch.zeros(2, 16, dtype=torch.float64), w.double(), 64, 0)
+    assert not decode_gemm_applies(torch.zeros(2, 16), w, max_rows=0, min_numel=0)
+    assert not decode_gemm_applies(torch.zeros(2, 16, device="meta"), w.to("meta"), 64, 0)
+
+
+def test_default_weight_size_bound_follows_the_thread_count():
+    assert min_weight_numel(1) == 1 << 22 and min_weight_numel(2) == min_weight_numel(16) == 1 << 19
+    assert use_weight_first(16, 1 << 19, max_rows=128, min_numel=1 << 19)
+    assert not use_weight_first(16, (1 << 19) - 1, max_rows=128, min_numel=1 << 19)
+    mlp, head, x = torch.empty(2048, 768), torch.empty(32768, 768), torch.zeros(16, 768)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert decode_gemm_applies(x, head, 128) and not decode_gemm_applies(x, mlp, 128)
+        torch.set_num_threads(2)
+        assert decode_gemm_applies(x, head, 128) and decode_gemm_applies(x, mlp, 128)
+        assert not decode_gemm_applies(x, torch.empty(512, 512), 128)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _layer_pair(bias: bool):
+    torch.manual_seed(2)
+    plain = nn.Linear(32, 20, bias=bias)
+    patched = nn.Linear(32, 20, bias=bias)
+    patched.load_state_dict(plain.state_dict())
+    assert install_decode_gemm(patched, max_rows=6, min_numel=0) == 1
+    return plain, patched
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(6, 32), (2, 3, 32), (7, 32), (4, 5, 32), (1, 1, 32)])
+def test_patched_layer_equals_plain_above_and_below_the_threshold(shape, bias):
+    plain, patched = _layer_pair(bias)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(x), plain(x), atol=1e-5, rtol=1e-5)
+
+
+def test_patched_layer_keeps_its_parameters_grads_and_can_be_undone():
+    plain, patched = _layer_pair(bias=True)
+    weight = patched.weight
+    assert isinstance(patched, nn.Linear) and type(patched) is DecodeGemmLinear
+    assert "decode_gemm_max_rows=6, decode_gemm_min_numel=0" in repr(patched)
+    assert list(patched.state_dict()) == ["weight", "bias"] and patched.weight is weight
+    x = torch.randn(3, 32)
+    patched(x).sum().backward()  # autograd works through the weight-first form too
+    plain(x).sum().backward()
+    torch.testing.assert_close(patched.weight.grad, plain.weight.grad, atol=1e-5, rtol=1e-5)
+    assert uninstall_decode_gemm(patched) == 1 and type(patched) is nn.Linear
+    with pytest.raises(ValueError, match="max_rows must be >= 0"):
+        install_decode_gemm(patched, max_rows=-1)
+
+
+def test_install_skips_linear_subclasses():
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), MyLinear(4, 4), nn.Sequential(nn.Linear(4, 2)))
+    assert install_decode_gemm(model) == 2
+    assert [type(m).__name__ for m in model.modules()][1:] == [
+        "DecodeGemmLinear",
+        "MyLinear",
+        "Sequential",
+        "DecodeGemmLinear",
+    ]
+
+
+# ---- the rollout ---------------------------------------------------------------------------------
+def _cfg(**kw):
+    base = dict(name="hf", dtype="float32", prompt_length=8, response_length=T, load_format="dummy")
+    base.update(kw)
+    return RolloutConfig(**base)
+
+
+def _plain_generate(model, prompts, **gen):
+    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=T,
+            pad_token_id=PAD_ID,
+            eos_token_id=None,
+            **gen,
+        )
+    return out[:, ids.shape[1] :]
+
+
+def _count_decode_layers(model) -> int:
+    return sum(type(m) is DecodeGemmLinear for m in model.modules())
+
+
+def _forced(rollout):
+    """The tiny model's weights are below the default size bound: use the form in every layer."""
+    assert install_decode_gemm(rollout.model, rollout.config.hf_decode_gemm_max_rows, min_numel=0) == 15
+    return rollout
+
+
+def test_rollout_installs_the_decode_gemm_only_when_enabled(tiny_model_dir, tokenizer):
+    on = create_rollout(_cfg(), tiny_model_dir, tokenizer, device="cpu")
+    # 2 layers x (q, k, v, o, gate, up, down) + the tied lm_head
+    assert _count_decode_layers(on.model) == 15
+    assert on.model.lm_head.weight is on.model.get_input_embeddings().weight  # still tied
+    off = create_rollout(_cfg(hf_decode_gemm_max_rows=0), tiny_model_dir, tokenizer, device="cpu")
+    assert _count_decode_layers(off.model) == 0
+    bf16 = create_rollout(_cfg(dtype="bfloat16"), tiny_model_dir, tokenizer, device="cpu")
+    assert _count_decode_layers(bf16.model) == 0
+    with pytest.raises(ValueError, match="hf_decode_gemm_max_rows"):
+        _cfg(hf_decode_gemm_max_rows=-1)
+
+
+def test_rollout_greedy_equals_plain_generate_after_sync(tiny_model_dir, tokenizer, source_model):
+    """Greedy tokens equal plain model.generate on the synced weights, and differ before the sync."""
+    prompts = make_prompts(tokenizer, TEXTS, {"validate": True})
+    rollout = _forced(create_rollout(_cfg(ignore_eos=True), tiny_model_dir, tokenizer, device="cpu"))
+    before = rollout.generate_sequences(prompts).batch["responses"]
+    sync_weights(rollout, source_model.state_dict().items())
+    rows: list[int] = []
+
+    def record(layer, args):  # rows of each head call that took the weight-first form
+        x = args[0]
+        if decode_gemm_applies(x, layer.weight, layer.decode_gemm_max_rows, layer.decode_gemm_min_numel):
+            rows.append(linear_rows(x, layer.in_features))
+
+    hook = rollout.model.lm_head.register_forward_pre_hook(record)
+    after = rollout.generate_sequences(prompts).batch["responses"]
+    hook.remove()
+    # the decode steps ran the weight-first form: one head call of 4 rows per new token
+    assert rows == [len(TEXTS)] * T
+    want = _plain_generate(source_model, prompts, do_sample=False)
+    assert type(source_model.lm_head) is nn.Linear  # the source (training) model is untouched
+    assert torch.equal(after, want)
+    assert not torch.equal(before, want)
+    # the parameters the sync wrote into are the ones the patched layers read
+    for name, p in source_model.state_dict().items():
+        assert torch.equal(rollout.model.state_dict()[name], p), name
+
+
+def test_rollout_sampling_is_reproducible_and_matches_plain(tiny_model_dir, tokenizer, source_model):
+    prompts = make_prompts(tokenizer, TEXTS)
+    state = source_model.state_dict().items()
+    on = _forced(create_rollout(_cfg(ignore_eos=True, seed=7), tiny_model_dir, tokenizer, device="cpu"))
+    off = create_rollout(
+        _cfg(ignore_eos=True, seed=7, hf_decode_gemm_max_rows=0), tiny_model_dir, tokenizer, device="cpu"
+    )
+    sync_weights(on, state)
+    sync_weights(off, state)
+    a = on.generate_sequences(prompts).batch["responses"]
+    again = _forced(create_rollout(_cfg(ignore_eos=True, seed=7), tiny_model_dir, tokenizer, device="cpu"))
+    sync_weights(again, state)
+    assert torch.equal(again.generate_sequences(prompts).batch["responses"], a)
+    # same seed, plain layers: the tiny model's peaked distributions give the same samples
+    assert torch.equal(off.generate_sequences(prompts).batch["responses"], a)
