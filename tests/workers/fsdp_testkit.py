@@ -34,6 +34,20 @@ VOCAB = 64
 PAD = 0
 
 
+def count_calls(monkeypatch, owner, name: str) -> dict[str, int]:
+    """Wrap `owner.name` so that its calls are counted (the real function still runs); returns the
+    counter {"calls": n}."""
+    n = {"calls": 0}
+    real = getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        n["calls"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counting)
+    return n
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

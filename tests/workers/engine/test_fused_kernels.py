@@ -13,7 +13,7 @@ import hybridrl.workers.engine.forward as forward
 from hybridrl.protocol import DataProto
 from hybridrl.workers.actor import PPOActor
 from hybridrl.workers.config import ModelConfig
-from tests.workers.fsdp_testkit import make_batch, make_tiny_model_dir
+from tests.workers.fsdp_testkit import count_calls, make_batch, make_tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -27,25 +27,17 @@ def model(tmp_path_factory):
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the calls of the chunked head (the real function runs)."""
-    n = {"fused": 0}
-    real = forward.linear_log_probs
-
-    def counting(*args, **kwargs):
-        n["fused"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(forward, "linear_log_probs", counting)
-    return n
+    return count_calls(monkeypatch, forward, "linear_log_probs")
 
 
 def test_use_fused_kernels_selects_the_chunked_head_and_both_paths_agree(model, calls):
     data = DataProto.from_dict(make_batch(4, seed=3))
     out = {}
     for flag in (True, False):
-        before = calls["fused"]
+        before = calls["calls"]
         actor = PPOActor(None, model, use_fused_kernels=flag)
         out[flag] = actor.compute_log_prob(data, calculate_entropy=True, temperature=0.7)
-        assert (calls["fused"] > before) == flag
+        assert (calls["calls"] > before) == flag
     mask = data.batch["response_mask"].bool()
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=1e-5)

@@ -13,7 +13,7 @@ import torch
 
 import hybridrl.workers.engine.forward as forward
 from hybridrl.workers.engine.prefix_group import ATTN_NAME, build_prefix_layout
-from tests.workers.fsdp_testkit import VOCAB
+from tests.workers.fsdp_testkit import VOCAB, count_calls
 
 
 @pytest.fixture(scope="module")
@@ -140,15 +140,7 @@ def attention_calls(monkeypatch):
     """Counts the calls of the grouped attention (the real function runs)."""
     import hybridrl.workers.engine.prefix_group as pg
 
-    n = {"calls": 0}
-    real = pg.grouped_attention
-
-    def counting(*args, **kwargs):
-        n["calls"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(pg, "grouped_attention", counting)
-    return n
+    return count_calls(monkeypatch, pg, "grouped_attention")
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
