@@ -131,6 +131,56 @@ def _per_rank(
     return per_rank, micro
 
 
+def _update_batch_sizes(
+    key: str,
+    config: ActorConfig | CriticConfig,
+    *,
+    rollout_n: int,
+    dp_size: int,
+    forward_micro: int | None,
+    forward_max_token_len: int,
+) -> PerRankBatchSizes:
+    """The checks and per-rank sizes the actor and the critic update share (their keys have the
+    same names under `key`). forward_micro: the forward passes' micro-batch (None: the update's)."""
+    _check_common(
+        key,
+        strategy=config.strategy,
+        loss_agg_mode=config.loss_agg_mode,
+        ulysses=config.ulysses_sequence_parallel_size,
+        epochs=config.ppo_epochs,
+    )
+    _check_optim(key, config.optim)
+    _check_checkpoint(key, config.checkpoint)
+    if config.shuffle and config.data_loader_seed is None:
+        raise ValueError(f"{key}.shuffle=True needs {key}.data_loader_seed (e.g. 42)")
+    dp_size = sp_data_parallel_size(key, dp_size, config.ulysses_sequence_parallel_size)
+    per_rank, micro = _per_rank(
+        key,
+        mini=config.ppo_mini_batch_size,
+        micro=config.ppo_micro_batch_size_per_gpu,
+        use_dynamic_bsz=config.use_dynamic_bsz,
+        max_token_len=config.ppo_max_token_len_per_gpu,
+        rollout_n=rollout_n,
+        dp_size=dp_size,
+    )
+    forward_micro = forward_micro or micro
+    if not config.use_dynamic_bsz and forward_micro is not None and forward_micro < 1:
+        raise ValueError(f"{key}.forward_micro_batch_size_per_gpu must be >= 1, got {forward_micro}")
+    return PerRankBatchSizes(
+        mini_batch_size=per_rank,
+        micro_batch_size=micro,
+        use_dynamic_bsz=config.use_dynamic_bsz,
+        max_token_len=config.ppo_max_token_len_per_gpu,
+        forward_micro_batch_size=forward_micro,
+        forward_max_token_len=forward_max_token_len,
+        epochs=config.ppo_epochs,
+        shuffle=config.shuffle,
+        seed=config.data_loader_seed,
+        dp_size=dp_size,
+        rollout_n=rollout_n,
+    )
+
+
 def normalize_actor_batch_sizes(config: ActorConfig, *, rollout_n: int, dp_size: int) -> PerRankBatchSizes:
     """Validate `config` and derive the per-rank sizes of the PPO update.
 
@@ -144,41 +194,15 @@ def normalize_actor_batch_sizes(config: ActorConfig, *, rollout_n: int, dp_size:
     Raises:
         ValueError: naming the key and the fix when sizes do not divide or a value is unsupported.
     """
-    _check_common(
-        ACTOR_KEY,
-        strategy=config.strategy,
-        loss_agg_mode=config.loss_agg_mode,
-        ulysses=config.ulysses_sequence_parallel_size,
-        epochs=config.ppo_epochs,
-    )
-    _check_optim(ACTOR_KEY, config.optim)
-    _check_checkpoint(ACTOR_KEY, config.checkpoint)
-    if config.shuffle and config.data_loader_seed is None:
-        raise ValueError(f"{ACTOR_KEY}.shuffle=True needs {ACTOR_KEY}.data_loader_seed (e.g. 42)")
     if config.use_kl_loss and config.kl_loss_coef < 0:
         raise ValueError(f"{ACTOR_KEY}.kl_loss_coef must be >= 0, got {config.kl_loss_coef}")
-    dp_size = sp_data_parallel_size(ACTOR_KEY, dp_size, config.ulysses_sequence_parallel_size)
-    per_rank, micro = _per_rank(
+    return _update_batch_sizes(
         ACTOR_KEY,
-        mini=config.ppo_mini_batch_size,
-        micro=config.ppo_micro_batch_size_per_gpu,
-        use_dynamic_bsz=config.use_dynamic_bsz,
-        max_token_len=config.ppo_max_token_len_per_gpu,
+        config,
         rollout_n=rollout_n,
         dp_size=dp_size,
-    )
-    return PerRankBatchSizes(
-        mini_batch_size=per_rank,
-        micro_batch_size=micro,
-        use_dynamic_bsz=config.use_dynamic_bsz,
-        max_token_len=config.ppo_max_token_len_per_gpu,
-        forward_micro_batch_size=micro,
+        forward_micro=None,
         forward_max_token_len=config.ppo_max_token_len_per_gpu,
-        epochs=config.ppo_epochs,
-        shuffle=config.shuffle,
-        seed=config.data_loader_seed,
-        dp_size=dp_size,
-        rollout_n=rollout_n,
     )
 
 
@@ -196,42 +220,12 @@ def normalize_critic_batch_sizes(
     Raises:
         ValueError: naming the key and the fix when sizes do not divide or a value is unsupported.
     """
-    n = config.rollout_n if rollout_n is None else rollout_n
-    _check_common(
-        CRITIC_KEY,
-        strategy=config.strategy,
-        loss_agg_mode=config.loss_agg_mode,
-        ulysses=config.ulysses_sequence_parallel_size,
-        epochs=config.ppo_epochs,
-    )
-    _check_optim(CRITIC_KEY, config.optim)
-    _check_checkpoint(CRITIC_KEY, config.checkpoint)
     config.model.validate(f"{CRITIC_KEY}.model")
-    if config.shuffle and config.data_loader_seed is None:
-        raise ValueError(f"{CRITIC_KEY}.shuffle=True needs {CRITIC_KEY}.data_loader_seed (e.g. 42)")
-    dp_size = sp_data_parallel_size(CRITIC_KEY, dp_size, config.ulysses_sequence_parallel_size)
-    per_rank, micro = _per_rank(
+    return _update_batch_sizes(
         CRITIC_KEY,
-        mini=config.ppo_mini_batch_size,
-        micro=config.ppo_micro_batch_size_per_gpu,
-        use_dynamic_bsz=config.use_dynamic_bsz,
-        max_token_len=config.ppo_max_token_len_per_gpu,
-        rollout_n=n,
+        config,
+        rollout_n=config.rollout_n if rollout_n is None else rollout_n,
         dp_size=dp_size,
-    )
-    forward_micro = config.forward_micro_batch_size_per_gpu or micro
-    if not config.use_dynamic_bsz and forward_micro is not None and forward_micro < 1:
-        raise ValueError(f"{CRITIC_KEY}.forward_micro_batch_size_per_gpu must be >= 1, got {forward_micro}")
-    return PerRankBatchSizes(
-        mini_batch_size=per_rank,
-        micro_batch_size=micro,
-        use_dynamic_bsz=config.use_dynamic_bsz,
-        max_token_len=config.ppo_max_token_len_per_gpu,
-        forward_micro_batch_size=forward_micro,
+        forward_micro=config.forward_micro_batch_size_per_gpu,
         forward_max_token_len=config.forward_max_token_len_per_gpu,
-        epochs=config.ppo_epochs,
-        shuffle=config.shuffle,
-        seed=config.data_loader_seed,
-        dp_size=dp_size,
-        rollout_n=n,
     )
