@@ -192,7 +192,7 @@ def run_hybridrl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
     import transformers  # noqa: F401  (imported before the clock, as run_trl imports TRL)
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    import hybridrl.workers.fsdp_workers  # noqa: F401
+    import hybridrl.workers.engine_workers  # noqa: F401
     from hybridrl.trainer.ppo.setup import build_trainer
 
     torch.set_num_threads(1)

@@ -60,7 +60,6 @@ def _worker(rank: int, world: int, port: int, path: str, args) -> None:
     )
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
-    from hybridrl.workers.engine.megatron.roles import MegatronPPOActor
     from hybridrl.workers.megatron_config import MegatronConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -87,7 +86,7 @@ def _worker(rank: int, world: int, port: int, path: str, args) -> None:
         tensor_model_parallel_size=args.tp, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype]
     )
     meg = MegatronEngine.build(model, mcfg, cfg.optim, max_grad_norm=cfg.max_grad_norm, load_tok=False)
-    m_actor = MegatronPPOActor(
+    m_actor = PPOActor(
         cfg, meg, batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=meg.dp_size)
     )
     data = _batch(args.rows, args.prompt, args.response, meg.spec.vocab_size)

@@ -40,7 +40,7 @@ def child(backend: str, out: str, first_step: bool) -> None:
     from hydra import compose, initialize_config_module
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    import hybridrl.workers.fsdp_workers  # noqa: F401
+    import hybridrl.workers.engine_workers  # noqa: F401
     from hybridrl.trainer.ppo import setup as S
     from hybridrl.trainer.ppo.config import load_config
     from hybridrl.trainer.ppo.launch import start_ray

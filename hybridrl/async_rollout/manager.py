@@ -29,7 +29,7 @@ front of the queue and are generated again by the live workers, with their origi
 already collected are never lost, and a chunk's results are taken at most once, so no group is
 duplicated. When no worker is left, `wait_batch` raises a RuntimeError naming the cause.
 
-Worker contract (hybridrl.workers.rollout_worker.AsyncRolloutWorker implements it):
+Worker contract (hybridrl.workers.engine_workers.ActorRolloutRefWorker(role='rollout', disaggregated=True) implements it):
 ``load_weights(payload, version) -> float`` and ``generate_sequences(prompts) -> DataProto`` whose
 rows keep the input order and non-tensor data and carry ``meta_info["policy_version"]`` and
 ``meta_info["worker_busy_s"]`` (cumulative busy seconds).

@@ -1,9 +1,9 @@
-"""The PPO actor: log-probs of responses and the clipped policy update over an FSDP2 model.
+"""The PPO actor: log-probs of responses and the clipped policy update over any training engine.
 
-`PPOActor` wraps a built (sharded) causal LM. The same class serves the reference policy (no
-optimizer: `compute_log_prob` only). Every method is a collective over the data-parallel ranks
-(FSDP all-gathers parameters in each forward), so every rank calls it with its own shard of the
-batch, all shards the same length.
+`PPOActor` holds a causal LM behind a `TrainEngine` (engine/base.py: FSDP2, Megatron, or a bare
+module). The same class serves the reference policy (no optimizer: `compute_log_prob` only).
+Every method is a collective over the engine's ranks, so every rank calls it with its own shard
+of the batch (the ranks of one model replica with the same rows), all shards the same length.
 
 Batch keys (veRL names; B rows on this rank, P prompt, T response length):
     input_ids (B, P+T), attention_mask (B, P+T), position_ids (B, P+T), responses (B, T),
@@ -17,81 +17,54 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from hybridrl.algos.agg import agg_loss
 from hybridrl.algos.kl import kl_penalty
 from hybridrl.algos.policy_loss import get_policy_loss_fn
 from hybridrl.protocol import DataProto
 from hybridrl.workers.config import ActorConfig
-from hybridrl.workers.engine.batching import (
-    mean_over_ranks,
-    merge_outputs,
-)
-from hybridrl.workers.engine.forward import forward_log_probs
-from hybridrl.workers.engine.update_loop import (
-    MicroBatchedRole,
-    accumulate_micro_batches,
-    forward_without_grad,
-)
+from hybridrl.workers.engine.base import LogProbRequest, LogProbs
+from hybridrl.workers.engine.batching import mean_over_ranks, merge_outputs, response_mask_of
+from hybridrl.workers.engine.update_loop import MicroBatchedRole, combine_micro_metrics, micro_loss_aux
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 _OPTIONAL_KEYS = ("response_mask", "ref_log_prob", "rollout_is_weights", "rollout_log_probs")
 
 
 class PPOActor(MicroBatchedRole):
-    """PPO policy over an FSDP2-sharded causal LM.
+    """PPO policy over a TrainEngine.
 
     Args:
         config: the actor config (None: defaults, enough for a reference policy).
-        module: the sharded model (FSDPEngine.module).
-        optimizer, lr_scheduler: None for a forward-only (reference) policy.
-        dp_size: data-parallel ranks (the gradient average FSDP takes).
+        engine: the engine (FSDPEngine, MegatronEngine, ...), or a bare causal LM with the
+            layout keywords of `MicroBatchedRole` (optimizer, lr_scheduler, dp_size, dp_group, sp,
+            use_remove_padding, use_fused_kernels: `model.use_fused_kernels`, the chunked head).
         batch_sizes: from `normalize_actor_batch_sizes`; needed by `update_policy`.
-        use_remove_padding: pack valid tokens into one row (`model.use_remove_padding`).
-        dp_group: process group of the data-parallel ranks (default: WORLD when dp_size > 1).
         peak_flops: peak FLOP/s of one device for `perf/mfu/actor` (None: not reported).
-        sp: this rank's Ulysses sequence-parallel group (see `MicroBatchedRole`).
-        use_fused_kernels: `model.use_fused_kernels`: log-probs/entropy from the hidden states through
-            the chunked head (`engine.lm_head`, no (B, S, V) logits); False: full logits, then the slice.
     """
 
     role = "actor"
 
-    def __init__(
-        self,
-        config: ActorConfig | None,
-        module: nn.Module,
-        *args: Any,
-        use_fused_kernels: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(config or ActorConfig(), module, *args, **kwargs)
-        self.use_fused_kernels = use_fused_kernels  # model.use_fused_kernels: the chunked head (lm_head.py)
+    def __init__(self, config: ActorConfig | None, engine: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config or ActorConfig(), engine, *args, **kwargs)
         self.policy_loss_fn = get_policy_loss_fn(self.config.policy_loss.loss_mode)
 
     # ------------------------------------------------------------------------------------------
-    def _forward(
-        self,
-        micro: Any,
-        temperature: float,
-        calculate_entropy: bool,
-        entropy_grad: bool = True,
-        sps: bool = False,
-    ):
+    def _request(
+        self, temperature: float, calculate_entropy: bool, entropy_grad: bool = True, sps: bool = False
+    ) -> LogProbRequest:
+        """What the engine computes from the policy's logits (the actor config's head options)."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
         c = self.config
-        chunk = 2048 if (c.entropy_from_logits_with_chunking or c.entropy_checkpointing) else None
-        return forward_log_probs(
-            self.module,
-            micro,
+        return LogProbRequest(
             temperature=temperature,
-            use_remove_padding=self.use_remove_padding,
             calculate_entropy=calculate_entropy,
-            entropy_chunk_size=chunk,
             entropy_grad=entropy_grad,
-            calculate_sum_pi_squared=sps,
-            sp=self.sp,
-            fused=self.use_fused_kernels,
+            sum_pi_squared=sps,
+            entropy_chunk_size=2048
+            if (c.entropy_from_logits_with_chunking or c.entropy_checkpointing)
+            else None,
             compile_kernels=c.use_torch_compile,
             prefix_group=c.use_prefix_grouper,
         )
@@ -106,7 +79,7 @@ class PPOActor(MicroBatchedRole):
         max_token_len: int | None = None,
         temperature: float = 1.0,
         calculate_sum_pi_squared: bool = False,
-    ) -> tuple[torch.Tensor, ...]:
+    ) -> LogProbs:
         """Log-probs (and entropy) of `data`'s responses, in micro-batches, without gradients.
 
         Args:
@@ -117,25 +90,28 @@ class PPOActor(MicroBatchedRole):
             calculate_sum_pi_squared: also sum_v pi(v)^2 per position (`actor.calculate_sum_pi_squared`).
 
         Returns:
-            log_probs (B, T) and entropy (B, T) or None, float32 on CPU, in `data`'s row order;
-            with calculate_sum_pi_squared a third (B, T) sum_pi_squared.
+            LogProbs of (B, T) float32 CPU tensors in `data`'s row order: log_probs; entropy with
+            calculate_entropy; sum_pi_squared with calculate_sum_pi_squared (else None).
         """
+        request = self._request(temperature, calculate_entropy, sps=calculate_sum_pi_squared)
         batch = data.batch.select(*_FORWARD_KEYS).to(self.device)
-        micro_batch_size = micro_batch_size or len(data)
         micros, indices = self.split(
-            batch, micro_batch_size, use_dynamic_bsz, max_token_len, "log_prob_max_token_len_per_gpu"
+            batch,
+            micro_batch_size or len(data),
+            use_dynamic_bsz,
+            max_token_len,
+            "log_prob_max_token_len_per_gpu",
         )
-        sps = calculate_sum_pi_squared
-        results = forward_without_grad(
-            self.module, micros, lambda m: self._forward(m, temperature, calculate_entropy, sps=sps)
+        outs = self.engine.forward(micros, request)
+
+        def merged(name: str, wanted: bool = True) -> torch.Tensor | None:
+            return merge_outputs([getattr(o, name) for o in outs], indices).cpu() if wanted else None
+
+        return LogProbs(
+            merged("log_probs"),
+            merged("entropy", calculate_entropy),
+            merged("sum_pi_squared", calculate_sum_pi_squared),
         )
-        log_probs = [r[0] for r in results]
-        entropies = [r[1] for r in results if r[1] is not None]
-        out = merge_outputs(log_probs, indices).cpu()
-        ent = merge_outputs(entropies, indices).cpu() if calculate_entropy else None
-        if sps:
-            return out, ent, merge_outputs([r[2] for r in results], indices).cpu()
-        return out, ent
 
     # ------------------------------------------------------------------------------------------
     def _loss_hparams(self) -> dict[str, Any]:
@@ -210,31 +186,30 @@ class PPOActor(MicroBatchedRole):
         """Accumulate the gradient of one mini-batch (no optimizer step).
 
         The loss of every micro-batch is normalised by the mini-batch's global token/sequence
-        counts, so the accumulated gradient (after FSDP's average over ranks) equals the gradient
-        of the whole, un-split mini-batch. The returned metrics are the values of the whole
-        mini-batch (the same on every rank): pg_loss / kl_loss as optimised, pg_clipfrac, ppo_kl,
-        entropy, ... as token means.
+        counts, so the accumulated gradient (after the engine's average over ranks) equals the
+        gradient of the whole, un-split mini-batch. The returned metrics are the values of the
+        whole mini-batch (the same on every rank): pg_loss / kl_loss as optimised, pg_clipfrac,
+        ppo_kl, entropy, ... as token means.
         """
+        c = self.config
         _, loss_scale, micros = self.prepare(mini_batch, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
         has_old = "old_log_probs" in mini_batch.batch.keys()
-        sums, means = accumulate_micro_batches(
-            micros,
-            loss_scale,
-            lambda micro, mask, scale: self._micro_batch_loss(micro, mask, scale, temperature, has_old),
-        )
-        if self.config.use_kl_loss:
-            sums["actor/kl_coef"] = self.config.kl_loss_coef
-        return mean_over_ranks({**sums, **means}, self.dp_group, self.dp_size, self.device)
-
-    def _micro_batch_loss(
-        self, micro: Any, mask: torch.Tensor, loss_scale: Any, temperature: float, has_old: bool
-    ):
-        """(policy loss [- entropy bonus] [+ KL loss], summed losses, token-mean metrics) of one micro-batch."""
-        c = self.config
         # Without old log-probs (exactly on-policy) the entropy metric the old-log-prob pass would
         # have reported comes from this forward instead (not in the loss unless entropy_coeff != 0).
-        calc_entropy = c.entropy_coeff != 0 or not has_old
-        log_prob, entropy = self._forward(micro, temperature, calc_entropy, c.entropy_coeff != 0)
+        request = self._request(temperature, c.entropy_coeff != 0 or not has_old, c.entropy_coeff != 0)
+        auxes = self.engine.forward_backward(
+            micros, request, lambda micro, out: self._micro_batch_loss(micro, out, loss_scale, has_old)
+        )
+        sums, means = combine_micro_metrics(auxes, loss_scale)
+        if c.use_kl_loss:
+            sums["actor/kl_coef"] = c.kl_loss_coef
+        return mean_over_ranks({**sums, **means}, self.dp_group, self.dp_size, self.device)
+
+    def _micro_batch_loss(self, micro: Any, out: LogProbs, loss_scale: Any, has_old: bool):
+        """(policy loss [- entropy bonus] [+ KL loss], micro_loss_aux) of one micro-batch."""
+        c = self.config
+        mask = response_mask_of(micro)
+        log_prob, entropy = out.log_probs, out.entropy
         pg_loss, pg_metrics = self.policy_loss_fn(
             micro["old_log_probs"] if has_old else log_prob.detach(),
             log_prob,
@@ -249,14 +224,14 @@ class PPOActor(MicroBatchedRole):
         loss, sums = pg_loss, {"actor/pg_loss": float(pg_loss.detach())}
         if c.entropy_coeff != 0:
             loss = loss - c.entropy_coeff * agg_loss(entropy, mask, c.loss_agg_mode, loss_scale=loss_scale)
-        if calc_entropy:
+        if entropy is not None:
             pg_metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         if c.use_kl_loss:
             kld = kl_penalty(log_prob, micro["ref_log_prob"], c.kl_loss_type)
             kl_loss = agg_loss(kld, mask, c.loss_agg_mode, loss_scale=loss_scale)
             loss = loss + c.kl_loss_coef * kl_loss
             sums["actor/kl_loss"] = float(kl_loss.detach())
-        return loss, sums, {f"actor/{k}": v for k, v in pg_metrics.items()}
+        return loss, micro_loss_aux(sums, {f"actor/{k}": v for k, v in pg_metrics.items()}, mask)
 
     def update_policy(self, data: DataProto, *, temperature: float = 1.0) -> dict[str, list[float]]:
         """PPO epochs over mini-batches of `data`; one optimizer step per mini-batch.
@@ -266,7 +241,7 @@ class PPOActor(MicroBatchedRole):
         Returns:
             metric name -> list (one entry per mini-batch, or per call for lr / perf).
         """
-        if self.optimizer is None:
+        if self.engine.optimizer is None:
             raise RuntimeError(
                 "update_policy needs an optimizer; this actor was built forward-only (reference)"
             )

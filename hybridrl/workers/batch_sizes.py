@@ -16,7 +16,6 @@ from hybridrl.workers.config import (
     CRITIC_KEY,
     LOSS_AGG_MODES,
     LR_SCHEDULER_TYPES,
-    TRAIN_STRATEGIES,
     ActorConfig,
     CheckpointConfig,
     CriticConfig,
@@ -51,8 +50,10 @@ class PerRankBatchSizes:
 
 
 def _check_common(key: str, *, strategy: str, loss_agg_mode: str, ulysses: int, epochs: int) -> None:
-    if strategy not in TRAIN_STRATEGIES:
-        raise ValueError(f"{key}.strategy={strategy!r} is not supported; use one of {TRAIN_STRATEGIES}")
+    from hybridrl.workers.engine.base import all_spellings
+
+    if strategy not in all_spellings():
+        raise ValueError(f"{key}.strategy={strategy!r} is not supported; use one of {all_spellings()}")
     if int(ulysses) != ulysses or ulysses < 1:
         raise ValueError(f"{key}.ulysses_sequence_parallel_size={ulysses}: use an integer >= 1")
     if loss_agg_mode not in LOSS_AGG_MODES:

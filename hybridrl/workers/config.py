@@ -15,12 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridrl.utils.profiler import ProfilerConfig
-from hybridrl.workers.megatron_config import MEGATRON_STRATEGY, MegatronConfig
+from hybridrl.workers.megatron_config import MegatronConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LR_SCHEDULER_TYPES = ("constant", "cosine")
-FSDP_STRATEGIES = ("fsdp", "fsdp2")
-TRAIN_STRATEGIES = (*FSDP_STRATEGIES, MEGATRON_STRATEGY)  # megatron: workers/engine/megatron
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
 ACTOR_KEY = "actor_rollout_ref.actor"

@@ -1,7 +1,7 @@
-"""The PPO critic: values of response tokens and the clipped value-loss update over an FSDP2 model.
+"""The PPO critic: values of response tokens and the clipped value-loss update over any training engine.
 
-The critic is an `AutoModelForTokenClassification` with one label (see engine.fsdp): one value
-per position. The value of response token t is read at the position that predicts it (the same
+The critic is a value model behind a `TrainEngine` (an `AutoModelForTokenClassification` with
+one label on the HF engines, a GPT backbone with a value head on Megatron): one value per position. The value of response token t is read at the position that predicts it (the same
 alignment as the actor's log-probs). Methods are collectives over the data-parallel ranks.
 
 Batch keys (B rows on this rank, P prompt, T response length): input_ids (B, P+T),
@@ -18,43 +18,32 @@ import torch
 from hybridrl.algos.utils import masked_mean
 from hybridrl.algos.value import compute_value_loss
 from hybridrl.protocol import DataProto
-from hybridrl.workers.engine.batching import (
-    mean_over_ranks,
-    merge_outputs,
-    response_mask_of,
-)
-from hybridrl.workers.engine.forward import forward_values
-from hybridrl.workers.engine.update_loop import (
-    MicroBatchedRole,
-    accumulate_micro_batches,
-    forward_without_grad,
-)
+from hybridrl.workers.engine.base import ValueRequest
+from hybridrl.workers.engine.batching import mean_over_ranks, merge_outputs, response_mask_of
+from hybridrl.workers.engine.update_loop import MicroBatchedRole, combine_micro_metrics, micro_loss_aux
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
 class PPOCritic(MicroBatchedRole):
-    """Value model over an FSDP2-sharded token-classification model.
+    """Value model over a TrainEngine.
 
     Args:
         config: the critic config.
-        module: the sharded model (FSDPEngine.module).
-        optimizer, lr_scheduler: from the engine.
-        dp_size: data-parallel ranks.
+        engine: the engine, or a bare token-classification model with the layout keywords of
+            `MicroBatchedRole` (its head runs only at the response positions unless
+            `critic.model.use_fused_kernels` is False).
         batch_sizes: from `normalize_critic_batch_sizes` (defaults for both methods).
-        use_remove_padding: pack valid tokens into one row (`critic.model.use_remove_padding`).
-        dp_group: process group of the data-parallel ranks (default: WORLD when dp_size > 1).
         peak_flops: peak FLOP/s of one device for `perf/mfu/critic` (None: not reported).
-        sp: this rank's Ulysses sequence-parallel group (see `MicroBatchedRole`).
     """
 
     role = "critic"
 
-    @property
-    def _fused(self) -> bool:
-        """`critic.model.use_fused_kernels`: the value head only at the response positions."""
-        model = getattr(self.config, "model", None)
-        return True if model is None else bool(model.use_fused_kernels)
+    def __init__(self, config: Any, engine: Any, *args: Any, **kwargs: Any) -> None:
+        model = getattr(config, "model", None)
+        if model is not None:
+            kwargs.setdefault("use_fused_kernels", bool(model.use_fused_kernels))
+        super().__init__(config, engine, *args, **kwargs)
 
     def compute_values(
         self,
@@ -78,14 +67,7 @@ class PPOCritic(MicroBatchedRole):
         micros, indices = self.split(
             batch, micro_batch_size, use_dynamic_bsz, max_token_len, "critic.forward_max_token_len_per_gpu"
         )
-        outs = forward_without_grad(
-            self.module,
-            micros,
-            lambda m: forward_values(
-                self.module, m, use_remove_padding=self.use_remove_padding, sp=self.sp, fused=self._fused
-            ),
-        )
-        values = merge_outputs(outs, indices)
+        values = merge_outputs(self.engine.forward(micros, ValueRequest()), indices)
         return (values * response_mask_of(batch)).cpu()
 
     def forward_backward(self, mini_batch: DataProto) -> dict[str, float]:
@@ -94,14 +76,15 @@ class PPOCritic(MicroBatchedRole):
         Returns the mini-batch's vf_loss, vf_clipfrac and vpred_mean (the same on every rank).
         """
         _, loss_scale, micros = self.prepare(mini_batch, "critic.ppo_max_token_len_per_gpu")
-        sums, means = accumulate_micro_batches(micros, loss_scale, self._micro_batch_loss)
+        auxes = self.engine.forward_backward(
+            micros, ValueRequest(), lambda micro, vpreds: self._micro_batch_loss(micro, vpreds, loss_scale)
+        )
+        sums, means = combine_micro_metrics(auxes, loss_scale)
         return mean_over_ranks({**sums, **means}, self.dp_group, self.dp_size, self.device)
 
-    def _micro_batch_loss(self, micro: Any, mask: torch.Tensor, loss_scale: Any):
-        """(clipped value loss, {vf_loss}, {vf_clipfrac, vpred_mean}) of one micro-batch."""
-        vpreds = forward_values(
-            self.module, micro, use_remove_padding=self.use_remove_padding, sp=self.sp, fused=self._fused
-        )
+    def _micro_batch_loss(self, micro: Any, vpreds: torch.Tensor, loss_scale: Any):
+        """(clipped value loss, micro_loss_aux of vf_loss, vf_clipfrac, vpred_mean) of one micro-batch."""
+        mask = response_mask_of(micro)
         vf_loss, vf_clipfrac = compute_value_loss(
             vpreds,
             micro["returns"],
@@ -112,7 +95,7 @@ class PPOCritic(MicroBatchedRole):
             loss_scale=loss_scale,
         )
         means = {"critic/vf_clipfrac": vf_clipfrac, "critic/vpred_mean": masked_mean(vpreds.detach(), mask)}
-        return vf_loss, {"critic/vf_loss": float(vf_loss.detach())}, means
+        return vf_loss, micro_loss_aux({"critic/vf_loss": float(vf_loss.detach())}, means, mask)
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
         """Epochs over mini-batches of `data`, one optimizer step each; the lr scheduler steps once.
@@ -120,7 +103,7 @@ class PPOCritic(MicroBatchedRole):
         Returns:
             metric name -> list (one entry per mini-batch, or per call for lr / perf).
         """
-        if self.optimizer is None:
+        if self.engine.optimizer is None:
             raise RuntimeError("update_critic needs an optimizer")
         if self.batch_sizes is None:
             raise ValueError(

@@ -53,11 +53,17 @@ def test_async_with_megatron_tp2_actor_and_critic(tmp_path, ray_three_cpus):
     (+ reference) and critic on two training slots train, and publish weights to the rollout worker."""
     pytest.importorskip("megatron.core")
     from hybridrl.trainer.async_ppo.trainer import _train_classes
-    from hybridrl.workers.megatron_workers import MegatronAsyncActorWorker, MegatronCriticWorker
+    from hybridrl.workers.engine_workers import ActorRolloutRefWorker, CriticWorker
 
     cfg = load_async_config(compose_async_config([*SMALL, *MEGATRON_ASYNC]))
     classes = _train_classes(cfg, 2, None, None)
-    assert classes["actor"].cls is MegatronAsyncActorWorker and classes["critic"].cls is MegatronCriticWorker
+    # one worker class per role; the Megatron engine (TP=2) is chosen through the driver's dims
+    actor, critic = classes["actor"], classes["critic"]
+    assert actor.cls is ActorRolloutRefWorker and critic.cls is CriticWorker
+    assert actor.kwargs["disaggregated"] and actor.kwargs["dims"].model_parallel
+    assert (actor.kwargs["dims"].tp, critic.kwargs["dims"].tp) == (2, 2) and critic.kwargs[
+        "dims"
+    ].model_parallel
     trainer = run_async(MEGATRON_ASYNC, tmp_path)
     rows = trainer.history
     assert len(trainer.consumed_versions) == 3

@@ -19,7 +19,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.single_controller.local import LocalWorkerGroup
 from hybridrl.single_controller.ray.base import RayClassWithInitArgs
 from hybridrl.workers.config import RewardModelConfig, RewardModelModelConfig, RewardRolloutConfig
-from hybridrl.workers.fsdp_workers import RewardModelWorker
+from hybridrl.workers.engine_workers import RewardModelWorker
 from hybridrl.workers.reward.manager import load_reward_manager
 from hybridrl.workers.reward.reward_loop import RewardLoopManager, chunk_bounds, merge_extras
 from hybridrl.workers.reward.rm_server import RewardModelServer
@@ -125,8 +125,8 @@ def ray_cluster():
 
 
 def _tok(path):
+    from hybridrl.models.hf import load_tokenizer
     from hybridrl.workers.config import ModelConfig
-    from hybridrl.workers.engine.fsdp import load_tokenizer
 
     return load_tokenizer(ModelConfig(path=path))
 

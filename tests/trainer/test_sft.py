@@ -118,8 +118,8 @@ def test_prompt_token_labels_do_not_change_the_loss(tiny):
     from transformers import AutoModelForCausalLM
 
     from hybridrl.data.sft_dataset import SFTDataConfig, SFTDataset
+    from hybridrl.models.hf import load_tokenizer
     from hybridrl.workers.config import ModelConfig
-    from hybridrl.workers.engine.fsdp import load_tokenizer
 
     tok = load_tokenizer(ModelConfig(path=tiny["model"]))
     ds = SFTDataset(tiny["train"], tok, SFTDataConfig(max_length=32))

@@ -55,7 +55,7 @@ def test_model_torch_dtype_sets_the_load_dtype_of_actor_and_ref():
 
 
 def test_model_torch_dtype_builds_the_model_in_that_dtype():
-    from hybridrl.workers.engine.fsdp import build_hf_model
+    from hybridrl.models.hf import build_hf_model
 
     c = _check(["actor_rollout_ref.model.torch_dtype=bfloat16"])
     model = build_hf_model(c.actor_rollout_ref.model, dtype=c.actor_rollout_ref.actor.fsdp_config.model_dtype)

@@ -96,15 +96,17 @@ def _actor_checks(rank, model_dir):
         batch_sizes=sizes2,
         peak_flops=1e11,
     )
-    lp_fixed, ent_fixed = actor2.compute_log_prob(local, calculate_entropy=True, micro_batch_size=3)
-    lp_dyn, _ = actor2.compute_log_prob(local, use_dynamic_bsz=True, max_token_len=16)
+    _res = actor2.compute_log_prob(local, calculate_entropy=True, micro_batch_size=3)
+    lp_fixed, ent_fixed = _res.log_probs, _res.entropy
+    lp_dyn = actor2.compute_log_prob(local, use_dynamic_bsz=True, max_token_len=16).log_probs
     lp2, ent2 = _gather_rows(lp_fixed), _gather_rows(ent_fixed)
     mask = full.batch["response_mask"].bool()
     local_mask = local.batch["response_mask"].bool()
     torch.testing.assert_close(lp_dyn[local_mask], lp_fixed[local_mask], atol=1e-6, rtol=0)
     lp1 = torch.empty_like(lp2)
     if rank == 0:
-        lp1, ent1 = actor1.compute_log_prob(full, calculate_entropy=True, micro_batch_size=ROWS)
+        _res = actor1.compute_log_prob(full, calculate_entropy=True, micro_batch_size=ROWS)
+        lp1, ent1 = _res.log_probs, _res.entropy
         torch.testing.assert_close(lp2[mask], lp1[mask], atol=1e-5, rtol=0)
         torch.testing.assert_close(ent2[mask], ent1[mask], atol=1e-5, rtol=0)
     dist.broadcast(lp1, src=0)
@@ -226,7 +228,7 @@ def _on_policy_checks(rank, cfg, engine, sizes, data):
         actor = PPOActor(op_cfg, engine.module, engine.optimizer, dp_size=2, batch_sizes=sizes)
         local = data.chunk(2)[rank]
         assert actor.is_on_policy(len(local))
-        current, _ = actor.compute_log_prob(local, micro_batch_size=4)
+        current = actor.compute_log_prob(local, micro_batch_size=4).log_probs
         with_old = local.select(deepcopy=True)
         with_old.batch["old_log_probs"] = current
         without = local.select(deepcopy=True)

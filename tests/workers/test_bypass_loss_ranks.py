@@ -57,7 +57,7 @@ def _checks(rank, world, model_dir):
         engine1 = FSDPEngine.build(model_cfg, fsdp, cfg.optim, mesh=mesh1, load_tok=False)
         actor1 = PPOActor(cfg, engine1.module, engine1.optimizer, dp_size=1,
                           batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=1))  # fmt: skip
-        lp, _ = actor1.compute_log_prob(full, micro_batch_size=ROWS)
+        lp = actor1.compute_log_prob(full, micro_batch_size=ROWS).log_probs
         # the "rollout" log-probs: the current ones moved, so weights and rejection both act
         full.batch["old_log_probs"] = lp + 0.2 * torch.randn(lp.shape, generator=g)
         engine1.module.zero_grad(set_to_none=True)

@@ -35,6 +35,7 @@ from hybridrl.trainer.ppo.setup import prepare_run, trainer_of
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 from hybridrl.trainer.ppo.workers import (
     WorkerGroups,
+    actor_dims,
     start_reward_loop,
     support_role_classes,
     use_gpu,
@@ -52,7 +53,7 @@ class PolicyView:
     (validation) to a rollout worker through the manager.
 
     Args:
-        train: the actor view of the training group (AsyncActorWorker methods).
+        train: the actor view of the training group (ActorRolloutRefWorker in disaggregated mode).
         manager_fn: returns the started AsyncRolloutManager.
     """
 
@@ -83,7 +84,7 @@ class PolicyView:
         self.train.load_checkpoint(local_path)
 
     def publish_weights(self, version: int):
-        """Non-blocking: a future whose refs[0] is rank 0's payload (AsyncActorWorker.publish_weights)."""
+        """Non-blocking: a future whose refs[0] is rank 0's payload (ActorRolloutRefWorker.publish_weights)."""
         return self.train.publish_weights(version)
 
 
@@ -122,14 +123,10 @@ def _pools(config: AsyncPPOConfig, gpu: bool) -> tuple[RayResourcePool, RayResou
 
 def _train_classes(config: AsyncPPOConfig, world: int, threads: int | None, peak_flops: float | None) -> dict:
     """{role: RayClassWithInitArgs} colocated on the training slots (actor [+ ref], critic, reward model)."""
-    from hybridrl.workers.megatron_config import data_parallel_size
-    from hybridrl.workers.megatron_workers import MegatronAsyncActorWorker, uses_megatron
-    from hybridrl.workers.rollout_worker import AsyncActorWorker
-
     arr = config.actor_rollout_ref
-    _, critic_cls, reward_cls = worker_classes(config)  # FSDP or Megatron per *.strategy, as in main_ppo
-    actor_cls = MegatronAsyncActorWorker if uses_megatron(arr.actor.strategy) else AsyncActorWorker
-    actor_dp = data_parallel_size(arr.actor.strategy, arr.actor.megatron, world)
+    actor_cls, critic_cls, reward_cls = worker_classes(config)  # one class per role, as in main_ppo
+    dims = actor_dims(config, world, with_rollout=False)
+    use_ref = config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
     classes = {
         "actor": RayClassWithInitArgs(
             actor_cls,
@@ -137,23 +134,25 @@ def _train_classes(config: AsyncPPOConfig, world: int, threads: int | None, peak
             actor=arr.actor,
             ref=arr.ref,
             rollout=arr.rollout,
-            use_ref=config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss,
+            role="actor_rollout_ref" if use_ref else "actor",
             actor_batch_sizes=normalize_actor_batch_sizes(
-                arr.actor, rollout_n=arr.rollout.n, dp_size=actor_dp
+                arr.actor, rollout_n=arr.rollout.n, dp_size=dims.data_ranks
             ),
             num_threads=threads,
             peak_flops=peak_flops,
+            dims=dims,
+            disaggregated=True,
         )
     }
-    critic_dp = data_parallel_size(config.critic.strategy, config.critic.megatron, world)
-    classes.update(support_role_classes(config, critic_cls, reward_cls, critic_dp, threads, peak_flops))
+    classes.update(support_role_classes(config, critic_cls, reward_cls, world, threads, peak_flops))
     return classes
 
 
 def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None) -> AsyncWorkers:
     """Two resource pools: training slots (actor [+ ref], critic, reward model colocated) and
-    rollout slots (one AsyncRolloutWorker each). Both groups build their models concurrently."""
-    from hybridrl.workers.rollout_worker import AsyncRolloutWorker
+    rollout slots (one disaggregated rollout-only ActorRolloutRefWorker each). Both groups build
+    their models concurrently."""
+    from hybridrl.workers.engine_workers import ActorRolloutRefWorker
 
     gpu = use_gpu(config)
     train_pool, rollout_pool = _pools(config, gpu)
@@ -168,10 +167,12 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
     rollout_group = RayWorkerGroup(
         rollout_pool,
         RayClassWithInitArgs(
-            AsyncRolloutWorker,
+            ActorRolloutRefWorker,
             model=arr.model,
             rollout=_rollout_worker_config(arr.rollout),
+            role="rollout",
             num_threads=None if gpu else rollout_pool.num_threads,
+            disaggregated=True,
         ),
         name_prefix="hybridrl_rollout",
     )

@@ -16,11 +16,11 @@ from omegaconf import DictConfig
 from hybridrl.data.builtin_task import ensure_builtin_data
 from hybridrl.data.rl_dataset import as_messages, compute_position_ids, read_rows, render_prompt
 from hybridrl.models.builtin import resolve_model_path
+from hybridrl.models.hf import import_external_libs, load_tokenizer
 from hybridrl.protocol import DataProto
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.utils.device import get_torch_device
 from hybridrl.workers.config import ModelConfig
-from hybridrl.workers.engine.fsdp import import_external_libs, load_tokenizer
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
 ROLLOUT_NAMES = ("hf", "vllm")

@@ -58,6 +58,8 @@ class PPOConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
+    # veRL's newest engine switch for actor, ref and critic ("dp" / "fsdp", "megatron"); see ppo/model_engine.py
+    model_engine: str | None = None
 
 
 PPO_KEYS_DOC = "hybridrl/trainer/config/ppo_trainer.yaml"
@@ -75,15 +77,18 @@ def load_config(cfg: DictConfig | dict | list[str] | None = None, explicit_keys=
         raise
     except ValueError as e:  # a section's own check (__post_init__) failed
         raise ConfigError(str(e)) from None
-    derive_config(config)
+    derive_config(config, explicit_keys)
     apply_verl_compat(config, explicit_keys)
     apply_verl_misc(config, explicit_keys)
     validate_config(config)
     return config
 
 
-def derive_config(config: PPOConfig) -> None:
-    """Fill the values that default to other keys (veRL's `${...}` links) before validation."""
+def derive_config(config: PPOConfig, explicit_keys=None) -> None:
+    """Fill the values that default to other keys (veRL's `${...}` links, `model_engine`) before validation."""
+    from hybridrl.trainer.ppo.model_engine import apply_model_engine
+
+    apply_model_engine(config, explicit_keys)
     rollout = config.actor_rollout_ref.rollout
     if rollout.prompt_length is None or rollout.prompt_length <= 0:
         rollout.prompt_length = config.data.max_prompt_length

@@ -15,6 +15,7 @@ from hybridrl.data.custom_sampler import build_custom_sampler
 from hybridrl.data.rl_dataset import RLDataConfig, collate_fn, create_rl_dataset
 from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 from hybridrl.models.builtin import resolve_model_path
+from hybridrl.models.hf import load_tokenizer
 from hybridrl.models.shm import copy_to_shm
 from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.reward_kwargs import reward_manager_class, reward_manager_kwargs
@@ -23,7 +24,6 @@ from hybridrl.trainer.ppo.workers import start_reward_loop, start_workers, uses_
 from hybridrl.utils.flops import get_peak_flops
 from hybridrl.utils.torch_utils import str_to_dtype
 from hybridrl.utils.tracking import Tracking
-from hybridrl.workers.engine.fsdp import load_tokenizer
 from hybridrl.workers.reward.custom import load_custom_reward_fn
 from hybridrl.workers.reward.manager import load_reward_manager
 

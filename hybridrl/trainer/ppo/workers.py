@@ -17,7 +17,8 @@ from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourc
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
-from hybridrl.workers.megatron_config import check_colocated_megatron, data_parallel_size
+from hybridrl.workers.megatron_config import check_colocated_megatron
+from hybridrl.workers.parallel_dims import ParallelDims
 
 LOCAL_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -49,16 +50,9 @@ def use_gpu(config) -> bool:
 
 
 def worker_classes(config) -> tuple[type, type, type]:
-    """(ActorRolloutRef, Critic, RewardModel) worker classes: FSDP, or Megatron per `*.strategy`.
-
-    Checks first that colocated roles agree on their Megatron layout (docs/megatron.md).
-    """
-    from hybridrl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
-    from hybridrl.workers.megatron_workers import (
-        MegatronActorRolloutRefWorker,
-        MegatronCriticWorker,
-        uses_megatron,
-    )
+    """(ActorRolloutRef, Critic, RewardModel) worker classes: one per role, whatever the engine
+    (`*.strategy`); checks first that colocated roles agree on their Megatron layout (docs/megatron.md)."""
+    from hybridrl.workers.engine_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
     arr = config.actor_rollout_ref
     check_colocated_megatron(
@@ -70,9 +64,14 @@ def worker_classes(config) -> tuple[type, type, type]:
             else ("fsdp", None),
         }
     )
-    actor = MegatronActorRolloutRefWorker if uses_megatron(arr.actor.strategy) else ActorRolloutRefWorker
-    critic = MegatronCriticWorker if uses_megatron(config.critic.strategy) else CriticWorker
-    return actor, critic, RewardModelWorker
+    return ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+
+
+def actor_dims(config, world: int, with_rollout: bool = True) -> ParallelDims:
+    """The actor's ParallelDims on `world` ranks (its rollout TP when it holds the rollout)."""
+    arr = config.actor_rollout_ref
+    tp = arr.rollout.tensor_model_parallel_size if with_rollout else 1
+    return ParallelDims.for_role(world, arr.actor, "actor_rollout_ref.actor", rollout_tp=tp)
 
 
 def role_classes(config, world: int, threads: int | None, peak_flops: float | None) -> dict[str, Any]:
@@ -80,6 +79,7 @@ def role_classes(config, world: int, threads: int | None, peak_flops: float | No
     actor_cls, critic_cls, reward_cls = worker_classes(config)
     arr, n = config.actor_rollout_ref, config.actor_rollout_ref.rollout.n
     use_ref = config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
+    dims = actor_dims(config, world)
     classes = {
         "actor_rollout": RayClassWithInitArgs(
             actor_cls,
@@ -88,36 +88,34 @@ def role_classes(config, world: int, threads: int | None, peak_flops: float | No
             ref=arr.ref,
             rollout=arr.rollout,
             role="actor_rollout_ref" if use_ref else "actor_rollout",
-            actor_batch_sizes=normalize_actor_batch_sizes(
-                arr.actor,
-                rollout_n=n,
-                dp_size=data_parallel_size(arr.actor.strategy, arr.actor.megatron, world),
-            ),
+            actor_batch_sizes=normalize_actor_batch_sizes(arr.actor, rollout_n=n, dp_size=dims.data_ranks),
             num_threads=threads,
             pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
+            dims=dims,
         )
     }
-    critic_dp = data_parallel_size(config.critic.strategy, config.critic.megatron, world)
-    classes.update(support_role_classes(config, critic_cls, reward_cls, critic_dp, threads, peak_flops))
+    classes.update(support_role_classes(config, critic_cls, reward_cls, world, threads, peak_flops))
     return classes
 
 
 def support_role_classes(
-    config, critic_cls: type, reward_cls: type, critic_dp: int, threads: int | None, peak_flops: float | None
+    config, critic_cls: type, reward_cls: type, world: int, threads: int | None, peak_flops: float | None
 ) -> dict[str, Any]:
     """{"critic": ..., "reward_model": ...} for the roles this run needs (synchronous and asynchronous)."""
     classes = {}
     if algos.estimator_needs_critic(config.algorithm.adv_estimator):
+        dims = ParallelDims.for_role(world, config.critic, "critic")
         classes["critic"] = RayClassWithInitArgs(
             critic_cls,
             config=config.critic,
             batch_sizes=normalize_critic_batch_sizes(
-                config.critic, dp_size=critic_dp, rollout_n=config.actor_rollout_ref.rollout.n
+                config.critic, dp_size=dims.data_ranks, rollout_n=config.actor_rollout_ref.rollout.n
             ),
             num_threads=threads,
             pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
+            dims=dims,
         )
     if config.reward_model.enable and not config.reward_model.use_reward_loop:
         classes["reward_model"] = RayClassWithInitArgs(

@@ -34,6 +34,7 @@ from hybridrl.data.rl_dataset import as_messages, read_rows, render_prompt
 from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 from hybridrl.data.sft_dataset import MultiTurnSFTDataset, SFTDataConfig, SFTDataset
 from hybridrl.models.builtin import resolve_model_path
+from hybridrl.models.hf import load_tokenizer
 from hybridrl.trainer.offline.evaluation import GreedyEval, dig
 from hybridrl.trainer.sft.config import SFTConfig, is_builtin_model
 from hybridrl.utils import checkpointing as ckpt_io
@@ -42,7 +43,7 @@ from hybridrl.utils.device import get_torch_device
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.tracking import Tracking
 from hybridrl.workers.config import ModelConfig, OptimConfig
-from hybridrl.workers.engine.fsdp import FSDPEngine, clip_grad_norm, load_tokenizer
+from hybridrl.workers.engine.fsdp import FSDPEngine, clip_grad_norm
 from hybridrl.workers.engine.optim import build_optimizer, lr_factor
 
 __all__ = ["SFTTrainer", "sft_token_loss", "resolve_data_files"]

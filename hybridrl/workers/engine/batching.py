@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from hybridrl.algos.agg import LossScale, loss_counts
 from hybridrl.utils.seqlen_balancing import rearrange_micro_batches, restore_order
-from hybridrl.workers.engine.fsdp import clip_grad_norm
 
 
 def default_dp_group(dp_size: int, dp_group: Any = None) -> Any:
@@ -85,6 +84,23 @@ def split_micro_batches(
 def merge_outputs(outputs: list[torch.Tensor], indices: list[list[int]] | None) -> torch.Tensor:
     """Concatenate per-micro-batch results in batch order."""
     return torch.cat(outputs, dim=0) if indices is None else restore_order(outputs, indices)
+
+
+def clip_grad_norm(module: torch.nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm to `max_norm` (<= 0: only measure) and return the norm.
+
+    Works on sharded (DTensor) gradients; the norm is the one of the full, un-sharded gradient.
+    A non-finite norm is returned as is and the gradients are left unscaled (the caller skips
+    the optimizer step).
+    """
+    params = [p for p in module.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], error_if_nonfinite=False)
+    value = float((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
+    if max_norm and max_norm > 0 and math.isfinite(value):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return value
 
 
 def optimizer_step(

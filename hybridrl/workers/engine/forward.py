@@ -43,6 +43,7 @@ from hybridrl.utils.torch_utils import (
     transformers_detects_packed_sequences,
     unpack_sequences,
 )
+from hybridrl.workers.engine.base import LogProbs
 from hybridrl.workers.engine.lm_head import linear_log_probs
 from hybridrl.workers.engine.prefix_group import (
     LAYOUT_KWARG,
@@ -359,7 +360,7 @@ def forward_log_probs(
     sp: SPGroup | None = None,
     compile_kernels: bool = False,
     prefix_group: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> LogProbs:
     """Log-probs (and entropy) of the response tokens under `module`, logits / temperature.
 
     Args:
@@ -384,8 +385,8 @@ def forward_log_probs(
             not with `sp`.
 
     Returns:
-        log_probs (B, T) float32; entropy (B, T) float32 or None; with calculate_sum_pi_squared a
-        third (B, T) float32 sum_pi_squared. Values at padded response positions are
+        LogProbs: log_probs (B, T) float32; entropy (B, T) float32 or None; sum_pi_squared
+        (B, T) float32 with calculate_sum_pi_squared, else None. Values at padded response positions are
         meaningless (0 with remove-padding); mask them.
     """
     if temperature <= 0:
@@ -405,7 +406,7 @@ def forward_log_probs(
             module, head, batch, temperature, calculate_entropy, entropy_grad, calculate_sum_pi_squared,
             ent_fn, compiled=compile_kernels,
         )  # fmt: skip
-        return (lp, ent, sps) if calculate_sum_pi_squared else (lp, ent)
+        return LogProbs(lp, ent, sps)
     if head is not None:
         if sp is not None:
             lp, ent, sps = _fused_log_probs_sp(
@@ -424,7 +425,7 @@ def forward_log_probs(
                 module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad,
                 calculate_sum_pi_squared, compiled=compile_kernels,
             )  # fmt: skip
-        return (lp, ent, sps) if calculate_sum_pi_squared else (lp, ent)
+        return LogProbs(lp, ent, sps)
     responses = batch["responses"]
     t = responses.shape[-1]
     out, packed = _run(module, batch, use_remove_padding, sp=sp)
@@ -432,22 +433,18 @@ def forward_log_probs(
         logits = out.logits[:, -t - 1 : -1].float() / temperature
         log_probs = logprobs_from_logits(logits, responses)
         entropy = ent_fn(logits) if calculate_entropy else None
-        if calculate_sum_pi_squared:
-            return log_probs, entropy, sum_pi_squared_from_logits(logits)
-        return log_probs, entropy
+        sps = sum_pi_squared_from_logits(logits) if calculate_sum_pi_squared else None
+        return LogProbs(log_probs, entropy, sps)
     logits = _gathered_logits(out, packed, sp)[0].float() / temperature  # (nnz, V)
     labels = torch.roll(packed.input_ids[0], shifts=-1)  # token t + 1 (garbage at each sequence end)
     log_probs = unpack_sequences(logprobs_from_logits(logits, labels), packed)[:, -t - 1 : -1]
     entropy = None
     if calculate_entropy:
         entropy = unpack_sequences(ent_fn(logits), packed)[:, -t - 1 : -1]
+    sps = None
     if calculate_sum_pi_squared:
-        return (
-            log_probs,
-            entropy,
-            unpack_sequences(sum_pi_squared_from_logits(logits), packed)[:, -t - 1 : -1],
-        )
-    return log_probs, entropy
+        sps = unpack_sequences(sum_pi_squared_from_logits(logits), packed)[:, -t - 1 : -1]
+    return LogProbs(log_probs, entropy, sps)
 
 
 def forward_values(

@@ -1,13 +1,6 @@
-"""The FSDP2 training engine: build a Hugging Face model, shard it, offload it, sync its weights.
-
-Roles and the model class each builds (all from `model.path`, a local Hugging Face folder, a
-hub id or 'builtin:tiny'):
-    actor / ref   AutoModelForCausalLM
-    critic        AutoModelForTokenClassification, num_labels=1: a linear value head on every
-                  position of the backbone (the backbone weights load from a causal-LM
-                  checkpoint; the head starts fresh). Classifier dropout is set to 0.
-    reward        AutoModelForSequenceClassification, num_labels=1 (scores are read per token by
-                  `engine.forward.forward_scores`, so padding conventions do not matter).
+"""The FSDP2 training engine (`model_engine=dp`, `strategy=fsdp`): a Hugging Face model of one role
+(models/hf.build_hf_model), sharded, offloaded between calls; compute, weights and checkpoints are
+`ModuleEngine`'s (engine/module_engine.py).
 
 Sharding: `fully_shard` on every decoder layer (the model's `_no_split_modules`, or
 `wrap_policy.transformer_layer_cls_to_wrap`), then on the root, over a 1-D mesh of all ranks;
@@ -23,226 +16,39 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import logging
 import math
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridrl.models.hf import build_hf_model, load_tokenizer
 from hybridrl.utils.device import get_device_name, get_torch_device
 from hybridrl.utils.torch_utils import str_to_dtype
 from hybridrl.workers.config import FSDPConfig, ModelConfig, OptimConfig
-from hybridrl.workers.engine.checkpoint import load_checkpoint, save_checkpoint
+from hybridrl.workers.engine.base import EngineBuildSpec, register_engine
+from hybridrl.workers.engine.batching import clip_grad_norm
 from hybridrl.workers.engine.full_params import GATHER_BUCKET_BYTES, iter_full_params
+from hybridrl.workers.engine.module_engine import ModuleEngine
 
 logger = logging.getLogger(__name__)
-
-ROLES = ("actor", "ref", "critic", "reward")
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.json",
-    "tokenizer.model",
-    "spiece.model",
-)
 
 __all__ = [
     "FSDPEngine",
     "apply_fsdp2",
-    "build_hf_model",
     "clip_grad_norm",
     "create_device_mesh",
     "default_attn_implementation",
     "iter_full_params",
-    "load_hf_config",
-    "load_tokenizer",
     "offload_fsdp_model_to_cpu",
     "load_fsdp_model_to_device",
     "offload_optimizer",
     "load_optimizer",
     "resolve_reshard_after_forward",
 ]
-
-
-# ----------------------------------------------------------------------------------------------
-# Hugging Face model loading
-# ----------------------------------------------------------------------------------------------
-def import_external_libs(external_lib: str | None) -> None:
-    """Import `external_lib` (a module that registers models/tokenizers with transformers)."""
-    if not external_lib:
-        return
-    try:
-        importlib.import_module(external_lib)
-    except ImportError as e:
-        raise ImportError(
-            f"model.external_lib={external_lib!r} could not be imported ({e}); install it or fix the name"
-        ) from e
-
-
-def resolve_model_path(path: str | None, key: str) -> str:
-    """Map 'builtin:tiny' to the shipped folder and check that a local path exists."""
-    if not path:
-        raise ValueError(f"{key} is not set; point it at a Hugging Face model folder or 'builtin:tiny'")
-    try:
-        from hybridrl.models.builtin import resolve_model_path as resolve
-    except ImportError:  # the models package is optional for this module
-        resolve = None
-    if resolve is not None:
-        return resolve(path, key=key)
-    expanded = os.path.expanduser(path)
-    if not os.path.exists(expanded):
-        raise FileNotFoundError(
-            f"{key}={path!r}: no such model folder; point it at a Hugging Face model folder"
-        )
-    return expanded
-
-
-def load_hf_config(model_config: ModelConfig, role: str = "actor", key: str = "actor_rollout_ref.model"):
-    """The Hugging Face config of `model_config.path` with `override_config` applied.
-
-    Critic / reward configs get num_labels=1; the critic's classifier dropout is set to 0.
-    """
-    from transformers import AutoConfig
-
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    import_external_libs(model_config.external_lib)
-    path = resolve_model_path(model_config.path, f"{key}.path")
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
-    if role in ("critic", "reward"):
-        hf_config.num_labels = 1
-    if role == "critic":
-        hf_config.classifier_dropout = 0.0
-    overrides = dict(model_config.override_config or {})
-    attn = overrides.pop("attn_implementation", None)
-    overrides.pop("model_config", None)
-    overrides.pop("moe_config", None)
-    for name, value in overrides.items():
-        if not hasattr(hf_config, name):
-            raise ValueError(
-                f"{key}.override_config.{name}: the {type(hf_config).__name__} has no attribute {name!r}; "
-                "remove it or check the spelling"
-            )
-        setattr(hf_config, name, value)
-    if attn is not None:
-        hf_config._attn_implementation = attn
-    return hf_config
-
-
-def load_tokenizer(model_config: ModelConfig, key: str = "actor_rollout_ref.model"):
-    """The tokenizer of `tokenizer_path` (default: `path`), with a pad token (eos when missing)."""
-    from transformers import AutoTokenizer
-
-    import_external_libs(model_config.external_lib)
-    path = model_config.tokenizer_path or model_config.path
-    path_key = f"{key}.tokenizer_path" if model_config.tokenizer_path else f"{key}.path"
-    path = resolve_model_path(path, path_key)
-    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        # recent transformers would build an empty tokenizer from a folder without one
-        raise FileNotFoundError(f"{path_key}={path!r} holds no tokenizer files; set {key}.tokenizer_path")
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
-    if tok.pad_token_id is None and tok.eos_token_id is not None:
-        tok.pad_token = tok.eos_token
-    if model_config.custom_chat_template:
-        tok.chat_template = model_config.custom_chat_template
-    return tok
-
-
-def _auto_class(role: str):
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
-    )
-
-    return {
-        "actor": AutoModelForCausalLM,
-        "ref": AutoModelForCausalLM,
-        "critic": AutoModelForTokenClassification,
-        "reward": AutoModelForSequenceClassification,
-    }[role]
-
-
-def _dtype_kwarg() -> str:
-    """transformers >= 4.56 calls the load dtype `dtype`; older versions `torch_dtype`."""
-    import transformers
-
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-
-
-def build_hf_model(
-    model_config: ModelConfig,
-    *,
-    role: str = "actor",
-    dtype: torch.dtype | str = torch.float32,
-    key: str = "actor_rollout_ref.model",
-    default_attn: str | None = None,
-) -> nn.Module:
-    """Build the role's Hugging Face model on CPU in `dtype` (weights from `path`, or random).
-
-    Applies gradient checkpointing (non-reentrant) and LoRA (peft) when configured. The model is
-    in train mode with `use_cache` off. `default_attn` is the attention implementation used when
-    `override_config` names none (None: transformers' default).
-    """
-    model_config.validate(key)
-    hf_config = load_hf_config(model_config, role, key)
-    dtype = str_to_dtype(dtype)
-    cls = _auto_class(role)
-    attn = getattr(hf_config, "_attn_implementation", None) or default_attn
-    kwargs: dict[str, Any] = {"trust_remote_code": model_config.trust_remote_code}
-    if attn:
-        kwargs["attn_implementation"] = attn
-    kwargs[_dtype_kwarg()] = dtype
-    if model_config.init_from_scratch:
-        model = cls.from_config(hf_config, **kwargs)
-    else:
-        path = resolve_model_path(model_config.path, f"{key}.path")
-        model = cls.from_pretrained(path, config=hf_config, **kwargs)
-    model = model.to(dtype)
-    model.config.use_cache = False
-    if model_config.enable_gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if model_config.enable_activation_offload and role in ("actor", "critic"):
-        from hybridrl.workers.engine.activation_offload import enable_activation_offload
-
-        enable_activation_offload(model)
-    if model_config.lora_rank > 0 or model_config.lora_adapter_path:
-        model = _apply_lora(model, model_config, role)
-    if role in ("ref", "reward"):
-        model.requires_grad_(False)
-    model.train(role in ("actor", "critic"))
-    return model
-
-
-def _apply_lora(model: nn.Module, model_config: ModelConfig, role: str) -> nn.Module:
-    """Wrap `model` with a new LoRA adapter, or load the trained one at `lora_adapter_path`
-    (veRL's key; trainable for the actor/critic, frozen for the ref)."""
-    from peft import LoraConfig, PeftModel, TaskType, get_peft_model
-
-    if model_config.enable_gradient_checkpointing:
-        model.enable_input_require_grads()
-    if model_config.lora_adapter_path:
-        return PeftModel.from_pretrained(
-            model, model_config.lora_adapter_path, is_trainable=role in ("actor", "critic")
-        )
-    task = TaskType.CAUSAL_LM if role in ("actor", "ref") else TaskType.TOKEN_CLS
-    target = model_config.target_modules
-    target = list(target) if isinstance(target, (list, tuple)) else target
-    lora = LoraConfig(
-        task_type=task,
-        r=model_config.lora_rank,
-        lora_alpha=model_config.lora_alpha,
-        target_modules=target,
-        bias="none",
-    )
-    return get_peft_model(model, lora)
 
 
 @functools.cache
@@ -361,23 +167,6 @@ def set_forward_prefetch(layers: list[nn.Module]) -> None:
         layer.set_modules_to_forward_prefetch([nxt])
 
 
-def clip_grad_norm(module: nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm to `max_norm` (<= 0: only measure) and return the norm.
-
-    Works on sharded (DTensor) gradients; the norm is the one of the full, un-sharded gradient.
-    A non-finite norm is returned as is and the gradients are left unscaled (the caller skips
-    the optimizer step).
-    """
-    params = [p for p in module.parameters() if p.grad is not None]
-    if not params:
-        return 0.0
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], error_if_nonfinite=False)
-    value = float((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
-    if max_norm and max_norm > 0 and math.isfinite(value):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return value
-
-
 # ----------------------------------------------------------------------------------------------
 # offload between calls (GPU only; on CPU the same calls are no-ops)
 # ----------------------------------------------------------------------------------------------
@@ -425,24 +214,40 @@ def load_optimizer(optimizer: torch.optim.Optimizer | None, device: torch.device
 # ----------------------------------------------------------------------------------------------
 # the engine: model + optimizer + scheduler of one role on one rank
 # ----------------------------------------------------------------------------------------------
-@dataclass
-class FSDPEngine:
+class FSDPEngine(ModuleEngine):
     """An FSDP2-sharded model of one role, with its optimizer and lr scheduler (None for ref/reward).
 
-    Build it with `FSDPEngine.build(...)` on every rank after `init_process_group`. With
-    `param_offload` / `optimizer_offload` the engine starts offloaded: call `onload()` before
-    each role call and `offload()` after it (both are no-ops on CPU).
+    Build it with `FSDPEngine.build(...)` on every rank after `init_process_group` (or
+    `FSDPEngine.build_role(...)`, the registry's entry). With `param_offload` /
+    `optimizer_offload` the engine starts offloaded: call `onload()` before each role call and
+    `offload()` after it (both are no-ops on CPU). Compute, weights and checkpoints are
+    `ModuleEngine`'s: FSDP2 gathers each layer inside the forward.
     """
 
-    module: nn.Module
-    hf_config: Any
-    mesh: Any
-    fsdp_config: FSDPConfig
-    model_config: ModelConfig
-    role: str
-    optimizer: torch.optim.Optimizer | None = None
-    lr_scheduler: Any = None
-    tokenizer: Any = None
+    def __init__(
+        self,
+        module: nn.Module,
+        hf_config: Any,
+        mesh: Any,
+        fsdp_config: FSDPConfig,
+        model_config: ModelConfig,
+        role: str,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
+        super().__init__(
+            module,
+            optimizer,
+            lr_scheduler,
+            role=role,
+            dp_size=int(math.prod(mesh.shape)),
+            use_remove_padding=model_config.use_remove_padding,
+            use_fused_kernels=model_config.use_fused_kernels,
+            tokenizer=tokenizer,
+        )
+        self.hf_config, self.mesh = hf_config, mesh
+        self.fsdp_config, self.model_config = fsdp_config, model_config
 
     @classmethod
     def build(
@@ -492,9 +297,18 @@ class FSDPEngine:
         engine.offload()
         return engine
 
-    @property
-    def dp_size(self) -> int:
-        return int(math.prod(self.mesh.shape))
+    @classmethod
+    def build_role(cls, spec: EngineBuildSpec) -> FSDPEngine:
+        """The registry's entry: the role's engine from its config sections, Ulysses SP applied."""
+        from hybridrl.workers.engine.ulysses import apply_sp
+
+        section = spec.role_config
+        fsdp_config = section.fsdp_config if hasattr(section, "fsdp_config") else section.model.fsdp_config
+        engine = cls.build(
+            spec.model_config, fsdp_config, spec.optim_config, role=spec.role, key=spec.model_key
+        )
+        apply_sp(engine, spec.mesh, spec.rank, spec.key)
+        return engine
 
     # -- offload (no-ops unless the params/optimizer live on an accelerator) ---------------------
     def offload(self) -> None:
@@ -517,17 +331,5 @@ class FSDPEngine:
         """(HF name, full tensor) pairs, gathered in buckets (a collective), see `iter_full_params`."""
         return iter_full_params(self.module, dtype=dtype, device=device, bucket_bytes=bucket_bytes)
 
-    def save_checkpoint(self, path: str, contents=None, global_step: int | None = None, extra=None) -> None:
-        save_checkpoint(
-            path,
-            self.module,
-            self.optimizer,
-            self.lr_scheduler,
-            contents=contents,
-            tokenizer=self.tokenizer,
-            global_step=global_step,
-            extra=extra,
-        )
 
-    def load_checkpoint(self, path: str, contents=None) -> dict[str, Any]:
-        return load_checkpoint(path, self.module, self.optimizer, self.lr_scheduler, contents=contents)
+register_engine("dp", FSDPEngine, aliases=("fsdp", "fsdp2"))

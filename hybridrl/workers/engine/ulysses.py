@@ -35,6 +35,7 @@ from torch import nn
 ATTN_NAME = "hybridrl_ulysses"
 
 __all__ = [
+    "apply_sp",
     "ATTN_NAME",
     "SPGroup",
     "all_to_all",
@@ -297,3 +298,15 @@ def build_sp_groups(layout: Any, rank: int) -> tuple[SPGroup, Any]:
     group = new_subgroups(layout, ["sp"], rank)
     dp_group = new_subgroups(layout, ["dp"], rank) if layout.size("dp") > 1 else None
     return SPGroup(group, layout.coords(rank)["sp"], layout.size("sp")), dp_group
+
+
+def apply_sp(engine: Any, layout: Any, rank: int, key: str) -> None:
+    """Ulysses SP on an HF engine from its dispatch mesh (``{"dp": world / sp, "sp": sp}``; a mesh
+    without an sp dim of size > 1: nothing to do). Every rank calls it: it creates the sp and dp
+    groups, wraps the model's attention (`parallelize_sp`) and sets the engine's data-parallel
+    layout to the world / sp groups (FSDP still shards over every rank)."""
+    if "sp" not in layout.names or layout.size("sp") == 1:
+        return
+    sp, dp_group = build_sp_groups(layout, rank)
+    parallelize_sp(engine.module, sp, key=key)
+    engine.set_data_parallel(layout.size("dp"), dp_group, sp)

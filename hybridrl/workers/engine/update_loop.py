@@ -1,17 +1,15 @@
-"""The micro-batched forward / backward / optimizer-step loop shared by the actor and the critic.
+"""The micro-batched update loop shared by the actor, the critic and SFT, over any TrainEngine.
 
-A role (actor, critic) supplies only its per-micro-batch loss; this module does the rest, the
-same way for both:
+A role (actor, critic, SFT) supplies only its per-micro-batch loss; the engine runs the forward
+and backward (engine/base.py); this module does the rest, the same way for every role and engine:
 
 * `prepare_mini_batch`: move a mini-batch to the device, count its loss tokens over all ranks
   (`global_loss_scale`) and split it into micro-batches (fixed size or token budget);
-* `accumulate_micro_batches`: forward + backward every micro-batch (gradients accumulate), sum
-  the losses and take token-weighted means of the metrics;
+* `micro_loss_aux` / `combine_micro_metrics`: what each micro-batch's loss function returns
+  beside its loss, and the mini-batch's summed losses and token-weighted metric means from them;
 * `run_update`: epochs over shuffled mini-batches, one optimizer step each, then the lr
   scheduler once per call (one trainer step, as in veRL) and the throughput / MFU metrics;
-* `forward_without_grad`: the forward-only pass (old log-probs, reference log-probs, values) in
-  eval mode;
-* `MicroBatchedRole`: the state both roles hold, with the three steps above bound to it.
+* `MicroBatchedRole`: the state both RL roles hold (config, engine, per-rank batch sizes).
 """
 
 from __future__ import annotations
@@ -26,23 +24,18 @@ from torch import nn
 from hybridrl.algos.agg import LossScale
 from hybridrl.protocol import DataProto
 from hybridrl.utils.device import get_torch_device
-from hybridrl.utils.flops import attention_dims, compute_mfu, count_params, estimate_flops
+from hybridrl.utils.flops import compute_mfu, estimate_flops
 from hybridrl.workers.batch_sizes import PerRankBatchSizes
+from hybridrl.workers.engine.base import TrainEngine
 from hybridrl.workers.engine.batching import (
     TokenWeightedMeans,
     append_metrics,
-    default_dp_group,
     global_loss_scale,
-    optimizer_step,
     response_mask_of,
     shuffle_seed,
     split_micro_batches,
 )
 from hybridrl.workers.engine.ulysses import SPGroup
-
-# micro-batch, its response mask (b, T), the mini-batch's LossScale ->
-#   (loss to backpropagate, {metric: value summed over micro-batches}, {metric: token-mean value})
-MicroLoss = Callable[[Any, torch.Tensor, LossScale], tuple[torch.Tensor, dict[str, float], dict[str, Any]]]
 
 
 def prepare_mini_batch(
@@ -79,58 +72,48 @@ def prepare_mini_batch(
     return batch, loss_scale, micros
 
 
-def accumulate_micro_batches(
-    micros: Iterable, loss_scale: LossScale, micro_loss: MicroLoss
-) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    """Backward every micro-batch's loss (gradients accumulate); returns (summed, token-mean) metrics.
+def micro_loss_aux(
+    sums: dict[str, float], means: dict[str, Any], mask: torch.Tensor
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """The aux a micro-batch's loss function returns beside its loss (plain floats, so that an
+    engine can hand it between pipeline stages): summed losses, token-mean metrics, loss tokens."""
+    return dict(sums), {k: float(v) for k, v in means.items()}, float(mask.sum())
 
-    Each micro-batch loss is normalised by the whole mini-batch (`loss_scale`), so the
-    accumulated gradient equals the gradient of the un-split mini-batch.
+
+def combine_micro_metrics(
+    auxes: Iterable, loss_scale: LossScale
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(summed, token-mean) metrics of a mini-batch from its micro-batches' `micro_loss_aux`.
+
+    Each micro-batch's means weigh by its loss tokens over the whole mini-batch's (`loss_scale`),
+    so that after `mean_over_ranks` every rank reports the exact token mean of the mini-batch.
     """
     means = TokenWeightedMeans(loss_scale)
     sums: dict[str, float] = {}
-    for micro in micros:
-        mask = response_mask_of(micro)
-        loss, micro_sums, micro_means = micro_loss(micro, mask, loss_scale)
-        loss.backward()
+    for micro_sums, micro_means, num_tokens in auxes:
         for k, v in micro_sums.items():
             sums[k] = sums.get(k, 0.0) + v
-        means.add(micro_means, mask.sum())
+        means.add(micro_means, num_tokens)
     return sums, means.result()
-
-
-def forward_without_grad(module: nn.Module, micros: Iterable, forward: Callable[[Any], Any]) -> list:
-    """`forward(micro)` for every micro-batch in eval mode without gradients; the module's mode is restored."""
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            return [forward(micro) for micro in micros]
-    finally:
-        module.train(was_training)
 
 
 class UpdatePerf:
     """`perf/{role}/tokens`, `perf/{role}/update_s` and `perf/mfu/{role}` of one update call.
 
-    The model's parameter count and attention shape are read once, at the first call. With
-    Ulysses SP each of the `sp_size` ranks of a group does 1 / sp_size of its group's FLOPs.
+    The engine's FLOP model (`TrainEngine.perf_model`) is read once, at the first call.
     """
 
-    def __init__(self, role: str, module: nn.Module, peak_flops: float | None, sp_size: int = 1) -> None:
-        self.role, self.module, self.peak_flops, self.sp_size = role, module, peak_flops, sp_size
-        self._dims: tuple[int, int, int] | None = None
+    def __init__(self, role: str, engine: TrainEngine, peak_flops: float | None) -> None:
+        self.role, self.engine, self.peak_flops = role, engine, peak_flops
+        self._model = None
 
     def metrics(self, seqlens: list[int], seconds: float) -> dict[str, float]:
-        if self._dims is None:
-            layers, attn_dim = attention_dims(self.module.config)
-            self._dims = (count_params(self.module), layers, attn_dim)
+        if self._model is None:
+            self._model = self.engine.perf_model()
+        pm = self._model
         out = {f"perf/{self.role}/tokens": float(sum(seqlens)), f"perf/{self.role}/update_s": seconds}
-        mfu = compute_mfu(
-            estimate_flops(self._dims[0], seqlens, self._dims[1], self._dims[2]) / self.sp_size,
-            seconds,
-            self.peak_flops,
-        )
+        flops = estimate_flops(pm.num_params, seqlens, pm.num_layers, pm.attn_dim) / pm.ranks_per_sample
+        mfu = compute_mfu(flops, seconds, self.peak_flops)
         if mfu is not None:
             out[f"perf/mfu/{self.role}"] = mfu
         return out
@@ -140,21 +123,17 @@ def run_update(
     data: DataProto,
     *,
     role: str,
-    module: nn.Module,
+    engine: TrainEngine,
     batch_sizes: PerRankBatchSizes,
     forward_backward: Callable[[DataProto], dict[str, float]],
-    step: Callable[[], tuple[float, bool]],
-    lr_scheduler: Any,
-    optimizer: Any,
+    max_grad_norm: float,
     perf: UpdatePerf,
 ) -> dict[str, list[float]]:
-    """Epochs over shuffled mini-batches of `data`: `forward_backward(mini)` then `step()` each.
+    """Epochs over shuffled mini-batches of `data`: `forward_backward(mini)` then one optimizer step.
 
     Args:
         role: metric prefix ("actor", "critic").
-        module: put in training mode first.
-        step: the optimizer step; returns (grad norm, whether the step was taken).
-        lr_scheduler: stepped once per call (None: the optimizer's lr is reported as is).
+        max_grad_norm: the step's gradient clip (<= 0: measure only).
 
     Returns:
         metric name -> list (one entry per mini-batch, or one per call for lr / perf).
@@ -166,42 +145,35 @@ def run_update(
         seed=shuffle_seed(bs.seed, bs.shuffle, data.meta_info),
         dataloader_kwargs={"shuffle": bs.shuffle},
     )
-    module.train()
     metrics: dict[str, list] = {}
     start = time.perf_counter()
     for mini in iterator:
         append_metrics(metrics, forward_backward(mini))
-        grad_norm, stepped = step()
+        grad_norm, stepped = engine.optimizer_step(max_grad_norm)
         append_metrics(metrics, {f"{role}/grad_norm": grad_norm, f"{role}/step_skipped": float(not stepped)})
     elapsed = time.perf_counter() - start
-    if lr_scheduler is not None:
-        append_metrics(metrics, {f"{role}/lr": lr_scheduler.get_last_lr()[0]})
-        lr_scheduler.step()
-    else:
-        append_metrics(metrics, {f"{role}/lr": optimizer.param_groups[0]["lr"]})
+    append_metrics(metrics, {f"{role}/lr": engine.lr()})
+    engine.lr_scheduler_step()
     seqlens = data.batch["attention_mask"].sum(-1).tolist() * bs.epochs
     append_metrics(metrics, perf.metrics(seqlens, elapsed))
     return metrics
 
 
 class MicroBatchedRole:
-    """The state and plumbing the actor and the critic share: one trained (or frozen) model on the
-    data-parallel ranks, micro-batched forward passes and the update loop above.
+    """The state the actor and the critic share: one trained (or frozen) model behind a TrainEngine,
+    micro-batched passes and the update loop above.
 
     A subclass sets `role`, the metric prefix ("actor", "critic").
 
     Args:
         config: the role's config (its `max_grad_norm` clips the update).
-        module: the sharded model.
-        optimizer, lr_scheduler: None for a forward-only role (the reference policy).
-        dp_size: data-parallel ranks (the gradient average FSDP takes).
+        engine: the role's TrainEngine. A bare nn.Module (a test, a notebook) is wrapped in a
+            `ModuleEngine` with the keyword arguments below (ignored for an engine).
+        optimizer, lr_scheduler: the bare module's (None for a forward-only role).
+        dp_size, dp_group, sp, use_remove_padding, use_fused_kernels: the bare module's layout
+            (see ModuleEngine).
         batch_sizes: per-rank batch sizes (`normalize_actor_batch_sizes` / `normalize_critic_batch_sizes`).
-        use_remove_padding: pack valid tokens into one row.
-        dp_group: process group of the data-parallel ranks (default: WORLD when dp_size > 1).
         peak_flops: peak FLOP/s of one device for `perf/mfu/{role}` (None: not reported).
-        sp: this rank's Ulysses group (`engine.ulysses`; the module went through
-            `parallelize_sp`): the ranks of a group get the same rows, dp_size / dp_group then
-            count the groups (world / sp), not the ranks.
     """
 
     role = "role"
@@ -209,7 +181,7 @@ class MicroBatchedRole:
     def __init__(
         self,
         config: Any,
-        module: nn.Module,
+        engine: TrainEngine | nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler: Any = None,
         *,
@@ -219,19 +191,36 @@ class MicroBatchedRole:
         dp_group: Any = None,
         peak_flops: float | None = None,
         sp: SPGroup | None = None,
+        use_fused_kernels: bool = True,
     ) -> None:
+        if not isinstance(engine, TrainEngine):
+            from hybridrl.workers.engine.module_engine import ModuleEngine
+
+            engine = ModuleEngine(
+                engine,
+                optimizer,
+                lr_scheduler,
+                role=self.role,
+                dp_size=dp_size,
+                dp_group=dp_group,
+                sp=sp,
+                use_remove_padding=use_remove_padding,
+                use_fused_kernels=use_fused_kernels,
+            )
         self.config = config
-        self.sp = sp
-        self.module = module
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.dp_size = dp_size
+        self.engine = engine
         self.batch_sizes = batch_sizes
-        self.use_remove_padding = use_remove_padding
-        self.dp_group = default_dp_group(dp_size, dp_group)
         self.peak_flops = peak_flops
         self.device = get_torch_device()
-        self._perf = UpdatePerf(self.role, module, peak_flops, sp.size if sp is not None else 1)
+        self._perf = UpdatePerf(self.role, engine, peak_flops)
+
+    @property
+    def dp_size(self) -> int:
+        return self.engine.dp_size
+
+    @property
+    def dp_group(self) -> Any:
+        return self.engine.dp_group
 
     def split(
         self, batch: Any, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int | None, key: str
@@ -258,15 +247,13 @@ class MicroBatchedRole:
         )
 
     def run_update(self, data: DataProto, forward_backward: Callable[[DataProto], dict[str, float]]):
-        """See `run_update`: one optimizer step (grad-norm clipped) per mini-batch."""
+        """See `run_update`: one optimizer step (clipped at config.max_grad_norm) per mini-batch."""
         return run_update(
             data,
             role=self.role,
-            module=self.module,
+            engine=self.engine,
             batch_sizes=self.batch_sizes,
             forward_backward=forward_backward,
-            step=lambda: optimizer_step(self.module, self.optimizer, self.config.max_grad_norm),
-            lr_scheduler=self.lr_scheduler,
-            optimizer=self.optimizer,
+            max_grad_norm=self.config.max_grad_norm,
             perf=self._perf,
         )

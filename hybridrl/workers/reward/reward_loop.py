@@ -84,7 +84,7 @@ class RewardLoopWorker:
         server: Any = None,
         num_threads: int | None = None,
     ) -> None:
-        from hybridrl.workers.engine.fsdp import load_tokenizer
+        from hybridrl.models.hf import load_tokenizer
 
         if num_threads:
             torch.set_num_threads(num_threads)

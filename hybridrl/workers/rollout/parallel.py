@@ -1,9 +1,8 @@
 """Rollout tensor parallelism inside the colocated workers: meshes, checks, core binding, loaders.
 
-* Meshes: the training mesh of an FSDP actor is data-parallel over every rank
-  (``{"ddp": world / fsdp_size, "fsdp": fsdp_size}``, both dims data-parallel); the rollout mesh
-  is ``{"dp": world / tp, "tp": tp}`` with tp innermost, the grouping vLLM's
-  ``external_launcher`` uses (ranks ``[k*tp, (k+1)*tp)`` form engine k).
+* Meshes: `workers/parallel_dims.ParallelDims` builds them (the rollout mesh is
+  ``{"dp": world / tp, "tp": tp}`` with tp innermost, the grouping vLLM's ``external_launcher``
+  uses: ranks ``[k*tp, (k+1)*tp)`` form engine k).
 * :func:`validate_rollout_parallel`: TP must divide the ranks and the model's attention and KV
   heads, and the engine must support TP (``hf`` does not); checked on the driver before Ray
   starts, messages name the numbers and the fix.
@@ -23,36 +22,16 @@ from typing import Any
 
 import torch
 
-from hybridrl.single_controller.mesh import MeshLayout
-
 __all__ = [
     "TP_ENGINES",
     "bind_cpu_cores",
     "check_same_rows",
-    "rollout_mesh",
-    "training_mesh",
     "validate_rollout_parallel",
     "weight_loader_for",
 ]
 
 TP_ENGINES = ("vllm", "sglang")
 KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
-
-
-def rollout_mesh(world_size: int, tp: int) -> MeshLayout:
-    """``dp x tp`` over the worker group: world / tp engines of tp ranks each (tp innermost)."""
-    return MeshLayout.create(world_size, {"dp": -1, "tp": tp})
-
-
-def training_mesh(world_size: int, fsdp_size: int = -1, sp: int = 1) -> MeshLayout:
-    """The FSDP engine's dispatch mesh: every rank is data-parallel (replicate ``ddp`` x shard
-    ``fsdp``); with Ulysses SP (sp > 1) ``{"dp": world / sp, "sp": sp}``, sp innermost: the sp
-    ranks of a group get the same rows and its sp rank 0 returns them (the parameters are still
-    sharded over every rank, see engine/ulysses.py)."""
-    if sp > 1:
-        return MeshLayout.create(world_size, {"dp": -1, "sp": sp})
-    shard = world_size if fsdp_size <= 0 or fsdp_size >= world_size else fsdp_size
-    return MeshLayout.create(world_size, {"ddp": -1, "fsdp": shard}, dp_dims=("ddp", "fsdp"))
 
 
 def validate_rollout_parallel(

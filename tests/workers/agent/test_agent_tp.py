@@ -50,7 +50,7 @@ class AlwaysCalc(ToolCallParser):
 def _worker(model_dir: str, tp: int):
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.config import ActorConfig, FSDPConfig, MixedPrecisionConfig, ModelConfig, RefConfig
-    from hybridrl.workers.fsdp_workers import ActorRolloutRefWorker
+    from hybridrl.workers.engine_workers import ActorRolloutRefWorker
     from hybridrl.workers.rollout import RolloutConfig
 
     actor = ActorConfig(

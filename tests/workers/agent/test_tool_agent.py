@@ -391,7 +391,7 @@ def test_rollout_log_probs_of_a_3_turn_trajectory_equal_the_fsdp_recompute(
     model_cfg = ModelConfig(path=get_builtin_model_path(), use_remove_padding=use_remove_padding)
     engine = FSDPEngine.build(model_cfg, fsdp, None, role="ref", load_tok=False)
     actor = PPOActor(None, engine.module, dp_size=1, use_remove_padding=use_remove_padding)
-    recomputed, _ = actor.compute_log_prob(out, micro_batch_size=2, temperature=0.7)
+    recomputed = actor.compute_log_prob(out, micro_batch_size=2, temperature=0.7).log_probs
     mask = out.batch["response_mask"].bool()
     assert int(mask.sum()) > 20
     torch.testing.assert_close(out.batch["rollout_log_probs"][mask], recomputed[mask], atol=1e-4, rtol=0)

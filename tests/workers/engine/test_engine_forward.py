@@ -10,10 +10,11 @@ from tensordict import TensorDict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_testkit import make_batch, make_tiny_model_dir  # noqa: E402
 
+from hybridrl.models.hf import build_hf_model, load_tokenizer  # noqa: E402
 from hybridrl.utils.torch_utils import block_causal_mask, pack_sequences, unpack_sequences  # noqa: E402
 from hybridrl.workers.config import ModelConfig  # noqa: E402
 from hybridrl.workers.engine import forward  # noqa: E402
-from hybridrl.workers.engine.fsdp import build_hf_model, iter_full_params, load_tokenizer  # noqa: E402
+from hybridrl.workers.engine.fsdp import iter_full_params  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +48,15 @@ def test_remove_padding_matches_padded_log_probs(model_dir, attn, monkeypatch):
     batch = _td(make_batch(6, seed=1))
     mask = batch["response_mask"].bool()
     with torch.no_grad():
-        lp_pad, ent_pad = forward.forward_log_probs(model, batch, temperature=0.7, calculate_entropy=True)
-        lp_rm, ent_rm = forward.forward_log_probs(
+        _res = forward.forward_log_probs(model, batch, temperature=0.7, calculate_entropy=True)
+        lp_pad, ent_pad = _res.log_probs, _res.entropy
+        _res = forward.forward_log_probs(
             model, batch, temperature=0.7, calculate_entropy=True, use_remove_padding=True
         )
+        lp_rm, ent_rm = _res.log_probs, _res.entropy
         # the explicit 4-D block-diagonal mask (used when transformers cannot detect packing)
         monkeypatch.setattr(forward, "_DETECTS_PACKING", False)
-        lp_blk, _ = forward.forward_log_probs(model, batch, temperature=0.7, use_remove_padding=True)
+        lp_blk = forward.forward_log_probs(model, batch, temperature=0.7, use_remove_padding=True).log_probs
     torch.testing.assert_close(lp_rm[mask], lp_pad[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(ent_rm[mask], ent_pad[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(lp_blk[mask], lp_pad[mask], atol=1e-5, rtol=0)

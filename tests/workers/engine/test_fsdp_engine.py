@@ -36,7 +36,7 @@ def _data(rank, actor):
 
     full = make_batch(8, seed=3)
     data = DataProto.from_dict({k: v[rank * 4 : (rank + 1) * 4] for k, v in full.items()})
-    data.batch["old_log_probs"], _ = actor.compute_log_prob(data, micro_batch_size=2)
+    data.batch["old_log_probs"] = actor.compute_log_prob(data, micro_batch_size=2).log_probs
     data.batch["advantages"] = torch.linspace(-1, 1, 8)[rank * 4 : (rank + 1) * 4, None].expand(4, 5).clone()
     return data
 
@@ -76,7 +76,7 @@ def _checks(rank, world, model_dir, ckpt_dir):
     # 3. remove-padding log-probs equal the padded ones under FSDP
     data = _data(rank, actor)
     packed_actor = PPOActor(cfg, engine.module, dp_size=2, use_remove_padding=True)
-    lp_rm, _ = packed_actor.compute_log_prob(data, micro_batch_size=3)
+    lp_rm = packed_actor.compute_log_prob(data, micro_batch_size=3).log_probs
     mask = data.batch["response_mask"].bool()
     torch.testing.assert_close(lp_rm[mask], data.batch["old_log_probs"][mask], atol=1e-5, rtol=0)
 
@@ -84,7 +84,7 @@ def _checks(rank, world, model_dir, ckpt_dir):
     mesh = create_device_mesh(2, fsdp_size=1)
     assert mesh.mesh_dim_names == ("ddp", "fsdp")
     hsdp = FSDPEngine.build(engine.model_config, engine.fsdp_config, role="ref", mesh=mesh, load_tok=False)
-    lp_h, _ = PPOActor(None, hsdp.module, dp_size=2).compute_log_prob(data, micro_batch_size=4)
+    lp_h = PPOActor(None, hsdp.module, dp_size=2).compute_log_prob(data, micro_batch_size=4).log_probs
     torch.testing.assert_close(lp_h[mask], data.batch["old_log_probs"][mask], atol=1e-6, rtol=0)
     del hsdp
 

@@ -23,7 +23,7 @@ def _run(model_dir, rank, prefetch):
     full = make_batch(4, seed=1)
     batch = {k: v[rank * 2 : (rank + 1) * 2] for k, v in full.items()}
     engine.module.train()
-    log_probs, _ = forward_log_probs(engine.module, batch)
+    log_probs = forward_log_probs(engine.module, batch).log_probs
     (log_probs * batch["response_mask"]).sum().backward()
     grads = [p.grad.full_tensor().clone() for p in engine.module.parameters()]
     return links, log_probs.detach(), grads

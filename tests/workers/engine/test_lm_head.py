@@ -16,9 +16,10 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_testkit import make_batch, make_tiny_model_dir, spawn  # noqa: E402
 
+from hybridrl.models.hf import build_hf_model  # noqa: E402
 from hybridrl.workers.config import FSDPConfig, ModelConfig  # noqa: E402
 from hybridrl.workers.engine import forward  # noqa: E402
-from hybridrl.workers.engine.fsdp import FSDPEngine, build_hf_model  # noqa: E402
+from hybridrl.workers.engine.fsdp import FSDPEngine  # noqa: E402
 from hybridrl.workers.engine.lm_head import default_chunk_rows, linear_log_probs  # noqa: E402
 
 TOL = dict(atol=1e-6, rtol=1e-6)
@@ -89,7 +90,7 @@ def test_linear_log_probs_entropy_without_grad_and_frozen_weight():
 
 def _loss_and_grads(model, batch, fused, rmpad, calculate_entropy=True):
     model.zero_grad(set_to_none=True)
-    lp, ent = forward.forward_log_probs(
+    _res = forward.forward_log_probs(
         model,
         batch,
         temperature=0.7,
@@ -97,6 +98,7 @@ def _loss_and_grads(model, batch, fused, rmpad, calculate_entropy=True):
         calculate_entropy=calculate_entropy,
         fused=fused,
     )
+    lp, ent = _res.log_probs, _res.entropy
     mask = batch["response_mask"].float()
     g = torch.Generator().manual_seed(3)
     w = torch.randn(mask.shape, generator=g) / mask.sum()  # a token-mean loss with random signs
@@ -243,11 +245,11 @@ def test_forward_sum_pi_squared_fused_equals_plain(model_dir, rmpad):
             calculate_sum_pi_squared=True,
             fused=False,
         )
-        lp_only, _ = forward.forward_log_probs(model, batch, temperature=0.7, use_remove_padding=rmpad)
-    assert len(out_f) == len(out_p) == 3 and out_f[1] is None
-    torch.testing.assert_close(out_f[2][mask], out_p[2][mask], **TOL)
-    torch.testing.assert_close(out_f[0][mask], lp_only[mask], **TOL)
-    assert ((out_f[2][mask] > 0) & (out_f[2][mask] <= 1)).all()
+        lp_only = forward.forward_log_probs(model, batch, temperature=0.7, use_remove_padding=rmpad).log_probs
+    assert out_f.entropy is None and out_p.entropy is None
+    torch.testing.assert_close(out_f.sum_pi_squared[mask], out_p.sum_pi_squared[mask], **TOL)
+    torch.testing.assert_close(out_f.log_probs[mask], lp_only[mask], **TOL)
+    assert ((out_f.sum_pi_squared[mask] > 0) & (out_f.sum_pi_squared[mask] <= 1)).all()
 
 
 def test_compiled_kernels_equal_eager():
@@ -298,5 +300,6 @@ def test_actor_use_torch_compile_runs_the_compiled_kernels(model_dir, fused, mon
         assert asked and asked[-1] is True and False in asked
     else:
         assert not asked and forward._compiled_entropy.cache_info().currsize == 1
-    for a, b in zip(out[True], out[False]):
+    for name in ("log_probs", "entropy"):
+        a, b = getattr(out[True], name), getattr(out[False], name)
         torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=1e-5)

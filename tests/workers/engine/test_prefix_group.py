@@ -70,7 +70,7 @@ def grouped_batch(group_sizes=(3, 1, 2), prompt_len=7, response_len=6, seed=0):
 def run(model, batch, *, grouped, fused, grad=True):
     model.zero_grad()
     with torch.set_grad_enabled(grad):
-        lp, ent, sps = forward.forward_log_probs(
+        _res = forward.forward_log_probs(
             model,
             batch,
             temperature=0.7,
@@ -80,6 +80,7 @@ def run(model, batch, *, grouped, fused, grad=True):
             fused=fused,
             prefix_group=grouped,
         )
+        lp, ent, sps = _res.log_probs, _res.entropy, _res.sum_pi_squared
     mask = batch["response_mask"].bool()
     grads = {}
     if grad:
@@ -153,9 +154,8 @@ def test_packed_forward_attends_per_sequence_and_equals_the_padded_one(model, im
         outs = {}
         for packed in (False, True):
             model.zero_grad()
-            lp, ent = forward.forward_log_probs(
-                model, batch, use_remove_padding=packed, calculate_entropy=True
-            )
+            _res = forward.forward_log_probs(model, batch, use_remove_padding=packed, calculate_entropy=True)
+            lp, ent = _res.log_probs, _res.entropy
             mask = batch["response_mask"].bool()
             ((lp + 0.1 * ent) * mask).sum().backward()
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -188,8 +188,8 @@ def test_packed_forward_of_a_model_that_drops_kwargs_falls_back(model):
 
     batch = make_batch(3, seed=6)
     wrapped = DropsKwargs(model)
-    lp_packed, _ = forward.forward_log_probs(wrapped, batch, use_remove_padding=True, fused=False)
-    lp_padded, _ = forward.forward_log_probs(wrapped, batch, use_remove_padding=False, fused=False)
+    lp_packed = forward.forward_log_probs(wrapped, batch, use_remove_padding=True, fused=False).log_probs
+    lp_padded = forward.forward_log_probs(wrapped, batch, use_remove_padding=False, fused=False).log_probs
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(lp_packed[mask], lp_padded[mask], atol=1e-5, rtol=1e-5)
     assert DropsKwargs in forward._NO_SEQUENCE_WISE

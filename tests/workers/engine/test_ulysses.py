@@ -136,24 +136,34 @@ def _actor_checks(rank, world, model_dir):
     mask = full.batch["response_mask"].bool()
     local = full.chunk(2)[rank]
     # log-probs and entropy: SP=1 (rows split) == SP=2 (every rank, every row)
-    lp1, ent1 = a1.compute_log_prob(local, calculate_entropy=True, micro_batch_size=2)
+    _res = a1.compute_log_prob(local, calculate_entropy=True, micro_batch_size=2)
+    lp1, ent1 = _res.log_probs, _res.entropy
     lp1, ent1 = _gather_rows(lp1), _gather_rows(ent1)
-    lp2, ent2 = a2.compute_log_prob(full, calculate_entropy=True, micro_batch_size=3)
+    _res = a2.compute_log_prob(full, calculate_entropy=True, micro_batch_size=3)
+    lp2, ent2 = _res.log_probs, _res.entropy
     torch.testing.assert_close(lp2[mask], lp1[mask], **TOL)
     torch.testing.assert_close(ent2[mask], ent1[mask], **TOL)
     # sum_v pi^2 (the optimal token baseline's statistic) through the SP head as well
-    _, _, sps1 = a1.compute_log_prob(local, micro_batch_size=2, calculate_sum_pi_squared=True)
-    _, ent_s, sps2 = a2.compute_log_prob(
+    _res = a1.compute_log_prob(local, micro_batch_size=2, calculate_sum_pi_squared=True)
+    sps1 = _res.sum_pi_squared
+    _res = a2.compute_log_prob(
         full, calculate_entropy=True, micro_batch_size=3, calculate_sum_pi_squared=True
     )
+    ent_s, sps2 = _res.entropy, _res.sum_pi_squared
     torch.testing.assert_close(sps2[mask], _gather_rows(sps1)[mask], **TOL)
     torch.testing.assert_close(ent_s[mask], ent1[mask], **TOL)
-    lp_dyn, _ = a2.compute_log_prob(full, use_dynamic_bsz=True, max_token_len=30)
+    lp_dyn = a2.compute_log_prob(full, use_dynamic_bsz=True, max_token_len=30).log_probs
     torch.testing.assert_close(lp_dyn[mask], lp1[mask], **TOL)
     with torch.no_grad():  # the plain head path (full logits gathered over the slices)
-        plain, plain_ent = forward_log_probs(
-            e2.module, full.batch, use_remove_padding=True, calculate_entropy=True, fused=False, sp=a2.sp
+        _res = forward_log_probs(
+            e2.module,
+            full.batch,
+            use_remove_padding=True,
+            calculate_entropy=True,
+            fused=False,
+            sp=a2.engine.sp,
         )
+        plain, plain_ent = _res.log_probs, _res.entropy
     torch.testing.assert_close(plain[mask], lp1[mask], **TOL)
     torch.testing.assert_close(plain_ent[mask], ent1[mask], **TOL)
 
@@ -272,8 +282,8 @@ def _gqa_checks(rank, world):
     batch = make_batch(4, prompt_len=5, response_len=4, seed=2)
     mask = batch["response_mask"].bool()
     with torch.no_grad():
-        want, _ = forward_log_probs(ref, batch, use_remove_padding=True)
-        got, _ = forward_log_probs(model, batch, use_remove_padding=True, sp=_sp_group())
+        want = forward_log_probs(ref, batch, use_remove_padding=True).log_probs
+        got = forward_log_probs(model, batch, use_remove_padding=True, sp=_sp_group()).log_probs
     torch.testing.assert_close(got[mask], want[mask], **TOL)
 
 
@@ -303,17 +313,16 @@ def test_sp_checks_name_the_fix():
 
 
 def _dp2_sp2_checks(rank, world, model_dir):
-    """4 ranks as {dp: 2, sp: 2} (the workers' groups, `SequenceParallel`) == 4 data-parallel ranks."""
+    """4 ranks as {dp: 2, sp: 2} (the workers' groups, `ulysses.apply_sp`) == 4 data-parallel ranks."""
     from hybridrl.protocol import DataProto
     from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.rollout.parallel import training_mesh
-    from hybridrl.workers.sequence_parallel import SequenceParallel
+    from hybridrl.workers.engine.ulysses import apply_sp
+    from hybridrl.workers.parallel_dims import ParallelDims
 
     (e1, a1), (e2, _) = _actor_pair(model_dir, world=4)
-    layout = training_mesh(4, -1, sp=2)
-    par = SequenceParallel.create(layout, rank, "actor_rollout_ref.actor")
-    par.apply(e2)
+    layout = ParallelDims(4, sp=2).train_mesh()
+    apply_sp(e2, layout, rank, "actor_rollout_ref.actor")
     cfg = a1.config
     a2 = PPOActor(
         cfg,
@@ -321,13 +330,15 @@ def _dp2_sp2_checks(rank, world, model_dir):
         e2.optimizer,
         batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=4),
         use_remove_padding=True,
-        **par.role_kwargs(e2),
+        dp_size=e2.dp_size,
+        dp_group=e2.dp_group,
+        sp=e2.sp,
     )
-    assert (a2.dp_size, par.sp.rank, layout.dp_rank(rank)) == (2, rank % 2, rank // 2)
+    assert (a2.dp_size, e2.sp.rank, layout.dp_rank(rank)) == (2, rank % 2, rank // 2)
     full = DataProto.from_dict(make_batch(ROWS, prompt_len=7, response_len=6, seed=5))
     mask = full.batch["response_mask"].bool()
-    lp1 = _gather_rows(a1.compute_log_prob(full.chunk(4)[rank], micro_batch_size=2)[0])
-    lp2 = a2.compute_log_prob(full.chunk(2)[rank // 2], micro_batch_size=2)[0]
+    lp1 = _gather_rows(a1.compute_log_prob(full.chunk(4)[rank], micro_batch_size=2).log_probs)
+    lp2 = a2.compute_log_prob(full.chunk(2)[rank // 2], micro_batch_size=2).log_probs
     gathered = _gather_rows(lp2)  # ranks 0, 1 hold dp group 0's rows; ranks 2, 3 group 1's
     lp2 = torch.cat([gathered[: ROWS // 2], gathered[ROWS:][: ROWS // 2]])
     torch.testing.assert_close(lp2[mask], lp1[mask], **TOL)

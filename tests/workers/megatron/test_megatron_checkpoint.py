@@ -25,10 +25,10 @@ from test_megatron_engine import ROWS, _batch, _configs, _four_layer_model  # no
 
 
 def _actor(model_dir, tp, distributed_optimizer=True, pp=1, vpp=None):
+    from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.config import OptimConfig
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
-    from hybridrl.workers.engine.megatron.roles import MegatronPPOActor
 
     model, cfg, _, mcfg = _configs(model_dir, tp, pp, vpp)
     cfg = dataclasses.replace(
@@ -37,7 +37,7 @@ def _actor(model_dir, tp, distributed_optimizer=True, pp=1, vpp=None):
     mcfg = dataclasses.replace(mcfg, use_distributed_optimizer=distributed_optimizer)
     engine = MegatronEngine.build(model, mcfg, cfg.optim, max_grad_norm=cfg.max_grad_norm, load_tok=False)
     sizes = normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=engine.dp_size)
-    return engine, MegatronPPOActor(cfg, engine, batch_sizes=sizes)
+    return engine, PPOActor(cfg, engine, batch_sizes=sizes)
 
 
 def _mine(data, engine, rank):
@@ -71,7 +71,7 @@ def _export_check(engine, actor, data, hf_dir, rank) -> float:
     from hybridrl.workers.engine.megatron.checkpoint import export_hf_folder
 
     export_hf_folder(engine, hf_dir)
-    lp, _ = actor.compute_log_prob(data, micro_batch_size=4)
+    lp = actor.compute_log_prob(data, micro_batch_size=4).log_probs
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     b = data.batch
     t = b["responses"].shape[1]

@@ -88,7 +88,6 @@ def _check_actor(rank, model_dir, tp, pp, out, vpp=None):
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
-    from hybridrl.workers.engine.megatron.roles import MegatronPPOActor
 
     model, cfg, _, mcfg = _configs(model_dir, tp, pp, vpp)
     data = _batch()
@@ -104,14 +103,14 @@ def _check_actor(rank, model_dir, tp, pp, out, vpp=None):
     )
     meg = MegatronEngine.build(model, mcfg, cfg.optim, max_grad_norm=cfg.max_grad_norm, load_tok=False)
     assert meg.dp_size == 1
-    m_actor = MegatronPPOActor(cfg, meg, batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=1))
+    m_actor = PPOActor(cfg, meg, batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=1))
 
-    f_lp, f_ent = f_actor.compute_log_prob(mine, calculate_entropy=True, micro_batch_size=2)
+    _res = f_actor.compute_log_prob(mine, calculate_entropy=True, micro_batch_size=2)
+    f_lp, f_ent = _res.log_probs, _res.entropy
     f_lp_all = [torch.empty_like(f_lp) for _ in range(2)]
     dist.all_gather(f_lp_all, f_lp)
-    m_lp, m_ent = m_actor.compute_log_prob(
-        data, calculate_entropy=True, micro_batch_size=3 if vpp is None else 2
-    )
+    _res = m_actor.compute_log_prob(data, calculate_entropy=True, micro_batch_size=3 if vpp is None else 2)
+    m_lp, m_ent = _res.log_probs, _res.entropy
     mask = data.batch["response_mask"].bool()
     out["lp_diff"] = float((torch.cat(f_lp_all) - m_lp)[mask].abs().max())
     out["ent_diff"] = float(
@@ -143,7 +142,6 @@ def _check_critic(rank, model_dir, tp, pp, out, vpp=None):
     from hybridrl.workers.critic import PPOCritic
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
-    from hybridrl.workers.engine.megatron.roles import MegatronPPOCritic
 
     _, _, cfg, mcfg = _configs(model_dir, tp, pp, vpp)
     data = _batch()
@@ -172,7 +170,7 @@ def _check_critic(rank, model_dir, tp, pp, out, vpp=None):
         dp_size=2,
         batch_sizes=normalize_critic_batch_sizes(cfg, dp_size=2),
     )
-    m = MegatronPPOCritic(cfg, meg, batch_sizes=normalize_critic_batch_sizes(cfg, dp_size=1))
+    m = PPOCritic(cfg, meg, batch_sizes=normalize_critic_batch_sizes(cfg, dp_size=1))
     head = dict(meg.iter_full_params())["score.weight"]
     torch.manual_seed(1234)  # another global RNG state (a Ray worker's starts at random): the same head
     again = MegatronEngine.build(
@@ -240,7 +238,6 @@ def _run_bf16(rank, world, model_dir, result_dir):
     from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
-    from hybridrl.workers.engine.megatron.roles import MegatronPPOActor
 
     model, cfg, _, mcfg = _configs(model_dir, 2, 1)
     mcfg = dataclasses.replace(mcfg, dtype="bfloat16")
@@ -253,13 +250,13 @@ def _run_bf16(rank, world, model_dir, result_dir):
     sizes = normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=2)
     f_actor = PPOActor(cfg, fsdp.module, fsdp.optimizer, fsdp.lr_scheduler, dp_size=2, batch_sizes=sizes)
     meg = MegatronEngine.build(model, mcfg, cfg.optim, max_grad_norm=cfg.max_grad_norm, load_tok=False)
-    m_actor = MegatronPPOActor(cfg, meg, batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=1))
+    m_actor = PPOActor(cfg, meg, batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=1))
     out = {
         "model_dtypes": {str(p.dtype) for c in meg.chunks for p in c.parameters()},
         "main_dtypes": {str(p.dtype) for g in meg.optimizer.param_groups for p in g["params"]},
     }
-    f_lp, _ = f_actor.compute_log_prob(mine, micro_batch_size=2)
-    m_lp, _ = m_actor.compute_log_prob(data, micro_batch_size=2)
+    f_lp = f_actor.compute_log_prob(mine, micro_batch_size=2).log_probs
+    m_lp = m_actor.compute_log_prob(data, micro_batch_size=2).log_probs
     mask = data.batch["response_mask"].bool()[rows]
     out["lp_diff"] = float((f_lp - m_lp[rows])[mask].abs().max())
     fm, mm = f_actor.update_policy(mine), m_actor.update_policy(data)
@@ -280,16 +277,16 @@ def _bf16_resume(meg, m_actor, model, cfg, mcfg, ckpt) -> tuple[float, float]:
     """Save, step on; rebuild, load, step: the fp32 main params and Adam state come back exactly."""
     from megatron.core import parallel_state as ps
 
+    from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
-    from hybridrl.workers.engine.megatron.roles import MegatronPPOActor
 
     meg.save_checkpoint(ckpt, global_step=1)
     straight = m_actor.update_policy(_batch(seed=12))["actor/pg_loss"][0]
     ps.destroy_model_parallel()
     again = MegatronEngine.build(model, mcfg, cfg.optim, max_grad_norm=cfg.max_grad_norm, load_tok=False)
     again.load_checkpoint(ckpt)
-    actor = MegatronPPOActor(cfg, again, batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=1))
+    actor = PPOActor(cfg, again, batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=1))
     resumed = actor.update_policy(_batch(seed=12))["actor/pg_loss"][0]
     ps.destroy_model_parallel()
     return straight, resumed

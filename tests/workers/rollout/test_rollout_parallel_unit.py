@@ -12,13 +12,23 @@ import torch
 
 from hybridrl.workers.rollout.parallel import (
     check_rollout_parallel_config,
-    rollout_mesh,
-    training_mesh,
     validate_rollout_parallel,
     weight_loader_for,
 )
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def rollout_mesh(world: int, tp: int):
+    from hybridrl.workers.parallel_dims import ParallelDims
+
+    return ParallelDims(world, rollout_tp=tp).rollout_mesh()
+
+
+def training_mesh(world: int, fsdp_size: int = -1):
+    from hybridrl.workers.parallel_dims import ParallelDims
+
+    return ParallelDims(world, fsdp=fsdp_size).train_mesh()
 
 
 def test_rollout_mesh_groups_adjacent_ranks_like_vllm():

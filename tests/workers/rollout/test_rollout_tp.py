@@ -72,7 +72,7 @@ def _worker(model_dir: str, tp: int):
         OptimConfig,
         RefConfig,
     )
-    from hybridrl.workers.fsdp_workers import ActorRolloutRefWorker
+    from hybridrl.workers.engine_workers import ActorRolloutRefWorker
     from hybridrl.workers.rollout import RolloutConfig
 
     fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))

@@ -240,7 +240,7 @@ def load_dist_weights(chunks: list[Any], path: str) -> None:
 
 def export_hf_folder(engine, out_dir: str) -> None:
     """Save the full model as a Hugging Face folder on rank 0 (a collective: call on every rank)."""
-    from hybridrl.workers.engine.fsdp import build_hf_model
+    from hybridrl.models.hf import build_hf_model
 
     full = dict(engine.iter_full_params(device="cpu"))
     if dist.get_rank() == 0:

@@ -1,6 +1,6 @@
 """Results of the last pipeline stage on every stage of a Megatron model replica.
 
-The worker group's mesh dispatch (`megatron_workers.megatron_mesh`) gives every rank of one replica
+The worker group's mesh dispatch (`ParallelDims.train_mesh`) gives every rank of one replica
 (its TP x PP ranks) the same rows; losses, log-probs and values exist only on the last pipeline
 stage, so `broadcast_from_last_stage` hands them to the other stages (metrics must agree on all
 ranks, and the collecting rank may be any of them).

@@ -24,9 +24,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.utils.flops import attention_dims
 from hybridrl.workers.config import ModelConfig, OptimConfig
+from hybridrl.workers.engine.base import (
+    EngineBuildSpec,
+    LogProbRequest,
+    LogProbs,
+    LossFn,
+    PerfModel,
+    TrainEngine,
+    ValueRequest,
+    register_engine,
+)
 from hybridrl.workers.engine.megatron.convert import ArchSpec, arch_spec
 from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu, needs_cpu_shims
+from hybridrl.workers.engine.megatron.dispatch import broadcast_from_last_stage
 from hybridrl.workers.engine.megatron.forward import run_schedule
 from hybridrl.workers.engine.megatron.model import (
     build_model,
@@ -35,6 +47,7 @@ from hybridrl.workers.engine.megatron.model import (
     load_hf_weights,
     transformer_config,
 )
+from hybridrl.workers.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 from hybridrl.workers.engine.optim import lr_factor, num_warmup_steps
 from hybridrl.workers.megatron_config import (
     MEGATRON_STRATEGY,
@@ -44,7 +57,7 @@ from hybridrl.workers.megatron_config import (
     validate_megatron_config,
 )
 
-__all__ = ["MegatronEngine", "ParamGroupLR"]
+__all__ = ["MegatronEngine", "ParamGroupLR", "num_dense_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +164,7 @@ def _hf_state_dict(
     launch. A Ray worker's torch RNG starts from a random seed, so without this a resumed run's
     uninterrupted twin had a different critic from step 1 on.
     """
-    from hybridrl.workers.engine.fsdp import build_hf_model
+    from hybridrl.models.hf import build_hf_model
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -159,9 +172,21 @@ def _hf_state_dict(
     return {k: v.detach() for k, v in hf.state_dict().items()}, hf.config
 
 
+def num_dense_params(spec: ArchSpec) -> int:
+    """Non-embedding parameters of the model (the N of the 6N FLOP rule)."""
+    h, d = spec.hidden_size, spec.head_dim
+    attn = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h
+    bias = (spec.num_heads + 2 * spec.num_kv_heads) * d if spec.qkv_bias else 0
+    return spec.num_layers * (attn + bias + 3 * h * spec.ffn_hidden_size + 2 * h) + h
+
+
 @dataclass
-class MegatronEngine:
-    """Megatron model chunks of one role on this rank, with optimizer and lr schedule (None for ref)."""
+class MegatronEngine(TrainEngine):
+    """Megatron model chunks of one role on this rank, with optimizer and lr schedule (None for ref).
+
+    Every rank of one model replica (its TP x PP ranks) gets the same rows; outputs exist on the
+    last pipeline stage and are broadcast to the others, so every rank returns them.
+    """
 
     chunks: list[Any]
     spec: ArchSpec
@@ -189,7 +214,7 @@ class MegatronEngine:
         load_tok: bool = True,
     ) -> MegatronEngine:
         """Build this rank's part of the model of `role` (a collective over all ranks)."""
-        from hybridrl.workers.engine.fsdp import load_tokenizer
+        from hybridrl.models.hf import load_tokenizer
 
         if not dist.is_initialized():
             raise RuntimeError("MegatronEngine.build needs torch.distributed: call init_process_group first")
@@ -236,6 +261,25 @@ class MegatronEngine:
             max_grad_norm,
         )
 
+    @classmethod
+    def build_role(cls, spec: EngineBuildSpec) -> MegatronEngine:
+        """The registry's entry: the role's engine from its `megatron` section."""
+        mc = spec.model_config
+        if mc.lora_rank > 0 or mc.lora_adapter_path:
+            raise ValueError(
+                f"{spec.model_key}.lora_rank > 0 is not supported with strategy=megatron; use fsdp"
+            )
+        return cls.build(
+            mc,
+            spec.role_config.megatron,
+            spec.optim_config,
+            role=spec.role,
+            key=f"{spec.key}.megatron",
+            model_key=spec.model_key,
+            optim_key=f"{spec.key}.optim",
+            max_grad_norm=getattr(spec.role_config, "max_grad_norm", 0.0) or 0.0,
+        )
+
     # -- parallel layout --------------------------------------------------------------------
     @property
     def dp_size(self) -> int:
@@ -248,6 +292,12 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         return ps.get_data_parallel_group() if self.dp_size > 1 else None
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
 
     @property
     def is_last_stage(self) -> bool:
@@ -272,13 +322,50 @@ class MegatronEngine:
                 return run_schedule(self.chunks, micros, loss_fn, forward_only=True)
         return run_schedule(self.chunks, micros, loss_fn, forward_only=False)
 
+    def _output(self, micro: Any, out: torch.Tensor, request: LogProbRequest | ValueRequest) -> Any:
+        """The requested result from the last stage's logits (or values) of one micro-batch."""
+        t = micro["responses"].shape[-1]
+        if isinstance(request, ValueRequest):
+            return out[:, -t - 1 : -1, 0].float()
+        if request.sum_pi_squared:
+            raise ValueError(
+                "actor.calculate_sum_pi_squared=True is not implemented with strategy=megatron (the optimal "
+                "token baseline's sum of pi^2 over a vocabulary-parallel head); use strategy=fsdp"
+            )
+        tp_rank, group = self.tp_info()
+        sliced = out[:, -t - 1 : -1].float() / request.temperature
+        lp, ent = vocab_parallel_logprobs_entropy(
+            sliced, micro["responses"], vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
+        )
+        return LogProbs(lp, ent if request.calculate_entropy else None)
+
+    def forward(self, micros, request: LogProbRequest | ValueRequest) -> list[Any]:
+        """See TrainEngine.forward: Megatron's schedule without gradients; every stage returns them."""
+        results = self.run(
+            list(micros), lambda m, out: (torch.zeros(()), self._output(m, out, request)), forward_only=True
+        )
+        return broadcast_from_last_stage(results)
+
+    def forward_backward(self, micros, request: LogProbRequest | ValueRequest, loss_fn: LossFn) -> list[Any]:
+        """See TrainEngine.forward_backward: Megatron's schedule (1F1B when pipelined)."""
+        results = self.run(
+            list(micros), lambda m, out: loss_fn(m, self._output(m, out, request)), forward_only=False
+        )
+        return broadcast_from_last_stage(results)
+
+    def perf_model(self) -> PerfModel:
+        layers, attn_dim = attention_dims(self.hf_config)
+        return PerfModel(num_dense_params(self.spec), layers, attn_dim)
+
     def zero_grad(self) -> None:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def step(self) -> tuple[float, bool]:
+    def optimizer_step(self, max_grad_norm: float | None = None) -> tuple[float, bool]:
         """Clip (Megatron's norm over TP/PP/DP) and step; skip a non-finite norm. (grad_norm, stepped).
+
+        max_grad_norm: None takes the engine's own (`max_grad_norm` at build).
 
         Megatron's ChainedOptimizer.step, with the FSDP engine's rule added: a non-finite gradient
         norm skips the step (Megatron's fp32 optimizer would apply it).
@@ -286,6 +373,7 @@ class MegatronEngine:
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         opt = self.optimizer
+        max_norm = self.max_grad_norm if max_grad_norm is None else max_grad_norm
         with cuda_to_cpu():
             found_inf = opt.prepare_grads()
             grad_norm = float(opt.get_grad_norm())
@@ -293,10 +381,8 @@ class MegatronEngine:
             if stepped:
                 for sub in opt.chained_optimizers:
                     params = sub.get_parameters()
-                    if params and self.max_grad_norm and self.max_grad_norm > 0:
-                        clip_grad_by_total_norm_fp32(
-                            params, max_norm=self.max_grad_norm, total_norm=grad_norm
-                        )
+                    if params and max_norm and max_norm > 0:
+                        clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=grad_norm)
                 opt.step_with_ready_grads()
             else:
                 print(f"[hybridrl] warning: gradient norm is {grad_norm}; skipping this optimizer step")
@@ -320,6 +406,20 @@ class MegatronEngine:
             if dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
             yield name, (t.to(device) if device is not None else t)
+
+    def iter_params(self, dtype: torch.dtype | None = None, loader: str | None = None):
+        """See TrainEngine.iter_params: HF names and full tensors (the "megatron" loader)."""
+        if loader not in (None, "megatron"):
+            raise ValueError(
+                f"the Megatron engine feeds the 'megatron' weight loader, not {loader!r}; set "
+                "actor_rollout_ref.rollout.load_format=dummy_megatron (or auto)"
+            )
+        return self.iter_full_params(dtype=dtype)
+
+    def export_hf(self, target_dir: str) -> None:
+        from hybridrl.workers.engine.megatron.checkpoint import export_hf_folder
+
+        export_hf_folder(self, target_dir)
 
     def save_checkpoint(self, path: str, contents=None, global_step: int | None = None, extra=None) -> None:
         from hybridrl.workers.engine.megatron.checkpoint import save_checkpoint
@@ -356,3 +456,6 @@ def _check_divisible(spec: ArchSpec, cfg: MegatronConfig, key: str) -> None:
             f"{key}: pipeline_model_parallel_size * virtual_pipeline_model_parallel_size = {pp * vpp} must divide "
             f"the number of layers ({spec.num_layers})"
         )
+
+
+register_engine("megatron", MegatronEngine, model_parallel=True)

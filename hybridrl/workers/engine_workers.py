@@ -1,22 +1,29 @@
-"""The Ray workers: role wiring only (the math is in actor.py / critic.py, the engines in engine/ and
-rollout/).
+"""The Ray workers, one class per role for every training engine and both trainers: role wiring only
+(the math is in actor.py / critic.py, the engines behind engine/base.py, rollout in rollout/).
 
-* `ActorRolloutRefWorker(config, role)` — role in actor / rollout / ref / actor_rollout /
-  actor_rollout_ref. With both actor and rollout it is the *hybrid engine*: it trains with FSDP2
-  and, before each generation, streams the gathered weights into its rollout engine on the same
-  device (vLLM, SGLang or plain HF generate).
-* `CriticWorker(config)` — value model.
+* `ActorRolloutRefWorker(model, actor, ref, rollout, role)` — role in actor / rollout / ref /
+  actor_rollout / actor_rollout_ref. With both actor and rollout it is the *hybrid engine*: it
+  trains with its training engine (`*.strategy` / `model_engine`: FSDP2, Megatron, ...) and,
+  before each generation, streams the gathered weights into its rollout engine on the same device
+  (vLLM, SGLang or plain HF generate). `disaggregated=True` gives the asynchronous trainer's two
+  modes: role="rollout", a rollout engine alone on its slot with versioned weights
+  (`load_weights`), no process group; an actor role without a rollout engine, whose weights go
+  out through `publish_weights`.
+* `CriticWorker(config)` — value model, on the engine of `critic.strategy`.
 * `RewardModelWorker(config)` — learned reward model (sequence classification).
 
 Every remote method is a normal method with `@register(...)`, so IDEs and type checkers see it.
-Batch sizes that depend on the number of ranks are computed on the driver and passed in.
+Batch sizes and parallel sizes that depend on the number of ranks are computed on the driver
+(`ParallelDims`, `PerRankBatchSizes`) and passed in.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
+import numpy as np
 import torch
 
 from hybridrl.models.weight_map import to_torch_dtype
@@ -27,9 +34,10 @@ from hybridrl.utils.device import init_process_group
 from hybridrl.workers.agent.runner import AgentLoopRunner, uses_agent_loops
 from hybridrl.workers.batch_sizes import PerRankBatchSizes
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
+from hybridrl.workers.engine.base import EngineBuildSpec, TrainEngine, canonical_engine_name, get_engine
+from hybridrl.workers.parallel_dims import ParallelDims
 from hybridrl.workers.profiling import StepProfiling
 from hybridrl.workers.rollout.config import RolloutConfig
-from hybridrl.workers.sequence_parallel import SequenceParallel
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 # Training calls split over the FSDP mesh (every rank data-parallel), rollout calls over dp x tp.
@@ -37,6 +45,14 @@ ON_ACTOR_MESH = make_mesh_dispatch("actor")
 ON_ROLLOUT_MESH = make_mesh_dispatch("rollout")
 ON_CRITIC_MESH = make_mesh_dispatch("critic")
 _PG_TIMEOUT_S = float(os.environ.get("HYBRIDRL_PG_TIMEOUT_S", 600))
+
+
+def build_engine(
+    role: str, model: ModelConfig, section: Any, optim: Any, key: str, model_key: str, worker: Any, mesh: str
+) -> TrainEngine:
+    """The role's training engine from the registry (`section.strategy`), on every rank."""
+    spec = EngineBuildSpec(role, model, section, optim, key, model_key, worker.mesh_layout(mesh), worker.rank)
+    return get_engine(section.strategy, f"{key}.strategy").engine_cls.build_role(spec)
 
 
 def _setup_process(num_threads: int | None, timeout_s: float | None = None) -> None:
@@ -60,29 +76,41 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         num_threads: torch threads of this process (the slot's CPU cores).
         pg_timeout_s: process-group timeout in seconds (`actor_rollout_ref.nccl_timeout`).
         peak_flops: one device's peak FLOP/s for `perf/mfu/actor` (None: not reported).
+        dims: the driver's ParallelDims of the actor (None: derived here from the config).
+        disaggregated: the asynchronous trainer's modes (see the module docstring).
     """
 
     def __init__(
         self,
         model: ModelConfig,
-        actor: ActorConfig,
-        ref: RefConfig,
-        rollout: RolloutConfig,
+        actor: ActorConfig | None = None,
+        ref: RefConfig | None = None,
+        rollout: RolloutConfig | None = None,
         role: str = "actor_rollout_ref",
         actor_batch_sizes: PerRankBatchSizes | None = None,
         num_threads: int | None = None,
         pg_timeout_s: float | None = None,
         peak_flops: float | None = None,
+        dims: ParallelDims | None = None,
+        disaggregated: bool = False,
     ) -> None:
         super().__init__()
         if role not in ROLES:
             raise ValueError(f"ActorRolloutRefWorker role={role!r}; expected one of {ROLES}")
-        self.model_config, self.actor_config, self.ref_config = model, actor, ref
-        self.rollout_config = rollout
+        self.model_config = model
+        self.actor_config, self.ref_config = actor or ActorConfig(), ref or RefConfig()
+        self.rollout_config = rollout or RolloutConfig()
         self.role = role
         self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
         self._is_ref = role in ("ref", "actor_rollout_ref")
+        self.disaggregated = disaggregated
+        self.dims = dims
+        if disaggregated and self._is_actor:
+            self._is_rollout = False  # the rollout engines live in their own workers
+        # disaggregated rollout: the weights from model.path are version 0 (-1: a dummy load format)
+        self.policy_version = -1 if self.rollout_config.is_dummy_load else 0
+        self.busy_s = 0.0
         self.actor_batch_sizes = actor_batch_sizes
         self.num_threads = num_threads
         self.pg_timeout_s = pg_timeout_s
@@ -97,51 +125,53 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
     # ------------------------------------------------------------------ build
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        """Build the FSDP2 actor / reference and the rollout engine on this rank."""
+        """Build the actor / reference on their training engine and the rollout engine on this rank."""
+        from hybridrl.models.builtin import resolve_model_path
         from hybridrl.workers.actor import PPOActor
-        from hybridrl.workers.engine.fsdp import FSDPEngine, resolve_model_path
 
-        _setup_process(self.num_threads, self.pg_timeout_s)
         self.model_config.validate()
-        model_path = resolve_model_path(self.model_config.path, "actor_rollout_ref.model.path")
+        model_path = resolve_model_path(self.model_config.path, key="actor_rollout_ref.model.path")
+        if self.disaggregated and self.role == "rollout":
+            if self.num_threads:  # no process group: rollout workers never run collectives
+                torch.set_num_threads(self.num_threads)
+            self._build_rollout(model_path)
+            return
+        _setup_process(self.num_threads, self.pg_timeout_s)
         self._declare_training_mesh()
-        par = self._sequence_parallel(
-            "actor_rollout_ref.actor" if self._is_actor else "actor_rollout_ref.ref"
-        )
+        a, r = self.actor_config, self.ref_config
+        model_key = "actor_rollout_ref.model"
         if self._is_actor:
-            self.actor_engine = FSDPEngine.build(
-                self.model_config, self.actor_config.fsdp_config, self.actor_config.optim, role="actor"
+            self.actor_engine = build_engine(
+                "actor", self.model_config, a, a.optim, "actor_rollout_ref.actor", model_key, self, "actor"
             )
-            par.apply(self.actor_engine)
             self.actor = PPOActor(
-                self.actor_config,
-                self.actor_engine.module,
-                self.actor_engine.optimizer,
-                self.actor_engine.lr_scheduler,
-                batch_sizes=self.actor_batch_sizes,
-                use_remove_padding=self.model_config.use_remove_padding,
-                peak_flops=self.peak_flops,
-                **par.role_kwargs(self.actor_engine),
-                use_fused_kernels=self.model_config.use_fused_kernels,
+                a, self.actor_engine, batch_sizes=self.actor_batch_sizes, peak_flops=self.peak_flops
             )
         if self._is_ref:
             self._lora_self_ref = self._is_actor and (
                 self.model_config.lora_rank > 0 or bool(self.model_config.lora_adapter_path)
             )
             if not self._lora_self_ref:
-                self.ref_engine = FSDPEngine.build(
-                    self.model_config, self.ref_config.fsdp_config, None, role="ref"
+                self._check_ref_engine()
+                self.ref_engine = build_engine(
+                    "ref", self.model_config, r, None, "actor_rollout_ref.ref", model_key, self, "actor"
                 )
-                par.apply(self.ref_engine)
-                self.ref_policy = PPOActor(
-                    self.ref_config.policy_config(),
-                    self.ref_engine.module,
-                    use_remove_padding=self.model_config.use_remove_padding,
-                    **par.role_kwargs(self.ref_engine),
-                    use_fused_kernels=self.model_config.use_fused_kernels,
-                )
+                self.ref_policy = PPOActor(r.policy_config(), self.ref_engine)
         if self._is_rollout:
             self._build_rollout(model_path)
+
+    def _check_ref_engine(self) -> None:
+        """A model-parallel actor's colocated reference shares its process groups: same engine."""
+        a, r = self.actor_config, self.ref_config
+        if not (self._is_actor and get_engine(a.strategy, "actor_rollout_ref.actor.strategy").model_parallel):
+            return
+        if canonical_engine_name(r.strategy, "actor_rollout_ref.ref.strategy") != canonical_engine_name(
+            a.strategy
+        ):
+            raise ValueError(
+                f"actor_rollout_ref.ref.strategy={r.strategy!r} with actor.strategy={a.strategy}: the reference shares "
+                f"the actor's model-parallel process groups; set actor_rollout_ref.ref.strategy={a.strategy}"
+            )
 
     def close(self) -> None:
         """Shut the rollout engine down (vLLM/SGLang tear down their distributed state) while
@@ -150,27 +180,35 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         if rollout is not None:
             rollout.shutdown()
 
+    def _parallel_dims(self) -> ParallelDims:
+        """The driver's dims, or the same derivation from the config (a worker built by hand)."""
+        if self.dims is not None:
+            return self.dims
+        section, key = (
+            (self.actor_config, "actor_rollout_ref.actor")
+            if self._is_actor
+            else (self.ref_config, "actor_rollout_ref.ref")
+        )
+        rollout_tp = self.rollout_config.tensor_model_parallel_size if self._is_rollout else 1
+        return ParallelDims.for_role(self.world_size, section, key, rollout_tp)
+
     def _declare_training_mesh(self) -> None:
-        """The FSDP actor's mesh ("actor", also used by the reference): every rank data-parallel,
-        or dp x sp with Ulysses sequence parallelism."""
-        from hybridrl.workers.rollout.parallel import training_mesh
-
-        sp = (self.actor_config if self._is_actor else self.ref_config).ulysses_sequence_parallel_size
-        self.set_mesh("actor", training_mesh(self.world_size, self.actor_config.fsdp_config.fsdp_size, sp))
-
-    def _sequence_parallel(self, key: str) -> SequenceParallel:
-        return SequenceParallel.create(self.mesh_layout("actor"), self.rank, key)
+        """The "actor" mesh (also the reference's): the training engine's layout (ParallelDims)."""
+        self.set_mesh("actor", self._parallel_dims().train_mesh())
 
     def _build_rollout(self, model_path: str) -> None:
+        from hybridrl.models.hf import load_tokenizer
         from hybridrl.single_controller.mesh import new_subgroups
         from hybridrl.utils.device import get_device_name
-        from hybridrl.workers.engine.fsdp import load_tokenizer
         from hybridrl.workers.rollout.base import create_rollout
-        from hybridrl.workers.rollout.parallel import bind_cpu_cores, rollout_mesh, weight_loader_for
+        from hybridrl.workers.rollout.parallel import bind_cpu_cores, weight_loader_for
 
         rc = self.rollout_config
         self._weight_loader = weight_loader_for(rc.load_format, self.actor_config.strategy)
-        self.set_mesh("rollout", rollout_mesh(self.world_size, rc.tensor_model_parallel_size))  # dp x tp
+        dims = ParallelDims(
+            self.world_size, rollout_tp=rc.tensor_model_parallel_size, key="actor_rollout_ref"
+        )
+        self.set_mesh("rollout", (self.dims or dims).rollout_mesh())  # dp x tp
         if rc.tensor_model_parallel_size > 1:
             self._tp_group = new_subgroups(self.mesh_layout("rollout"), ["tp"], self.rank)
             self._relay_group = new_subgroups(self.mesh_layout("rollout"), ["tp"], self.rank, "gloo")
@@ -183,20 +221,17 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         self._weights_stale = self.actor_engine is not None
 
     def _sync_rollout_weights(self) -> dict[str, float]:
-        """The hybrid-engine switch: gather the FSDP shards into full tensors, one bucket at a time
-        (load_format's loader: "dtensor" buckets, or the "hf" full state dict), and let the engine
-        of each TP rank load its slice; per-rank bytes and seconds come back as metrics."""
-        from hybridrl.workers.engine.full_params import iter_state_dict_params
+        """The hybrid-engine switch: the training engine gathers its shards into full tensors, one
+        bucket at a time (load_format's loader: "dtensor" buckets, the "hf" full state dict, or the
+        "megatron" TP/PP gather), and the engine of each TP rank loads its slice; per-rank bytes and
+        seconds come back as metrics."""
         from hybridrl.workers.rollout.weight_sync import per_rank_sync_metrics, sync_weights
 
         if not self._weights_stale or self.actor_engine is None:
             return {}
         self.actor_engine.onload()
         dtype = to_torch_dtype(self.rollout_config.dtype)
-        if self._weight_loader == "hf":
-            named = iter_state_dict_params(self.actor_engine.module, dtype=dtype)
-        else:
-            named = self.actor_engine.iter_full_params(dtype=dtype)
+        named = self.actor_engine.iter_params(dtype=dtype, loader=self._weight_loader)
         metrics = sync_weights(self.rollout, named)
         self.actor_engine.offload()
         self._weights_stale = False
@@ -211,11 +246,17 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         engine's tp rank 0 returns them. `meta_info["validate"]` selects `rollout.val_kwargs`;
         `meta_info["greedy"]` forces greedy decoding (the ReMax baseline).
         """
+        if self.rollout is None:
+            raise RuntimeError(f"generate_sequences called on a worker with role={self.role!r} (no rollout)")
+        if self.disaggregated:
+            return self._versioned_generate(prompts)
+        return self._generate(prompts)
+
+    def _generate(self, prompts: DataProto) -> DataProto:
+        """generate_sequences' body: weight sync if stale, generation, memory release, timings."""
         from hybridrl.workers.rollout.parallel import check_same_rows
         from hybridrl.workers.rollout.weight_sync import wake_and_sync
 
-        if self.rollout is None:
-            raise RuntimeError(f"generate_sequences called on a worker with role={self.role!r} (no rollout)")
         timing: dict[str, float] = {}
         t0 = time.perf_counter()
         sync = wake_and_sync(
@@ -237,6 +278,22 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
             self.rollout.release_memory()
         timing["generate_sequences_worker"] = time.perf_counter() - t0
         out.meta_info["timing"] = timing
+        return out
+
+    def _versioned_generate(self, prompts: DataProto) -> DataProto:
+        """Disaggregated rollout: the plain contract, plus non-tensor "policy_version" (an int per
+        row, object array) and meta_info "policy_version" and "worker_busy_s" (this worker's
+        cumulative busy seconds, for idle-time metrics)."""
+        if self.policy_version < 0:
+            raise RuntimeError(
+                "rollout worker: no weights loaded yet (rollout.load_format is dummy); call load_weights first"
+            )
+        t0 = time.perf_counter()
+        out = self._generate(prompts)
+        self.busy_s += time.perf_counter() - t0
+        out.non_tensor_batch["policy_version"] = np.array([self.policy_version] * len(out), dtype=object)
+        out.meta_info["policy_version"] = self.policy_version
+        out.meta_info["worker_busy_s"] = self.busy_s
         return out
 
     def _rollout_generate(self, prompts: DataProto) -> DataProto:
@@ -275,7 +332,7 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
             raise RuntimeError(f"compute_log_prob needs the actor; this worker has role={self.role!r}")
         r = self.rollout_config
         self.actor_engine.onload()
-        log_probs, entropy, *sps = self.actor.compute_log_prob(
+        res = self.actor.compute_log_prob(
             data,
             calculate_entropy=True,
             micro_batch_size=r.log_prob_micro_batch_size_per_gpu,
@@ -285,9 +342,9 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
             calculate_sum_pi_squared=self.actor_config.calculate_sum_pi_squared,
         )
         self.actor_engine.offload()
-        out = {"old_log_probs": log_probs, "entropys": entropy}
-        if sps:  # actor.calculate_sum_pi_squared: the optimal token baseline's sum of pi^2
-            out["sum_pi_squared"] = sps[0]
+        out = {"old_log_probs": res.log_probs, "entropys": res.entropy}
+        if res.sum_pi_squared is not None:  # actor.calculate_sum_pi_squared: the optimal token baseline's
+            out["sum_pi_squared"] = res.sum_pi_squared
         return DataProto.from_dict(out)
 
     @register(dispatch_mode=ON_ACTOR_MESH)
@@ -302,11 +359,11 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
             temperature=r.temperature,
         )
         if self._lora_self_ref:  # LoRA: the base model without the adapter is the reference
-            with self.actor_engine.module.disable_adapter():
-                log_probs, _ = self.actor.compute_log_prob(data, **kwargs)
+            with self.actor_engine.disable_adapter():
+                log_probs = self.actor.compute_log_prob(data, **kwargs).log_probs
         elif self.ref_policy is not None:
             self.ref_engine.onload()
-            log_probs, _ = self.ref_policy.compute_log_prob(data, **kwargs)
+            log_probs = self.ref_policy.compute_log_prob(data, **kwargs).log_probs
             self.ref_engine.offload()
         else:
             raise RuntimeError(
@@ -353,13 +410,55 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, target_dir: str) -> None:
         """Write the full actor as a Hugging Face folder (rank 0 writes)."""
-        from hybridrl.workers.engine.checkpoint import export_hf_model
+        self.actor_engine.export_hf(target_dir)
 
-        export_hf_model(self.actor_engine.module, target_dir, tokenizer=self.actor_engine.tokenizer)
+    # ------------------------------------------------------- disaggregated
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def publish_weights(self, version: int) -> dict[str, Any] | None:
+        """Disaggregated trainer: gather the full parameters (every rank must call this); rank 0
+        returns them. The driver hands the ObjectRef of that return value to every rollout
+        worker's `load_weights`, so the weights go trainer rank 0 -> object store -> rollout
+        workers without passing through the driver.
+
+        Returns:
+            On rank 0: {"version": version, "weights": [(hf_name, cpu tensor in rollout dtype)],
+            "gather_s": seconds}; None on the other ranks.
+        """
+        if self.actor_engine is None:
+            raise RuntimeError("publish_weights needs the actor; init_model has not run")
+        t0 = time.perf_counter()
+        self.actor_engine.onload()
+        dtype = to_torch_dtype(self.rollout_config.dtype)
+        weights = []
+        for name, tensor in self.actor_engine.iter_params(dtype=dtype):
+            if self.rank == 0:
+                weights.append((name, tensor.detach().to("cpu")))
+        self.actor_engine.offload()
+        if self.rank != 0:
+            return None
+        return {"version": int(version), "weights": weights, "gather_s": time.perf_counter() - t0}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_weights(self, payload: dict[str, Any], version: int) -> float:
+        """Disaggregated rollout: load what `publish_weights` returned; returns the seconds taken."""
+        from hybridrl.workers.rollout.weight_sync import sync_weights
+
+        if self.rollout is None:
+            raise RuntimeError(f"load_weights called on a worker with role={self.role!r} (no rollout)")
+        if payload is None or "weights" not in payload:
+            raise ValueError(
+                "load_weights: payload must be publish_weights()'s rank-0 result {'weights': ...}"
+            )
+        t0 = time.perf_counter()
+        sync_weights(self.rollout, iter(payload["weights"]))
+        self.policy_version = int(version)
+        elapsed = time.perf_counter() - t0
+        self.busy_s += elapsed
+        return elapsed
 
 
 class CriticWorker(StepProfiling, Worker):
-    """Value model for GAE (`AutoModelForTokenClassification`, one label)."""
+    """Value model for GAE, on the engine of `critic.strategy` (dims: the driver's ParallelDims)."""
 
     def __init__(
         self,
@@ -368,9 +467,11 @@ class CriticWorker(StepProfiling, Worker):
         num_threads: int | None = None,
         pg_timeout_s: float | None = None,
         peak_flops: float | None = None,
+        dims: ParallelDims | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.dims = dims
         self.batch_sizes = batch_sizes
         self.num_threads = num_threads
         self.pg_timeout_s = pg_timeout_s
@@ -379,31 +480,15 @@ class CriticWorker(StepProfiling, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
+        """Build the value model on the engine of `critic.strategy`."""
         from hybridrl.workers.critic import PPOCritic
-        from hybridrl.workers.engine.fsdp import FSDPEngine
-        from hybridrl.workers.rollout.parallel import training_mesh
 
         _setup_process(self.num_threads, self.pg_timeout_s)
         c = self.config
-        layout = training_mesh(
-            self.world_size, c.model.fsdp_config.fsdp_size, c.ulysses_sequence_parallel_size
-        )
-        self.set_mesh("critic", layout)
-        par = SequenceParallel.create(layout, self.rank, "critic")
-        self.engine = FSDPEngine.build(
-            c.model, c.model.fsdp_config, c.optim, role="critic", key="critic.model"
-        )
-        par.apply(self.engine)
-        self.critic = PPOCritic(
-            c,
-            self.engine.module,
-            self.engine.optimizer,
-            self.engine.lr_scheduler,
-            batch_sizes=self.batch_sizes,
-            use_remove_padding=c.model.use_remove_padding,
-            peak_flops=self.peak_flops,
-            **par.role_kwargs(self.engine),
-        )
+        dims = self.dims or ParallelDims.for_role(self.world_size, c, "critic")
+        self.set_mesh("critic", dims.train_mesh())
+        self.engine = build_engine("critic", c.model, c, c.optim, "critic", "critic.model", self, "critic")
+        self.critic = PPOCritic(c, self.engine, batch_sizes=self.batch_sizes, peak_flops=self.peak_flops)
 
     @register(dispatch_mode=ON_CRITIC_MESH)
     def compute_values(self, data: DataProto) -> DataProto:
@@ -457,7 +542,8 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from hybridrl.workers.engine.fsdp import FSDPEngine, load_tokenizer
+        from hybridrl.models.hf import load_tokenizer
+        from hybridrl.workers.engine.fsdp import FSDPEngine
         from hybridrl.workers.reward.rm import model_config_of
 
         _setup_process(self.num_threads, self.pg_timeout_s)
