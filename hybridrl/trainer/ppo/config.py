@@ -128,6 +128,10 @@ def validate_config(config: PPOConfig) -> None:
     if n < 1:
         raise ConfigError("actor_rollout_ref.rollout.n must be >= 1")
     _check_group_size(algo.adv_estimator, n)
+    try:
+        arr.actor.validate_policy_loss()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _validate_ulysses(config, world)
     _validate_prefix_grouper(config)
     _validate_actor_batches(config, world)
@@ -155,6 +159,8 @@ GROUP_ESTIMATORS_WITH_SINGLETONS = (
     "opo",
     "reinforce_plus_plus_baseline",
     "optimal_token_baseline",
+    "tir_optimal_token_baseline",
+    "gdpo",
 )
 
 
