@@ -153,7 +153,10 @@ def test_ray_init_is_honoured(base):
 
     c = load(
         base,
-        **{"ray_kwargs.ray_init.num_cpus": 3, "ray_kwargs.ray_init.runtime_env.env_vars.HYBRIDRL_T23": "yes23"},
+        **{
+            "ray_kwargs.ray_init.num_cpus": 3,
+            "ray_kwargs.ray_init.runtime_env.env_vars.HYBRIDRL_T23": "yes23",
+        },
     )
     assert not ray.is_initialized()
     try:
