@@ -5,18 +5,20 @@ metrics) out. Files, one idea each:
     utils.py            masked statistics, log-probs and entropy from logits
     groups.py           prompt groups (uid -> group id, per-group sums)
     returns.py          GAE, REINFORCE++, ReMax (per-token returns)
-    group_advantage.py  GRPO, RLOO, REINFORCE++-baseline, OPO, GPG, pass@k (group-relative)
+    group_advantage.py  GRPO, RLOO, REINFORCE++-baseline, OPO, GPG, pass@k, GDPO (group-relative)
     advantage.py        the advantage-estimator registry
     kl.py               per-token KL estimators (registry), exact KL from logits, KL-in-reward
     agg.py              loss aggregation modes (registry), LossScale for gradient accumulation
-    policy_loss.py      policy losses (registry)
+    policy_loss.py      policy losses (registry): PPO clip and its variants
+    dppo.py             DPPO: trust region on the binary TV / KL divergence (policy losses)
+    soft_pg.py          SAPO's soft gate, DRO's quadratic log-ratio penalty (policy losses)
     value.py            clipped value loss
     kl_ctrl.py          fixed / adaptive KL coefficient
     rollout_is.py       rollout-vs-training importance weights
     rollout_rs.py       rejection by KL estimators (token_k1, seq_max_k2, ...), the bypass-mode loss
     dapo.py             overlong reward shaping, dynamic-sampling group filter
     pf_ppo.py           policy-filtered PPO resampling weights
-    otb.py              optimal token baseline (per-token baseline, sum of pi^2)
+    otb.py              optimal token baseline (per-token baseline, sum of pi^2; multi-turn form)
 """
 
 from hybridrl.algos.advantage import (
@@ -36,7 +38,9 @@ from hybridrl.algos.agg import (
     register_loss_agg,
 )
 from hybridrl.algos.dapo import apply_overlong_penalty, filter_groups_by_metric
+from hybridrl.algos.dppo import compute_policy_loss_dppo_kl, compute_policy_loss_dppo_tv
 from hybridrl.algos.group_advantage import (
+    compute_gdpo_outcome_advantage,
     compute_gpg_outcome_advantage,
     compute_grpo_outcome_advantage,
     compute_grpo_outcome_advantage_loop,
@@ -58,7 +62,11 @@ from hybridrl.algos.kl import (
     register_kl_estimator,
 )
 from hybridrl.algos.kl_ctrl import AdaptiveKLController, FixedKLController, get_kl_controller
-from hybridrl.algos.otb import compute_optimal_token_baseline_advantage, sum_pi_squared_from_logits
+from hybridrl.algos.otb import (
+    compute_optimal_token_baseline_advantage,
+    compute_tir_optimal_token_baseline_advantage,
+    sum_pi_squared_from_logits,
+)
 from hybridrl.algos.pf_ppo import pf_ppo_resample_indices, pf_ppo_weights
 from hybridrl.algos.policy_loss import (
     POLICY_LOSSES,
@@ -92,6 +100,7 @@ from hybridrl.algos.rollout_rs import (
     is_kl_rs,
     parse_kl_rs,
 )
+from hybridrl.algos.soft_pg import compute_policy_loss_dro, compute_policy_loss_sapo
 from hybridrl.algos.utils import (
     entropy_from_logits,
     entropy_from_logits_chunked,
@@ -118,6 +127,12 @@ __all__ = [
     "apply_kl_penalty",
     "apply_overlong_penalty",
     "compute_gae_advantage_return",
+    "compute_tir_optimal_token_baseline_advantage",
+    "compute_policy_loss_sapo",
+    "compute_policy_loss_dro",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dppo_kl",
+    "compute_gdpo_outcome_advantage",
     "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
     "compute_grpo_outcome_advantage_loop",

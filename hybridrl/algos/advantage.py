@@ -13,6 +13,8 @@ Every registered estimator is called the same way:
         old_log_probs=None,    # (B, T) log pi_old (optimal_token_baseline), or None
         sum_pi_squared=None,   # (B, T) sum_v pi_old(v)^2 (optimal_token_baseline), or None
         rollout_is_weights=None,  # (B, T) rollout IS weights, or None
+        reward_components=None,   # (K, B) per-component scores (gdpo), or None
+        reward_weights=None,      # K weights of the components (gdpo), or None
     )
 
 Each entry takes the keywords it needs and ignores the others (**_). The math lives in
@@ -161,6 +163,44 @@ def _optimal_token_baseline(
     old_log_probs = _required(old_log_probs, "old_log_probs (B, T)", "optimal_token_baseline", fix)
     sum_pi_squared = _required(sum_pi_squared, "sum_pi_squared (B, T)", "optimal_token_baseline", fix)
     return otb.compute_optimal_token_baseline_advantage(
+        token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights
+    )
+
+
+@register_adv_est("gdpo")
+def _gdpo(
+    token_level_rewards,
+    response_mask,
+    *,
+    index,
+    reward_components=None,
+    reward_weights=None,
+    epsilon=1e-6,
+    norm_adv_by_std_in_grpo=True,
+    **_,
+):
+    return group.compute_gdpo_outcome_advantage(
+        token_level_rewards, response_mask, index, reward_components, reward_weights, epsilon,
+        norm_adv_by_std_in_grpo,
+    )  # fmt: skip
+
+
+@register_adv_est("tir_optimal_token_baseline")
+def _tir_optimal_token_baseline(
+    token_level_rewards,
+    response_mask,
+    *,
+    index,
+    old_log_probs=None,
+    sum_pi_squared=None,
+    rollout_is_weights=None,
+    **_,
+):
+    name = "tir_optimal_token_baseline"
+    fix = "set actor_rollout_ref.actor.calculate_sum_pi_squared=True (the old-log-prob pass computes both)"
+    old_log_probs = _required(old_log_probs, "old_log_probs (B, T)", name, fix)
+    sum_pi_squared = _required(sum_pi_squared, "sum_pi_squared (B, T)", name, fix)
+    return otb.compute_tir_optimal_token_baseline_advantage(
         token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights
     )
 

@@ -65,14 +65,79 @@ def compute_grpo_outcome_advantage(
     """
     scores = outcome_scores(token_level_rewards, response_mask)
     groups = Groups.from_index(index, scores.device)
+    advantages = _per_token(_grpo_of_scores(scores, groups, epsilon, norm_adv_by_std_in_grpo), response_mask)
+    return advantages, advantages
+
+
+def _grpo_of_scores(scores: torch.Tensor, groups: Groups, epsilon: float, norm_by_std: bool) -> torch.Tensor:
+    """(s_i - mean_G(s)) [/ (std_G(s) + epsilon)] per response: (B,) -> (B,); groups of one: mean 0, std 1."""
     n = groups.size_of_each()
     mean = _group_mean_or_zero(scores, groups)
     var = groups.sum((scores - mean) ** 2)[groups.ids] / (n - 1).clamp(min=1)
     std = torch.where(n > 1, var.sqrt(), 1.0)
     advantages = scores - mean
-    if norm_adv_by_std_in_grpo:
-        advantages = advantages / (std + epsilon)
-    advantages = _per_token(advantages, response_mask)
+    return advantages / (std + epsilon) if norm_by_std else advantages
+
+
+@torch.no_grad()
+def compute_gdpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    reward_components: torch.Tensor | None = None,
+    reward_weights: list[float] | None = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO: normalise each reward component within its group, sum them, whiten over the batch.
+
+    Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for
+    Multi-reward RL Optimization" (arXiv 2601.05242), the GDPO advantage (§3): with K reward
+    components s^k_i of response i (e.g. accuracy, format),
+        A^k_i = (s^k_i - mean_G(s^k)) / (std_G(s^k) + epsilon)     GRPO on each component alone
+        A'_i  = sum_k w_k A^k_i                                      w_k = 1 by default
+        A_i   = (A'_i - mean_batch(A')) / std_batch(A')              over every unmasked token
+    so a large, easy component cannot drown the others (GRPO on sum_k s^k collapses distinct
+    component combinations onto one advantage). Same numbers as veRL's
+    `compute_gdpo_outcome_advantage` (core_algos.py, `gdpo`): there each component's score is put
+    on the response's last token and summed back; here it is given per response. A response with
+    no unmasked token still counts in its group's mean and std (as in veRL) and gets advantage 0.
+    Without components (None) the one component is the total reward sum_t r_t over the unmasked
+    tokens, i.e. whitened GRPO.
+
+    Args:
+        token_level_rewards: (B, T); only used when reward_components is None.
+        response_mask: (B, T).
+        index: (B,) prompt uid of each response.
+        reward_components: (K, B) the K component scores of each response (veRL:
+            algorithm.gdpo_reward_keys, read from the reward function's extra outputs), or None.
+        reward_weights: K weights w_k (algorithm.gdpo_reward_weights); None: all 1.
+        epsilon: added to each group std.
+        norm_adv_by_std_in_grpo: divide by the group std (False: centre only, as Dr. GRPO).
+
+    Returns:
+        advantages, returns: (B, T) each, equal, 0 under the mask.
+    """
+    if reward_components is None:
+        components = outcome_scores(token_level_rewards, response_mask).unsqueeze(0)
+    else:
+        components = reward_components.to(token_level_rewards.dtype)
+    if components.dim() != 2 or components.shape[1] != response_mask.shape[0]:
+        raise ValueError(
+            f"reward_components must have shape (K, B) = (K, {response_mask.shape[0]}), got {tuple(components.shape)}"
+        )
+    num = components.shape[0]
+    weights = [1.0] * num if reward_weights is None else list(reward_weights)
+    if len(weights) != num:
+        raise ValueError(
+            f"got {len(weights)} reward weights for {num} reward components; give one weight per component "
+            "(algorithm.gdpo_reward_weights and algorithm.gdpo_reward_keys must have the same length)"
+        )
+    groups = Groups.from_index(index, components.device)
+    summed = sum(
+        w * _grpo_of_scores(c, groups, epsilon, norm_adv_by_std_in_grpo) for w, c in zip(weights, components)
+    )
+    advantages = masked_whiten(_per_token(summed, response_mask), response_mask) * response_mask
     return advantages, advantages
 
 

@@ -7,27 +7,43 @@ built-in tiny model on the built-in task on CPU with one training and one rollou
 core each (ASYNC_DEFAULTS in hybridrl/trainer/async_ppo/launch.py), eta = max_head_offpolicyness = 1.
 
 Locally it starts an embedded Ray instance; with RAY_ADDRESS set it attaches to that cluster.
+The config goes through main_ppo's config stage (veRL's spellings, refused keys, one-line errors).
+From Python, `main(config)` runs a composed config, as veRL's `main(config)` does.
 """
 
 from __future__ import annotations
 
 import sys
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from hybridrl.trainer.async_ppo.config import AsyncPPOConfig
-from hybridrl.trainer.async_ppo.launch import compose_async_config, run_async
+from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, load_async_config
+from hybridrl.trainer.async_ppo.launch import compose_async_config, run_async_config
+from hybridrl.trainer.ppo.config_stage import load_for_cli, override_key, prepare_argv
 from hybridrl.utils.cli import check_command_line
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    argv = sys.argv[1:] if argv is None else argv
+def main(config: DictConfig | dict | list[str] | None = None) -> dict[str, float]:
+    """The command line, or veRL's `main(config)`: run a composed config.
+
+    Args:
+        config: a DictConfig / dict composed by the caller (hydra's compose API on ppo_trainer, plus
+            async_training.*), run through main_ppo's config stage with every key counted as set
+            (a config error raises ConfigError); or a list of `key=value` overrides (None:
+            sys.argv[1:]), spelled as on main_ppo's command line (`+key=`, `key=`), whose config
+            errors print one line and exit 1.
+    """
+    if isinstance(config, (DictConfig, dict)):
+        return run_async_config(load_async_config(config))
+    argv = sys.argv[1:] if config is None else list(config)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         print(OmegaConf.to_yaml(OmegaConf.structured(AsyncPPOConfig).async_training))
         return {}
+    argv = prepare_argv(["main_async", *argv])[1:]
     check_command_line(argv, AsyncPPOConfig, "ppo_trainer")
-    return run_async(compose_async_config(argv))
+    explicit = {override_key(o) for o in argv}
+    return run_async_config(load_for_cli(compose_async_config(argv), load_async_config, explicit))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ With no arguments it trains the built-in tiny model on the built-in arithmetic t
 Locally it starts an embedded Ray instance; with `RAY_ADDRESS` set (or through `ray job submit`)
 it attaches to that cluster. veRL command lines port unchanged: `+key=value` and `key=value`
 both set the key (see hybridrl/trainer/ppo/config_stage.py); a config error prints one line
-and exits 1 (`HYDRA_FULL_ERROR=1` shows the traceback).
+and exits 1 (`HYDRA_FULL_ERROR=1` shows the traceback). From Python, `main(config)` runs a
+config composed with hydra's compose API, as veRL's `main(config)` does.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from omegaconf import DictConfig
 
 from hybridrl.trainer.ppo.config import PPOConfig, load_config
-from hybridrl.trainer.ppo.config_stage import load_for_cli, prepare_argv
+from hybridrl.trainer.ppo.config_stage import check_startup, load_for_cli, prepare_argv
 from hybridrl.trainer.ppo.launch import run_ppo_config
 from hybridrl.utils.cli import hydra_cli
 
@@ -29,9 +30,23 @@ def run_ppo_cli(cfg: DictConfig) -> dict[str, float]:
     return run_ppo_config(load_for_cli(cfg))
 
 
-def main() -> None:
+def main(config: DictConfig | dict | None = None) -> dict[str, float] | None:
+    """The command line (no argument), or veRL's `main(config)`: run a composed config.
+
+    Args:
+        config: a config composed by the caller (e.g. with hydra's `compose` API on
+            hybridrl.trainer.config's ppo_trainer, as veRL's tutorial does), or a dict. It goes
+            through the command line's config stage with every key counted as set; a config error
+            raises ConfigError. None: parse sys.argv (the `python -m` entry).
+
+    Returns:
+        The final validation metrics when `config` is given.
+    """
+    if config is not None:
+        return run_ppo_config(check_startup(config))
     sys.argv = prepare_argv(sys.argv)  # veRL's `+key=` / `key=` spellings both reach the schema
     hydra_cli(__doc__, "ppo_trainer", PPOConfig, run_ppo_cli)
+    return None
 
 
 if __name__ == "__main__":

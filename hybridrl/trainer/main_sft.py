@@ -25,8 +25,13 @@ def run_and_stop(cfg) -> dict[str, float]:
         stop_distributed()
 
 
-def main() -> None:
+def main(config=None) -> dict[str, float] | None:
+    """The command line (no argument), or veRL's `main(config)`: train on a config composed by the
+    caller (hydra's compose API on hybridrl.trainer.config's sft_trainer, or a dict)."""
+    if config is not None:
+        return run_and_stop(config)
     hydra_cli(__doc__, "sft_trainer", SFTConfig, run_and_stop)
+    return None
 
 
 if __name__ == "__main__":

@@ -116,6 +116,7 @@ class PPOActor(MicroBatchedRole):
     # ------------------------------------------------------------------------------------------
     def _loss_hparams(self) -> dict[str, Any]:
         c, pl = self.config, self.config.policy_loss
+        tau_pos, tau_neg = c.sapo_taus()
         return {
             "clip_ratio": c.clip_ratio,
             "clip_ratio_low": c.clip_ratio_low,
@@ -127,6 +128,9 @@ class PPOActor(MicroBatchedRole):
             "kl_cov_ratio": pl.kl_cov_ratio,
             "ppo_kl_coef": pl.ppo_kl_coef,
             "behave_imp_weight_cap": pl.behave_imp_weight_cap,
+            "dro_beta": pl.dro_beta,
+            "tau_pos": tau_pos,
+            "tau_neg": tau_neg,
             **self._bypass_hparams(),
         }
 

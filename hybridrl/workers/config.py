@@ -22,6 +22,7 @@ LR_SCHEDULER_TYPES = ("constant", "cosine")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
 ACTOR_KEY = "actor_rollout_ref.actor"
+SAPO_TAUS = (1.0, 1.05)  # veRL's actor.tau_pos / tau_neg defaults (the SAPO paper's values)
 CRITIC_KEY = "critic"
 
 
@@ -133,7 +134,10 @@ class PolicyLossConfig:
 
     behave_imp_weight_cap: the 'decoupled' (AReaL) loss drops tokens whose behaviour importance
     weight pi_prox / pi_behav exceeds it (None keeps all). rollout_correction: the settings of the
-    'bypass_mode' loss (veRL's algorithm.rollout_correction.bypass_mode).
+    'bypass_mode' loss (veRL's algorithm.rollout_correction.bypass_mode). dro_beta: the 'dro' loss's
+    penalty coefficient (required, > 0, with that loss). tau_pos / tau_neg: the 'sapo' gate
+    temperatures, the spelling of veRL's SAPO example (`+actor.policy_loss.tau_pos`); veRL's
+    schema has them on the actor (`actor.tau_pos`), see ActorConfig.sapo_taus.
     """
 
     loss_mode: str = "vanilla"
@@ -143,6 +147,9 @@ class PolicyLossConfig:
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
     behave_imp_weight_cap: float | None = None
+    dro_beta: float | None = None
+    tau_pos: float | None = None
+    tau_neg: float | None = None
     rollout_correction: PolicyLossRolloutCorrection = field(default_factory=PolicyLossRolloutCorrection)
 
 
@@ -247,6 +254,9 @@ class ActorConfig:
     tokens are computed once per group instead of once per row, with the same numbers. Works
     with the packed and the padded layout and the fused head (veRL refuses those with it); not
     with Ulysses SP or Megatron. The reference keeps the plain forward (veRL's ref has no key).
+
+    tau_pos / tau_neg: the temperatures of the 'sapo' policy loss's gate (veRL's keys and defaults
+    1.0 / 1.05, used when null); `policy_loss.tau_pos / tau_neg` is the other spelling.
     """
 
     strategy: str = "fsdp"
@@ -263,6 +273,8 @@ class ActorConfig:
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
+    tau_pos: float | None = None  # veRL: 1.0 (SAPO_TAUS)
+    tau_neg: float | None = None  # veRL: 1.05
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
@@ -285,6 +297,44 @@ class ActorConfig:
     @property
     def max_grad_norm(self) -> float:
         return self.optim.clip_grad if self.grad_clip is None else self.grad_clip
+
+    def sapo_taus(self, key: str = ACTOR_KEY) -> tuple[float, float]:
+        """(tau_pos, tau_neg) of the 'sapo' loss from either spelling; ValueError if both differ."""
+        out = []
+        for name, default in zip(("tau_pos", "tau_neg"), SAPO_TAUS):
+            top, nested = getattr(self, name), getattr(self.policy_loss, name)
+            if top is not None and nested is not None and top != nested:
+                raise ValueError(
+                    f"{key}.{name}={top} and {key}.policy_loss.{name}={nested} are the same setting (the SAPO "
+                    f"gate temperature) given twice with different values; keep one of them"
+                )
+            value = default if top is None and nested is None else (top if top is not None else nested)
+            if value <= 0:
+                raise ValueError(
+                    f"{key}.{name}={value} must be > 0 (the SAPO gate divides by it); veRL uses {default}"
+                )
+            out.append(float(value))
+        return out[0], out[1]
+
+    def validate_policy_loss(self, key: str = ACTOR_KEY) -> None:
+        """The hyper-parameters of the chosen loss (`policy_loss.loss_mode`) are usable."""
+        self.sapo_taus(key)
+        pl = self.policy_loss
+        if pl.loss_mode == "dro" and (pl.dro_beta is None or pl.dro_beta <= 0):
+            raise ValueError(
+                f"{key}.policy_loss.loss_mode=dro needs {key}.policy_loss.dro_beta > 0 (the weight of the "
+                f"quadratic log-ratio penalty), got {pl.dro_beta}; e.g. {key}.policy_loss.dro_beta=0.1"
+            )
+        if pl.dro_beta is not None and pl.dro_beta <= 0:
+            raise ValueError(f"{key}.policy_loss.dro_beta={pl.dro_beta} must be > 0 (or null when unused)")
+        if pl.loss_mode in ("dppo_tv", "dppo_kl"):
+            for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+                value = getattr(self, name)
+                if value is not None and value < 0:
+                    raise ValueError(
+                        f"{key}.{name}={value}: with policy_loss.loss_mode={pl.loss_mode} it is the divergence "
+                        "bound of the trust region and must be >= 0"
+                    )
 
 
 @dataclass

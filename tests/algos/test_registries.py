@@ -52,6 +52,8 @@ def test_every_advantage_estimator(name):
     common["reward_baselines"] = torch.randn(B, generator=gen)
     common["old_log_probs"] = -torch.rand(B, T, generator=gen) * 2  # optimal_token_baseline
     common["sum_pi_squared"] = torch.rand(B, T, generator=gen)
+    common["reward_components"] = torch.randn(2, B, generator=gen)  # gdpo
+    common["reward_weights"] = [1.0, 0.5]
     fn = get_adv_estimator_fn(name)
 
     outputs = []
@@ -96,6 +98,9 @@ def test_every_policy_loss(name, loss_agg_mode):
             clip_cov_ratio=0.05,
             kl_cov_ratio=0.05,
             generator=torch.Generator().manual_seed(7),
+            dro_beta=0.1,
+            tau_pos=1.0,
+            tau_neg=1.05,
         )
         assert loss.shape == () and torch.isfinite(loss)
         assert {"pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"} <= metrics.keys()
@@ -151,7 +156,7 @@ def test_duplicate_registration_raises(register, existing):
 @pytest.mark.parametrize(
     "registry, known",
     [
-        (ADV_ESTIMATORS, "gae, gpg, grpo"),
+        (ADV_ESTIMATORS, "gae, gdpo, gpg"),
         (POLICY_LOSSES, "bypass_mode, cispo, clip_cov"),
         (KL_ESTIMATORS, "abs, k1"),
         (LOSS_AGG_MODES, "seq-mean"),
@@ -174,5 +179,7 @@ def test_list_functions_match_the_registries():
     assert algos.list_adv_estimators() == ADV_ESTIMATORS.names()
     assert "grpo_passk" in algos.list_adv_estimators() and "gae" in algos.list_adv_estimators()
     assert algos.list_policy_losses() == POLICY_LOSSES.names() and "decoupled" in algos.list_policy_losses()
+    assert {"gdpo", "tir_optimal_token_baseline"} <= set(algos.list_adv_estimators())
+    assert {"dppo_tv", "dppo_kl", "sapo", "dro"} <= set(algos.list_policy_losses())  # veRL's newest
     assert algos.list_kl_estimators() == KL_ESTIMATORS.names()
     assert algos.list_loss_agg_modes() == LOSS_AGG_MODES.names()

@@ -103,3 +103,72 @@ def test_command_line_accepts_async_keys_with_or_without_plus():
     c = load_async_config(cfg)
     assert (c.async_training.max_head_offpolicyness, c.async_training.queue_size) == (2, 7)
     assert c.data.train_batch_size == 4
+
+
+# ------------------------------------------------------------------ main_ppo's config stage (issue 23)
+def test_refused_keys_are_refused_in_async_mode_too(base):
+    with pytest.raises(ConfigError, match="trainer.default_hdfs_dir"):
+        load(base, **{"trainer.default_hdfs_dir": "hdfs://x"})
+
+
+def test_deprecated_micro_batch_key_is_converted(base):
+    c = load(
+        base,
+        **{
+            "actor_rollout_ref.actor.ppo_micro_batch_size": 8,
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "null",
+        },
+    )
+    assert c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 8  # global 8 over one training rank
+
+
+def test_verl_algorithm_keys_are_checked_in_async_mode(base):
+    with pytest.raises(ConfigError, match="gdpo needs algorithm.gdpo_reward_keys"):
+        load(base, **{"algorithm.adv_estimator": "gdpo"})
+
+
+def test_command_line_config_errors_are_one_line_and_exit_1(capsys):
+    from hybridrl.trainer.main_async import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["+trainer.default_hdfs_dir=hdfs://x"])  # veRL's `+key=` spelling reaches the schema
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ConfigError: trainer.default_hdfs_dir")
+
+
+def test_small_batch_defaults_are_adapted_on_the_command_line_as_in_main_ppo():
+    from hybridrl.trainer.async_ppo.config import load_async_config
+    from hybridrl.trainer.ppo.config_stage import load_for_cli
+
+    argv = ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+    c = load_for_cli(compose_async_config(argv), load_async_config, {a.split("=")[0] for a in argv})
+    assert c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 16  # 2 prompts x n=8, one rank
+
+
+def test_ray_init_is_honoured(base):
+    import ray
+
+    from hybridrl.trainer.async_ppo.launch import init_ray
+
+    c = load(
+        base,
+        **{
+            "ray_kwargs.ray_init.num_cpus": 3,
+            "ray_kwargs.ray_init.runtime_env.env_vars.HYBRIDRL_T23": "yes23",
+        },
+    )
+    assert not ray.is_initialized()
+    try:
+        init_ray(c)
+        assert ray.cluster_resources()["CPU"] == 3
+
+        @ray.remote(num_cpus=0)
+        def env():
+            import os
+
+            return os.environ.get("HYBRIDRL_T23")
+
+        assert ray.get(env.remote()) == "yes23"
+    finally:
+        ray.shutdown()

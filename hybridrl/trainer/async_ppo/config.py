@@ -24,22 +24,24 @@ and the placement of the rollout workers (their own Ray resource pool):
 
 The training workers use trainer.nnodes x trainer.n_gpus_per_node slots as in synchronous mode.
 
-`load_async_config(cfg)` merges a user config onto `AsyncPPOConfig` (the PPO tree plus this
-section), resolves it, fills the derived values (`derive_async_config`) and validates everything
-(`validate_config` of the PPO tree, then `validate_async_config`).
+`load_async_config(cfg)` runs main_ppo's config stage on `AsyncPPOConfig` (the PPO tree plus this
+section; hybridrl/trainer/ppo/config_stage.py `check_startup`, the same function main_ppo calls),
+with `async_stage` (`validate_async_config`, then `derive_async_config`) before the whole-tree
+validation.
 """
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from hybridrl.trainer.ppo.config import PPO_KEYS_DOC, PPOConfig, derive_config, validate_config
+from hybridrl.trainer.ppo.config import PPO_KEYS_DOC, PPOConfig
 from hybridrl.trainer.ppo.sections import AsyncTrainingConfig
-from hybridrl.utils.config_loader import ConfigError, load_structured
+from hybridrl.utils.config_loader import ConfigError
 
 __all__ = [
     "AsyncPPOConfig",
     "AsyncTrainingConfig",
+    "async_stage",
     "derive_async_config",
     "load_async_config",
     "n_rollout_workers",
@@ -58,16 +60,21 @@ def n_rollout_workers(config: AsyncPPOConfig) -> int:
     return at.rollout_nnodes * at.rollout_n_gpus_per_node
 
 
-def load_async_config(cfg: DictConfig | dict | list[str] | None = None) -> AsyncPPOConfig:
-    """Merge `cfg` onto the schema, resolve, derive and validate; returns a typed AsyncPPOConfig."""
-    config: AsyncPPOConfig = load_structured(
-        AsyncPPOConfig, cfg, f"{PPO_KEYS_DOC} (async_training: docs/async.md)"
+def load_async_config(cfg: DictConfig | dict | list[str] | None = None, explicit_keys=None) -> AsyncPPOConfig:
+    """main_ppo's config stage (`config_stage.check_startup`: veRL's spellings, refused keys,
+    deprecated micro-batch keys, start-up validation) with the async section as its mode stage;
+    returns a typed AsyncPPOConfig. explicit_keys: as in check_startup (None: every key is set)."""
+    from hybridrl.trainer.ppo.config_stage import check_startup
+
+    return check_startup(
+        cfg, explicit_keys, mode_stage=async_stage, keys_doc=f"{PPO_KEYS_DOC} (async_training: docs/async.md)"
     )
-    derive_config(config)
-    validate_async_config(config)  # before derive_async_config: it checks the user's own values
+
+
+def async_stage(config: AsyncPPOConfig) -> None:
+    """The async section's checks of the user's own values, then its derived values."""
+    validate_async_config(config)
     derive_async_config(config)
-    validate_config(config)
-    return config
 
 
 def validate_async_config(config: AsyncPPOConfig) -> None:

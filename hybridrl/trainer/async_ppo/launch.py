@@ -46,5 +46,6 @@ def init_ray(config: AsyncPPOConfig) -> None:
     tr, at = config.trainer, config.async_training
     start_ray(
         tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker
-        + n_rollout_workers(config) * at.rollout_cpus_per_worker
+        + n_rollout_workers(config) * at.rollout_cpus_per_worker,
+        config.ray_kwargs.ray_init,
     )

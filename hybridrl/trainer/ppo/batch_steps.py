@@ -1,5 +1,5 @@
 """Batch-level steps of the PPO fit loop that need no trainer state: rollout correction, PF-PPO
-resampling, reward extras, the DAPO group metric, and decoded-sample dumps."""
+resampling, reward extras and GDPO's reward components, the DAPO group metric, and decoded-sample dumps."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 
 import numpy as np
+import torch
 
 from hybridrl import algos
 from hybridrl.protocol import DataProto
@@ -88,6 +89,32 @@ def attach_reward_extra(batch: DataProto, extra: dict[str, list]) -> None:
     for k, v in extra.items():
         if len(v) == len(batch):
             batch.non_tensor_batch[k] = np.array(v, dtype=object)
+
+
+def reward_components(batch: DataProto, keys: list[str] | None, metrics: dict) -> torch.Tensor | None:
+    """(K, B) float32 scores of the reward components `keys` (algorithm.gdpo_reward_keys), read from
+    the reward function's per-row extras; None without keys. Logs gdpo/<key>/{mean,std,max,min}."""
+    if not keys:
+        return None
+    rows = []
+    for key in keys:
+        if key not in batch.non_tensor_batch:
+            raise KeyError(
+                f"algorithm.gdpo_reward_keys names {key!r}, but the reward function returned no such per-row "
+                f"value; it returned {sorted(batch.non_tensor_batch.keys())}. Return a dict from compute_score "
+                f"with a {key!r} entry (and 'score'), or fix algorithm.gdpo_reward_keys"
+            )
+        try:
+            values = np.asarray(batch.non_tensor_batch[key], dtype=np.float32)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"reward component {key!r} (algorithm.gdpo_reward_keys) must be a number per row"
+            ) from None
+        metrics.update(
+            {f"gdpo/{key}/{s}": float(getattr(np, s)(values)) for s in ("mean", "std", "max", "min")}
+        )
+        rows.append(torch.from_numpy(values))
+    return torch.stack(rows)
 
 
 def group_metric(batch: DataProto, name: str) -> np.ndarray:

@@ -10,6 +10,7 @@ error is one line naming the key and the fix.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
@@ -65,23 +66,41 @@ class PPOConfig:
 PPO_KEYS_DOC = "hybridrl/trainer/config/ppo_trainer.yaml"
 
 
-def load_config(cfg: DictConfig | dict | list[str] | None = None, explicit_keys=None) -> PPOConfig:
-    """Merge `cfg` onto the schema, resolve it and validate it; returns a typed `PPOConfig`.
+def load_config(
+    cfg: DictConfig | dict | list[str] | None = None,
+    explicit_keys=None,
+    mode_stage: Callable[[PPOConfig], None] | None = None,
+    keys_doc: str = PPO_KEYS_DOC,
+) -> PPOConfig:
+    """Merge `cfg` onto the schema, resolve it and run `run_config_stage`; returns a typed `PPOConfig`.
 
     explicit_keys: the keys the user set (None: every key counts as set); see
     `verl_compat.apply_verl_compat` (defaults that do not fit a small batch are adapted).
+    mode_stage / keys_doc: see `run_config_stage`; keys_doc is named in unknown-key errors.
     """
     try:
-        config: PPOConfig = load_structured(PPOConfig, cfg, PPO_KEYS_DOC)
+        config: PPOConfig = load_structured(PPOConfig, cfg, keys_doc)
     except ConfigError:
         raise
     except ValueError as e:  # a section's own check (__post_init__) failed
         raise ConfigError(str(e)) from None
+    run_config_stage(config, explicit_keys, mode_stage)
+    return config
+
+
+def run_config_stage(
+    config: PPOConfig, explicit_keys=None, mode_stage: Callable[[PPOConfig], None] | None = None
+) -> None:
+    """The config stage main_ppo and main_async share (mutates `config`): derived values, veRL's
+    spellings (refused keys, deprecated micro-batch keys, small-batch defaults), veRL's algorithm
+    keys, then the trainer mode's own derivations (`mode_stage`, e.g. main_async's
+    async_training.*), then the whole-tree validation."""
     derive_config(config, explicit_keys)
     apply_verl_compat(config, explicit_keys)
     apply_verl_misc(config, explicit_keys)
+    if mode_stage is not None:
+        mode_stage(config)
     validate_config(config)
-    return config
 
 
 def derive_config(config: PPOConfig, explicit_keys=None) -> None:
@@ -133,6 +152,10 @@ def validate_config(config: PPOConfig) -> None:
     if n < 1:
         raise ConfigError("actor_rollout_ref.rollout.n must be >= 1")
     _check_group_size(algo.adv_estimator, n)
+    try:
+        arr.actor.validate_policy_loss()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _validate_ulysses(config, world)
     _validate_prefix_grouper(config)
     _validate_actor_batches(config, world)
@@ -160,6 +183,8 @@ GROUP_ESTIMATORS_WITH_SINGLETONS = (
     "opo",
     "reinforce_plus_plus_baseline",
     "optimal_token_baseline",
+    "tir_optimal_token_baseline",
+    "gdpo",
 )
 
 

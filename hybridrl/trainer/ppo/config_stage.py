@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from hybridrl import algos
-from hybridrl.trainer.ppo.config import ConfigError, PPOConfig, load_config
+from hybridrl.trainer.ppo.config import PPO_KEYS_DOC, ConfigError, PPOConfig, load_config
 from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 from hybridrl.workers.megatron_config import check_remove_padding, resolve_fused_kernels
 
@@ -59,16 +59,26 @@ def set_by_user(key: str, explicit_keys: set[str] | None) -> bool:
     return explicit_keys is not None and key in explicit_keys
 
 
-def check_startup(cfg, explicit_keys: Iterable[str] | None = None) -> PPOConfig:
+def check_startup(
+    cfg,
+    explicit_keys: Iterable[str] | None = None,
+    mode_stage: Callable[[PPOConfig], None] | None = None,
+    keys_doc: str = PPO_KEYS_DOC,
+) -> PPOConfig:
     """Load and validate `cfg` and derive the per-rank batch sizes; raises ConfigError.
+
+    The one config stage of main_ppo and main_async (main_async passes its async_training.*
+    derivations and checks as `mode_stage`, see `config.run_config_stage`).
 
     Args:
         cfg: the composed config (DictConfig or dict).
         explicit_keys: keys the user set; a default micro-batch size that does not fit a small
             mini-batch is only adapted when its key is not among them (None: all keys explicit).
+        mode_stage: the trainer mode's derivations and checks, run before the whole-tree validation.
+        keys_doc: the yaml named in unknown-key errors.
     """
     explicit_keys = set(explicit_keys) if explicit_keys is not None else None
-    config = load_config(cfg, explicit_keys=explicit_keys)
+    config = load_config(cfg, explicit_keys=explicit_keys, mode_stage=mode_stage, keys_doc=keys_doc)
     arr = config.actor_rollout_ref
     world = config.trainer.nnodes * config.trainer.n_gpus_per_node
     try:
@@ -95,10 +105,11 @@ def check_startup(cfg, explicit_keys: Iterable[str] | None = None) -> PPOConfig:
     return config
 
 
-def load_for_cli(cfg) -> PPOConfig:
-    """`check_startup` for a command line: one message and exit status 1 on a config error."""
+def load_for_cli(cfg, load: Callable[..., PPOConfig] = check_startup, explicit_keys=None) -> PPOConfig:
+    """`load(cfg, explicit_keys)` (check_startup, or main_async's loader) for a command line: one
+    message and exit status 1 on a config error. explicit_keys None: this Hydra run's overrides."""
     try:
-        return check_startup(cfg, explicit_keys=hydra_explicit_keys())
+        return load(cfg, explicit_keys if explicit_keys is not None else hydra_explicit_keys())
     except ConfigError as e:
         exit_with_config_error(e)
 

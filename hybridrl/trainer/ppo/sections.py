@@ -121,6 +121,10 @@ class AlgorithmConfig:
     rollout_is_level: str = "token"
     rollout_is_mode: str = "truncate"
     rollout_is_veto_threshold: float | None = None
+    # GDPO (adv_estimator=gdpo): the reward components, keys of the dict the score function returns
+    # (its per-row extras), each normalised in its group before the weighted sum (weights: all 1).
+    gdpo_reward_keys: list[str] | None = None
+    gdpo_reward_weights: list[float] | None = None
 
 
 @dataclass

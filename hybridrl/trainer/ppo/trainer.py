@@ -28,6 +28,7 @@ from hybridrl.trainer.ppo.batch_steps import (
     decode_samples,
     group_metric,
     pf_ppo_resample,
+    reward_components,
     rollout_correction_active,
     write_jsonl,
 )
@@ -351,6 +352,8 @@ class RayPPOTrainer:
                 old_log_probs=b["old_log_probs"] if "old_log_probs" in b.keys() else None,
                 sum_pi_squared=b["sum_pi_squared"] if "sum_pi_squared" in b.keys() else None,
                 rollout_is_weights=b["rollout_is_weights"] if "rollout_is_weights" in b.keys() else None,
+                reward_components=reward_components(batch, algo.gdpo_reward_keys, metrics),
+                reward_weights=algo.gdpo_reward_weights,
             )
             b["advantages"], b["returns"] = advantages, returns
             if algo.use_pf_ppo:  # veRL: only after GAE (verl_misc.check_pf_ppo)

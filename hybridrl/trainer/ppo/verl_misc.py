@@ -7,8 +7,11 @@
   has one, which is what `auto` means; `enable` / `disable` name a veRL implementation and fail;
 - `algorithm.use_pf_ppo` / `algorithm.pf_ppo.*`: checked here (veRL applies PF-PPO with GAE only);
 - `algorithm.rollout_correction.bypass_mode` / `loss_type`: the actor's `bypass_mode` loss;
-- `algorithm.adv_estimator=optimal_token_baseline` needs `actor.calculate_sum_pi_squared=True` and
-  the old-log-prob pass of the FSDP actor (which computes that sum).
+- `algorithm.adv_estimator=optimal_token_baseline` / `tir_optimal_token_baseline` needs
+  `actor.calculate_sum_pi_squared=True` and the old-log-prob pass of the FSDP actor (which computes
+  that sum);
+- `algorithm.adv_estimator=gdpo` needs `algorithm.gdpo_reward_keys` (and as many
+  `gdpo_reward_weights`, when given).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 
 from hybridrl.trainer.ppo.verl_compat import config_error
 from hybridrl.utils.torch_utils import str_to_dtype
+
+OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")  # read sum_pi_squared
 
 LEGACY_WORKER_CHOICES = ("auto", "enable", "disable")
 PF_PPO_METHODS = ("pow", "max_min", "max_random")
@@ -100,10 +105,9 @@ def check_sum_pi_squared(config: Any) -> None:
     """The optimal token baseline reads `sum_pi_squared`, which the FSDP old-log-prob pass computes."""
     actor = config.actor_rollout_ref.actor
     key = "actor_rollout_ref.actor.calculate_sum_pi_squared"
-    if config.algorithm.adv_estimator == "optimal_token_baseline" and not actor.calculate_sum_pi_squared:
-        raise config_error(
-            f"algorithm.adv_estimator=optimal_token_baseline needs the per-token sum of pi^2: set {key}=True"
-        )
+    est = config.algorithm.adv_estimator
+    if est in OTB_ESTIMATORS and not actor.calculate_sum_pi_squared:
+        raise config_error(f"algorithm.adv_estimator={est} needs the per-token sum of pi^2: set {key}=True")
     if not actor.calculate_sum_pi_squared:
         return
     if actor.strategy == "megatron":
@@ -113,6 +117,24 @@ def check_sum_pi_squared(config: Any) -> None:
             f"{key}=True needs the old-log-prob pass, which algorithm.rollout_correction.bypass_mode=True "
             "skips; turn bypass_mode off"
         )
+
+
+def check_gdpo(config: Any) -> None:
+    """`algorithm.adv_estimator=gdpo` names its reward components (veRL asserts the same at step 1)."""
+    algo = config.algorithm
+    keys, weights = algo.gdpo_reward_keys, algo.gdpo_reward_weights
+    if algo.adv_estimator == "gdpo" and not keys:
+        raise config_error(
+            "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the reward components, keys of the "
+            "dict your score function returns, e.g. algorithm.gdpo_reward_keys='[accuracy_reward,format_reward]'"
+        )
+    if weights is not None and len(weights) != len(keys or []):
+        raise config_error(
+            f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(keys or [])} "
+            "algorithm.gdpo_reward_keys; give one weight per key (or null for all 1)"
+        )
+    if keys and len(set(keys)) != len(keys):
+        raise config_error(f"algorithm.gdpo_reward_keys={list(keys)} names a component twice; list each once")
 
 
 def apply_bypass_loss(config: Any) -> None:
@@ -155,4 +177,5 @@ def apply_verl_misc(config: Any, explicit_keys=None) -> None:
     check_legacy_worker_impl(config)
     check_pf_ppo(config)
     check_sum_pi_squared(config)
+    check_gdpo(config)
     apply_bypass_loss(config)
