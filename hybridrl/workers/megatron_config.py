@@ -42,7 +42,6 @@ __all__ = [
     "check_colocated_megatron",
     "check_remove_padding",
     "resolve_fused_kernels",
-    "data_parallel_size",
     "validate_megatron_config",
 ]
 
@@ -90,14 +89,6 @@ def megatron_param_dtype(cfg: MegatronConfig, key: str) -> str:
     if name not in _DTYPES:
         raise ValueError(f"{key}.dtype={cfg.dtype!r}: expected bfloat16 or float32")
     return _DTYPES[name]
-
-
-def data_parallel_size(strategy: str, cfg: MegatronConfig, world: int) -> int:
-    """The ranks that see distinct rows: all of them for FSDP, world / (TP * PP) for Megatron."""
-    if strategy != MEGATRON_STRATEGY:
-        return world
-    validate_megatron_config(cfg, f"(strategy={strategy})", world_size=world)
-    return world // cfg.model_parallel_size
 
 
 def check_remove_padding(strategy: str, use_remove_padding: bool, model_key: str) -> None:

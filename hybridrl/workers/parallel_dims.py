@@ -75,8 +75,8 @@ class ParallelDims:
             )
         if self.sp < 1 or self.data_ranks % self.sp:
             raise ValueError(
-                f"{k}.ulysses_sequence_parallel_size={self.sp} does not divide the {self.data_ranks} data-parallel "
-                f"ranks; use one of {_divisors(self.data_ranks)}"
+                f"{k}.ulysses_sequence_parallel_size={self.sp} does not divide the {self.data_ranks} ranks "
+                f"(trainer.nnodes * trainer.n_gpus_per_node); use one of {_divisors(self.data_ranks)}"
             )
         if self.fsdp > 0 and self.fsdp < self.world and self.world % self.fsdp:
             raise ValueError(
@@ -134,7 +134,10 @@ class ParallelDims:
         fsdp_config = getattr(section, "fsdp_config", None) or getattr(section.model, "fsdp_config", None)
         kwargs: dict[str, Any] = {}
         if entry.model_parallel:
+            from hybridrl.workers.megatron_config import validate_megatron_config
+
             m = section.megatron
+            validate_megatron_config(m, f"{key}.megatron", world_size=world)
             kwargs = dict(
                 tp=m.tensor_model_parallel_size,
                 pp=m.pipeline_model_parallel_size,

@@ -9,6 +9,7 @@ error is one line naming the key and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from hybridrl.trainer.ppo.verl_misc import apply_verl_misc
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
-from hybridrl.workers.megatron_config import data_parallel_size
+from hybridrl.workers.parallel_dims import ParallelDims
 from hybridrl.workers.rollout.config import RolloutConfig
 
 
@@ -240,7 +241,7 @@ def _validate_actor_batches(config: PPOConfig, world: int) -> None:
             f"actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = {mini * n} rows must divide across "
             f"{world} ranks (trainer.nnodes * trainer.n_gpus_per_node); change one of them"
         )
-    dp = data_parallel_size(arr.actor.strategy, arr.actor.megatron, world)
+    dp = _data_ranks(world, arr.actor, "actor_rollout_ref.actor")
     per_rank_mini = mini * n // max(1, dp // arr.actor.ulysses_sequence_parallel_size)  # per SP group
     micro = arr.actor.ppo_micro_batch_size_per_gpu
     if not arr.actor.use_dynamic_bsz and micro is not None and per_rank_mini % micro != 0:
@@ -340,6 +341,16 @@ def _validate_rollout_parallel(config: PPOConfig, world: int) -> None:
         raise ConfigError(str(e)) from None
 
 
+def _data_ranks(world: int, section, key: str) -> int:
+    """The role's ranks that hold distinct data (ParallelDims: world / (tp * pp)); ConfigError naming the key."""
+    try:
+        return ParallelDims.for_role(
+            world, dataclasses.replace(section, ulysses_sequence_parallel_size=1), key
+        ).data_ranks
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _validate_critic(config: PPOConfig, world: int) -> None:
     c, d, n = config.critic, config.data, config.actor_rollout_ref.rollout.n
     if not c.model.path and not config.actor_rollout_ref.model.path:
@@ -356,7 +367,7 @@ def _validate_critic(config: PPOConfig, world: int) -> None:
             f"critic.ppo_mini_batch_size * rollout.n = {mini * n} must divide across {world} ranks"
         )
     micro = c.ppo_micro_batch_size_per_gpu
-    world = data_parallel_size(c.strategy, c.megatron, world)  # Megatron: only DP ranks split the batch
+    world = _data_ranks(world, c, "critic")  # Megatron: only DP ranks split the batch
     world = max(1, world // c.ulysses_sequence_parallel_size)  # Ulysses: the ranks of a group share rows
     if not c.use_dynamic_bsz and micro is not None and (mini * n // world) % micro != 0:
         raise ConfigError(

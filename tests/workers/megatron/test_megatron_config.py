@@ -10,7 +10,6 @@ import pytest
 from hybridrl.workers.megatron_config import (
     MegatronConfig,
     check_colocated_megatron,
-    data_parallel_size,
     validate_megatron_config,
 )
 
@@ -48,8 +47,13 @@ def test_accepted_and_no_ops():
         {"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
     ):
         validate_megatron_config(MegatronConfig(**kwargs), KEY, world_size=2, on_gpu=False)
-    assert data_parallel_size("megatron", MegatronConfig(tensor_model_parallel_size=2), 4) == 2
-    assert data_parallel_size("fsdp", MegatronConfig(tensor_model_parallel_size=2), 4) == 4
+    from hybridrl.workers.config import ActorConfig
+    from hybridrl.workers.parallel_dims import ParallelDims
+
+    mcfg = MegatronConfig(tensor_model_parallel_size=2)
+    meg = ActorConfig(strategy="megatron", megatron=mcfg)
+    assert ParallelDims.for_role(4, meg, "actor_rollout_ref.actor").data_ranks == 2
+    assert ParallelDims.for_role(4, ActorConfig(megatron=mcfg), "actor_rollout_ref.actor").data_ranks == 4
 
 
 def test_colocated_roles_need_the_same_sizes():
