@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -31,6 +30,7 @@ from hybridrl.trainer.ppo.batch_steps import (
     rollout_correction_active,
     write_jsonl,
 )
+from hybridrl.trainer.ppo.checkpoints import RunCheckpoints
 from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
 from hybridrl.trainer.ppo.profiling import StepProfilerDriver
 from hybridrl.trainer.ppo.workers import WorkerGroups
@@ -447,12 +447,13 @@ class RayPPOTrainer:
                 self.save_checkpoint()
 
     def save_checkpoint(self) -> str:
-        cfg = self.config.trainer
-        root = cfg.default_local_dir
-        tmp = checkpointing.tmp_step_dir(root, self.global_steps)
-        os.makedirs(tmp, exist_ok=True)
+        """Write `global_step_N` (workers' parts + driver state), verified and durable (checkpoints.py)."""
+        ckpts = self._checkpoints()
+        tmp = ckpts.begin_save(self.global_steps)
+        parts = {"actor": self._group_size(self.workers.actor_rollout)}
         self.workers.actor_rollout.save_checkpoint(os.path.join(tmp, "actor"), self.global_steps)
         if self.use_critic:
+            parts["critic"] = self._group_size(self.workers.critic)
             self.workers.critic.save_checkpoint(os.path.join(tmp, "critic"), self.global_steps)
         state = {
             "global_steps": self.global_steps,
@@ -462,31 +463,44 @@ class RayPPOTrainer:
             "rng": get_rng_state(),
         }
         torch.save(state, os.path.join(tmp, "data.pt"))
-        final = checkpointing.finalize(root, self.global_steps)
-        keep = cfg.max_actor_ckpt_to_keep
-        if cfg.remove_previous_ckpt_in_save:
-            keep = 1
-        checkpointing.prune(root, keep)
-        if self.use_critic:
-            checkpointing.prune_part(root, "critic", cfg.max_critic_ckpt_to_keep)
-        return final
+        return ckpts.finish_save(self.global_steps, parts)
+
+    @staticmethod
+    def _group_size(group) -> int:
+        return int(getattr(group, "world_size", 1))
+
+    def _checkpoints(self) -> RunCheckpoints:
+        if getattr(self, "_ckpts", None) is None:
+            self._ckpts = RunCheckpoints(self.config)
+        return self._ckpts
 
     def _load_checkpoint(self) -> None:
+        """Resume from the best loadable checkpoint of this run; an incomplete or unloadable one is
+        reported and the next older one is tried."""
         cfg = self.config.trainer
-        if cfg.resume_mode == "disable":
+        ckpts = self._checkpoints()
+        found = ckpts.plan_resume()
+        if cfg.resume_mode == "disable" or not found:
             return
-        if cfg.resume_mode == "resume_path":
-            path = cfg.resume_from_path
-            if not path or not os.path.isdir(path):
-                raise FileNotFoundError(
-                    f"trainer.resume_mode=resume_path but trainer.resume_from_path={path!r} is not a folder; "
-                    "point it at a global_step_<N> checkpoint or use trainer.resume_mode=auto"
-                )
-        else:
-            path = checkpointing.find_latest(cfg.default_local_dir)
-            if path is None:
+        failures = []
+        for path in found:
+            reason = checkpointing.verify(path) if checkpointing.read_meta(path) is not None else None
+            if reason is None:
+                try:
+                    self._load_from(path)
+                except Exception as e:  # noqa: BLE001 - reported, then the next older one is tried
+                    reason = f"{type(e).__name__}: {e}"
+            if reason is None:
+                ckpts.loaded(path)
                 return
-        checkpointing.step_of(path)
+            failures.append(f"{path}: {reason}")
+            print(f"[hybridrl] checkpoint {path} cannot be used ({reason}); trying the next older one")
+        raise RuntimeError(
+            "no checkpoint could be loaded:\n  " + "\n  ".join(failures) + "\nmove the broken folders away, "
+            "or start fresh with a new trainer.default_local_dir"
+        )
+
+    def _load_from(self, path: str) -> None:
         self.workers.actor_rollout.load_checkpoint(os.path.join(path, "actor"))
         if self.use_critic:
             self.workers.critic.load_checkpoint(os.path.join(path, "critic"))
@@ -499,9 +513,6 @@ class RayPPOTrainer:
             self.kl_ctrl_in_reward.load_state_dict(state["kl_ctrl"])
         set_rng_state(state["rng"])
         print(f"[hybridrl] resumed from {path} (global step {self.global_steps})")
-        if cfg.del_local_ckpt_after_load:
-            shutil.rmtree(path, ignore_errors=True)
-            print(f"[hybridrl] deleted {path} after loading it (trainer.del_local_ckpt_after_load)")
 
     # --------------------------------------------------------------- logging
     def _log_step(self, batch: DataProto, metrics: dict, timing: dict) -> None:
