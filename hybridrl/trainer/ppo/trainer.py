@@ -43,6 +43,7 @@ from hybridrl.utils.metrics import (
     reduce_metrics,
     timer,
 )
+from hybridrl.utils.safe_dcp import check_dcp_tree
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
@@ -487,6 +488,7 @@ class RayPPOTrainer:
             reason = checkpointing.verify(path) if checkpointing.read_meta(path) is not None else None
             if reason is None:
                 try:
+                    check_dcp_tree(path)  # .metadata read without running code, before any worker loads
                     self._load_from(path)
                 except Exception as e:  # noqa: BLE001 - reported, then the next older one is tried
                     reason = f"{type(e).__name__}: {e}"
