@@ -135,6 +135,7 @@ RESUMABLE_KEYS = (
     "trainer.backend",
     "trainer.cpus_per_worker",
     "trainer.save_freq",
+    "trainer.save_freq_secs",
     "trainer.test_freq",
     "trainer.val_before_train",
     "trainer.val_only",

@@ -86,3 +86,16 @@ def test_unloadable_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, c
     out = capsys.readouterr().out
     assert "global_step_3 cannot be used" in out and "bytes" in out
     assert [r["step"] for r in rows] == [3, 4]
+
+
+def test_time_based_save_and_the_warning_when_nothing_is_saved(tmp_path, capsys):
+    assert _run(tmp_path, "a", ["trainer.total_training_steps=1", "trainer.save_freq=-1"])
+    assert "writes no checkpoint" in capsys.readouterr().out
+    assert ck.list_checkpoints(str(tmp_path / "ckpt")) == []
+    _run(
+        tmp_path,
+        "b",
+        ["trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.save_freq_secs=0.001"],
+    )
+    assert "writes no checkpoint" not in capsys.readouterr().out
+    assert ck.list_checkpoints(str(tmp_path / "ckpt")) == [1, 2]

@@ -47,14 +47,23 @@ class RunCheckpoints:
         self.experiment = f"{self.tr.project_name}/{self.tr.experiment_name}"
         self.run_id: str | None = None
         self._delete_after_save: str | None = None
+        self._plan: list[str] | None = None
 
     # ------------------------------------------------------------------------- start-up
     def plan_resume(self) -> list[str]:
         """Checkpoint folders to try, best first ([] = start fresh); decides the run id.
 
+        Called before Ray starts (setup.build_trainer) and again by the trainer: the first
+        answer is kept.
+
         Raises:
             CheckpointDirError: the folder holds another run's checkpoints (names the keys).
         """
+        if self._plan is None:
+            self._plan = self._plan_resume()
+        return list(self._plan)
+
+    def _plan_resume(self) -> list[str]:
         restored = ck.restore_interrupted(self.root)
         for path in restored:
             print(f"[hybridrl] put back {path} (a save had moved it aside and did not finish)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -126,12 +127,15 @@ class RayPPOTrainer:
         self._gen_batches_this_step = 0
         self.last_val_metrics: dict[str, float] = {}
         self.history: list[dict[str, float]] = []
+        self.checkpoints: RunCheckpoints | None = None  # set by setup.build_trainer (checked before Ray)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         """Train for `total_training_steps`; returns the last validation metrics."""
         cfg = self.config.trainer
+        self._warn_if_never_saving()
         self._load_checkpoint()
+        self._last_save_time = time.monotonic()
         if self.val_loader is not None and cfg.val_before_train:
             val = self._validate()
             self.tracker.log(val, step=self.global_steps)
@@ -441,11 +445,24 @@ class RayPPOTrainer:
 
     # ----------------------------------------------------------- checkpoints
     def _maybe_save_checkpoint(self, timing: dict) -> None:
-        freq = self.config.trainer.save_freq
+        """Save every `save_freq` steps, once `save_freq_secs` passed since the last save, and at
+        the last step when either is set."""
+        tr = self.config.trainer
         last = self.global_steps >= self.total_training_steps
-        if freq > 0 and (self.global_steps % freq == 0 or last):
+        by_steps = tr.save_freq > 0 and self.global_steps % tr.save_freq == 0
+        by_time = tr.save_freq_secs > 0 and time.monotonic() - self._last_save_time >= tr.save_freq_secs
+        if by_steps or by_time or (last and (tr.save_freq > 0 or tr.save_freq_secs > 0)):
             with timer("save_checkpoint", timing):
                 self.save_checkpoint()
+            self._last_save_time = time.monotonic()
+
+    def _warn_if_never_saving(self) -> None:
+        tr = self.config.trainer
+        if tr.save_freq <= 0 and tr.save_freq_secs <= 0 and not tr.val_only:
+            print(
+                "[hybridrl] warning: trainer.save_freq=-1 and trainer.save_freq_secs=0: this run writes no "
+                "checkpoint, a crash loses it; set trainer.save_freq=<steps> or trainer.save_freq_secs=<s>"
+            )
 
     def save_checkpoint(self) -> str:
         """Write `global_step_N` (workers' parts + driver state), verified and durable (checkpoints.py)."""
@@ -471,9 +488,9 @@ class RayPPOTrainer:
         return int(getattr(group, "world_size", 1))
 
     def _checkpoints(self) -> RunCheckpoints:
-        if getattr(self, "_ckpts", None) is None:
-            self._ckpts = RunCheckpoints(self.config)
-        return self._ckpts
+        if self.checkpoints is None:
+            self.checkpoints = RunCheckpoints(self.config)
+        return self.checkpoints
 
     def _load_checkpoint(self) -> None:
         """Resume from the best loadable checkpoint of this run; an incomplete or unloadable one is
