@@ -99,3 +99,32 @@ def test_time_based_save_and_the_warning_when_nothing_is_saved(tmp_path, capsys)
     )
     assert "writes no checkpoint" not in capsys.readouterr().out
     assert ck.list_checkpoints(str(tmp_path / "ckpt")) == [1, 2]
+
+
+def test_sigkill_during_a_save_then_resume(tmp_path):
+    """The driver (worker in-process) is SIGKILLed while `global_step_2.tmp` is being written;
+    the resume starts from a complete checkpoint and the run ends at its last step."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.e2e.ppo_runs import SMALL
+
+    ckpt = tmp_path / "ckpt"
+    args = [*SMALL, *BASE, "trainer.total_training_steps=3", f"trainer.default_local_dir={ckpt}"]
+    env = {**os.environ, "HYBRIDRL_LOG_DIR": str(tmp_path / "a")}
+    cmd = [sys.executable, "-m", "hybridrl.trainer.main_ppo", *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (ckpt / "global_step_2.tmp").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its second save"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    print({"killed_mid_save": (ckpt / "global_step_2.tmp").exists(), "latest": ck.latest_pointer(str(ckpt))})
+    start = ck.latest_pointer(str(ckpt))
+    assert start in (1, 2) and ck.verify(ck.step_dir(str(ckpt), start)) is None
+    rows = _run(tmp_path, "b", ["trainer.total_training_steps=3"])
+    assert [r["step"] for r in rows] == list(range(start + 1, 4))
+    assert ck.list_checkpoints(str(ckpt))[-1] == 3

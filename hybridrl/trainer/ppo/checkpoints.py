@@ -70,6 +70,11 @@ class RunCheckpoints:
         mode = self.tr.resume_mode
         if mode == "resume_path":
             path = os.path.abspath(os.path.expanduser(self.tr.resume_from_path or ""))
+            if not self.tr.resume_from_path or not os.path.isdir(path):
+                raise FileNotFoundError(
+                    f"trainer.resume_mode=resume_path but trainer.resume_from_path={self.tr.resume_from_path!r} "
+                    "is not a folder; point it at a global_step_<N> checkpoint or use trainer.resume_mode=auto"
+                )
             ck.step_of(path)
             meta = ck.read_meta(path) or {}
             self._adopt(meta, path, strict=False)
