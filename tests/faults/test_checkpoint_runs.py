@@ -7,7 +7,9 @@ cause.
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 
 import pytest
 
@@ -15,6 +17,15 @@ from hybridrl.trainer.ppo.checkpoints import CheckpointDirError
 from hybridrl.trainer.ppo.launch import run_ppo_config
 from hybridrl.utils import checkpointing as ck
 from tests.e2e.ppo_runs import compose_config, read_metrics
+
+
+class _MakesADirectory:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
 
 BASE = ["trainer.backend=local", "trainer.save_freq=1", "trainer.test_freq=-1", "data.val_max_samples=4"]
 
@@ -86,6 +97,29 @@ def test_unloadable_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, c
     out = capsys.readouterr().out
     assert "global_step_3 cannot be used" in out and "bytes" in out
     assert [r["step"] for r in rows] == [3, 4]
+    # a crafted .metadata (manifest edited to match) is refused before any worker unpickles it
+    marker = tmp_path / "code_ran"
+    step4 = tmp_path / "ckpt" / "global_step_4"
+    with open(step4 / "actor" / "model" / ".metadata", "wb") as f:
+        pickle.dump(_MakesADirectory(str(marker)), f)
+    meta = ck.read_meta(str(step4))
+    meta["manifest"]["actor/model/.metadata"] = (step4 / "actor" / "model" / ".metadata").stat().st_size
+    (step4 / ck.META_FILE).write_text(json.dumps(meta))
+    rows = _run(tmp_path, "d", ["trainer.total_training_steps=5"])
+    out = capsys.readouterr().out
+    assert "global_step_4 cannot be used (UnsafeCheckpointError" in out and "mkdir" in out
+    assert not marker.exists()
+    assert [r["step"] for r in rows] == [4, 5]
+    # garbled bytes of the same size in a weight shard: the load itself fails (DCP raises a
+    # BaseException); run d rewrote step 4, so that is where the run continues
+    shard = next(p for p in (tmp_path / "ckpt" / "global_step_5" / "actor" / "model").glob("*.distcp"))
+    shard.write_bytes(b"\xff" * shard.stat().st_size)
+    rows = _run(tmp_path, "e", ["trainer.total_training_steps=6"])
+    out = capsys.readouterr().out
+    said = [line[-400:] for line in out.splitlines() if "cannot be used" in line or "resumed" in line]
+    assert "global_step_5 cannot be used (CheckpointException" in out, said
+    assert "global_step_4 (global step 4)" in out, said
+    assert [r["step"] for r in rows] == [5, 6]
 
 
 def test_time_based_save_and_the_warning_when_nothing_is_saved(tmp_path, capsys):

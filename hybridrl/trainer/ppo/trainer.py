@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from hybridrl import algos
 from hybridrl.protocol import DataProto
@@ -507,7 +508,7 @@ class RayPPOTrainer:
                 try:
                     check_dcp_tree(path)  # .metadata read without running code, before any worker loads
                     self._load_from(path)
-                except Exception as e:  # noqa: BLE001 - reported, then the next older one is tried
+                except (Exception, CheckpointException) as e:  # reported; the next older one is tried
                     reason = f"{type(e).__name__}: {e}"
             if reason is None:
                 ckpts.loaded(path)
