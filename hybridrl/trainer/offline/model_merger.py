@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from hybridrl.utils.safe_dcp import SafeFileSystemReader, check_dcp_tree
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.torch_utils import str_to_dtype
 
@@ -59,16 +60,17 @@ def load_sharded_state_dict(shard_dir: str) -> dict[str, torch.Tensor]:
     """The full model state dict from DCP shards, read in this process (no process group needed).
 
     Keys are those of the saved module; the top-level "model." wrapper the engine adds is removed.
+    The `.metadata` pickle is read with a restricted unpickler first (hybridrl.utils.safe_dcp).
     """
+    check_dcp_tree(shard_dir)
     try:
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         state: dict = {}
         _load_state_dict(
             state,
-            storage_reader=FileSystemReader(shard_dir),
+            storage_reader=SafeFileSystemReader(shard_dir),  # .metadata: no code runs from it
             planner=_EmptyStateDictLoadPlanner(),
             no_dist=True,
         )

@@ -116,6 +116,15 @@ def derive_config(config: PPOConfig, explicit_keys=None) -> None:
         rollout.response_length = config.data.max_response_length
     config.trainer.cpus_per_worker = _cpus_per_worker(config.trainer)
     _check_backend(config.trainer)
+    _absolute_checkpoint_paths(config.trainer)
+
+
+def _absolute_checkpoint_paths(tr) -> None:
+    """The checkpoint root (and resume path) as absolute paths, resolved here on the driver: the
+    workers get them as they are, whatever their own working directory is."""
+    tr.default_local_dir = os.path.abspath(os.path.expanduser(str(tr.default_local_dir)))
+    if tr.resume_from_path:
+        tr.resume_from_path = os.path.abspath(os.path.expanduser(str(tr.resume_from_path)))
 
 
 def _check_backend(tr) -> None:

@@ -167,6 +167,7 @@ class TrainerConfig:
     backend: str = "auto"  # auto | ray | local (one slot in the driver): hybridrl.single_controller.backend
     cpus_per_worker: Any = "auto"  # CPU cores per slot on CPU-only machines; auto: hybridrl.utils.cpus
     save_freq: int = -1
+    save_freq_secs: float = 0.0  # also save once this many seconds passed since the last save (0: off)
     test_freq: int = -1
     val_before_train: bool = True
     val_only: bool = False

@@ -17,6 +17,7 @@ from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 from hybridrl.models.builtin import resolve_model_path
 from hybridrl.models.hf import load_tokenizer
 from hybridrl.models.shm import copy_to_shm
+from hybridrl.trainer.ppo.checkpoints import RunCheckpoints
 from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.reward_kwargs import reward_manager_class, reward_manager_kwargs
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
@@ -189,13 +190,17 @@ def prepare_run(config: PPOConfig) -> RunParts:
 def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     """Everything a run needs, in order; workers start last (they are the slow part)."""
 
+    checkpoints = RunCheckpoints(config)
+    checkpoints.plan_resume()  # another run's checkpoint folder is refused before anything starts
     run = prepare_run(config)
     peak = _peak_flops(config)
     if init_ray is not None and uses_ray(config):
         init_ray(config)
     workers = start_workers(config, peak_flops=peak)
     workers.reward_loop = start_reward_loop(config, run.reward_fn)
-    return trainer_of(RayPPOTrainer, config, run, workers)
+    trainer = trainer_of(RayPPOTrainer, config, run, workers)
+    trainer.checkpoints = checkpoints
+    return trainer
 
 
 def trainer_of(trainer_cls: type, config, run, workers):

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
+import time
 import uuid
 from collections import defaultdict
 from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from hybridrl import algos
 from hybridrl.protocol import DataProto
@@ -32,6 +33,7 @@ from hybridrl.trainer.ppo.batch_steps import (
     rollout_correction_active,
     write_jsonl,
 )
+from hybridrl.trainer.ppo.checkpoints import RunCheckpoints
 from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
 from hybridrl.trainer.ppo.profiling import StepProfilerDriver
 from hybridrl.trainer.ppo.workers import WorkerGroups
@@ -44,6 +46,7 @@ from hybridrl.utils.metrics import (
     reduce_metrics,
     timer,
 )
+from hybridrl.utils.safe_dcp import check_dcp_tree
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
@@ -126,12 +129,15 @@ class RayPPOTrainer:
         self._gen_batches_this_step = 0
         self.last_val_metrics: dict[str, float] = {}
         self.history: list[dict[str, float]] = []
+        self.checkpoints: RunCheckpoints | None = None  # set by setup.build_trainer (checked before Ray)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         """Train for `total_training_steps`; returns the last validation metrics."""
         cfg = self.config.trainer
+        self._warn_if_never_saving()
         self._load_checkpoint()
+        self._last_save_time = time.monotonic()
         if self.val_loader is not None and cfg.val_before_train:
             val = self._validate()
             self.tracker.log(val, step=self.global_steps)
@@ -443,19 +449,33 @@ class RayPPOTrainer:
 
     # ----------------------------------------------------------- checkpoints
     def _maybe_save_checkpoint(self, timing: dict) -> None:
-        freq = self.config.trainer.save_freq
+        """Save every `save_freq` steps, once `save_freq_secs` passed since the last save, and at
+        the last step when either is set."""
+        tr = self.config.trainer
         last = self.global_steps >= self.total_training_steps
-        if freq > 0 and (self.global_steps % freq == 0 or last):
+        by_steps = tr.save_freq > 0 and self.global_steps % tr.save_freq == 0
+        by_time = tr.save_freq_secs > 0 and time.monotonic() - self._last_save_time >= tr.save_freq_secs
+        if by_steps or by_time or (last and (tr.save_freq > 0 or tr.save_freq_secs > 0)):
             with timer("save_checkpoint", timing):
                 self.save_checkpoint()
+            self._last_save_time = time.monotonic()
+
+    def _warn_if_never_saving(self) -> None:
+        tr = self.config.trainer
+        if tr.save_freq <= 0 and tr.save_freq_secs <= 0 and not tr.val_only:
+            print(
+                "[hybridrl] warning: trainer.save_freq=-1 and trainer.save_freq_secs=0: this run writes no "
+                "checkpoint, a crash loses it; set trainer.save_freq=<steps> or trainer.save_freq_secs=<s>"
+            )
 
     def save_checkpoint(self) -> str:
-        cfg = self.config.trainer
-        root = cfg.default_local_dir
-        tmp = checkpointing.tmp_step_dir(root, self.global_steps)
-        os.makedirs(tmp, exist_ok=True)
+        """Write `global_step_N` (workers' parts + driver state), verified and durable (checkpoints.py)."""
+        ckpts = self._checkpoints()
+        tmp = ckpts.begin_save(self.global_steps)
+        parts = {"actor": self._group_size(self.workers.actor_rollout)}
         self.workers.actor_rollout.save_checkpoint(os.path.join(tmp, "actor"), self.global_steps)
         if self.use_critic:
+            parts["critic"] = self._group_size(self.workers.critic)
             self.workers.critic.save_checkpoint(os.path.join(tmp, "critic"), self.global_steps)
         state = {
             "global_steps": self.global_steps,
@@ -465,31 +485,45 @@ class RayPPOTrainer:
             "rng": get_rng_state(),
         }
         torch.save(state, os.path.join(tmp, "data.pt"))
-        final = checkpointing.finalize(root, self.global_steps)
-        keep = cfg.max_actor_ckpt_to_keep
-        if cfg.remove_previous_ckpt_in_save:
-            keep = 1
-        checkpointing.prune(root, keep)
-        if self.use_critic:
-            checkpointing.prune_part(root, "critic", cfg.max_critic_ckpt_to_keep)
-        return final
+        return ckpts.finish_save(self.global_steps, parts)
+
+    @staticmethod
+    def _group_size(group) -> int:
+        return int(getattr(group, "world_size", 1))
+
+    def _checkpoints(self) -> RunCheckpoints:
+        if self.checkpoints is None:
+            self.checkpoints = RunCheckpoints(self.config)
+        return self.checkpoints
 
     def _load_checkpoint(self) -> None:
+        """Resume from the best loadable checkpoint of this run; an incomplete or unloadable one is
+        reported and the next older one is tried."""
         cfg = self.config.trainer
-        if cfg.resume_mode == "disable":
+        ckpts = self._checkpoints()
+        found = ckpts.plan_resume()
+        if cfg.resume_mode == "disable" or not found:
             return
-        if cfg.resume_mode == "resume_path":
-            path = cfg.resume_from_path
-            if not path or not os.path.isdir(path):
-                raise FileNotFoundError(
-                    f"trainer.resume_mode=resume_path but trainer.resume_from_path={path!r} is not a folder; "
-                    "point it at a global_step_<N> checkpoint or use trainer.resume_mode=auto"
-                )
-        else:
-            path = checkpointing.find_latest(cfg.default_local_dir)
-            if path is None:
+        failures = []
+        for path in found:
+            reason = checkpointing.verify(path) if checkpointing.read_meta(path) is not None else None
+            if reason is None:
+                try:
+                    check_dcp_tree(path)  # .metadata read without running code, before any worker loads
+                    self._load_from(path)
+                except (Exception, CheckpointException) as e:  # reported; the next older one is tried
+                    reason = f"{type(e).__name__}: {e}"
+            if reason is None:
+                ckpts.loaded(path)
                 return
-        checkpointing.step_of(path)
+            failures.append(f"{path}: {reason}")
+            print(f"[hybridrl] checkpoint {path} cannot be used ({reason}); trying the next older one")
+        raise RuntimeError(
+            "no checkpoint could be loaded:\n  " + "\n  ".join(failures) + "\nmove the broken folders away, "
+            "or start fresh with a new trainer.default_local_dir"
+        )
+
+    def _load_from(self, path: str) -> None:
         self.workers.actor_rollout.load_checkpoint(os.path.join(path, "actor"))
         if self.use_critic:
             self.workers.critic.load_checkpoint(os.path.join(path, "critic"))
@@ -502,9 +536,6 @@ class RayPPOTrainer:
             self.kl_ctrl_in_reward.load_state_dict(state["kl_ctrl"])
         set_rng_state(state["rng"])
         print(f"[hybridrl] resumed from {path} (global step {self.global_steps})")
-        if cfg.del_local_ckpt_after_load:
-            shutil.rmtree(path, ignore_errors=True)
-            print(f"[hybridrl] deleted {path} after loading it (trainer.del_local_ckpt_after_load)")
 
     # --------------------------------------------------------------- logging
     def _log_step(self, batch: DataProto, metrics: dict, timing: dict) -> None:

@@ -8,7 +8,7 @@ Layout of a checkpoint directory `<path>`:
     lora_adapter/          adapter_config.json of a PEFT LoRA model (with 'model')
     meta.json              global step, contents, world size
 
-Everything is first written to `<path>.tmp` and renamed to `<path>` when all ranks are done,
+Everything is first written to `<path>.tmp`, fsynced and renamed to `<path>` when all ranks are done,
 so an interrupted save never leaves a half-written `<path>`. All ranks must see the same
 filesystem (a local disk on one machine, or a shared one across machines). Saving and loading
 are collectives: call them on every rank.
@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hybridrl.utils.checkpointing import replace_dir
 from hybridrl.workers.engine.extra_state import load_extra_state, save_extra_state
 from hybridrl.workers.engine.full_params import iter_full_params
 
@@ -108,12 +109,7 @@ def save_checkpoint(
         }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f)
-        old = path + ".old"
-        if os.path.exists(path):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, path)  # fsync of every file and folder, then the rename
     _barrier()
 
 

