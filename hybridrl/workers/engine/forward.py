@@ -410,41 +410,60 @@ def forward_log_probs(
     if head is not None:
         if sp is not None:
             lp, ent, sps = _fused_log_probs_sp(
-                module,
-                head,
-                batch,
-                temperature,
-                calculate_entropy,
-                entropy_grad,
-                calculate_sum_pi_squared,
-                sp,
-                compiled=compile_kernels,
-            )
+                module, head, batch, temperature, calculate_entropy, entropy_grad, calculate_sum_pi_squared,
+                sp, compiled=compile_kernels,
+            )  # fmt: skip
         else:
             lp, ent, sps = _fused_log_probs(
                 module, head, batch, temperature, use_remove_padding, calculate_entropy, entropy_grad,
                 calculate_sum_pi_squared, compiled=compile_kernels,
             )  # fmt: skip
         return LogProbs(lp, ent, sps)
+    return _plain_log_probs(
+        module,
+        batch,
+        temperature,
+        use_remove_padding,
+        calculate_entropy,
+        calculate_sum_pi_squared,
+        sp,
+        ent_fn,
+    )
+
+
+def _plain_log_probs(
+    module: nn.Module,
+    batch: Any,
+    temperature: float,
+    use_remove_padding: bool,
+    calculate_entropy: bool,
+    sps: bool,
+    sp: SPGroup | None,
+    ent_fn: Callable[[torch.Tensor], torch.Tensor],
+) -> LogProbs:
+    """forward_log_probs' plain path: the model's full logits, then the response slice."""
     responses = batch["responses"]
     t = responses.shape[-1]
     out, packed = _run(module, batch, use_remove_padding, sp=sp)
     if packed is None:
         logits = out.logits[:, -t - 1 : -1].float() / temperature
-        log_probs = logprobs_from_logits(logits, responses)
         entropy = ent_fn(logits) if calculate_entropy else None
-        sps = sum_pi_squared_from_logits(logits) if calculate_sum_pi_squared else None
-        return LogProbs(log_probs, entropy, sps)
+        return LogProbs(
+            logprobs_from_logits(logits, responses),
+            entropy,
+            sum_pi_squared_from_logits(logits) if sps else None,
+        )
     logits = _gathered_logits(out, packed, sp)[0].float() / temperature  # (nnz, V)
     labels = torch.roll(packed.input_ids[0], shifts=-1)  # token t + 1 (garbage at each sequence end)
-    log_probs = unpack_sequences(logprobs_from_logits(logits, labels), packed)[:, -t - 1 : -1]
-    entropy = None
-    if calculate_entropy:
-        entropy = unpack_sequences(ent_fn(logits), packed)[:, -t - 1 : -1]
-    sps = None
-    if calculate_sum_pi_squared:
-        sps = unpack_sequences(sum_pi_squared_from_logits(logits), packed)[:, -t - 1 : -1]
-    return LogProbs(log_probs, entropy, sps)
+
+    def unpacked(v: torch.Tensor) -> torch.Tensor:
+        return unpack_sequences(v, packed)[:, -t - 1 : -1]
+
+    return LogProbs(
+        unpacked(logprobs_from_logits(logits, labels)),
+        unpacked(ent_fn(logits)) if calculate_entropy else None,
+        unpacked(sum_pi_squared_from_logits(logits)) if sps else None,
+    )
 
 
 def forward_values(

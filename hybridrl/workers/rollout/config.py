@@ -232,6 +232,18 @@ def validate_rollout_config(cfg: RolloutConfig) -> None:
         cfg.load_format,
         f"use one of {DUMMY_LOAD_FORMATS + REAL_LOAD_FORMATS}",
     )
+    _validate_engine_options(cfg)
+    v = cfg.val_kwargs
+    _check(v.temperature >= 0, "val_kwargs.temperature", v.temperature, "use a value >= 0")
+    _check(0 < v.top_p <= 1, "val_kwargs.top_p", v.top_p, "use a value in (0, 1]")
+    _check(v.n >= 1, "val_kwargs.n", v.n, "use n >= 1")
+    validate_multi_turn_config(cfg.multi_turn)
+    validate_agent_config(cfg.agent)
+    validate_request_options(cfg)
+
+
+def _validate_engine_options(cfg: RolloutConfig) -> None:
+    """The engine's parallel, batching, length and weight-sync keys."""
     _check(
         cfg.tensor_model_parallel_size >= 1,
         "tensor_model_parallel_size",
@@ -280,13 +292,6 @@ def validate_rollout_config(cfg: RolloutConfig) -> None:
         cfg.hf_decode_gemm_max_rows,
         "use a row count >= 0 (0 turns the CPU decode GEMM off)",
     )
-    v = cfg.val_kwargs
-    _check(v.temperature >= 0, "val_kwargs.temperature", v.temperature, "use a value >= 0")
-    _check(0 < v.top_p <= 1, "val_kwargs.top_p", v.top_p, "use a value in (0, 1]")
-    _check(v.n >= 1, "val_kwargs.n", v.n, "use n >= 1")
-    validate_multi_turn_config(cfg.multi_turn)
-    validate_agent_config(cfg.agent)
-    validate_request_options(cfg)
 
 
 def validate_request_options(cfg: RolloutConfig) -> None:

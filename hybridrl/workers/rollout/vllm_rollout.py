@@ -237,6 +237,27 @@ class VLLMRollout(BaseRollout):
             remove_stale_segments()
             self._shm_ident = agree_ident()
 
+        kwargs = self._engine_kwargs(config, model_path, hf_config)
+        # vLLM warms up a chat template, which needs the tokenizer we skip on purpose; its
+        # warning (with a traceback) is expected noise, so that logger is muted meanwhile.
+        renderer_log = logging.getLogger("vllm.renderers.base")
+        mute = _DropMessage("Chat template warmup failed")
+        renderer_log.addFilter(mute)
+        try:
+            with _preserve_process_state(), _own_device_as_local_rank(), unique_shm_names(self._shm_ident):
+                self.llm = vllm.LLM(**kwargs)
+        finally:
+            renderer_log.removeFilter(mute)
+            self._remove_shm_segments()
+        if not hasattr(self.llm.llm_engine, "model_executor"):
+            raise RuntimeError(
+                "VLLMRollout needs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
+
+    def _engine_kwargs(self, config: RolloutConfig, model_path: str, hf_config: Any) -> dict[str, Any]:
+        """`vllm.LLM`'s arguments from the rollout config (engine_kwargs.vllm last: the user's word wins)."""
+        from vllm.platforms import current_platform
+
         kwargs: dict[str, Any] = {
             "model": model_path,
             "skip_tokenizer_init": True,  # prompts are token ids; EOS ids come from `tokenizer`
@@ -271,21 +292,7 @@ class VLLMRollout(BaseRollout):
                 hf_config, self.dtype, config.max_num_seqs, config.effective_max_model_len
             )
         kwargs.update(user)
-        # vLLM warms up a chat template, which needs the tokenizer we skip on purpose; its
-        # warning (with a traceback) is expected noise, so that logger is muted meanwhile.
-        renderer_log = logging.getLogger("vllm.renderers.base")
-        mute = _DropMessage("Chat template warmup failed")
-        renderer_log.addFilter(mute)
-        try:
-            with _preserve_process_state(), _own_device_as_local_rank(), unique_shm_names(self._shm_ident):
-                self.llm = vllm.LLM(**kwargs)
-        finally:
-            renderer_log.removeFilter(mute)
-            self._remove_shm_segments()
-        if not hasattr(self.llm.llm_engine, "model_executor"):
-            raise RuntimeError(
-                "VLLMRollout needs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
-            )
+        return kwargs
 
     # ---- generation ---------------------------------------------------------------------------
     def _generate(self, request: GenerationRequest) -> GenerationResult:
