@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridrl.models import builtin
+from hybridrl.models.builtin import resolve_model_path
 from hybridrl.utils.torch_utils import str_to_dtype
 from hybridrl.workers.config import ModelConfig
 
@@ -32,7 +32,6 @@ __all__ = [
     "import_external_libs",
     "load_hf_config",
     "load_tokenizer",
-    "resolve_model_path",
 ]
 
 ROLES = ("actor", "ref", "critic", "reward")
@@ -55,13 +54,6 @@ def import_external_libs(external_lib: str | None) -> None:
         raise ImportError(
             f"model.external_lib={external_lib!r} could not be imported ({e}); install it or fix the name"
         ) from e
-
-
-def resolve_model_path(path: str | None, key: str) -> str:
-    """Map 'builtin:tiny' to the shipped folder and check that a local path exists (models.builtin)."""
-    if not path:
-        raise ValueError(f"{key} is not set; point it at a Hugging Face model folder or 'builtin:tiny'")
-    return builtin.resolve_model_path(path, key=key)
 
 
 def load_hf_config(model_config: ModelConfig, role: str = "actor", key: str = "actor_rollout_ref.model"):
