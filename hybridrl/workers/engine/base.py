@@ -185,6 +185,7 @@ class TrainEngine(ABC):
 
     def lr(self) -> float:
         """The learning rate the next optimizer step uses."""
+        self.require_optimizer("lr")
         if self.lr_scheduler is not None:
             return float(self.lr_scheduler.get_last_lr()[0])
         return float(self.optimizer.param_groups[0]["lr"])
