@@ -48,6 +48,7 @@ __all__ = [
     "canonical_engine_name",
     "get_engine",
     "register_engine",
+    "unregister_engine",
 ]
 
 
@@ -171,10 +172,20 @@ class TrainEngine(ABC):
     @abstractmethod
     def optimizer_step(self, max_grad_norm: float) -> tuple[float, bool]:
         """Clip the gradient norm to `max_grad_norm` (<= 0: measure only), step unless it is not
-        finite, zero the gradients. Returns (grad_norm, stepped)."""
+        finite, zero the gradients. Returns (grad_norm, stepped). A forward-only engine refuses
+        (`require_optimizer`)."""
+
+    def require_optimizer(self, what: str = "optimizer_step") -> None:
+        """Refuse `what` on a forward-only engine (a reference) with an error that says so."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"{what} on the {self.role} engine ({type(self).__name__}), which was built forward-only "
+                "(no optimizer): only the actor and critic roles train"
+            )
 
     def lr(self) -> float:
         """The learning rate the next optimizer step uses."""
+        self.require_optimizer("lr")
         if self.lr_scheduler is not None:
             return float(self.lr_scheduler.get_last_lr()[0])
         return float(self.optimizer.param_groups[0]["lr"])
@@ -287,6 +298,16 @@ def register_engine(
     _ENGINES[name] = EngineEntry(name, engine_cls, tuple(aliases), model_parallel)
     if name not in ENGINE_NAMES:
         ENGINE_NAMES.append(name)
+
+
+def unregister_engine(name: str) -> None:
+    """Remove the engine registered as `name` and its aliases (tests; plug-ins that are unloaded)."""
+    if name not in _ENGINES:
+        raise KeyError(f"no training engine is registered as {name!r}; registered: {ENGINE_NAMES}")
+    entry = _ENGINES.pop(name)
+    for spelling in (name, *entry.aliases):
+        _ALIASES.pop(spelling, None)
+    ENGINE_NAMES.remove(name)
 
 
 # the built-in backends: importing one registers it (megatron's import of megatron.core is deferred)

@@ -131,10 +131,7 @@ class ModuleEngine(TrainEngine):
         return auxes
 
     def optimizer_step(self, max_grad_norm: float) -> tuple[float, bool]:
-        if self.optimizer is None:
-            raise RuntimeError(
-                f"optimizer_step on the {self.role} engine, which was built without an optimizer"
-            )
+        self.require_optimizer("optimizer_step")
         return optimizer_step(self.module, self.optimizer, max_grad_norm)
 
     def perf_model(self) -> PerfModel:

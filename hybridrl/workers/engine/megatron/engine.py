@@ -372,6 +372,7 @@ class MegatronEngine(TrainEngine):
         """
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
+        self.require_optimizer("optimizer_step")
         opt = self.optimizer
         max_norm = self.max_grad_norm if max_grad_norm is None else max_grad_norm
         with cuda_to_cpu():
