@@ -64,7 +64,9 @@ def resolve_model_path(path: str, key: str = MODEL_PATH_KEY) -> str:
         FileNotFoundError: a local path that does not exist.
     """
     if not path:
-        raise ValueError(f"{key} is not set; point it at a Hugging Face model folder or {BUILTIN_MODEL_NAME!r}")
+        raise ValueError(
+            f"{key} is not set; point it at a Hugging Face model folder or {BUILTIN_MODEL_NAME!r}"
+        )
     if not isinstance(path, str):
         raise ValueError(
             f"{key} must be a non-empty string (a local folder, a hub id or {BUILTIN_MODEL_NAME!r})"

@@ -128,6 +128,8 @@ class TrainEngine(ABC):
     tokenizer: Any = None
     optimizer: Any = None
     lr_scheduler: Any = None
+    # the rollout weight loaders `iter_params` feeds (rollout/parallel.weight_loader_for), its own first
+    weight_loaders: tuple[str, ...] = ("dtensor", "hf")
 
     # -- layout --------------------------------------------------------------------------------
     @property

@@ -122,28 +122,45 @@ def check_same_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group
         )
 
 
+# load formats that name a weight loader (veRL's meanings); "hf" does only where the engine feeds it
+_FORMAT_LOADER = {
+    "dummy_megatron": "megatron",
+    "dummy_dtensor": "dtensor",
+    "dtensor": "dtensor",
+    "dummy_hf": "hf",
+}
+_LOADER_WORDS = {
+    "megatron": "syncs from a Megatron actor",
+    "dtensor": "is an FSDP loader",
+    "hf": "is an FSDP loader",
+}
+_LOADER_FORMAT = {"megatron": "dummy_megatron", "dtensor": "dummy_dtensor", "hf": "dummy_hf"}
+
+
 def weight_loader_for(load_format: str, strategy: str = "fsdp") -> str:
-    """The gather a weight sync uses: "dtensor", "hf" or "megatron" (veRL's load_format meanings).
+    """The gather a weight sync uses: "dtensor", "hf" or "megatron" (veRL's load_format meanings),
+    among the loaders the actor's engine feeds (`TrainEngine.weight_loaders`, its own first).
 
     Raises:
-        ValueError: dummy_megatron with an FSDP actor (or dtensor/hf formats with a Megatron one).
+        ValueError: a load format whose loader the engine does not feed (dummy_megatron with an FSDP
+            actor, dtensor/hf formats with a Megatron one).
     """
-    megatron = strategy == "megatron"
-    if load_format == "dummy_megatron":
-        if not megatron:
-            raise ValueError(
-                "actor_rollout_ref.rollout.load_format=dummy_megatron syncs from a Megatron actor, but "
-                f"actor.strategy={strategy}; use load_format=dummy_dtensor (or dummy_hf) with FSDP"
-            )
-        return "megatron"
-    if megatron:
-        if load_format in ("dummy_dtensor", "dtensor", "dummy_hf"):
-            raise ValueError(
-                f"actor_rollout_ref.rollout.load_format={load_format} is an FSDP loader, but actor.strategy="
-                "megatron; use load_format=dummy_megatron (or auto to load the checkpoint first)"
-            )
-        return "megatron"
-    return "hf" if load_format in ("dummy_hf", "hf") else "dtensor"
+    from hybridrl.workers.engine.base import get_engine
+
+    loaders = get_engine(strategy, "actor_rollout_ref.actor.strategy").engine_cls.weight_loaders
+    wanted = _FORMAT_LOADER.get(load_format)
+    if load_format == "hf" and "hf" in loaders:
+        wanted = "hf"
+    if wanted is None:
+        return loaders[0]
+    if wanted not in loaders:
+        fixes = " (or ".join(_LOADER_FORMAT.get(x, x) for x in loaders) + ")" * (len(loaders) - 1)
+        raise ValueError(
+            f"actor_rollout_ref.rollout.load_format={load_format} {_LOADER_WORDS.get(wanted, 'names the ' + wanted + ' loader')}, "
+            f"but actor.strategy={strategy}, whose engine feeds {list(loaders)}; use load_format={fixes} "
+            "(or auto to load the checkpoint first)"
+        )
+    return wanted
 
 
 def heads_of_model_path(

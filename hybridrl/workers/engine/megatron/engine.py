@@ -188,6 +188,8 @@ class MegatronEngine(TrainEngine):
     last pipeline stage and are broadcast to the others, so every rank returns them.
     """
 
+    weight_loaders = ("megatron",)  # class attribute (not a dataclass field: no annotation)
+
     chunks: list[Any]
     spec: ArchSpec
     hf_config: Any
