@@ -20,6 +20,7 @@ from hybridrl import algos
 from hybridrl.trainer.ppo.config import PPO_KEYS_DOC, ConfigError, PPOConfig, load_config
 from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 from hybridrl.workers.megatron_config import check_remove_padding, resolve_fused_kernels
+from hybridrl.workers.parallel_dims import ParallelDims
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
 
@@ -88,7 +89,8 @@ def check_startup(
         resolve_fused_kernels(
             arr.model, arr.actor.strategy, key, set_by_user(f"{key}.use_fused_kernels", explicit_keys)
         )
-        normalize_actor_batch_sizes(arr.actor, rollout_n=arr.rollout.n, dp_size=world)
+        actor_ranks = ParallelDims.for_role(world, arr.actor, "actor_rollout_ref.actor").data_ranks
+        normalize_actor_batch_sizes(arr.actor, rollout_n=arr.rollout.n, dp_size=actor_ranks)
         if algos.estimator_needs_critic(config.algorithm.adv_estimator):
             check_remove_padding(
                 config.critic.strategy, config.critic.model.use_remove_padding, "critic.model"
@@ -99,7 +101,8 @@ def check_startup(
                 "critic.model",
                 set_by_user("critic.model.use_fused_kernels", explicit_keys),
             )
-            normalize_critic_batch_sizes(config.critic, dp_size=world, rollout_n=arr.rollout.n)
+            critic_ranks = ParallelDims.for_role(world, config.critic, "critic").data_ranks
+            normalize_critic_batch_sizes(config.critic, dp_size=critic_ranks, rollout_n=arr.rollout.n)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return config
