@@ -145,6 +145,7 @@ def _resume(rank, world, root):
     torch.save(out, os.path.join(root, f"resume{rank}.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_megatron_sft_resumes_exactly_and_exports(tmp_path):
     """Checkpoint at step 2, resume, 2 more steps: the same weights as 4 steps in one run (TP=2), and the
