@@ -1,9 +1,10 @@
-"""`python -m hybridrl.trainer.main_sft [key=value ...]`: supervised fine-tuning with FSDP2.
+"""`python -m hybridrl.trainer.main_sft [key=value ...]`: supervised fine-tuning with FSDP2 or Megatron.
 
 One process per device slot, no Ray: run it directly for one slot (CPU or one GPU), or with
 `torchrun --nproc_per_node=N -m hybridrl.trainer.main_sft ...` for N slots. The same code runs
 on CPU (gloo) and GPUs (nccl). With no arguments it fine-tunes the built-in tiny model on the
 built-in task's SFT data on CPU and reports validation loss and greedy accuracy.
+`model_engine=megatron` (with `model.megatron.tensor_model_parallel_size=...`) trains with Megatron.
 
 Config keys follow veRL's `sft_trainer.yaml` (data.*, model.partial_pretrain, optim.*, trainer.*);
 see hybridrl/trainer/config/sft_trainer.yaml and docs/sft.md. An unknown key fails at start-up

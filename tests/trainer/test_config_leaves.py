@@ -29,7 +29,7 @@ CONFIG_DIR = ROOT / "trainer" / "config"
 COMMON = ["models", "utils", "data", "protocol.py", "algos", "single_controller"]
 SCOPES = {
     "ppo": (PPOConfig, "ppo_trainer.yaml", ["trainer/ppo", "trainer/async_ppo", "trainer/main_ppo.py", "workers", *COMMON]),
-    "sft": (SFTConfig, "sft_trainer.yaml", ["trainer/sft", "trainer/main_sft.py", "workers/engine", *COMMON]),
+    "sft": (SFTConfig, "sft_trainer.yaml", ["trainer/sft", "trainer/main_sft.py", "workers/engine", "workers/megatron_config.py", *COMMON]),
     "generation": (GenerationConfig, "generation.yaml", ["trainer/offline/generation.py", "workers/rollout", *COMMON]),
     "evaluation": (EvalConfig, "evaluation.yaml", ["trainer/offline/evaluation.py", "workers/reward", *COMMON]),
 }  # fmt: skip

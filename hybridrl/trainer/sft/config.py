@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.workers.config import FSDPConfig
+from hybridrl.workers.megatron_config import MegatronConfig
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
 LR_SCHEDULERS = ("cosine", "wsd", "constant")
@@ -82,8 +83,9 @@ class SFTModelSection:
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
     use_liger: bool = False
-    strategy: str = "fsdp2"
+    strategy: str = "fsdp2"  # the training engine: fsdp / fsdp2 / dp (FSDP2) or megatron; see model_engine
     fsdp_config: SFTFSDPConfig = field(default_factory=SFTFSDPConfig)
+    megatron: MegatronConfig = field(default_factory=lambda: MegatronConfig(dtype="float32"))
 
 
 @dataclass
@@ -149,6 +151,8 @@ class SFTConfig:
     optim: SFTOptimSection = field(default_factory=SFTOptimSection)
     trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
     generation_eval: SFTGenerationEvalSection = field(default_factory=SFTGenerationEvalSection)
+    # veRL's newest engine switch ("dp" / "fsdp", "megatron"): sets model.strategy (null: leave it)
+    model_engine: str | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,6 +172,7 @@ def load_sft_config(cfg: DictConfig | dict | list[str] | None = None) -> SFTConf
     """
     config: SFTConfig = load_structured(SFTConfig, cfg, SFT_KEYS_DOC, CONFIG_DIR / "sft_trainer.yaml")
     fill_presets(config)
+    apply_model_engine(config)
     validate_sft_config(config)
     return config
 
@@ -184,6 +189,73 @@ def fill_presets(config: SFTConfig) -> None:
         obj = getattr(config, section)
         if getattr(obj, name) is None:
             setattr(obj, name, value)
+
+
+SFT_DEFAULT_STRATEGY = "fsdp2"
+
+
+def apply_model_engine(config: SFTConfig) -> None:
+    """`model_engine=<name>` (veRL's engine switch) sets `model.strategy`; both must name a
+    registered training engine (workers/engine/base.py: dp = fsdp = fsdp2, megatron).
+
+    Raises:
+        ConfigError: an unknown engine name, or model.strategy set by the user to another engine.
+    """
+    from hybridrl.workers.engine.base import get_engine
+
+    m = config.model
+    try:
+        current = get_engine(m.strategy, "model.strategy")
+        chosen = None if config.model_engine is None else get_engine(str(config.model_engine), "model_engine")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if chosen is None or chosen.name == current.name:
+        return
+    spelling = chosen.aliases[0] if chosen.aliases else chosen.name
+    if m.strategy != SFT_DEFAULT_STRATEGY:
+        raise ConfigError(
+            f"model_engine={config.model_engine} but model.strategy={m.strategy}: both choose the training "
+            f"engine; drop one of the two, or set model.strategy={spelling}"
+        )
+    m.strategy = spelling
+
+
+def uses_megatron(config: SFTConfig) -> bool:
+    """Whether `model.strategy` names the Megatron engine (ConfigError for an unknown engine)."""
+    from hybridrl.workers.engine.base import canonical_engine_name
+
+    try:
+        return canonical_engine_name(config.model.strategy, "model.strategy") == "megatron"
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _validate_megatron_model(m: SFTModelSection) -> None:
+    """What the Megatron engine cannot do for SFT, refused at start-up naming the key."""
+    from hybridrl.workers.megatron_config import validate_megatron_config
+
+    if m.lora_rank > 0:
+        raise ConfigError(
+            f"model.lora_rank={m.lora_rank} with model.strategy=megatron: the Megatron engine trains no LoRA "
+            "adapter; set model.lora_rank=0, or model.strategy=fsdp2 for LoRA"
+        )
+    if m.enable_gradient_checkpointing:
+        raise ConfigError(
+            "model.enable_gradient_checkpointing=True is the Hugging Face model's switch, which the Megatron "
+            "engine does not build; set it to false (Megatron's activation recomputation is a "
+            "model.megatron.override_transformer_config field)"
+        )
+    f = m.fsdp_config
+    for name in ("cpu_offload", "offload_params", "param_offload", "optimizer_offload", "offload_policy"):
+        if getattr(f, name):
+            raise ConfigError(
+                f"model.fsdp_config.{name}=True applies to the FSDP engine only; with model.strategy=megatron "
+                "set it to false (model.megatron.param_offload / optimizer_offload are the Megatron keys)"
+            )
+    try:
+        validate_megatron_config(m.megatron, "model.megatron")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _choice(key: str, value: Any, choices: tuple) -> None:
@@ -232,8 +304,9 @@ def validate_sft_config(config: SFTConfig) -> None:
     _choice("optim.lr_scheduler", o.lr_scheduler, LR_SCHEDULERS)
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
-    _choice("model.strategy", m.strategy, ("fsdp", "fsdp2"))
     _refuse_unsupported_model_keys(m)
+    if uses_megatron(config):
+        _validate_megatron_model(m)
     _validate_sft_optim(o)
     for key, value in (
         ("data.train_batch_size", d.train_batch_size),

@@ -1,24 +1,26 @@
-"""The SFT trainer: FSDP2 engine, token-mean loss over the global batch, exact resume.
+"""The SFT trainer: one model behind any training engine (FSDP2, Megatron), token-mean loss over the global batch, exact resume.
 
 Every rank runs the same loop (no Ray, no driver). Each optimizer step draws one global batch
-of `data.train_batch_size` rows from a resumable sampler (same indices on every rank); a rank
-keeps rows `rank::world` and runs them in micro-batches of `data.micro_batch_size_per_gpu`.
-The loss of the step is the mean negative log-likelihood over all loss tokens of the global
-batch, so gradient accumulation and the number of ranks do not change the gradient.
+of `data.train_batch_size` rows from a resumable sampler (same indices on every rank); data-parallel
+rank r of D keeps rows `r::D` (with Megatron, the tp x pp ranks of one model replica share theirs)
+and runs them in micro-batches of `data.micro_batch_size_per_gpu`. The step is the RL roles'
+update loop (workers/engine/update_loop.run_update: the engine's forward_backward, optimizer_step
+and lr schedule) with the SFT loss of algos/sft.py: the mean negative log-likelihood over all loss
+tokens of the global batch, so gradient accumulation and the number of ranks do not change the
+gradient. The engine computes the next-token log-probs as a log-prob request on
+`responses = input_ids[:, 1:]`.
 
 Checkpoint layout (`trainer.default_local_dir/global_step_N/`, written to `.tmp` and renamed):
-    model/ optimizer/ extra_state_rank*.pt meta.json   engine checkpoint (DCP shards, RNG, lr)
-    huggingface/                                       full HF model + tokenizer ('hf_model')
-    data.pt                                            data loader state and global step
-    lora_adapter/adapter_config.json                   LoRA settings (LoRA runs only)
+    the engine's checkpoint     FSDP2: model/ optimizer/ extra_state_rank*.pt meta.json (DCP shards,
+                                RNG, lr); Megatron: dist/ extra_state_rank*.pt meta.json
+    huggingface/                full HF model + tokenizer ('hf_model')
+    data.pt                     data loader state and global step
+    lora_adapter/adapter_config.json   LoRA settings (LoRA runs only, FSDP2)
 and `latest_checkpointed_iteration.txt` names the newest step.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
 import os
 import random
 import time
@@ -27,98 +29,38 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from hybridrl.data.builtin_task import ensure_builtin_data
+from hybridrl.algos.agg import LossScale
+from hybridrl.algos.sft import sft_loss, sft_nll_sum, sft_token_loss
 from hybridrl.data.rl_dataset import as_messages, read_rows, render_prompt
 from hybridrl.data.sampler import ResumableSampler, RLDataLoader
-from hybridrl.data.sft_dataset import MultiTurnSFTDataset, SFTDataConfig, SFTDataset
-from hybridrl.models.builtin import resolve_model_path
-from hybridrl.models.hf import load_tokenizer
+from hybridrl.protocol import DataProto
 from hybridrl.trainer.offline.evaluation import GreedyEval, dig
-from hybridrl.trainer.sft.config import SFTConfig, is_builtin_model
+from hybridrl.trainer.sft.config import SFTConfig
+from hybridrl.trainer.sft.data import (
+    IndexDataset,
+    build_dataset,
+    micro_batches,
+    resolve_data_files,
+    stack_rows,
+)
+from hybridrl.trainer.sft.engine import build_sft_engine, sft_lr_factor, use_lr_schedule
 from hybridrl.utils import checkpointing as ckpt_io
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.device import get_torch_device
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.tracking import Tracking
-from hybridrl.workers.config import ModelConfig, OptimConfig
-from hybridrl.workers.engine.fsdp import FSDPEngine, clip_grad_norm
-from hybridrl.workers.engine.optim import build_optimizer, lr_factor
+from hybridrl.workers.batch_sizes import PerRankBatchSizes
+from hybridrl.workers.engine.base import LogProbRequest, LogProbs
+from hybridrl.workers.engine.update_loop import UpdatePerf, combine_micro_metrics, micro_loss_aux, run_update
 
 __all__ = ["SFTTrainer", "sft_token_loss", "resolve_data_files"]
 
 LOG_PREFIX = "[hybridrl sft]"
+NEXT_TOKEN = LogProbRequest(temperature=1.0)  # log p of `responses` = input_ids[:, 1:]
+VAL_CHUNK_MICROS = 16  # validation stacks this many micro-batches of rows at a time
 
 
-# ----------------------------------------------------------------------------------------------
-# pure functions
-# ----------------------------------------------------------------------------------------------
-def sft_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Summed negative log-likelihood of the loss tokens.
-
-    Token t is predicted from position t - 1, so `logits[:, :-1]` is scored against
-    `input_ids[:, 1:]` where `loss_mask[:, 1:]` is 1. Divide by the number of loss tokens of the
-    whole (global) batch to get the token-mean loss.
-
-    Args:
-        logits: (B, L, V) next-token logits.
-        input_ids: (B, L) token ids.
-        loss_mask: (B, L) 1 on tokens the model must learn to produce.
-
-    Returns:
-        Scalar float32 tensor: sum over (b, t >= 1) of -log p(input_ids[b, t]) * loss_mask[b, t].
-    """
-    targets = input_ids[:, 1:]
-    mask = loss_mask[:, 1:].to(torch.float32)
-    nll = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
-    ).view_as(mask)
-    return (nll * mask).sum()
-
-
-def resolve_data_files(config: SFTConfig) -> tuple[Any, Any]:
-    """(train_files, val_files): the configured files, or the built-in task's SFT files.
-
-    The built-in files are used only when `data.train_files` is null (then `data.val_files`
-    null means the built-in val file as well).
-    """
-    d = config.data
-    if d.train_files is not None:
-        return d.train_files, d.val_files
-    if not is_builtin_model(config.model.partial_pretrain):
-        raise ConfigError("data.train_files is not set; point it at parquet/jsonl file(s)")
-
-    paths = ensure_builtin_data(d.builtin_data_dir)
-    return paths["sft_train"], (d.val_files if d.val_files is not None else paths["sft_val"])
-
-
-class _IndexDataset:
-    """Yields row indices, so each rank tokenises only the rows it trains on."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-
-def _stack(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack([it[k] for it in items]) for k in items[0]}
-
-
-def _trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the right-padding columns no row of the micro-batch uses."""
-    width = max(1, int(batch["attention_mask"].sum(-1).max()))
-    return {k: v[:, :width] for k, v in batch.items()}
-
-
-# ----------------------------------------------------------------------------------------------
-# the trainer
-# ----------------------------------------------------------------------------------------------
 class SFTTrainer:
     """Builds the engine, data and tracker from an `SFTConfig`; `fit()` trains.
 
@@ -132,14 +74,18 @@ class SFTTrainer:
         self.device = get_torch_device(int(os.environ.get("LOCAL_RANK", 0)))
         self.global_step = 0
         self._seed_everything(config.trainer.seed)
-        self.engine = self._build_engine()
+        self.engine, self.dims = build_sft_engine(config)
+        self.dp_rank, self.dp_size = self.engine.dp_rank, self.engine.dp_size
         self.tokenizer = self.engine.tokenizer
         self.train_files, self.val_files = resolve_data_files(config)
-        self.train_dataset = self._build_dataset(self.train_files, "train")
-        self.val_dataset = self._build_dataset(self.val_files, "val") if self.val_files else None
+        self.train_dataset = build_dataset(config, self.train_files, "train", self.tokenizer)
+        self.val_dataset = (
+            build_dataset(config, self.val_files, "val", self.tokenizer) if self.val_files else None
+        )
         self.loader = self._build_loader()
         self.total_steps = self._total_steps()
-        self._build_optimizer()
+        use_lr_schedule(self.engine, sft_lr_factor(config, self.total_steps))
+        self._perf = UpdatePerf("train", self.engine, None)
         self.tracker = self._build_tracker()
         self._gen_eval = None  # GreedyEval, False when unavailable
 
@@ -150,59 +96,26 @@ class SFTTrainer:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
 
-    def _build_engine(self):
-
-        m, d = self.config.model, self.config.data
-        path = resolve_model_path(m.partial_pretrain, key="model.partial_pretrain")
-        tok_path = (
-            resolve_model_path(m.tokenizer_path, key="model.tokenizer_path") if m.tokenizer_path else None
-        )
-        model_config = ModelConfig(
-            path=path,
-            tokenizer_path=tok_path,
-            trust_remote_code=m.trust_remote_code,
-            override_config=dict(m.override_config),
-            external_lib=m.external_lib,
-            enable_gradient_checkpointing=m.enable_gradient_checkpointing,
-            lora_rank=m.lora_rank,
-            lora_alpha=m.lora_alpha,
-            target_modules=m.target_modules,
-            custom_chat_template=d.chat_template,
-        )
-        fsdp = m.fsdp_config
-        if fsdp.cpu_offload or fsdp.offload_params:  # veRL's names for FSDP2's CPUOffloadPolicy
-            fsdp = dataclasses.replace(fsdp, offload_policy=True)
-        engine = FSDPEngine.build(model_config, fsdp, None, role="actor", key="model")
-        if engine.tokenizer is None:
-            engine.tokenizer = load_tokenizer(model_config, key="model")  # raises the loading error
-        return engine
-
-    def _build_dataset(self, files: Any, split: str):
-
-        d = self.config.data
-        data_config = SFTDataConfig(
-            prompt_key=d.prompt_key,
-            response_key=d.response_key,
-            prompt_dict_keys=tuple(d.prompt_dict_keys) if d.prompt_dict_keys else None,
-            response_dict_keys=tuple(d.response_dict_keys) if d.response_dict_keys else None,
-            messages_key=d.multiturn.messages_key,
-            max_length=d.max_length,
-            truncation=d.truncation,
-            max_samples=d.train_max_samples if split == "train" else d.val_max_samples,
-            use_chat_template=d.use_chat_template,
-            apply_chat_template_kwargs=dict(d.apply_chat_template_kwargs),
-        )
-        cls = MultiTurnSFTDataset if d.multiturn.enable else SFTDataset
-        dataset = cls(files, self.tokenizer, data_config, files_key=f"data.{split}_files")
-        return _CachedItems(dataset, check_all=d.truncation == "error")
+    @property
+    def _same_width(self) -> bool:
+        """Pipelined models pass activations of one shape: one width for all micro-batches of a call."""
+        return self.dims.pp > 1
 
     def _build_loader(self):
 
         d = self.config.data
-        if d.train_batch_size % self.world:
+        if d.train_batch_size % self.dp_size:
             raise ConfigError(
-                f"data.train_batch_size={d.train_batch_size} must be divisible by the number of ranks "
-                f"({self.world}); make it a multiple of {self.world}"
+                f"data.train_batch_size={d.train_batch_size} must be divisible by the number of data-parallel "
+                f"ranks ({self.dp_size}: the ranks / (tensor * pipeline parallel size)); make it a multiple of "
+                f"{self.dp_size}"
+            )
+        micros = -(-d.train_batch_size // self.dp_size // d.micro_batch_size_per_gpu)
+        if (self.dims.vpp or 1) > 1 and micros % self.dims.pp:
+            raise ConfigError(
+                f"model.megatron.virtual_pipeline_model_parallel_size needs a number of micro-batches per step "
+                f"divisible by pipeline_model_parallel_size={self.dims.pp}, got {micros}; change "
+                "data.micro_batch_size_per_gpu or data.train_batch_size"
             )
         n = len(self.train_dataset)
         if n < d.train_batch_size:
@@ -211,31 +124,11 @@ class SFTTrainer:
                 f"{d.train_batch_size}); lower data.train_batch_size or add data"
             )
         sampler = ResumableSampler(n, shuffle=d.shuffle, seed=self.config.trainer.seed)
-        return RLDataLoader(_IndexDataset(n), d.train_batch_size, sampler, collate_fn=list, drop_last=True)
+        return RLDataLoader(IndexDataset(n), d.train_batch_size, sampler, collate_fn=list, drop_last=True)
 
     def _total_steps(self) -> int:
         t = self.config.trainer
         return int(t.total_training_steps) if t.total_training_steps else len(self.loader) * t.total_epochs
-
-    def _build_optimizer(self) -> None:
-
-        o = self.config.optim
-        optim_config = OptimConfig(lr=o.lr, weight_decay=o.weight_decay, betas=list(o.betas), eps=o.eps)
-        self.optimizer = build_optimizer(self.engine.module, optim_config)
-        warmup = (
-            o.lr_warmup_steps if o.lr_warmup_steps > 0 else int(o.lr_warmup_steps_ratio * self.total_steps)
-        )
-        self._lr_fn = functools.partial(
-            lr_factor,
-            scheduler_type=o.lr_scheduler,
-            warmup_steps=warmup,
-            total_steps=self.total_steps,
-            min_lr_ratio=o.min_lr_ratio,
-            num_cycles=o.num_cycles,
-            stable_ratio=o.stable_ratio,
-        )
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_fn)
-        self.engine.optimizer, self.engine.lr_scheduler = self.optimizer, self.lr_scheduler
 
     def _build_tracker(self):
         """The Tracking fan-out for every logger except `console` (the trainer prints its own line)."""
@@ -266,79 +159,71 @@ class SFTTrainer:
             self._iter = iter(self.loader)
             return next(self._iter)
 
-    def _micro_batches(self, rows: list[int | None], dataset) -> list[dict[str, torch.Tensor]]:
-        """Stacked, trimmed micro-batches of `rows` (None: a padding row with an all-zero loss mask)."""
-        size = self.config.data.micro_batch_size_per_gpu
-        out = []
-        for start in range(0, len(rows), size):
-            items = []
-            for i in rows[start : start + size]:
-                item = dataset[0 if i is None else i]
-                if i is None:
-                    item = {**item, "loss_mask": torch.zeros_like(item["loss_mask"])}
-                items.append(item)
-            out.append({k: v.to(self.device) for k, v in _trim(_stack(items)).items()})
-        return out
+    def _rank_rows(self, indices: list[int]) -> DataProto:
+        """This data-parallel rank's rows `indices[dp_rank::dp_size]`, stacked (B, L)."""
+        return DataProto.from_dict(stack_rows(indices[self.dp_rank :: self.dp_size], self.train_dataset))
 
     def _all_reduce(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach().to(self.device, torch.float64)
-        if self.world > 1:
-            dist.all_reduce(value)
+        if self.dp_size > 1:
+            dist.all_reduce(value, group=self.engine.dp_group)
         return value
 
-    def _forward_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = self.engine.module(
-            input_ids=mb["input_ids"],
-            attention_mask=mb["attention_mask"],
-            position_ids=mb["position_ids"],
-            use_cache=False,
-        )
-        return sft_token_loss(out.logits, mb["input_ids"], mb["loss_mask"])
-
     # -- one step -------------------------------------------------------------------------------
-    def accumulate_gradients(self, indices: list[int]) -> dict[str, float]:
-        """Forward/backward every micro-batch of this rank's rows `indices[rank::world]`.
+    def _forward_backward(self, mini: DataProto) -> dict[str, float]:
+        """Forward/backward every micro-batch of this rank's rows `mini` (no optimizer step).
 
-        Leaves in `.grad` the gradient of the token-mean loss over the whole global batch.
+        Leaves in the gradients that of the token-mean loss over the whole global batch.
         """
-        module = self.engine.module
-        module.train()
-        micro = self._micro_batches(indices[self.rank :: self.world], self.train_dataset)
-        local_tokens = sum(mb["loss_mask"][:, 1:].sum() for mb in micro)
+        micros = micro_batches(
+            mini.batch, self.config.data.micro_batch_size_per_gpu, self.device, self._same_width
+        )
+        local_tokens = sum(mb["loss_mask"][:, 1:].sum() for mb in micros)
         total_tokens = float(self._all_reduce(torch.as_tensor(local_tokens)))
-        normalizer = max(total_tokens, 1.0)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb in micro:
-            loss = self._forward_loss(mb) / normalizer
-            # FSDP averages gradients over ranks; scale so the result is the global token mean's gradient
-            (loss * self.world).backward()
-            loss_sum += loss.detach()
-        seen = self._all_reduce(torch.as_tensor(sum(float(mb["attention_mask"].sum()) for mb in micro)))
+        scale = LossScale(num_tokens=max(total_tokens, 1.0), dp_size=self.dp_size)
+
+        def loss_fn(mb: dict[str, torch.Tensor], out: LogProbs):
+            loss, nll = sft_loss(out.log_probs, mb["loss_mask"], scale)
+            return loss, micro_loss_aux({"train/loss": float(nll.detach())}, {}, mb["loss_mask"][:, 1:])
+
+        sums, _ = combine_micro_metrics(self.engine.forward_backward(micros, NEXT_TOKEN, loss_fn), scale)
+        seen = self._all_reduce(torch.as_tensor(sum(float(mb["attention_mask"].sum()) for mb in micros)))
         return {
-            "train/loss": float(self._all_reduce(loss_sum)),
+            "train/loss": float(self._all_reduce(torch.as_tensor(sums.get("train/loss", 0.0)))),
             "train/loss_tokens": total_tokens,
             "train/tokens": float(seen),
         }
+
+    def accumulate_gradients(self, indices: list[int]) -> dict[str, float]:
+        """Forward/backward this rank's rows of the global batch `indices` (see `_forward_backward`)."""
+        return self._forward_backward(self._rank_rows(indices))
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
         """One optimizer step on the global batch `indices`: gradients, clipping, AdamW, lr schedule."""
 
         start = time.perf_counter()
-        metrics = self.accumulate_gradients(indices)
-        grad_norm = clip_grad_norm(self.engine.module, self.config.optim.clip_grad)
-        lr = self.optimizer.param_groups[0]["lr"]
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
+        data = self._rank_rows(indices)
+        micro = self.config.data.micro_batch_size_per_gpu
+        sizes = PerRankBatchSizes(
+            mini_batch_size=len(data), micro_batch_size=micro, use_dynamic_bsz=False, max_token_len=0,
+            forward_micro_batch_size=micro, forward_max_token_len=0, epochs=1, shuffle=False, seed=None,
+            dp_size=self.dp_size, rollout_n=1,
+        )  # fmt: skip
+        out = run_update(
+            data,
+            role="train",
+            engine=self.engine,
+            batch_sizes=sizes,
+            forward_backward=self._forward_backward,
+            max_grad_norm=self.config.optim.clip_grad,
+            perf=self._perf,
+        )
+        metrics = {k: v[0] for k, v in out.items()}
+        metrics["train/skipped_step"] = metrics.pop("train/step_skipped")
         seconds = time.perf_counter() - start
         metrics.update(
             {
-                "train/lr": lr,
-                "train/grad_norm": grad_norm,
                 "train/epoch": self.loader.sampler.epoch,
-                "train/skipped_step": float(not math.isfinite(grad_norm)),
                 "perf/step_s": seconds,
                 "perf/tokens_per_s": metrics["train/tokens"] / max(seconds, 1e-9),
             }
@@ -346,22 +231,28 @@ class SFTTrainer:
         return metrics
 
     # -- validation -----------------------------------------------------------------------------
+    def _val_rows(self) -> list[int | None]:
+        """This rank's validation rows, padded (None) to the same count on every rank (collectives)."""
+        n, micro = len(self.val_dataset), self.config.data.micro_batch_size_per_gpu
+        per_rank = -(-n // self.dp_size)
+        if (self.dims.vpp or 1) > 1:  # virtual stages: a multiple of pp micro-batches per call
+            per_rank = -(-per_rank // (micro * self.dims.pp)) * micro * self.dims.pp
+        rows: list[int | None] = list(range(self.dp_rank, n, self.dp_size))
+        return rows + [None] * (per_rank - len(rows))
+
     @torch.no_grad()
     def validation_loss(self) -> float:
         """Token-mean NLL over every loss token of the validation set (all ranks take part)."""
-        ds = self.val_dataset
-        n = len(ds)
-        per_rank = -(-n // self.world)
-        mine: list[int | None] = list(range(self.rank, n, self.world))
-        mine += [None] * (per_rank - len(mine))  # equal forward counts on every rank (FSDP collectives)
-        module = self.engine.module
-        module.eval()
+        rows, micro = self._val_rows(), self.config.data.micro_batch_size_per_gpu
+        chunk = micro * VAL_CHUNK_MICROS * self.dims.pp
         nll = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb in self._micro_batches(mine, ds):
-            nll += self._forward_loss(mb).to(torch.float64)
-            tokens += mb["loss_mask"][:, 1:].sum()
-        module.train()
+        for lo in range(0, len(rows), chunk):
+            batch = stack_rows(rows[lo : lo + chunk], self.val_dataset)
+            micros = micro_batches(batch, micro, self.device, self._same_width)
+            for mb, out in zip(micros, self.engine.forward(micros, NEXT_TOKEN)):
+                nll += sft_nll_sum(out.log_probs, mb["loss_mask"]).to(torch.float64)
+                tokens += mb["loss_mask"][:, 1:].sum()
         return float(self._all_reduce(nll) / self._all_reduce(tokens).clamp(min=1))
 
     def _greedy_eval(self):
@@ -448,7 +339,7 @@ class SFTTrainer:
             torch.save(
                 {"dataloader": self.loader.state_dict(), "global_step": step}, os.path.join(tmp, "data.pt")
             )
-            peft_config = getattr(self.engine.module, "peft_config", None)
+            peft_config = getattr(getattr(self.engine, "module", None), "peft_config", None)
             if peft_config:
                 peft_config["default"].save_pretrained(os.path.join(tmp, "lora_adapter"))
             final = ckpt_io.finalize(root, step)
@@ -479,7 +370,7 @@ class SFTTrainer:
         self.global_step = int(state["global_step"])
         if "extra" not in contents:  # lr schedule not restored: move it to the step
             for _ in range(self.global_step):
-                self.lr_scheduler.step()
+                self.engine.lr_scheduler_step()
         if hasattr(self, "_iter"):
             del self._iter
 
@@ -550,32 +441,3 @@ class SFTTrainer:
             self.tracker.finish()
         if self._gen_eval:
             self._gen_eval.shutdown()
-
-
-class _CachedItems:
-    """A view of an SFT dataset that tokenises each row once.
-
-    With `check_all`, every row is tokenised at construction, so an over-long sample
-    (data.truncation=error) fails at start-up with the dataset's message naming file and row.
-    """
-
-    MAX_CACHED_TOKENS = 1 << 24
-
-    def __init__(self, dataset, check_all: bool) -> None:
-        self.dataset = dataset
-        self.cache_enabled = len(dataset) * dataset.config.max_length <= self.MAX_CACHED_TOKENS
-        self._cache: dict[int, dict[str, torch.Tensor]] = {}
-        if check_all:
-            for i in range(len(dataset)):
-                self[i]
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        item = self._cache.get(i)
-        if item is None:
-            item = self.dataset[i]
-            if self.cache_enabled:
-                self._cache[i] = item
-        return item
