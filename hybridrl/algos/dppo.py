@@ -29,7 +29,12 @@ from __future__ import annotations
 import torch
 
 from hybridrl.algos.agg import LossScale
-from hybridrl.algos.policy_loss import _aggregate, _log_ratio, _metrics, register_policy_loss
+from hybridrl.algos.policy_loss import (
+    aggregate_policy_loss,
+    clamped_log_ratio,
+    register_policy_loss,
+    token_metrics,
+)
 
 BINARY_KL_EPS = 1e-8  # keeps log((1 - q) / (1 - p)) finite when a probability reaches 1
 
@@ -69,14 +74,14 @@ def _masked_pg(
     loss_scale: LossScale | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """-A sg(min(r, c)) log pi on the kept tokens, aggregated; the shared half of both losses."""
-    log_ratio = _log_ratio(log_prob, old_log_prob)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob)
     ratio = log_ratio.exp()
     truncated = ratio if clip_ratio_c is None else ratio.clamp(max=clip_ratio_c)
     keep = keep.detach().to(log_prob.dtype)
     pg_losses = -advantages * truncated.detach() * log_prob * keep
-    pg_loss = _aggregate(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
+    pg_loss = aggregate_policy_loss(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
     over_c = torch.zeros_like(keep, dtype=torch.bool) if clip_ratio_c is None else ratio > clip_ratio_c
-    return pg_loss, _metrics(
+    return pg_loss, token_metrics(
         response_mask, pg_clipfrac=1 - keep, ppo_kl=-log_ratio, pg_clipfrac_lower=over_c & keep.bool()
     )
 

@@ -64,7 +64,7 @@ def _clip_range(
     return low, high
 
 
-def _log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
+def clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
     return (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
@@ -100,7 +100,7 @@ def _ppo_clip(
     return pg_losses, clipped, dual_clipped
 
 
-def _aggregate(
+def aggregate_policy_loss(
     pg_losses: torch.Tensor,
     response_mask: torch.Tensor,
     rollout_is_weights: torch.Tensor | None,
@@ -112,7 +112,7 @@ def _aggregate(
     return agg_loss(pg_losses, response_mask, loss_agg_mode, loss_scale=loss_scale)
 
 
-def _metrics(response_mask: torch.Tensor, **per_token: torch.Tensor) -> dict[str, torch.Tensor]:
+def token_metrics(response_mask: torch.Tensor, **per_token: torch.Tensor) -> dict[str, torch.Tensor]:
     """Masked token means of per-token diagnostics, detached."""
     return {name: masked_mean(value.detach().float(), response_mask) for name, value in per_token.items()}
 
@@ -158,10 +158,10 @@ def compute_policy_loss_vanilla(
     pg_clipfrac_lower (negative-advantage tokens where the dual clip binds), ppo_kl.
     """
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
-    log_ratio = _log_ratio(log_prob, old_log_prob)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob)
     pg_losses, clipped, dual_clipped = _ppo_clip(log_ratio.exp(), advantages, low, high, clip_ratio_c)
-    pg_loss = _aggregate(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
-    return pg_loss, _metrics(
+    pg_loss = aggregate_policy_loss(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
+    return pg_loss, token_metrics(
         response_mask, pg_clipfrac=clipped, ppo_kl=-log_ratio, pg_clipfrac_lower=dual_clipped
     )
 
@@ -216,14 +216,16 @@ def compute_policy_loss_decoupled(
     behave_imp_weight = torch.where(kept, behave_imp_weight, 0.0)
 
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
-    log_ratio = _log_ratio(log_prob, old_log_prob)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob)
     pg_losses, clipped, dual_clipped = _ppo_clip(log_ratio.exp(), advantages, low, high, clip_ratio_c)
     pg_losses = pg_losses * behave_imp_weight
-    pg_loss = _aggregate(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
+    pg_loss = aggregate_policy_loss(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
 
-    metrics = _metrics(response_mask, pg_clipfrac=clipped, ppo_kl=-log_ratio, pg_clipfrac_lower=dual_clipped)
-    metrics.update(_metrics(kept, behave_imp_weight=behave_imp_weight, behave_kl=-behave_log_ratio))
-    metrics.update(_metrics(response_mask, behave_mask_frac=response_mask.bool() & ~kept))
+    metrics = token_metrics(
+        response_mask, pg_clipfrac=clipped, ppo_kl=-log_ratio, pg_clipfrac_lower=dual_clipped
+    )
+    metrics.update(token_metrics(kept, behave_imp_weight=behave_imp_weight, behave_kl=-behave_log_ratio))
+    metrics.update(token_metrics(response_mask, behave_mask_frac=response_mask.bool() & ~kept))
     return pg_loss, metrics
 
 
@@ -259,8 +261,8 @@ def compute_policy_loss_gspo(
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * ratio.clamp(1 - low, 1 + high)
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
-    pg_loss = _aggregate(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
-    return pg_loss, _metrics(
+    pg_loss = aggregate_policy_loss(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
+    return pg_loss, token_metrics(
         response_mask,
         pg_clipfrac=pg_losses2 > pg_losses1,
         ppo_kl=-log_ratio,
@@ -286,9 +288,9 @@ def compute_policy_loss_gpg(
     REINFORCE estimator (Williams 1992) with GPG's group advantages.
     """
     pg_losses = -advantages * log_prob
-    pg_loss = _aggregate(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
+    pg_loss = aggregate_policy_loss(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
     no_clip = torch.zeros_like(response_mask, dtype=torch.bool)
-    return pg_loss, _metrics(
+    return pg_loss, token_metrics(
         response_mask, pg_clipfrac=no_clip, ppo_kl=old_log_prob - log_prob, pg_clipfrac_lower=no_clip
     )
 
@@ -323,7 +325,7 @@ def compute_policy_loss_clip_cov(
     Metrics: pg_clipfrac is the fraction of tokens removed.
     """
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
-    log_ratio = _log_ratio(log_prob, old_log_prob)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob)
     ratio = log_ratio.exp()
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * ratio.clamp(1 - low, 1 + high)
@@ -338,8 +340,8 @@ def compute_policy_loss_clip_cov(
         removed = candidate & _k_smallest(torch.where(candidate, priority, 2.0), num_removed)
 
     pg_losses = torch.where(removed, 0.0, torch.maximum(pg_losses1, pg_losses2))
-    pg_loss = _aggregate(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
-    return pg_loss, _metrics(
+    pg_loss = aggregate_policy_loss(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
+    return pg_loss, token_metrics(
         response_mask, pg_clipfrac=removed, ppo_kl=-log_ratio, pg_clipfrac_lower=torch.zeros_like(removed)
     )
 
@@ -366,7 +368,7 @@ def compute_policy_loss_kl_cov(
 
     Metrics: pg_clipfrac is the fraction of tokens penalised.
     """
-    log_ratio = _log_ratio(log_prob, old_log_prob)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob)
     pg_losses = -advantages * log_ratio.exp()
 
     with torch.no_grad():
@@ -376,8 +378,8 @@ def compute_policy_loss_kl_cov(
         penalised = valid & _k_smallest(torch.where(valid, -cov, torch.inf), num_penalised)
 
     pg_losses = torch.where(penalised, pg_losses + ppo_kl_coef * log_ratio.abs(), pg_losses)
-    pg_loss = _aggregate(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
-    return pg_loss, _metrics(
+    pg_loss = aggregate_policy_loss(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
+    return pg_loss, token_metrics(
         response_mask, pg_clipfrac=penalised, ppo_kl=-log_ratio, pg_clipfrac_lower=torch.zeros_like(penalised)
     )
 
@@ -407,12 +409,12 @@ def compute_policy_loss_cispo(
     Metrics: pg_clipfrac / pg_clipfrac_lower: tokens with r above / below the band.
     """
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
-    log_ratio = _log_ratio(log_prob, old_log_prob)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob)
     ratio = log_ratio.exp()
     clipped_ratio = ratio.clamp(1 - low, 1 + high).detach()
     pg_losses = -clipped_ratio * advantages * log_prob
-    pg_loss = _aggregate(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
-    return pg_loss, _metrics(
+    pg_loss = aggregate_policy_loss(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
+    return pg_loss, token_metrics(
         response_mask, pg_clipfrac=ratio > 1 + high, ppo_kl=-log_ratio, pg_clipfrac_lower=ratio < 1 - low
     )
 
@@ -461,7 +463,7 @@ def compute_policy_loss_geo_mean(
     has_tokens = (response_mask.sum(dim=-1) > 0).unsqueeze(-1)
     pg_loss = agg_loss(seq_losses.unsqueeze(-1), has_tokens, "seq-mean-token-sum", loss_scale=loss_scale)
     clipped = log_ratio != log_ratio_clamped
-    return pg_loss, _metrics(
+    return pg_loss, token_metrics(
         response_mask,
         pg_clipfrac=clipped & (advantages > 0),
         ppo_kl=-log_ratio,

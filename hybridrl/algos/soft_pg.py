@@ -9,7 +9,12 @@ from __future__ import annotations
 import torch
 
 from hybridrl.algos.agg import LossScale
-from hybridrl.algos.policy_loss import _aggregate, _log_ratio, _metrics, register_policy_loss
+from hybridrl.algos.policy_loss import (
+    aggregate_policy_loss,
+    clamped_log_ratio,
+    register_policy_loss,
+    token_metrics,
+)
 
 
 def sapo_gate(ratio: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
@@ -54,12 +59,16 @@ def compute_policy_loss_sapo(
             f"policy loss 'sapo' needs tau_pos > 0 and tau_neg > 0 (the gate divides by them), got "
             f"tau_pos={tau_pos}, tau_neg={tau_neg}; the paper uses 1.0 and 1.05"
         )
-    log_ratio = _log_ratio(log_prob, old_log_prob)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob)
     tau = torch.where(advantages > 0, tau_pos, tau_neg).to(log_prob.dtype)
     pg_losses = -sapo_gate(log_ratio.exp(), tau) * advantages
-    pg_loss = _aggregate(pg_losses, response_mask, rollout_is_weights, "seq-mean-token-mean", loss_scale)
+    pg_loss = aggregate_policy_loss(
+        pg_losses, response_mask, rollout_is_weights, "seq-mean-token-mean", loss_scale
+    )
     no_clip = torch.zeros_like(response_mask, dtype=torch.bool)
-    return pg_loss, _metrics(response_mask, pg_clipfrac=no_clip, ppo_kl=-log_ratio, pg_clipfrac_lower=no_clip)
+    return pg_loss, token_metrics(
+        response_mask, pg_clipfrac=no_clip, ppo_kl=-log_ratio, pg_clipfrac_lower=no_clip
+    )
 
 
 @register_policy_loss("dro")
@@ -97,6 +106,8 @@ def compute_policy_loss_dro(
         )
     log_ratio = log_prob - old_log_prob
     pg_losses = -(log_prob * advantages - 0.5 * dro_beta * log_ratio.square())
-    pg_loss = _aggregate(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
+    pg_loss = aggregate_policy_loss(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, loss_scale)
     no_clip = torch.zeros_like(response_mask, dtype=torch.bool)
-    return pg_loss, _metrics(response_mask, pg_clipfrac=no_clip, ppo_kl=-log_ratio, pg_clipfrac_lower=no_clip)
+    return pg_loss, token_metrics(
+        response_mask, pg_clipfrac=no_clip, ppo_kl=-log_ratio, pg_clipfrac_lower=no_clip
+    )

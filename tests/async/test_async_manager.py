@@ -199,7 +199,11 @@ def test_full_output_queue_backpressures_without_losing_groups(shared):
     m = make(workers, batch=4, eta=1, queue_size=1, chunk_size=4)
     m.start(0, weights(0))
     m.submit(prompts(0, 12))
-    time.sleep(0.5)  # the trainer is busy: finished groups pile up behind a queue of size 1
+    # the trainer is busy: finished groups pile up behind a queue of size 1 (polled with a deadline
+    # rather than one fixed sleep, so a loaded machine's slower workers do not fail it)
+    deadline = time.monotonic() + 20
+    while m.stats()["async/output_backpressure_waits"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert m.stats()["async/output_backpressure_waits"] > 0
     consumed = train(m, 4, 1, steps=4, submitted=[12], train_s=0.05)
     m.stop()

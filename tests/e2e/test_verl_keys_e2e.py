@@ -45,19 +45,22 @@ def test_profiler_validation_dump_and_checkpoint_keys(tmp_path):
     assert any("aten::" in n for n in names)  # real torch ops of the step were recorded
     rows = [json.loads(line) for line in open(val_dir / "2.jsonl")]
     assert rows and {"prompt", "response", "score"} <= set(rows[0])
-    assert sorted(os.listdir(ckpt / "global_step_1")) == ["actor", "data.pt"]  # critic pruned
+    # critic pruned (meta.json: the checkpoint's run identity and manifest, docs/reliability.md)
+    assert sorted(os.listdir(ckpt / "global_step_1")) == ["actor", "data.pt", "meta.json"]
     assert "critic" in os.listdir(ckpt / "global_step_2")
 
     run(
         [
             "algorithm.adv_estimator=gae",
             "trainer.total_training_steps=3",
+            "trainer.save_freq=1",
             "trainer.del_local_ckpt_after_load=True",
         ],
         tmp_path,
     )
-    assert not (ckpt / "global_step_2").exists()  # loaded, then deleted
-    assert (ckpt / "global_step_1").exists()
+    # loaded, then deleted once the next checkpoint (step 3) was saved: never the only copy (issue 30)
+    assert not (ckpt / "global_step_2").exists()
+    assert (ckpt / "global_step_3").exists() and (ckpt / "global_step_1").exists()
 
 
 def test_rollout_correction_weights_reach_the_update(tmp_path):
