@@ -66,7 +66,9 @@ def _moved() -> dict[str, str]:
         {
             "reward.num_workers": "reward_model.num_workers",
             "reward.custom_reward_function": "custom_reward_function",
-            "reward.reward_manager": "reward_manager",
+            "reward.reward_manager.name": "reward_model.reward_manager",  # reward_manager.name follows it
+            "reward.reward_manager.source": "reward_manager.source",
+            "reward.reward_manager.module": "reward_manager.module",
             "reward.reward_kwargs": "reward_model.reward_kwargs",
             "reward.sandbox_fusion": "reward_model.sandbox_fusion",
             "reward.reward_model.enable": "reward_model.enable",
