@@ -1,7 +1,7 @@
 """Measure how many of veRL's own launch scripts pass hybridrl's config stage unchanged.
 
 Each `examples/**/*.sh` of a veRL checkout runs under bash with recording stand-ins for
-`python`/`python3` (and `ray job submit ... -- python3 ...`, `torchrun`) first on PATH: the
+`python`/`python3` (and `ray job submit ... -- python3 ...`, `uv run ... python3`, `torchrun`) first on PATH: the
 stand-in writes its argv to a file and exits 0, so nothing trains and nothing is downloaded.
 Every recorded `-m verl.trainer.main_ppo` call then goes through hybridrl's config stage exactly
 as `python -m hybridrl.trainer.main_ppo <the same overrides>` would: Hydra compose of hybridrl's
@@ -48,6 +48,14 @@ if [ "$1" = "job" ] && [ "$2" = "submit" ]; then
 fi
 exit 0
 """
+UV_SHIM = r"""#!/usr/bin/env bash
+# `uv run [opts] python3 ...` runs python3 ... (the python stand-in); other uv calls no-op.
+if [ "$1" = "run" ]; then
+  while [ $# -gt 0 ] && [ "$1" != "python" ] && [ "$1" != "python3" ]; do shift; done
+  [ $# -gt 0 ] && exec "$@"
+fi
+exit 0
+"""
 NOOPS = (
     "nvidia-smi",
     "huggingface-cli",
@@ -67,11 +75,15 @@ IMAGE = re.compile(
 )
 
 
-def extract_checkout(verl: Path) -> Path:
-    if (verl / "examples").is_dir():
+def extract_checkout(verl: Path, rev: str | None = None) -> Path:
+    """A work tree of `verl` at `rev` (None: the work tree itself, or a bare directory's HEAD)."""
+    if (verl / "examples").is_dir() and rev is None:
         return verl
     out = Path(tempfile.mkdtemp(prefix="verl_src_"))
-    archive = subprocess.run(["git", f"--git-dir={verl}", "archive", "HEAD"], capture_output=True, check=True)
+    git_dir = verl / ".git" if (verl / ".git").exists() else verl
+    archive = subprocess.run(
+        ["git", f"--git-dir={git_dir}", "archive", rev or "HEAD"], capture_output=True, check=True
+    )
     subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
     return out
 
@@ -84,6 +96,8 @@ def make_shims(folder: Path) -> None:
         p.chmod(0o755)
     (folder / "ray").write_text(RAY_SHIM)
     (folder / "ray").chmod(0o755)
+    (folder / "uv").write_text(UV_SHIM)
+    (folder / "uv").chmod(0o755)
     for name in NOOPS:
         (folder / name).write_text("#!/usr/bin/env bash\nexit 0\n")
         (folder / name).chmod(0o755)
@@ -143,7 +157,7 @@ def yaml_overrides(root: Path, script: Path, cpath: str | None, cname: str | Non
     """The keys a script's own --config-name yaml sets (veRL's own ppo_trainer/megatron: none)."""
     from omegaconf import OmegaConf
 
-    if not cname or cname in ("ppo_trainer",):
+    if not cname or cname.removesuffix(".yaml") in ("ppo_trainer", "ppo_megatron_trainer"):
         return []
     base = Path(cpath) if cpath else root / "verl/trainer/config"
     if not base.is_absolute():
@@ -168,19 +182,46 @@ def yaml_overrides(root: Path, script: Path, cpath: str | None, cname: str | Non
 
 
 def categorise(script: Path, overrides: list[str], cname: str | None) -> str:
+    """image (VLM), megatron_ep (Megatron with expert parallelism > 1), megatron, or text (FSDP)."""
     text = " ".join(overrides) + f" {script} {cname or ''}"
-    if MEGATRON.search(text):
-        return "megatron"
     if IMAGE.search(text):
         return "image"
+    if MEGATRON.search(text):
+        return "megatron_ep" if needs_expert_parallel(overrides) else "megatron"
     return "text"
+
+
+def needs_expert_parallel(overrides: list[str]) -> bool:
+    """Whether an override sets an expert-parallel size above 1."""
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.endswith(("expert_model_parallel_size", "expert_parallel_size")):
+            if value.strip() not in ("", "1", "null", "None"):
+                return True
+    return False
+
+
+def base_config(root: Path, script: Path, cpath: str | None, cname: str | None) -> str:
+    """hybridrl's yaml a call starts from: ppo_megatron_trainer when the script names veRL's (or a
+    yaml of its own whose defaults list extends it), else ppo_trainer."""
+    if not cname:
+        return "ppo_trainer"
+    if cname.removesuffix(".yaml") == "ppo_megatron_trainer":
+        return "ppo_megatron_trainer"
+    base = Path(cpath) if cpath else root / "verl/trainer/config"
+    if not base.is_absolute():
+        base = (script.parent / base) if (script.parent / base).is_dir() else root / base
+    f = base / (cname if cname.endswith(".yaml") else cname + ".yaml")
+    if f.exists() and re.search(r"^\s*-\s*ppo_megatron_trainer\b", f.read_text(), re.M):
+        return "ppo_megatron_trainer"
+    return "ppo_trainer"
 
 
 def key_of(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def compose_collecting(overrides: list[str]) -> tuple[object, list[str]]:
+def compose_collecting(overrides: list[str], config_name: str = "ppo_trainer") -> tuple[object, list[str]]:
     """Hydra-compose hybridrl's ppo_trainer.yaml with `overrides`; an override Hydra refuses is
     recorded and dropped, and composing goes on, so every unknown key of a script is found."""
     from hydra import compose, initialize_config_dir
@@ -192,7 +233,7 @@ def compose_collecting(overrides: list[str]) -> tuple[object, list[str]]:
     while True:
         try:
             with initialize_config_dir(config_dir=config_stage.CONFIG_DIR, version_base=None):
-                return compose(config_name="ppo_trainer", overrides=todo), refused
+                return compose(config_name=config_name, overrides=todo), refused
         except ConfigCompositionException as e:
             m = re.search(r"(?:override|at) '([^']+)'", str(e))
             bad = [o for o in todo if m and key_of(o) == m.group(1)]
@@ -228,7 +269,7 @@ def blocking_key(message: str) -> str | None:
     return None
 
 
-def check(overrides: list[str], root: Path, placeholder: str) -> dict:
+def check(overrides: list[str], root: Path, placeholder: str, config_name: str = "ppo_trainer") -> dict:
     """hybridrl's config stage on one call: {'status': pass|fail, 'unknown': [...], 'error': str}.
 
     On a failure the override behind it is dropped and the stage runs again, so `unknown` lists
@@ -241,7 +282,7 @@ def check(overrides: list[str], root: Path, placeholder: str) -> dict:
     todo = list(overrides)
     try:
         for _ in range(60):
-            cfg, refused = compose_collecting(todo)
+            cfg, refused = compose_collecting(todo, config_name)
             out["unknown"] += refused
             out["stand_in"] = stand_in_files(cfg, placeholder)
             try:
@@ -273,13 +314,8 @@ def failing_keys(row: dict) -> list[str]:
     return [m.group(1) if m else row["error"][:60]]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--verl", required=True, type=Path)
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--show-failures", action="store_true")
-    args = ap.parse_args()
-    root = extract_checkout(args.verl.resolve())
+def measure(root: Path) -> list[dict]:
+    """One row per example script of the checkout `root` that calls main_ppo."""
     work = Path(tempfile.mkdtemp(prefix="verl_rec_"))
     make_shims(work / "bin")
     placeholder = work / "placeholder.parquet"
@@ -291,28 +327,57 @@ def main() -> None:
             full = yaml_overrides(root, script, cpath, cname) + overrides
             cat = categorise(script, full, cname)
             row = {"script": str(script.relative_to(root)), "category": cat, "overrides": full}
-            row.update(check(full, root, str(placeholder)) if cat == "text" else {"status": "skip"})
+            if cat == "image":
+                row["status"] = "skip"
+            else:
+                row.update(check(full, root, str(placeholder), base_config(root, script, cpath, cname)))
             rows.append(row)
-    report(rows, args.show_failures)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--verl", required=True, type=Path)
+    ap.add_argument(
+        "--rev", action="append", help="commit(s) of --verl to measure (repeat for several; default HEAD)"
+    )
+    ap.add_argument("--json", type=Path, help="rows as JSON (one list per --rev, in order)")
+    ap.add_argument("--show-failures", action="store_true")
+    args = ap.parse_args()
+    results = []
+    for rev in args.rev or [None]:
+        rows = measure(extract_checkout(args.verl.resolve(), rev))
+        print(f"== veRL {rev or 'HEAD'}")
+        report(rows, args.show_failures)
+        results.append(rows)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(results if args.rev else results[0], indent=1))
+
+
+LABELS = {
+    "text": "FSDP, text-only",
+    "megatron": "Megatron, text-only, no expert parallelism",
+    "megatron_ep": "Megatron with expert parallelism",
+}
 
 
 def report(rows: list[dict], show: bool) -> None:
-    text = [r for r in rows if r["category"] == "text"]
-    ok = [r for r in text if r["status"] == "pass"]
     by_cat = collections.Counter(r["category"] for r in rows)
     print(f"scripts calling {ENTRY}: {len(rows)} ({dict(by_cat)})")
-    rate = 100.0 * len(ok) / max(1, len(text))
-    print(f"non-Megatron, non-image: {len(ok)}/{len(text)} pass the config stage ({rate:.1f}%)")
-    keys = collections.Counter(k for r in text if r["status"] == "fail" for k in set(failing_keys(r)))
-    print("failing keys (number of scripts that fail on each; a script may fail on several):")
-    for k, n in keys.most_common(25):
-        print(f"  {n:3d}  {k}")
-    if show:
-        for r in text:
-            if r["status"] == "fail":
-                print(f"FAIL {r['script']}: unknown={r['unknown']} {r['error']}")
+    for cat, label in LABELS.items():
+        group = [r for r in rows if r["category"] == cat]
+        ok = [r for r in group if r["status"] == "pass"]
+        rate = 100.0 * len(ok) / max(1, len(group))
+        print(f"{label}: {len(ok)}/{len(group)} pass the config stage ({rate:.1f}%)")
+        keys = collections.Counter(k for r in group if r["status"] == "fail" for k in set(failing_keys(r)))
+        if keys:
+            print("  failing keys (number of scripts that fail on each; a script may fail on several):")
+        for k, n in keys.most_common(25):
+            print(f"    {n:3d}  {k}")
+        if show:
+            for r in group:
+                if r["status"] == "fail":
+                    print(f"  FAIL {r['script']}: unknown={r['unknown']} {r['error']}")
 
 
 if __name__ == "__main__":

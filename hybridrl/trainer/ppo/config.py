@@ -79,8 +79,15 @@ def load_config(
     `verl_compat.apply_verl_compat` (defaults that do not fit a small batch are adapted).
     mode_stage / keys_doc: see `run_config_stage`; keys_doc is named in unknown-key errors.
     """
+    from omegaconf import OmegaConf
+
+    from hybridrl.trainer.ppo.verl_layout import apply_verl_layout
+    from hybridrl.utils.config_loader import as_node
+
+    node = OmegaConf.create(as_node(cfg))  # a copy: the caller's config is not changed
+    explicit_keys = apply_verl_layout(node, explicit_keys, OmegaConf.structured(PPOConfig))
     try:
-        config: PPOConfig = load_structured(PPOConfig, cfg, keys_doc)
+        config: PPOConfig = load_structured(PPOConfig, node, keys_doc)
     except ConfigError:
         raise
     except ValueError as e:  # a section's own check (__post_init__) failed
