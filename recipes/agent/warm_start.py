@@ -183,6 +183,7 @@ def train(model, tokenizer, renderer, args, log) -> dict:
         rec = {"step": step, "loss": round(loss, 5), "choice": round(choice.item(), 5)}
         rec.update(path=round(path.item(), 5), window_loss=round(mean, 5))
         log.write(json.dumps(rec) + "\n")
+        log.flush()
         reached = args.target_loss > 0 and len(recent) == args.window and mean <= args.target_loss
         if step % 50 == 0 or reached:
             print(
@@ -230,7 +231,7 @@ def main() -> None:
         print(f"warm start {how} at step {result['stop_step']}", flush=True)
     else:
         print(
-            f"warm start: the mean loss of the last {args.window} steps is still "
+            f"warm start: the mean loss of the last {min(args.window, result['stop_step'])} steps is still "
             f"{result['window_loss']} after the cap of {args.steps} steps (target "
             f"{args.target_loss}): the tool-call format is not learnt, GRPO would see zero reward. "
             "Raise --steps (AGENT_SFT_STEPS) or try another --seed.",
