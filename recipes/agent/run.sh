@@ -47,8 +47,12 @@ if info.get("reached_target") is not True:
         "Delete that folder and rerun with a larger AGENT_SFT_STEPS, or another seed "
         "(AGENT_SFT_ARGS='--seed 1')."
     )
-print(f"agent recipe: warm start reached loss {info['window_loss']} (target {info['target_loss']}) "
-      f"at step {info['stop_step']}")
+if info["target_loss"] <= 0:
+    print(f"agent recipe: warm start ran {info['stop_step']} steps without a loss target (mean loss "
+          f"{info['window_loss']})")
+else:
+    print(f"agent recipe: warm start reached loss {info['window_loss']} (target {info['target_loss']}) "
+          f"at step {info['stop_step']}")
 PY
 then
     exit 1
