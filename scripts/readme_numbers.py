@@ -153,7 +153,9 @@ def main() -> int:
     if args.list:
         for p in known.values():
             env = " ".join(f"{k}={v}" for k, v in p.env.items() if k != "AGENT_OUT")
-            print(f"{p.name:<12} {p.where}\n{'':<12} {env + ' ' if env else ''}{' '.join(p.cmd).replace(sys.executable, 'python')}")
+            print(
+                f"{p.name:<12} {p.where}\n{'':<12} {env + ' ' if env else ''}{' '.join(p.cmd).replace(sys.executable, 'python')}"
+            )
         return 0
     unknown = [n for n in args.parts if n not in known]
     if unknown:
