@@ -20,10 +20,12 @@ tool life cycle.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,17 +53,23 @@ def pair_split(a: int, b: int) -> str:
     return "val" if zlib.crc32(f"{a}*{b}".encode()) % VAL_BUCKETS == 0 else "train"
 
 
-def sample_pairs(n: int, seed: int, split: str) -> list[tuple[int, int]]:
-    """``n`` pairs of ``split`` with a five-digit product, drawn by rejection from a seeded RNG."""
+def iter_pairs(seed: int, split: str) -> Iterator[tuple[int, int]]:
+    """Endless pairs of ``split`` with a five-digit product, drawn by rejection from a seeded RNG.
+
+    ``sample_pairs(n, seed, split)`` is the first ``n`` of them.
+    """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     rng = random.Random(f"agent:{split}:{seed}")
-    out: list[tuple[int, int]] = []
-    while len(out) < n:
+    while True:
         a, b = rng.randint(*A_RANGE), rng.randint(*B_RANGE)
         if a * b >= MIN_PRODUCT and pair_split(a, b) == split:
-            out.append((a, b))
-    return out
+            yield a, b
+
+
+def sample_pairs(n: int, seed: int, split: str) -> list[tuple[int, int]]:
+    """``n`` pairs of ``split`` with a five-digit product, drawn by rejection from a seeded RNG."""
+    return list(itertools.islice(iter_pairs(seed, split), n))
 
 
 def question(a: int, b: int) -> str:

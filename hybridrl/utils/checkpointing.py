@@ -151,6 +151,7 @@ RESUMABLE_KEYS = (
     "trainer.ray_wait_register_center_timeout",
     "trainer.progress_bar",
     "trainer.make_report",
+    "trainer.constant_reward_warn_steps",
     "actor_rollout_ref.nccl_timeout",
     "ray_kwargs",
     "global_profiler",

@@ -4,7 +4,9 @@
 #   bash recipes/agent/run.sh [extra key=value overrides]            # synchronous (main_ppo)
 #   AGENT_TRAINER=main_async bash recipes/agent/run.sh [overrides]    # asynchronous (main_async)
 #
-# 1. SFT warm start (recipes/agent/warm_start.py, cached in $AGENT_OUT/warm_start): the built-in
+# 1. SFT warm start (recipes/agent/warm_start.py, cached in $AGENT_OUT/warm_start), run until its
+#    loss reaches the level at which the tool path is learnt (the recipe stops with exit 1 if the
+#    step cap comes first): the built-in
 #    model learns the hermes tool-call format and to copy the result, but starts an answer with a
 #    tool call only 30% of the time, so greedy decoding answers directly and gets ~0% right.
 # 2. GRPO with the tool agent (actor_rollout_ref.rollout.multi_turn.*, a veRL-format tool yaml,
@@ -22,8 +24,38 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 OUT=${AGENT_OUT:-outputs/agent}
 TRAINER=${AGENT_TRAINER:-main_ppo}
 SFT="$OUT/warm_start"
-if [ ! -f "$SFT/model.safetensors" ]; then
-    python recipes/agent/warm_start.py --out "$SFT" --steps "${AGENT_SFT_STEPS:-300}"
+# The warm start runs until its loss reaches the level at which the tool path is learnt (mean of
+# the last 20 steps <= AGENT_SFT_TARGET_LOSS, default H(0.3) + 0.015 = 0.626) or AGENT_SFT_STEPS
+# steps (the cap, default 1500); without the tool path GRPO sees reward 0 on every sample.
+if [ ! -f "$SFT/warm_start.json" ]; then
+    # shellcheck disable=SC2086  # AGENT_SFT_ARGS: extra warm_start.py flags, e.g. "--seed 1 --threads 1"
+    python recipes/agent/warm_start.py --out "$SFT" --steps "${AGENT_SFT_STEPS:-1500}" \
+        ${AGENT_SFT_TARGET_LOSS:+--target-loss "$AGENT_SFT_TARGET_LOSS"} ${AGENT_SFT_ARGS:-} || true
+fi
+if ! python - "$SFT/warm_start.json" <<'PY'
+import json, sys
+try:
+    info = json.load(open(sys.argv[1]))
+except FileNotFoundError:
+    sys.exit(f"agent recipe: no warm start at {sys.argv[1]} (see the warm start's error above)")
+if info.get("reached_target") is not True:
+    sys.exit(
+        f"agent recipe: stopping before GRPO: the warm start in {sys.argv[1].rsplit('/', 1)[0]} "
+        f"did not reach its loss target (mean loss {info.get('window_loss', info.get('final_loss'))}"
+        f" after {info.get('stop_step', info.get('steps'))} steps, target {info.get('target_loss')}),"
+        " so the model does not produce the tool-call format and every GRPO reward would be 0. "
+        "Delete that folder and rerun with a larger AGENT_SFT_STEPS, or another seed "
+        "(AGENT_SFT_ARGS='--seed 1')."
+    )
+if info["target_loss"] <= 0:
+    print(f"agent recipe: warm start ran {info['stop_step']} steps without a loss target (mean loss "
+          f"{info['window_loss']})")
+else:
+    print(f"agent recipe: warm start reached loss {info['window_loss']} (target {info['target_loss']}) "
+          f"at step {info['stop_step']}")
+PY
+then
+    exit 1
 fi
 python -c "from hybridrl.data.agent_task import ensure_agent_data; ensure_agent_data('$OUT/data')"
 ASYNC=()

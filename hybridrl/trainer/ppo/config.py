@@ -235,6 +235,11 @@ def _validate_choices(config: PPOConfig) -> None:
     _check_choice("data.truncation", d.truncation, ["error", "left", "right", "middle"])
     _check_choice("trainer.resume_mode", tr.resume_mode, ["auto", "disable", "resume_path"])
     _check_choice("trainer.device", tr.device, ["auto", "cpu", "cuda"])
+    if tr.constant_reward_warn_steps < 0:
+        raise ConfigError(
+            f"trainer.constant_reward_warn_steps={tr.constant_reward_warn_steps} must be >= 0: the "
+            "number of steps in a row with identical rewards before the warning (0 turns it off)"
+        )
     _check_choice("actor_rollout_ref.rollout.name", arr.rollout.name, ["hf", "vllm", "sglang"])
 
 

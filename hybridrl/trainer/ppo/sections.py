@@ -187,6 +187,8 @@ class TrainerConfig:
     progress_bar: bool = True
     make_report: bool = True
     seed: int = 1
+    # warn once after this many consecutive steps whose rewards were all identical (0: off)
+    constant_reward_warn_steps: int = 5
 
 
 @dataclass

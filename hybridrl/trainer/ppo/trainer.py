@@ -36,6 +36,7 @@ from hybridrl.trainer.ppo.batch_steps import (
 from hybridrl.trainer.ppo.checkpoints import RunCheckpoints
 from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
 from hybridrl.trainer.ppo.profiling import StepProfilerDriver
+from hybridrl.trainer.ppo.reward_guard import ConstantRewardGuard
 from hybridrl.trainer.ppo.workers import WorkerGroups
 from hybridrl.utils import checkpointing
 from hybridrl.utils.metrics import (
@@ -130,6 +131,7 @@ class RayPPOTrainer:
         self.last_val_metrics: dict[str, float] = {}
         self.history: list[dict[str, float]] = []
         self.checkpoints: RunCheckpoints | None = None  # set by setup.build_trainer (checked before Ray)
+        self.reward_guard = ConstantRewardGuard(config.trainer.constant_reward_warn_steps, algo.adv_estimator)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -153,6 +155,7 @@ class RayPPOTrainer:
             profiler.begin(self.global_steps)
             with timer("step", timing):
                 batch = trim_right_padding(self._rollout_and_score(metrics, timing))
+                self.reward_guard.observe(batch.batch["token_level_scores"])
                 self._balance_batch(batch, metrics)
                 batch = self._compute_old_log_prob(batch, metrics, timing)
                 batch = self._compute_ref_log_prob(batch, timing)
