@@ -1,0 +1,100 @@
+"""Two source trees of hybridrl side by side: the same main_ppo run from each, alternating, with ratios.
+
+For a refactor or any hot-path change: check out the other revision somewhere (`git worktree add
+/tmp/base <rev>`) and run
+
+    python bench/ab_trees.py --a /tmp/base --b . --rounds 3 -- trainer.total_training_steps=20
+
+Each round runs A then B (then B then A in the next round, so drift in the machine's speed falls on
+both), each run in a fresh process with PYTHONPATH set to its tree. It prints, per run and as the
+median over rounds, the median per-step seconds of the stages it reads from the file logger
+(timing_s/step, gen, update_actor, ...), and the ratio B / A (below 1: B is faster). It also says
+whether the two trees logged identical non-timing metrics on the last round (same seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+STAGES = ("timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights")
+
+
+def _is_time(key: str) -> bool:
+    return (
+        key.startswith("timing")
+        or key.endswith(("update_s", "throughput", "time_per_step", "gbytes_per_s"))
+        or ("mfu" in key or "seconds" in key or "balance_max_min_ratio" in key)
+    )
+
+
+def run_tree(tree: str, overrides: list[str], workdir: str) -> list[dict]:
+    """One main_ppo run from `tree`; the rows of its metrics file."""
+    log_dir = tempfile.mkdtemp(dir=workdir)
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree), "HYBRIDRL_LOG_DIR": log_dir}
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridrl.trainer.main_ppo",
+        "trainer.logger=[console,file]",
+        "trainer.make_report=false",
+        "trainer.progress_bar=false",
+        f"trainer.default_local_dir={log_dir}/ckpt",
+        *overrides,
+    ]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def stage_medians(rows: list[dict]) -> dict[str, float]:
+    out = {}
+    for key in STAGES:
+        values = [r[key] for r in rows[1:] if key in r]  # step 1 holds the warm-up
+        if values:
+            out[key] = statistics.median(values)
+    return out
+
+
+def same_metrics(a: list[dict], b: list[dict]) -> bool:
+    if len(a) != len(b):
+        return False
+    return all({k: v for k, v in ra.items() if not _is_time(k)} == {k: v for k, v in rb.items() if not _is_time(k)}
+               for ra, rb in zip(a, b))  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--a", required=True, help="tree A (the baseline)")
+    p.add_argument("--b", required=True, help="tree B")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("overrides", nargs="*", help="main_ppo overrides (after --)")
+    args = p.parse_args()
+    overrides = args.overrides or ["trainer.total_training_steps=20"]
+    per = {"A": [], "B": []}
+    with tempfile.TemporaryDirectory() as workdir:
+        for r in range(args.rounds):
+            order = ("A", "B") if r % 2 == 0 else ("B", "A")
+            rows = {}
+            for name in order:
+                rows[name] = run_tree(args.a if name == "A" else args.b, overrides, workdir)
+                per[name].append(stage_medians(rows[name]))
+                print(f"round {r + 1} {name}: " + ", ".join(f"{k}={v:.4f}" for k, v in per[name][-1].items()))
+        identical = same_metrics(rows["A"], rows["B"])
+    print(f"non-timing metrics identical on the last round: {identical}")
+    for key in STAGES:
+        a = [m[key] for m in per["A"] if key in m]
+        b = [m[key] for m in per["B"] if key in m]
+        if a and b:
+            ratios = [y / x for x, y in zip(a, b)]
+            print(f"{key}: A {statistics.median(a):.4f} s, B {statistics.median(b):.4f} s, B/A per round "
+                  f"{', '.join(f'{x:.3f}' for x in ratios)} (median {statistics.median(ratios):.3f})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
