@@ -40,7 +40,6 @@ __all__ = [
     "MegatronConfig",
     "megatron_param_dtype",
     "check_colocated_megatron",
-    "check_remove_padding",
     "resolve_fused_kernels",
     "validate_megatron_config",
 ]
@@ -89,23 +88,6 @@ def megatron_param_dtype(cfg: MegatronConfig, key: str) -> str:
     if name not in _DTYPES:
         raise ValueError(f"{key}.dtype={cfg.dtype!r}: expected bfloat16 or float32")
     return _DTYPES[name]
-
-
-def check_remove_padding(strategy: str, use_remove_padding: bool, model_key: str) -> None:
-    """Refuse `model.use_remove_padding=True` with strategy=megatron.
-
-    veRL packs the rows into THD sequences (PackedSeqParams) for Megatron; packed sequences need
-    Transformer Engine's attention, and Megatron's local DotProductAttention (the layer spec this
-    engine builds, the only one on CPU) asserts `packed_seq_params is None`. veRL's
-    ppo_megatron_trainer default is false (padded batches, which the engine runs).
-    """
-    if strategy == MEGATRON_STRATEGY and use_remove_padding:
-        raise ValueError(
-            f"{model_key}.use_remove_padding=True with strategy=megatron: packed (THD) sequences need Transformer "
-            "Engine's attention, and hybridrl's Megatron engine builds Megatron's local layer spec, whose attention "
-            f"refuses packed sequences; set {model_key}.use_remove_padding=false (veRL's ppo_megatron_trainer "
-            "default; results are the same, only padding is computed)"
-        )
 
 
 def resolve_fused_kernels(model: Any, strategy: str, model_key: str, explicit: bool) -> None:

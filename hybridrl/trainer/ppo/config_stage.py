@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from hybridrl import algos
 from hybridrl.trainer.ppo.config import PPO_KEYS_DOC, ConfigError, PPOConfig, load_config
 from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
-from hybridrl.workers.megatron_config import check_remove_padding, resolve_fused_kernels
+from hybridrl.workers.megatron_config import resolve_fused_kernels
 from hybridrl.workers.parallel_dims import ParallelDims
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
@@ -84,7 +84,6 @@ def check_startup(
     world = config.trainer.nnodes * config.trainer.n_gpus_per_node
     try:
         arr.model.validate()
-        check_remove_padding(arr.actor.strategy, arr.model.use_remove_padding, "actor_rollout_ref.model")
         key = "actor_rollout_ref.model"
         resolve_fused_kernels(
             arr.model, arr.actor.strategy, key, set_by_user(f"{key}.use_fused_kernels", explicit_keys)
@@ -92,9 +91,6 @@ def check_startup(
         actor_ranks = ParallelDims.for_role(world, arr.actor, "actor_rollout_ref.actor").data_ranks
         normalize_actor_batch_sizes(arr.actor, rollout_n=arr.rollout.n, dp_size=actor_ranks)
         if algos.estimator_needs_critic(config.algorithm.adv_estimator):
-            check_remove_padding(
-                config.critic.strategy, config.critic.model.use_remove_padding, "critic.model"
-            )
             resolve_fused_kernels(
                 config.critic.model,
                 config.critic.strategy,

@@ -92,10 +92,12 @@ def test_keys_compose_and_ppo_megatron_trainer(tmp_path):
 
 
 @pytest.mark.parametrize("key", ["actor_rollout_ref.model", "critic.model"])
-def test_remove_padding_refused_with_megatron(tmp_path, key):
+def test_remove_padding_accepted_with_megatron(tmp_path, key):
+    """Megatron packs the rows when use_remove_padding=True (engine/megatron/forward.py; equal to
+    FSDP in test_megatron_engine.py), so the config stage accepts it for both roles."""
     from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
 
-    from hybridrl.trainer.ppo.config import ConfigError
     from hybridrl.trainer.ppo.config_stage import check_startup
 
     over = [
@@ -108,9 +110,9 @@ def test_remove_padding_refused_with_megatron(tmp_path, key):
     with initialize_config_module("hybridrl.trainer.config", version_base=None):
         cfg = compose("ppo_megatron_trainer", overrides=over)
         fsdp = compose("ppo_trainer", overrides=over)
-    with pytest.raises(ConfigError, match=f"{key}.use_remove_padding=True with strategy=megatron"):
-        check_startup(cfg)
-    check_startup(fsdp)  # FSDP packs the rows (honoured there)
+    assert OmegaConf.select(cfg, f"{key}.use_remove_padding") is True
+    check_startup(cfg)
+    check_startup(fsdp)
 
 
 @pytest.mark.parametrize("key", ["actor_rollout_ref.model", "critic.model"])

@@ -38,7 +38,7 @@ def _batch(seed: int = 5):
     return DataProto.from_dict(b)
 
 
-def _configs(model_dir: str, tp: int, pp: int, vpp: int | None = None):
+def _configs(model_dir: str, tp: int, pp: int, vpp: int | None = None, packed: bool = False):
     from hybridrl.workers.config import (
         ActorConfig,
         CriticConfig,
@@ -63,10 +63,11 @@ def _configs(model_dir: str, tp: int, pp: int, vpp: int | None = None):
         kl_loss_coef=0.5,
         entropy_coeff=0.01,
     )
-    model = ModelConfig(path=model_dir)
+    model = ModelConfig(path=model_dir, use_remove_padding=packed)
     critic = CriticConfig(ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=2, optim=optim)
     critic = dataclasses.replace(
-        critic, model=dataclasses.replace(critic.model, path=model_dir, fsdp_config=fsdp)
+        critic,
+        model=dataclasses.replace(critic.model, path=model_dir, fsdp_config=fsdp, use_remove_padding=packed),
     )
     mcfg = MegatronConfig(
         tensor_model_parallel_size=tp,
@@ -81,7 +82,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-def _check_actor(rank, model_dir, tp, pp, out, vpp=None):
+def _check_actor(rank, model_dir, tp, pp, out, vpp=None, packed=False):
     import torch.distributed as dist
 
     from hybridrl.workers.actor import PPOActor
@@ -89,7 +90,7 @@ def _check_actor(rank, model_dir, tp, pp, out, vpp=None):
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
 
-    model, cfg, _, mcfg = _configs(model_dir, tp, pp, vpp)
+    model, cfg, _, mcfg = _configs(model_dir, tp, pp, vpp, packed)
     data = _batch()
     mine = data.chunk(2)[rank]
     fsdp = FSDPEngine.build(model, cfg.fsdp_config, cfg.optim, load_tok=False)
@@ -137,13 +138,13 @@ def _initial(model_dir):
     return dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
 
 
-def _check_critic(rank, model_dir, tp, pp, out, vpp=None):
+def _check_critic(rank, model_dir, tp, pp, out, vpp=None, packed=False):
     from hybridrl.workers.batch_sizes import normalize_critic_batch_sizes
     from hybridrl.workers.critic import PPOCritic
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
 
-    _, _, cfg, mcfg = _configs(model_dir, tp, pp, vpp)
+    _, _, cfg, mcfg = _configs(model_dir, tp, pp, vpp, packed)
     data = _batch()
     mine = data.chunk(2)[rank]
     # The fresh value head: Megatron's is initialised under megatron.seed (whatever the global RNG, here
@@ -190,10 +191,10 @@ def _check_critic(rank, model_dir, tp, pp, out, vpp=None):
     out["critic_weight_rel"] = max(_rel(m_w[k], f_w[k]) for k in f_w)
 
 
-def _run(rank, world, model_dir, tp, pp, vpp, result_dir):
+def _run(rank, world, model_dir, tp, pp, vpp, packed, result_dir):
     out: dict = {}
-    _check_actor(rank, model_dir, tp, pp, out, vpp)
-    _check_critic(rank, model_dir, tp, pp, out, vpp)
+    _check_actor(rank, model_dir, tp, pp, out, vpp, packed)
+    _check_critic(rank, model_dir, tp, pp, out, vpp, packed)
     torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
 
 
@@ -210,13 +211,15 @@ def _four_layer_model(path: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "tp,pp,vpp",
-    [(2, 1, None), (1, 2, None), (1, 2, 2)],
+    "tp,pp,vpp,packed",
+    [(2, 1, None, False), (1, 2, None, False), (1, 2, 2, False), (2, 1, None, True), (1, 2, 2, True)],
 )
-def test_megatron_matches_fsdp(tmp_path, tp, pp, vpp):
+def test_megatron_matches_fsdp(tmp_path, tp, pp, vpp, packed):
+    """packed: model.use_remove_padding=True on both engines (Megatron packs each micro-batch into
+    one row with a block-diagonal causal mask; FSDP into varlen sequences)."""
     path = str(tmp_path / "model")
     model_dir = make_tiny_model_dir(path) if vpp is None else _four_layer_model(path)
-    spawn(_run, 2, tmp_path, model_dir, tp, pp, vpp, str(tmp_path))
+    spawn(_run, 2, tmp_path, model_dir, tp, pp, vpp, packed, str(tmp_path))
     for rank in range(2):
         out = torch.load(tmp_path / f"rank{rank}.pt")
         print(rank, out)

@@ -50,9 +50,7 @@ from hybridrl.workers.engine.megatron.model import (
 from hybridrl.workers.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 from hybridrl.workers.engine.optim import lr_factor, num_warmup_steps
 from hybridrl.workers.megatron_config import (
-    MEGATRON_STRATEGY,
     MegatronConfig,
-    check_remove_padding,
     megatron_param_dtype,
     validate_megatron_config,
 )
@@ -223,7 +221,6 @@ class MegatronEngine(TrainEngine):
         validate_megatron_config(
             megatron_config, key, world_size=dist.get_world_size(), on_gpu=not needs_cpu_shims()
         )
-        check_remove_padding(MEGATRON_STRATEGY, model_config.use_remove_padding, model_key)
         init_parallel(megatron_config, key)
         _log_bridge(megatron_config.use_mbridge, key)
         hf_sd, hf_config = _hf_state_dict(model_config, role, model_key, megatron_config.seed)
@@ -316,13 +313,25 @@ class MegatronEngine(TrainEngine):
 
     # -- compute ----------------------------------------------------------------------------
     def run(self, micros: list[Any], loss_fn, *, forward_only: bool) -> list[Any]:
-        """`run_schedule` in eval mode (forward_only) or train mode; last-stage results."""
+        """`run_schedule` in eval mode (forward_only) or train mode; last-stage results.
+
+        With `model.use_remove_padding` each micro-batch is packed into one row (a multiple of the
+        tensor-parallel size long, for sequence parallelism): see engine/megatron/forward.py.
+        """
         for chunk in self.chunks:
             chunk.train(not forward_only)
+        pack = self.tp_info_size() if self.model_config.use_remove_padding else None
         if forward_only:
             with torch.no_grad():
-                return run_schedule(self.chunks, micros, loss_fn, forward_only=True)
-        return run_schedule(self.chunks, micros, loss_fn, forward_only=False)
+                return run_schedule(self.chunks, micros, loss_fn, forward_only=True, pack_multiple=pack)
+        return run_schedule(self.chunks, micros, loss_fn, forward_only=False, pack_multiple=pack)
+
+    @staticmethod
+    def tp_info_size() -> int:
+        """The tensor-parallel world size."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_world_size()
 
     def _output(self, micro: Any, out: torch.Tensor, request: LogProbRequest | ValueRequest) -> Any:
         """The requested result from the last stage's logits (or values) of one micro-batch."""

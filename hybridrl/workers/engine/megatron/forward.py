@@ -11,10 +11,20 @@ FSDP actor would call `.backward()` on it (already normalised by the whole mini-
 The attention mask is explicit (causal and key padding, True = masked): Megatron's default causal
 mask is built on CUDA. RoPE in Megatron ignores position_ids and uses 0..S-1; for left-padded
 rows that shifts every valid position by the same amount, which RoPE's relative form cancels.
+
+Packed micro-batches (`model.use_remove_padding=True`): the valid tokens of the b rows are
+concatenated into one row of T = sum of lengths (padded to a length L shared by the call's
+micro-batches, a multiple of the tensor-parallel size for sequence parallelism), with a
+block-diagonal causal mask, so no padding goes through the linear layers and the MLP. veRL packs
+into THD sequences with PackedSeqParams, which need Transformer Engine's varlen attention; the
+local attention here takes the (1, 1, L, L) mask instead. Each sequence's RoPE positions are
+shifted by its offset in the row, which the relative form cancels, as for left padding; the
+outputs are scattered back to the padded (b, S, ...) layout before the loss sees them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +33,7 @@ import torch
 
 from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu
 
-__all__ = ["attention_mask_4d", "run_schedule"]
+__all__ = ["PackedMicro", "attention_mask_4d", "pack_micro", "run_schedule"]
 
 
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -34,16 +44,61 @@ def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
     return causal[None, None] | pad
 
 
+@dataclasses.dataclass
+class PackedMicro:
+    """One micro-batch's rows packed into a single row (see the module docstring).
+
+    Attributes:
+        input_ids: (1, L) the valid tokens of every row, then padding.
+        mask: (1, 1, L, L) bool, True where query i may NOT attend key j (block-diagonal causal).
+        valid: (b, S) bool, where each packed token came from in the padded layout.
+    """
+
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    valid: torch.Tensor
+
+    def unpack(self, out: torch.Tensor) -> torch.Tensor:
+        """(1, L, ...) outputs -> (b, S, ...), zeros at padded positions (differentiable)."""
+        t = int(self.valid.sum())
+        full = out.new_zeros((*self.valid.shape, *out.shape[2:]))
+        full[self.valid] = out[0, :t]
+        return full
+
+
+def packed_length(micros: list[Any], multiple: int) -> int:
+    """The row length L shared by the packed micro-batches: the longest, rounded up to `multiple`."""
+    longest = max(int(m["attention_mask"].sum()) for m in micros)
+    return -(-longest // multiple) * multiple
+
+
+def pack_micro(micro: Any, length: int) -> PackedMicro:
+    """Pack the valid tokens of `micro` (input_ids / attention_mask (b, S)) into one row of `length`."""
+    valid = micro["attention_mask"].bool()
+    ids = micro["input_ids"][valid]
+    lengths = valid.sum(-1)
+    segment = torch.repeat_interleave(torch.arange(valid.shape[0], device=ids.device), lengths)
+    pad = length - ids.shape[0]
+    if pad < 0:
+        raise ValueError(f"packed length {length} is shorter than the micro-batch's {ids.shape[0]} tokens")
+    ids = torch.cat([ids, ids.new_zeros(pad)])
+    segment = torch.cat([segment, segment.new_full((pad,), -1)])  # padding: a block of its own
+    causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).triu(1)
+    mask = causal | (segment[:, None] != segment[None, :])
+    return PackedMicro(ids[None], mask[None, None], valid)
+
+
 def _forward_step(loss_fn: Callable, data_iterator, model):
-    micro = next(data_iterator)
-    ids = micro["input_ids"]
-    positions = micro["position_ids"] if "position_ids" in micro.keys() else None
-    if positions is None or positions.dim() != 2:
+    micro, packed = next(data_iterator)
+    if packed is not None:
+        ids, mask, positions = packed.input_ids, packed.mask, None
+    else:
+        ids, mask = micro["input_ids"], attention_mask_4d(micro["attention_mask"])
+        positions = micro["position_ids"] if "position_ids" in micro.keys() else None
+    if positions is None or positions.dim() != 2:  # RoPE ignores them (module docstring)
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    out = model(
-        input_ids=ids, position_ids=positions, attention_mask=attention_mask_4d(micro["attention_mask"])
-    )
-    return out, functools.partial(loss_fn, micro)
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask)
+    return out, functools.partial(loss_fn, micro, packed)
 
 
 def run_schedule(
@@ -52,6 +107,7 @@ def run_schedule(
     loss_fn: Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]],
     *,
     forward_only: bool,
+    pack_multiple: int | None = None,
 ) -> list[Any]:
     """Run forward (and backward) of `micros` through the pipeline; results of the last stage.
 
@@ -59,6 +115,8 @@ def run_schedule(
         chunks: this rank's model chunks (DDP-wrapped when training).
         micros: micro-batches, every one with input_ids (b, S) of the same S.
         loss_fn: (micro, logits or values (b, S, ...)) -> (scalar loss, result).
+        pack_multiple: pack each micro-batch into one row whose length is a multiple of this
+            (`model.use_remove_padding`); None feeds the padded rows.
 
     Returns:
         One `result` per micro-batch on the last pipeline stage, [] on the others.
@@ -78,20 +136,24 @@ def run_schedule(
             )
     results: list[Any] = []
 
-    def scaled(micro, output):
-        loss, result = loss_fn(micro, output)
+    def scaled(micro, packed, output):
+        loss, result = loss_fn(micro, output if packed is None else packed.unpack(output))
         results.append(result)
         return loss * n, {}
 
-    iters = [iter(micros) for _ in chunks]
+    feeds = [None] * n
+    if pack_multiple is not None:
+        length = packed_length(micros, pack_multiple)
+        feeds = [pack_micro(m, length) for m in micros]
+    iters = [iter(list(zip(micros, feeds))) for _ in chunks]
     with cuda_to_cpu():
         get_forward_backward_func()(
             forward_step_func=functools.partial(_forward_step, scaled),
             data_iterator=iters if len(chunks) > 1 else iters[0],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=n,
-            seq_length=micros[0]["input_ids"].shape[1],
-            micro_batch_size=micros[0]["input_ids"].shape[0],
+            seq_length=(feeds[0].input_ids if feeds[0] is not None else micros[0]["input_ids"]).shape[1],
+            micro_batch_size=1 if feeds[0] is not None else micros[0]["input_ids"].shape[0],
             forward_only=forward_only,
         )
     return results
