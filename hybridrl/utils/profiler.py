@@ -53,7 +53,7 @@ class GlobalProfilerConfig:
 def check_profiler(glob: GlobalProfilerConfig, roles: dict[str, ProfilerConfig]) -> None:
     """Raise ValueError naming the key when a profiler setting cannot be honoured here (configuration
     only: devices and vendor tools are checked when the workers start)."""
-    from hybridrl.utils.profiler_tools import npu_options, nsys_options, torch_memory_options
+    from hybridrl.utils.profiler_tools import npu_options, nsys_options, torch_memory_options, torch_options
 
     for key, tool in [("global_profiler.tool", glob.tool)] + [
         (f"{k}.profiler.tool", r.tool) for k, r in roles.items()
@@ -80,6 +80,8 @@ def check_profiler(glob: GlobalProfilerConfig, roles: dict[str, ProfilerConfig])
             )
         if glob.tool == "npu":
             npu_options(r.tool_config, key)
+        if glob.tool == "torch":
+            torch_options(r.tool_config, key)
     if any(r.enable for r in roles.values()) and glob.tool is None:
         raise ValueError(
             "a role has profiler.enable=True but global_profiler.tool is null; set global_profiler.tool=torch"

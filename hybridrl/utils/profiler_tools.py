@@ -23,6 +23,7 @@ import shutil
 from typing import Any
 
 NSYS_KEYS = ("discrete", "controller_nsight_options", "worker_nsight_options")
+TORCH_KEYS = ("contents", "discrete", "schedule", "profile_token_start", "profile_token_end")
 NPU_KEYS = ("discrete", "contents", "level", "analysis")
 NPU_CONTENTS = ("npu", "cpu", "memory", "shapes", "module", "stack")
 NPU_LEVELS = ("level_none", "level0", "level1", "level2")
@@ -42,6 +43,36 @@ NSYS_WORKER_DEFAULTS = {
     "capture-range-end": "repeat-shutdown:1000",
     "kill": "none",
 }
+
+
+def torch_options(tool_config: dict[str, Any], key: str) -> dict[str, Any]:
+    """A role's `tool_config.torch` for `global_profiler.tool=torch`: {"discrete": bool}.
+
+    `discrete=True` gives every worker call of a chosen step its own trace (as nsys / npu);
+    `schedule.*` (veRL's torch.profiler schedule over the update loop's mini-batches) and the
+    rollout's `profile_token_start/end` (vLLM engine-side token windows) are accepted at their
+    off values (0 / null) only. ValueError naming the key otherwise.
+    """
+    torch_cfg = dict((tool_config or {}).get("torch") or {})
+    bad = sorted(set(torch_cfg) - set(TORCH_KEYS))
+    if bad:
+        raise ValueError(
+            f"{key}.profiler.tool_config.torch has unknown keys {bad}; known: {list(TORCH_KEYS)}"
+        )
+    busy = {k: v for k, v in dict(torch_cfg.get("schedule") or {}).items() if v not in (0, None)}
+    if busy:
+        raise ValueError(
+            f"{key}.profiler.tool_config.torch.schedule={busy}: a torch.profiler schedule over mini-batches is "
+            "not implemented; a chosen step is traced whole (or per worker call with discrete=True). Leave "
+            "schedule.* at 0"
+        )
+    for k in ("profile_token_start", "profile_token_end"):
+        if torch_cfg.get(k) is not None:
+            raise ValueError(
+                f"{key}.profiler.tool_config.torch.{k}={torch_cfg[k]!r}: token windows are a vLLM engine "
+                "option; the rollout is traced over each whole generate call here. Leave it null"
+            )
+    return {"discrete": bool(torch_cfg.get("discrete", False))}
 
 
 def nsys_options(global_tool_config: dict[str, Any]) -> dict[str, Any]:

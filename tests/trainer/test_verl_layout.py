@@ -158,7 +158,7 @@ LISTED = [
     (f"{ARR}.actor.megatron.use_megatron_fsdp", "False", "True"),
     (f"{ARR}.rollout.skip_tokenizer_init", "True", "False"),
     (f"{ARR}.rollout.prometheus.enable", "False", "True"),
-    (f"{ARR}.rollout.profiler.enable", "False", "True"),
+    (f"{ARR}.rollout.profiler.relocate_results", "True", None),  # rollout.profiler.enable: a real key now
     (f"{ARR}.model.mtp.enable", "False", "True"),
     (f"{ARR}.model.lora.rank", "0", "8"),
     (f"{ARR}.model.exclude_modules", "null", "'[lm_head]'"),

@@ -36,6 +36,10 @@ class ProfWorker(StepProfiling, Worker):
     def work(self) -> float:
         return float((torch.randn(32, 32) @ torch.randn(32, 32)).sum())
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def generate_sequences(self) -> float:
+        return float((torch.randn(16, 16) @ torch.randn(16, 16)).sum())
+
 
 @pytest.fixture
 def group():
@@ -53,14 +57,55 @@ def config_for(tmp_path, tool="torch", steps=(1, 2, 4), continuous=False) -> PPO
     return c
 
 
-def run_steps(config, group, n=4) -> StepProfilerDriver:
+def run_steps(config, group, n=4, generate=False) -> StepProfilerDriver:
     workers = WorkerGroups(actor_rollout=group)
     driver = StepProfilerDriver(config, workers)
     for step in range(1, n + 1):
         driver.begin(step)
+        if generate:
+            workers.actor_rollout.generate_sequences()
         workers.actor_rollout.work()
         driver.end(step)
+        assert workers.actor_rollout is group  # unwrapped after every step
     return driver
+
+
+def test_torch_discrete_gives_each_call_of_a_chosen_step_its_own_trace(tmp_path, group):
+    c = config_for(tmp_path, steps=(2,))
+    c.actor_rollout_ref.actor.profiler.tool_config = {"torch": {"discrete": True, "contents": ["cpu"]}}
+    driver = run_steps(c, group, n=3, generate=True)
+    assert sorted(os.listdir(tmp_path)) == ["step_2_generate_sequences", "step_2_work"]
+    assert len(driver.traces) == 2
+
+
+def test_rollout_profiler_alone_traces_each_generate_call(tmp_path, group):
+    """veRL's rollout.profiler (examples/profile/run_qwen2_5_7b_torch_profile.sh) without the actor's:
+    only the generate calls of the chosen steps are traced; with the actor's, they are in its trace."""
+    c = config_for(tmp_path, steps=(1, 3))
+    c.actor_rollout_ref.actor.profiler.enable = False
+    c.actor_rollout_ref.rollout.profiler.enable = c.actor_rollout_ref.rollout.profiler.all_ranks = True
+    driver = run_steps(c, group, n=3, generate=True)
+    assert sorted(os.listdir(tmp_path)) == ["step_1_generate_sequences", "step_3_generate_sequences"]
+    assert len(driver.traces) == 2
+    both = config_for(tmp_path / "both", steps=(1,))
+    both.actor_rollout_ref.rollout.profiler.enable = True
+    run_steps(both, group, n=1, generate=True)
+    assert sorted(os.listdir(tmp_path / "both")) == ["step_1"]
+
+
+def test_torch_tool_config_refuses_what_it_cannot_honour():
+    glob = GlobalProfilerConfig(tool="torch")
+    for tool_config, match in (
+        ({"torch": {"schedule": {"active": 2}}}, "schedule"),
+        ({"torch": {"dicsrete": True}}, "unknown keys"),
+        ({"torch": {"profile_token_start": 5}}, "token windows"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            check_profiler(
+                glob, {"actor_rollout_ref.rollout": ProfilerConfig(enable=True, tool_config=tool_config)}
+            )
+    ok = {"torch": {"discrete": True, "schedule": {"active": 0, "wait": 0}, "profile_token_end": None}}
+    check_profiler(glob, {"actor_rollout_ref.rollout": ProfilerConfig(enable=True, tool_config=ok)})
 
 
 def test_session_bounds():

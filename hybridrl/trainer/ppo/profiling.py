@@ -6,7 +6,13 @@ worker group takes part when `actor_rollout_ref.actor.profiler.enable` or `.ref.
 `global_profiler.profile_continuous_steps=True` keeps one session open over consecutive chosen
 steps ([1, 2, 5]: one for 1-2, one for 5). Discrete mode (nsys: `global_tool_config.nsys.discrete`,
 npu: the role's `tool_config.npu.discrete`) gives every worker call of a chosen step its own
-session instead: during the step the group is replaced by a `DiscreteGroup` that brackets each call.
+session instead (torch too: the role's `tool_config.torch.discrete`): during the step the group is
+replaced by a `DiscreteGroup` that brackets each call.
+
+`actor_rollout_ref.rollout.profiler`: the rollout engine runs in the actor's process, so with the
+actor (or ref) profiler on, its generate calls are inside that trace (the rollout's ranks join the
+session); alone, each `generate_sequences` call of a chosen step gets its own session (discrete,
+as veRL requires for the rollout profiler), traced under `step_<n>_generate_sequences`.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from dataclasses import replace
 from typing import Any
 
 from hybridrl.utils.profiler import ProfilerConfig, profiled_steps, request_for
-from hybridrl.utils.profiler_tools import npu_options, nsys_options
+from hybridrl.utils.profiler_tools import npu_options, nsys_options, torch_options
+
+GENERATE_METHODS = ("generate_sequences",)
 
 
 def _union(a: ProfilerConfig, b: ProfilerConfig) -> ProfilerConfig:
@@ -39,18 +47,32 @@ def is_discrete(glob: Any, cfg: ProfilerConfig) -> bool:
         return nsys_options(glob.global_tool_config)["discrete"]
     if glob.tool == "npu":
         return npu_options(cfg.tool_config, "role")["discrete"]
+    if glob.tool == "torch":
+        return torch_options(cfg.tool_config, "role")["discrete"]
     return False
 
 
 class DiscreteGroup:
-    """A worker group whose every method call runs in its own profiler session (discrete mode)."""
+    """A worker group whose every method call (or those named in `only`) runs in its own profiler
+    session (discrete mode)."""
 
-    def __init__(self, group: Any, glob: Any, cfg: ProfilerConfig, step: int, traces: list[str]) -> None:
+    def __init__(
+        self,
+        group: Any,
+        glob: Any,
+        cfg: ProfilerConfig,
+        step: int,
+        traces: list[str],
+        only: tuple[str, ...] | None = None,
+    ) -> None:
         self._group, self._glob, self._cfg, self._step, self._traces = group, glob, cfg, step, traces
+        self._only = only
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._group, name)
         if not callable(attr) or name.startswith("_") or name in ("start_profile", "stop_profile"):
+            return attr
+        if self._only is not None and name not in self._only:
             return attr
 
         def bracketed(*args: Any, **kwargs: Any) -> Any:
@@ -74,19 +96,28 @@ class StepProfilerDriver:
         self.workers = workers
         self.steps = profiled_steps(self.glob)
         self.starts, self.ends = session_bounds(self.steps, self.glob.profile_continuous_steps)
+        actor = _union(arr.actor.profiler, arr.ref.profiler)
+        rollout = arr.rollout.profiler
         cfgs = {
-            "actor_rollout": _union(arr.actor.profiler, arr.ref.profiler),
+            "actor_rollout": _union(actor, rollout) if actor.enable else actor,
             "critic": config.critic.profiler,
         }
         self.groups = [
             (a, cfgs[a]) for a, _ in self.ROLES if getattr(workers, a, None) is not None and cfgs[a].enable
         ]
+        alone = rollout.enable and not actor.enable and getattr(workers, "actor_rollout", None) is not None
+        self.rollout = rollout if alone else None
         self.traces: list[str] = []
         self._first: dict[str, int] = {}
 
     def begin(self, step: int) -> None:
         if step not in self.steps:
             return
+        if self.rollout is not None:
+            group = self.workers.actor_rollout
+            self.workers.actor_rollout = DiscreteGroup(
+                group, self.glob, self.rollout, step, self.traces, only=GENERATE_METHODS
+            )
         for attr, cfg in self.groups:
             group = getattr(self.workers, attr)
             if is_discrete(self.glob, cfg):
@@ -103,3 +134,5 @@ class StepProfilerDriver:
                 setattr(self.workers, attr, group._group)
             elif step in self.ends:
                 self.traces += [p for p in group.stop_profile() if p]
+        if self.rollout is not None:
+            self.workers.actor_rollout = self.workers.actor_rollout._group

@@ -322,6 +322,7 @@ def check_profiler_keys(config: Any) -> None:
     roles = {
         "actor_rollout_ref.actor": arr.actor.profiler,
         "actor_rollout_ref.ref": arr.ref.profiler,
+        "actor_rollout_ref.rollout": arr.rollout.profiler,
         "critic": config.critic.profiler,
     }
     try:

@@ -40,7 +40,13 @@ ROLES = (f"{ARR}.actor", f"{ARR}.ref")
 MODELS = (f"{ARR}.model", "critic.model")
 OPTIMS = (f"{ARR}.actor.optim", "critic.optim")
 MEGATRON = (f"{ARR}.actor.megatron", f"{ARR}.ref.megatron", "critic.megatron")
-PROFILERS = ("global_profiler", f"{ARR}.actor.profiler", f"{ARR}.ref.profiler", "critic.profiler")
+PROFILERS = (
+    "global_profiler",
+    f"{ARR}.actor.profiler",
+    f"{ARR}.ref.profiler",
+    f"{ARR}.rollout.profiler",
+    "critic.profiler",
+)
 ROLLOUT = f"{ARR}.rollout"
 VLM = "multimodal data is issue 24 (vision-language RL); text data does not read it"
 NO_ENTROPY = "changes nothing here: that role computes no entropy (as in veRL)"
@@ -130,7 +136,11 @@ def _leaves() -> list[Leaf]:
         ]
     for p in PROFILERS:
         out += [
-            Leaf(f"{p}.relocate_results", (False,), "traces are written to global_profiler.save_path"),
+            Leaf(
+                f"{p}.relocate_results",
+                (False, True),
+                "veRL moves the traces to global_profiler.save_path; hybridrl writes them there",
+            ),
             Leaf(f"{p}.finish_hook_cmd", (None,), "no post-profiling hook is run"),
             Leaf(f"{p}.finish_hook_all_ranks", (False,), "no post-profiling hook is run"),
             Leaf(f"{p}.finish_hook_ranks", ([],), "no post-profiling hook is run"),
@@ -257,8 +267,6 @@ SECTIONS = (
     *(Section(f"{f}.turbo_config", None, (), "read by veRL's turbo engine only") for f in FSDP),
     Section(f"{ARR}.actor.qat", "enable", (False,), "quantization-aware training is not implemented"),
     Section(f"{ROLLOUT}.qat", "enable", (False,), "quantization-aware training is not implemented"),
-    Section(f"{ROLLOUT}.profiler", "enable", (False,), "the rollout engine's profiler is not wired here; "
-            "profile the actor and reference (actor_rollout_ref.actor.profiler) or the whole step (global_profiler)"),
     Section(f"{ROLLOUT}.prometheus", "enable", (False,), "the rollout engine exports no Prometheus metrics here; "
             "metrics go to trainer.logger"),
     Section(f"{ROLLOUT}.disaggregation", "enabled", (False,), "prefill/decode disaggregation is not implemented"),

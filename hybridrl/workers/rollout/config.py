@@ -42,6 +42,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.utils.profiler import ProfilerConfig
 from hybridrl.workers.agent.config import (
     AgentConfig,
     MultiTurnConfig,
@@ -168,6 +169,7 @@ class RolloutConfig:
     sglang_rollout_mode: str = "engine"
     server: ServerConfig = field(default_factory=ServerConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)  # trainer/ppo/profiling.py
     hf_decode_gemm_max_rows: int = 128  # hybridrl: see the module docstring; 0 = off
 
     def __post_init__(self) -> None:
