@@ -14,14 +14,19 @@ template (`tools=`), so the model sees the tool descriptions the way an OpenAI-s
 would show them.
 
 A plain function becomes a tool with `@function_tool`: its signature and docstring give the schema,
-it is called in a worker thread (so a slow function never stalls generation), and the string of its
-return value is the tool response.
+it is called in a worker thread (so a slow function never stalls generation), and its return value
+is the tool response (`normalize_tool_return`: a ToolResponse, a string, a dict as JSON, or a
+(response, reward, metrics) tuple, as veRL's function tools).
+
+veRL's newest tool API under the same module names is `hybridrl.tools` (base_tool, schemas,
+function_tool, tool_registry): a veRL tool changes only its import line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,9 +35,13 @@ from typing import Any
 __all__ = [
     "BaseTool",
     "FunctionTool",
+    "create_arguments",
     "ToolResponse",
     "function_tool",
     "is_function_tool",
+    "mark_function_tool",
+    "normalize_tool_return",
+    "schema_dict",
     "validate_tool_schema",
 ]
 
@@ -42,9 +51,63 @@ _FUNCTION_TOOL_ATTR = "__hybridrl_function_tool__"
 
 @dataclass
 class ToolResponse:
-    """What a tool gives back to the conversation (text only in hybridrl)."""
+    """What a tool gives back to the conversation (veRL's fields: text, and lists of images / videos
+    for vision-language models)."""
 
-    text: str = ""
+    text: str | None = ""
+    image: list[Any] | None = None
+    video: list[Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("image", "video"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, list):
+                raise ValueError(
+                    f"ToolResponse.{name} must be a list, got {type(value).__name__}; wrap a single one: "
+                    f"ToolResponse({name}=[x])"
+                )
+
+    def is_empty(self) -> bool:
+        return not self.text and not self.image and not self.video
+
+    def is_text_only(self) -> bool:
+        return bool(self.text) and not self.image and not self.video
+
+
+def schema_dict(schema: Any) -> Any:
+    """A tool schema as a plain dict (pydantic models from hybridrl.tools.schemas are dumped)."""
+    if hasattr(schema, "model_dump"):
+        return schema.model_dump(exclude_none=True)
+    if hasattr(schema, "items") and not isinstance(schema, dict):
+        return dict(schema)
+    return schema
+
+
+def _coerce_response(value: Any) -> ToolResponse:
+    if isinstance(value, ToolResponse):
+        return value
+    if isinstance(value, dict):
+        return ToolResponse(text=json.dumps(value, ensure_ascii=False))
+    return ToolResponse(text=value if isinstance(value, str) else str(value))
+
+
+def normalize_tool_return(ret: Any) -> tuple[ToolResponse, float, dict[str, Any]]:
+    """A function tool's return value -> (response, reward, metrics), veRL's accepted shapes.
+
+    ToolResponse / str / dict (as JSON) / anything else (its str) -> (that, 0.0, {});
+    (response,), (response, reward), (response, reward, metrics) with None meaning 0.0 / {}.
+    A tuple of any other length is a TypeError (almost always a bug in the tool).
+    """
+    if not isinstance(ret, tuple):
+        return _coerce_response(ret), 0.0, {}
+    if not 1 <= len(ret) <= 3:
+        raise TypeError(
+            f"a tool's return tuple must be (response,), (response, reward) or (response, reward, metrics); "
+            f"got {len(ret)} items: {ret!r}"
+        )
+    reward = 0.0 if len(ret) < 2 or ret[1] is None else float(ret[1])
+    metrics = {} if len(ret) < 3 or ret[2] is None else dict(ret[2])
+    return _coerce_response(ret[0]), reward, metrics
 
 
 def validate_tool_schema(schema: Any, where: str) -> dict[str, Any]:
@@ -53,8 +116,7 @@ def validate_tool_schema(schema: Any, where: str) -> dict[str, Any]:
     Returns:
         The schema as a plain dict with `function.parameters` defaulted to an empty object.
     """
-    if hasattr(schema, "items") and not isinstance(schema, dict):
-        schema = dict(schema)
+    schema = schema_dict(schema)
     if not isinstance(schema, dict) or not isinstance(schema.get("function"), dict):
         raise ValueError(
             f"{where}: tool_schema must be an OpenAI function schema "
@@ -76,16 +138,28 @@ class BaseTool:
 
     Args:
         config: the `config` mapping of the tool's yaml entry (free-form, tool-specific).
-        tool_schema: the OpenAI function schema (a dict) of the tool.
+        tool_schema: the OpenAI function schema of the tool: a dict, or veRL's
+            `OpenAIFunctionToolSchema` (hybridrl.tools.schemas); None takes the one the subclass's
+            `get_openai_tool_schema()` declares (veRL's tools without a yaml `tool_schema`).
     """
 
-    def __init__(self, config: dict[str, Any], tool_schema: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], tool_schema: Any = None) -> None:
         self.config = dict(config or {})
-        self.tool_schema = validate_tool_schema(tool_schema, type(self).__qualname__)
-        self.name: str = self.tool_schema["function"]["name"]
+        where = type(self).__qualname__
+        if tool_schema is None:
+            if type(self).get_openai_tool_schema is BaseTool.get_openai_tool_schema:
+                raise ValueError(
+                    f"{where}: no tool_schema; give `tool_schema` in the tool yaml entry or override "
+                    "get_openai_tool_schema() in the class"
+                )
+            tool_schema = self.get_openai_tool_schema()
+        self.schema = validate_tool_schema(tool_schema, where)  # the plain dict the chat template gets
+        # veRL's pydantic schema stays as given (its tools read `self.tool_schema.function.name`)
+        self.tool_schema = tool_schema if hasattr(tool_schema, "model_dump") else self.schema
+        self.name: str = self.schema["function"]["name"]
         self._instances: dict[str, dict[str, Any]] = {}
 
-    def get_openai_tool_schema(self) -> dict[str, Any]:
+    def get_openai_tool_schema(self) -> Any:
         return self.tool_schema
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:
@@ -107,6 +181,24 @@ class BaseTool:
 
     async def release(self, instance_id: str, **kwargs: Any) -> None:
         self._instances.pop(instance_id, None)
+
+
+def create_arguments(tool: BaseTool, create_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments `tool.create` gets for the row's `create_kwargs`.
+
+    hybridrl (and veRL before its agent-loop rewrite) spreads them (`create(ground_truth=...)`);
+    veRL's newest loop passes them whole (`create(create_kwargs={...})`). A `create` that takes
+    `**kwargs` gets both spellings, so tools written for either read their arguments; one that
+    names a `create_kwargs` parameter gets them whole; otherwise they are spread (an argument the
+    tool does not take is its TypeError, which the agent loop turns into an error response).
+    """
+    params = inspect.signature(tool.create).parameters
+    whole = {"create_kwargs": dict(create_kwargs)}
+    if "create_kwargs" in create_kwargs:
+        return dict(create_kwargs)
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return {**create_kwargs, **whole}
+    return whole if "create_kwargs" in params else dict(create_kwargs)
 
 
 def _param_schema(fn: Callable) -> dict[str, Any]:
@@ -132,6 +224,7 @@ class _FunctionSpec:
     name: str
     description: str
     parameters: dict[str, Any] = field(default_factory=dict)
+    schema: dict[str, Any] | None = None  # a whole OpenAI schema given by the decorator (veRL's schema=)
 
 
 def function_tool(
@@ -158,6 +251,14 @@ def function_tool(
     return mark(fn) if fn is not None else mark
 
 
+def mark_function_tool(fn: Callable, schema: dict[str, Any]) -> Callable:
+    """Mark `fn` as a tool with a whole (validated) OpenAI schema; returns `fn`."""
+    f = schema["function"]
+    spec = _FunctionSpec(fn, f["name"], f.get("description", ""), f["parameters"], schema=schema)
+    setattr(fn, _FUNCTION_TOOL_ATTR, spec)
+    return fn
+
+
 def is_function_tool(obj: Any) -> bool:
     return callable(obj) and isinstance(getattr(obj, _FUNCTION_TOOL_ATTR, None), _FunctionSpec)
 
@@ -169,7 +270,7 @@ class FunctionTool(BaseTool):
         if not is_function_tool(fn):
             raise TypeError(f"FunctionTool needs a @function_tool function; got {fn!r}")
         spec: _FunctionSpec = getattr(fn, _FUNCTION_TOOL_ATTR)
-        schema = {
+        schema = spec.schema or {
             "type": "function",
             "function": {"name": spec.name, "description": spec.description, "parameters": spec.parameters},
         }
@@ -183,4 +284,4 @@ class FunctionTool(BaseTool):
             result = await self.fn(**parameters)
         else:
             result = await asyncio.to_thread(self.fn, **parameters)
-        return ToolResponse(text=str(result)), 0.0, {}
+        return normalize_tool_return(result)

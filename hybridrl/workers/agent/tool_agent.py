@@ -32,7 +32,7 @@ from hybridrl.workers.agent.interaction import row_interaction_kwargs
 from hybridrl.workers.agent.loop import AgentLoopBase, AgentLoopOutput, register_agent_loop
 from hybridrl.workers.agent.parser import ToolCall, get_tool_parser
 from hybridrl.workers.agent.tokenization import ToolTurnRenderer, check_tokenization, conversation_ids
-from hybridrl.workers.agent.tool import ToolResponse
+from hybridrl.workers.agent.tool import ToolResponse, create_arguments, schema_dict
 from hybridrl.workers.agent.trace import set_span_outputs, span
 from hybridrl.workers.rollout.base import SamplingSpec
 
@@ -93,7 +93,9 @@ class TrajectoryTools:
             return f"Error: unknown tool {call.name!r}; available tools: {', '.join(sorted(self.tools)) or 'none'}"
         try:
             if call.name not in self.instances:
-                created = await tool.create(None, **self._kw(call.name, "create_kwargs"))
+                created = await tool.create(
+                    None, **create_arguments(tool, self._kw(call.name, "create_kwargs"))
+                )
                 self.instances[call.name] = created[0] if isinstance(created, tuple) else created
             result = await asyncio.wait_for(
                 tool.execute(
@@ -112,7 +114,15 @@ class TrajectoryTools:
             response = result[0]
             reward = float(result[1]) if len(result) > 1 and result[1] is not None else 0.0
         self.step_reward += reward
-        return response.text if isinstance(response, ToolResponse) else str(response)
+        if not isinstance(response, ToolResponse):
+            return str(response)
+        if response.image or response.video:
+            self.errors += 1
+            return (
+                f"Error: tool {call.name!r} returned images or videos; this agent loop passes text only "
+                "(multimodal tool responses need a vision-language model run)"
+            )
+        return response.text or ""
 
     async def finish(self) -> float | None:
         """calc_reward and release every created tool; the summed reward (None if no tool ran)."""
@@ -188,7 +198,7 @@ class ToolAgentLoop(AgentLoopBase):
         self.mt = context.config.multi_turn
         self.parser = get_tool_parser(self.mt.format)
         self.renderer = ToolTurnRenderer(context.tokenizer)
-        self.schemas = [t.get_openai_tool_schema() for t in context.tools.values()]
+        self.schemas = [schema_dict(t.get_openai_tool_schema()) for t in context.tools.values()]
 
     def _prompt(self, prompt_ids: list[int], raw_prompt: Any) -> list[int]:
         """veRL: with `raw_prompt` (data.return_raw_chat) and tools, the prompt is rendered with the

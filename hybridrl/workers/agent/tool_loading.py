@@ -22,7 +22,7 @@ import importlib.util
 import os
 from typing import Any
 
-from hybridrl.workers.agent.tool import BaseTool, FunctionTool, is_function_tool
+from hybridrl.workers.agent.tool import BaseTool, FunctionTool, is_function_tool, validate_tool_schema
 
 __all__ = ["VERL_TOOL_ALIASES", "import_object", "load_function_tools", "load_tools", "load_tools_from_yaml"]
 
@@ -57,8 +57,23 @@ def _read_yaml(path: str) -> Any:
     return OmegaConf.to_container(OmegaConf.load(os.path.expanduser(path)), resolve=True)
 
 
+def _schema_of(schema: Any, where: str) -> Any:
+    """The entry's tool_schema as veRL hands it to the class (an OpenAIFunctionToolSchema, readable
+    as a dict too); None when absent (the class then declares it in get_openai_tool_schema)."""
+    if schema is None:
+        return None
+    from pydantic import ValidationError
+
+    from hybridrl.tools.schemas import OpenAIFunctionToolSchema
+
+    try:
+        return OpenAIFunctionToolSchema.model_validate(validate_tool_schema(schema, where))
+    except ValidationError as e:
+        raise ValueError(f"{where}: tool_schema is not an OpenAI function schema: {e}") from None
+
+
 def load_tools_from_yaml(path: str) -> list[BaseTool]:
-    """The tools of a veRL-format tool yaml, in file order."""
+    """The tools of a veRL-format tool config (yaml or json), in file order."""
     key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
     data = _read_yaml(path)
     entries = data.get("tools") if isinstance(data, dict) else None
@@ -70,17 +85,19 @@ def load_tools_from_yaml(path: str) -> list[BaseTool]:
     for i, entry in enumerate(entries):
         where = f"{key}={path!r}, tools[{i}]"
         if not isinstance(entry, dict) or "class_name" not in entry:
-            raise ValueError(f"{where}: each entry needs class_name, config and tool_schema")
+            raise ValueError(
+                f"{where}: each entry needs class_name, config and (or a class-declared) tool_schema"
+            )
         config = dict(entry.get("config") or {})
-        if str(config.get("type", "native")).lower() == "mcp":
+        kind = str(config.get("type", "native")).lower()
+        if kind == "mcp":
             raise ValueError(f"{where}: MCP tools (config.type: mcp) are not supported; write a BaseTool")
+        if kind != "native":
+            raise ValueError(f"{where}: config.type={kind!r}; the tool types are native (a BaseTool class)")
         cls = import_object(entry["class_name"], where)
         if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
             raise TypeError(f"{where}: {entry['class_name']!r} is not a hybridrl BaseTool subclass")
-        schema = entry.get("tool_schema")
-        if schema is None:
-            raise ValueError(f"{where}: tool_schema is missing (an OpenAI function schema)")
-        tools.append(cls(config, schema))
+        tools.append(cls(config, _schema_of(entry.get("tool_schema"), where)))
     return tools
 
 
