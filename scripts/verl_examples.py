@@ -269,7 +269,28 @@ def blocking_key(message: str) -> str | None:
     return None
 
 
-def check(overrides: list[str], root: Path, placeholder: str, config_name: str = "ppo_trainer") -> dict:
+def command_line_refusals(cli: list[str]) -> list[str]:
+    """The overrides main_ppo's command line refuses before composing (its unknown-key check)."""
+    from hybridrl.trainer.ppo.config import PPOConfig
+    from hybridrl.trainer.ppo.verl_layout import layout_knows
+    from hybridrl.utils.config_loader import ConfigError, check_override_keys
+
+    bad = []
+    for o in cli:
+        try:
+            check_override_keys([o], PPOConfig, "ppo_trainer.yaml", layout_knows)
+        except ConfigError:
+            bad.append(o)
+    return bad
+
+
+def check(
+    overrides: list[str],
+    root: Path,
+    placeholder: str,
+    config_name: str = "ppo_trainer",
+    cli: list[str] | None = None,
+) -> dict:
     """hybridrl's config stage on one call: {'status': pass|fail, 'unknown': [...], 'error': str}.
 
     On a failure the override behind it is dropped and the stage runs again, so `unknown` lists
@@ -279,7 +300,9 @@ def check(overrides: list[str], root: Path, placeholder: str, config_name: str =
     cwd = os.getcwd()
     os.chdir(root)  # relative paths (custom reward files) resolve as in the script's folder
     out = {"status": "pass", "unknown": [], "error": "", "stand_in": []}
-    todo = list(overrides)
+    refused = command_line_refusals(cli or [])  # the command line's check, as `python -m` runs it
+    out["unknown"] += [key_of(o) for o in refused]
+    todo = [o for o in overrides if o not in refused]
     try:
         for _ in range(60):
             cfg, refused = compose_collecting(todo, config_name)
@@ -330,7 +353,11 @@ def measure(root: Path) -> list[dict]:
             if cat == "image":
                 row["status"] = "skip"
             else:
-                row.update(check(full, root, str(placeholder), base_config(root, script, cpath, cname)))
+                row.update(
+                    check(
+                        full, root, str(placeholder), base_config(root, script, cpath, cname), cli=overrides
+                    )
+                )
             rows.append(row)
     return rows
 

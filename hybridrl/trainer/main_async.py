@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, load_async_config
 from hybridrl.trainer.async_ppo.launch import compose_async_config, run_async_config
 from hybridrl.trainer.ppo.config_stage import load_for_cli, override_key, prepare_argv
+from hybridrl.trainer.ppo.verl_layout import layout_knows
 from hybridrl.utils.cli import check_command_line
 
 
@@ -41,7 +42,7 @@ def main(config: DictConfig | dict | list[str] | None = None) -> dict[str, float
         print(OmegaConf.to_yaml(OmegaConf.structured(AsyncPPOConfig).async_training))
         return {}
     argv = prepare_argv(["main_async", *argv])[1:]
-    check_command_line(argv, AsyncPPOConfig, "ppo_trainer")
+    check_command_line(argv, AsyncPPOConfig, "ppo_trainer", also_known=layout_knows)
     explicit = {override_key(o) for o in argv}
     return run_async_config(load_for_cli(compose_async_config(argv), load_async_config, explicit))
 

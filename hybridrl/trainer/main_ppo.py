@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from hybridrl.trainer.ppo.config import PPOConfig, load_config
 from hybridrl.trainer.ppo.config_stage import check_startup, load_for_cli, prepare_argv
 from hybridrl.trainer.ppo.launch import run_ppo_config
+from hybridrl.trainer.ppo.verl_layout import layout_knows
 from hybridrl.utils.cli import hydra_cli
 
 
@@ -45,7 +46,7 @@ def main(config: DictConfig | dict | None = None) -> dict[str, float] | None:
     if config is not None:
         return run_ppo_config(check_startup(config))
     sys.argv = prepare_argv(sys.argv)  # veRL's `+key=` / `key=` spellings both reach the schema
-    hydra_cli(__doc__, "ppo_trainer", PPOConfig, run_ppo_cli)
+    hydra_cli(__doc__, "ppo_trainer", PPOConfig, run_ppo_cli, also_known=layout_knows)
     return None
 
 

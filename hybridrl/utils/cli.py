@@ -27,15 +27,23 @@ def print_help(doc: str | None, config_name: str) -> None:
     print((CONFIG_DIR / f"{config_name}.yaml").read_text())
 
 
-def check_command_line(argv: list[str], schema_cls: type, config_name: str) -> None:
-    """Exit with `ConfigError: ...` when a command-line key is not in `schema_cls`."""
+def check_command_line(
+    argv: list[str], schema_cls: type, config_name: str, also_known: Callable[[str], bool] | None = None
+) -> None:
+    """Exit with `ConfigError: ...` when a command-line key is not in `schema_cls` (nor `also_known`)."""
     try:
-        check_override_keys(argv, schema_cls, f"hybridrl/trainer/config/{config_name}.yaml")
+        check_override_keys(argv, schema_cls, f"hybridrl/trainer/config/{config_name}.yaml", also_known)
     except ConfigError as e:
         sys.exit(f"ConfigError: {e}")
 
 
-def hydra_cli(doc: str | None, config_name: str, schema_cls: type, run: Callable[[Any], Any]) -> None:
+def hydra_cli(
+    doc: str | None,
+    config_name: str,
+    schema_cls: type,
+    run: Callable[[Any], Any],
+    also_known: Callable[[str], bool] | None = None,
+) -> None:
     """Run one Hydra entry point: help, command-line key check, compose, `run(cfg)`."""
     import hydra
 
@@ -43,7 +51,7 @@ def hydra_cli(doc: str | None, config_name: str, schema_cls: type, run: Callable
     if wants_help(argv):
         print_help(doc, config_name)
         sys.exit(0)
-    check_command_line(argv, schema_cls, config_name)
+    check_command_line(argv, schema_cls, config_name, also_known)
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name=config_name, version_base=None)
     def _main(cfg) -> None:

@@ -11,6 +11,7 @@ before Hydra sees it (Hydra alone would only say "not in struct").
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +100,13 @@ def _under_open_node(node: DictConfig, key: str, known: list[str]) -> bool:
     return False
 
 
-def check_override_keys(argv: list[str], schema_cls: type, every_key: str) -> None:
+def check_override_keys(
+    argv: list[str], schema_cls: type, every_key: str, also_known: Callable[[str], bool] | None = None
+) -> None:
     """Fail on a command-line `key=value` whose key the schema lacks, suggesting close keys.
 
-    Hydra's own options (`hydra.*`, `--...`) and `~key` deletions are left to Hydra.
+    Hydra's own options (`hydra.*`, `--...`) and `~key` deletions are left to Hydra; keys for
+    which `also_known(key)` is true (veRL's newest layout, mapped by the config stage) pass.
     """
     node = OmegaConf.structured(schema_cls)
     known = all_keys(node)
@@ -111,6 +115,8 @@ def check_override_keys(argv: list[str], schema_cls: type, every_key: str) -> No
             continue
         key = arg.split("=", 1)[0].lstrip("+")
         if key.startswith("hydra.") or key in known or _under_open_node(node, key, known):
+            continue
+        if also_known is not None and also_known(key):
             continue
         raise ConfigError(
             f"unknown config key '{key}' on the command line.{suggest(key, known)} Every key is listed in {every_key}."

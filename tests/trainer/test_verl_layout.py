@@ -211,3 +211,24 @@ def test_every_section_is_dropped_when_off_and_refused_when_on(section):
     if section.switch is not None:
         with pytest.raises(ConfigError, match=f"{section.prefix}.{section.switch}".replace(".", r"\.")):
             _layout([f"{section.prefix}.{section.switch}=__on__"])
+
+
+def test_command_line_check_lets_the_newest_layout_through():
+    """`python -m hybridrl.trainer.main_ppo reward.reward_manager.name=naive ...` reaches the config
+    stage (the unknown-key check before compose asks verl_layout), while a typo still fails."""
+    from hybridrl.trainer.ppo.config import PPOConfig
+    from hybridrl.trainer.ppo.verl_layout import layout_knows
+    from hybridrl.utils.config_loader import check_override_keys
+
+    ok = [
+        "++reward.reward_manager.name=naive",
+        "reward.num_workers=2",
+        "reward.reward_model.rollout.name=hf",
+        "critic.fsdp.param_offload=true",
+        f"{ARR}.actor.fsdp_config.use_orig_params=False",
+        f"{ARR}.model.mtp.enable=False",
+    ]
+    check_override_keys(ok, PPOConfig, "ppo_trainer.yaml", layout_knows)
+    for bad in ("reward.reward_manger.name=naive", f"{ARR}.actor.fsdp_config.use_orig_param=False"):
+        with pytest.raises(ConfigError, match="unknown config key"):
+            check_override_keys([bad], PPOConfig, "ppo_trainer.yaml", layout_knows)

@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hybridrl.trainer.ppo.verl_layout_refusals import check_accepted, drop_key
+from hybridrl.trainer.ppo.verl_layout_refusals import LEAVES, SECTIONS, check_accepted, drop_key
 from hybridrl.utils.config_loader import ConfigError
 
 ARR = "actor_rollout_ref"
@@ -186,6 +186,21 @@ def apply_min_lr(node: DictConfig, explicit_keys: set[str] | None, defaults: Dic
         OmegaConf.update(node, ratio_key, ratio, force_add=True)
         set_here.add(ratio_key)
     return set_here
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + ".")
+
+
+def layout_knows(key: str) -> bool:
+    """Whether the config stage takes `key` although the yaml lacks it: a key veRL moved (MOVED, or
+    below a moved subtree), or one of `verl_layout_refusals`' accepted leaves and sections (which
+    take or refuse its value with a reason). The command line's unknown-key check asks this."""
+    return (
+        any(_under(key, new) for new in MOVED)
+        or any(key == leaf.key for leaf in LEAVES)
+        or any(_under(key, s.prefix) for s in SECTIONS)
+    )
 
 
 def apply_verl_layout(
