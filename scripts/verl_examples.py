@@ -225,7 +225,7 @@ def compose_collecting(overrides: list[str], config_name: str = "ppo_trainer") -
     """Hydra-compose hybridrl's ppo_trainer.yaml with `overrides`; an override Hydra refuses is
     recorded and dropped, and composing goes on, so every unknown key of a script is found."""
     from hydra import compose, initialize_config_dir
-    from hydra.errors import ConfigCompositionException
+    from hydra.errors import ConfigCompositionException, OverrideParseException
 
     from hybridrl.trainer.ppo import config_stage
 
@@ -234,6 +234,12 @@ def compose_collecting(overrides: list[str], config_name: str = "ppo_trainer") -
         try:
             with initialize_config_dir(config_dir=config_stage.CONFIG_DIR, version_base=None):
                 return compose(config_name=config_name, overrides=todo), refused
+        except OverrideParseException as e:  # e.g. a script's `key=<path_to_config>` placeholder
+            bad = [o for o in todo if o in str(e)]
+            if not bad:
+                raise
+            refused.append(f"{key_of(bad[0])} (not a valid override: {bad[0].split('=', 1)[-1][:40]})")
+            todo.remove(bad[0])
         except ConfigCompositionException as e:
             m = re.search(r"(?:override|at) '([^']+)'", str(e))
             bad = [o for o in todo if m and key_of(o) == m.group(1)]

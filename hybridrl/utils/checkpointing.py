@@ -197,7 +197,10 @@ def fingerprint(digest: dict[str, str]) -> str:
 
 
 def differing_keys(a: dict[str, str], b: dict[str, str]) -> list[str]:
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    """Identity keys both digests have, with different values. A key only one side has is a key
+    another hybridrl version added or removed: not compared, so upgrading the library does not
+    make a run's own checkpoints look like another run's."""
+    return sorted(k for k in set(a) & set(b) if a[k] != b[k])
 
 
 # ---------------------------------------------------------------------------------- meta, verify

@@ -99,8 +99,8 @@ class RunCheckpoints:
     def _adopt(self, meta: dict, path: str, strict: bool) -> None:
         """Continue the run of checkpoint `path` (refused, when `strict`, if its config differs)."""
         theirs = meta.get("config_digest")
-        if theirs is not None and meta.get("config_fingerprint") != self.fingerprint:
-            keys = ck.differing_keys(theirs, self.digest)
+        keys = ck.differing_keys(theirs, self.digest) if theirs is not None else []
+        if keys:
             shown = ", ".join(keys[:12]) + (f" (+{len(keys) - 12} more)" if len(keys) > 12 else "")
             msg = (
                 f"{path} belongs to run {meta.get('run_id')} ({meta.get('experiment')}) whose config "
