@@ -150,6 +150,12 @@ def _validate_loss(loss: DistillationLossConfig) -> None:
         )
     if uses_topk(loss.loss_mode) and (loss.topk is None or loss.topk < 1):
         raise ConfigError(f"{key}.topk must be >= 1 with loss_mode={loss.loss_mode}, got {loss.topk}")
+    if uses_topk(loss.loss_mode):
+        raise ConfigError(
+            f"{key}.loss_mode={loss.loss_mode} is not available yet: the training engines return the sampled "
+            "token's log-prob, not the vocabulary's top-k (hybridrl/algos/distillation.py has the loss); use "
+            "loss_mode=k3 (supervised) or k1 with use_policy_gradient=true"
+        )
     if loss.loss_max_clamp is not None and loss.loss_max_clamp <= 0:
         raise ConfigError(f"{key}.loss_max_clamp must be > 0 or null, got {loss.loss_max_clamp}")
     if loss.log_prob_min_clamp is not None and loss.log_prob_min_clamp >= 0:

@@ -72,6 +72,7 @@ def test_multi_teacher_drops_the_default_entry_and_routes_by_key():
         ([*ON, "distillation.distillation_loss.clip_ratio_low=1.5"], r"clip_ratio_low"),
         ([*ON, "distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=0"],
          r"topk must be >= 1"),
+        ([*ON, "distillation.distillation_loss.loss_mode=forward_kl_topk"], r"not available yet.*k3"),
         ([*ON, "distillation.teacher_models.teacher_model.inference.max_model_len=10"], r"max_model_len=10 <"),
         (["distillation.enabled=true", "+distillation.teacher_models.x.key=k", "+distillation.teacher_models.x.model_path=p",
           "+distillation.teacher_models.x.num_replicas=1"], r"sum to 2 slots.*= 0"),
@@ -91,3 +92,12 @@ def test_bad_values_fail_naming_the_key(overrides, match):
 def test_server_only_inference_keys_are_accepted_with_a_note(capsys):
     load(*ON, "distillation.teacher_models.teacher_model.inference.gpu_memory_utilization=0.3")
     assert "inference.{gpu_memory_utilization} tune an inference server" in capsys.readouterr().out
+
+
+def test_main_async_refuses_distillation():
+    from hybridrl.trainer.async_ppo.config import load_async_config
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        cfg = compose("ppo_trainer", overrides=ON)
+    with pytest.raises(ConfigError, match="not supported by main_async yet"):
+        load_async_config(cfg)
