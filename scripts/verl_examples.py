@@ -191,6 +191,12 @@ def categorise(script: Path, overrides: list[str], cname: str | None) -> str:
     return "text"
 
 
+def is_opd(overrides: list[str]) -> bool:
+    """Whether a launch turns on-policy distillation on (`distillation.enabled=True`)."""
+    return any(o.partition("=")[0].lstrip("+") == "distillation.enabled" and o.partition("=")[2].strip().lower()
+               == "true" for o in overrides)  # fmt: skip
+
+
 def needs_expert_parallel(overrides: list[str]) -> bool:
     """Whether an override sets an expert-parallel size above 1."""
     for o in overrides:
@@ -356,6 +362,7 @@ def measure(root: Path) -> list[dict]:
             full = yaml_overrides(root, script, cpath, cname) + overrides
             cat = categorise(script, full, cname)
             row = {"script": str(script.relative_to(root)), "category": cat, "overrides": full}
+            row["opd"] = is_opd(full)
             if cat == "image":
                 row["status"] = "skip"
             else:
@@ -411,6 +418,14 @@ def report(rows: list[dict], show: bool) -> None:
             for r in group:
                 if r["status"] == "fail":
                     print(f"  FAIL {r['script']}: unknown={r['unknown']} {r['error']}")
+    opd = [r for r in rows if r.get("opd")]  # across the categories above (also counted there)
+    for r in opd:
+        print(f"  on-policy distillation [{r['category']}] {r['status']}: {r['script']}")
+    checked = [r for r in opd if r["status"] != "skip"]
+    ok = sum(r["status"] == "pass" for r in checked)
+    print(
+        f"on-policy distillation (distillation.enabled=True; image scripts skipped): {ok}/{len(checked)} pass"
+    )
 
 
 if __name__ == "__main__":

@@ -23,12 +23,19 @@ from hybridrl.algos.kl import kl_penalty
 from hybridrl.algos.policy_loss import get_policy_loss_fn
 from hybridrl.protocol import DataProto
 from hybridrl.workers.config import ActorConfig
+from hybridrl.workers.distillation import add_distillation_loss
 from hybridrl.workers.engine.base import LogProbRequest, LogProbs
 from hybridrl.workers.engine.batching import mean_over_ranks, merge_outputs, response_mask_of
 from hybridrl.workers.engine.update_loop import MicroBatchedRole, combine_micro_metrics, micro_loss_aux
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
-_OPTIONAL_KEYS = ("response_mask", "ref_log_prob", "rollout_is_weights", "rollout_log_probs")
+_OPTIONAL_KEYS = (
+    "response_mask",
+    "ref_log_prob",
+    "rollout_is_weights",
+    "rollout_log_probs",
+    "teacher_log_probs",
+)
 
 
 class PPOActor(MicroBatchedRole):
@@ -45,8 +52,11 @@ class PPOActor(MicroBatchedRole):
 
     role = "actor"
 
-    def __init__(self, config: ActorConfig | None, engine: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, config: ActorConfig | None, engine: Any, *args: Any, distillation: Any = None, **kwargs: Any
+    ) -> None:
         super().__init__(config or ActorConfig(), engine, *args, **kwargs)
+        self.distillation = distillation  # distillation.distillation_loss (workers/distillation.py), or None
         self.policy_loss_fn = get_policy_loss_fn(self.config.policy_loss.loss_mode)
 
     # ------------------------------------------------------------------------------------------
@@ -174,6 +184,10 @@ class PPOActor(MicroBatchedRole):
                 f"ppo_epochs {bs.epochs if bs else None}), so they cannot be taken from the update's own "
                 "forward: compute them first (compute_log_prob)"
             )
+        if self.distillation is not None and "teacher_log_probs" not in data.batch.keys():
+            raise KeyError(
+                "distillation.enabled=True needs 'teacher_log_probs' in the batch (the teachers' pass)"
+            )
         if self.config.use_kl_loss:
             if "ref_log_prob" not in data.batch.keys():
                 raise KeyError(
@@ -235,7 +249,14 @@ class PPOActor(MicroBatchedRole):
             kl_loss = agg_loss(kld, mask, c.loss_agg_mode, loss_scale=loss_scale)
             loss = loss + c.kl_loss_coef * kl_loss
             sums["actor/kl_loss"] = float(kl_loss.detach())
-        return loss, micro_loss_aux(sums, {f"actor/{k}": v for k, v in pg_metrics.items()}, mask)
+        means = {f"actor/{k}": v for k, v in pg_metrics.items()}
+        if self.distillation is not None:  # on-policy distillation: workers/distillation.py
+            loss, d_sums, d_means = add_distillation_loss(
+                self.distillation, loss, log_prob, micro, mask, loss_agg_mode=c.loss_agg_mode,
+                loss_scale=loss_scale, old_log_prob=micro["old_log_probs"] if has_old else log_prob.detach(),
+            )  # fmt: skip
+            sums, means = {**sums, **d_sums}, {**means, **d_means}
+        return loss, micro_loss_aux(sums, means, mask)
 
     def update_policy(self, data: DataProto, *, temperature: float = 1.0) -> dict[str, list[float]]:
         """PPO epochs over mini-batches of `data`; one optimizer step per mini-batch.

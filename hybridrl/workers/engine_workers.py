@@ -93,8 +93,10 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         peak_flops: float | None = None,
         dims: ParallelDims | None = None,
         disaggregated: bool = False,
+        distillation: Any = None,
     ) -> None:
         super().__init__()
+        self.distillation = distillation  # distillation.distillation_loss when on (the actor's loss term)
         if role not in ROLES:
             raise ValueError(f"ActorRolloutRefWorker role={role!r}; expected one of {ROLES}")
         self.model_config = model
@@ -145,8 +147,9 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
                 "actor", self.model_config, a, a.optim, "actor_rollout_ref.actor", model_key, self, "actor"
             )
             self.actor = PPOActor(
-                a, self.actor_engine, batch_sizes=self.actor_batch_sizes, peak_flops=self.peak_flops
-            )
+                a, self.actor_engine, batch_sizes=self.actor_batch_sizes, peak_flops=self.peak_flops,
+                distillation=self.distillation,
+            )  # fmt: skip
         if self._is_ref:
             self._lora_self_ref = self._is_actor and (
                 self.model_config.lora_rank > 0 or bool(self.model_config.lora_adapter_path)

@@ -165,7 +165,6 @@ LISTED = [
     (f"{ARR}.actor.router_replay.mode", "disabled", "R3"),
     (f"{ARR}.rollout.data_parallel_size", "1", "2"),
     (f"{ARR}.rollout.expert_parallel_size", "1", "4"),
-    ("distillation.enabled", "False", "True"),
     ("data.image_key", "images", "pixels"),
 ]
 

@@ -21,6 +21,7 @@ import shutil
 import uuid
 from typing import Any
 
+from hybridrl.trainer.ppo.teachers import teacher_meta
 from hybridrl.utils import checkpointing as ck
 
 __all__ = ["CheckpointDirError", "RunCheckpoints"]
@@ -46,6 +47,7 @@ class RunCheckpoints:
         self.fingerprint = ck.fingerprint(self.digest)
         self.experiment = f"{self.tr.project_name}/{self.tr.experiment_name}"
         self.run_id: str | None = None
+        self.teachers = teacher_meta(config)  # distillation teachers' paths (they are not checkpointed)
         self._delete_after_save: str | None = None
         self._plan: list[str] | None = None
 
@@ -151,6 +153,7 @@ class RunCheckpoints:
                 "config_digest": self.digest,
                 "global_step": step,
                 "parts": sorted(parts),
+                **({"distillation_teachers": self.teachers} if self.teachers else {}),
             },
         )
         final = ck.finalize(self.root, step)

@@ -32,6 +32,7 @@ from hybridrl.trainer.ppo.verl_misc import apply_verl_misc
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
+from hybridrl.workers.distillation_config import DistillationConfig, validate_distillation
 from hybridrl.workers.parallel_dims import ParallelDims
 from hybridrl.workers.rollout.config import RolloutConfig
 
@@ -60,6 +61,7 @@ class PPOConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)  # veRL's on-policy distillation
     # veRL's newest engine switch for actor, ref and critic ("dp" / "fsdp", "megatron"); see ppo/model_engine.py
     model_engine: str | None = None
 
@@ -184,6 +186,7 @@ def validate_config(config: PPOConfig) -> None:
         )
     _validate_rollout_parallel(config, world)
     _validate_paths(config)
+    validate_distillation(config.distillation, arr.rollout, arr.actor)
     if config.reward_model.enable and not config.reward_model.model.path:
         raise ConfigError(
             "reward_model.enable=True needs reward_model.model.path (a sequence-classification model)"

@@ -37,6 +37,7 @@ from hybridrl.trainer.ppo.checkpoints import RunCheckpoints
 from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
 from hybridrl.trainer.ppo.profiling import StepProfilerDriver
 from hybridrl.trainer.ppo.reward_guard import ConstantRewardGuard
+from hybridrl.trainer.ppo.teachers import teacher_step
 from hybridrl.trainer.ppo.workers import WorkerGroups
 from hybridrl.utils import checkpointing
 from hybridrl.utils.metrics import (
@@ -159,6 +160,7 @@ class RayPPOTrainer:
                 self._balance_batch(batch, metrics)
                 batch = self._compute_old_log_prob(batch, metrics, timing)
                 batch = self._compute_ref_log_prob(batch, timing)
+                batch = teacher_step(self, batch, metrics, timing)  # on-policy distillation
                 batch = self._compute_values(batch, timing)
                 batch = self._compute_advantage(batch, metrics, timing)
                 self._update_critic(batch, metrics, timing)

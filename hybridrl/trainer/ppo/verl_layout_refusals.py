@@ -270,7 +270,6 @@ SECTIONS = (
     Section(f"{ROLLOUT}.prometheus", "enable", (False,), "the rollout engine exports no Prometheus metrics here; "
             "metrics go to trainer.logger"),
     Section(f"{ROLLOUT}.disaggregation", "enabled", (False,), "prefill/decode disaggregation is not implemented"),
-    Section("distillation", "enabled", (False,), "on-policy distillation (distillation.*) is issue 25"),
     Section("transfer_queue", "enable", (False,), "the batch moves through the driver (no transfer queue)"),
     *(Section(f"skip.{k}", "enable", (False,), "rollout caching (skip.*) is not implemented")
       for k in ("rollout", "rollout_tq", "async_rollout")),

@@ -15,6 +15,7 @@ from hybridrl.single_controller.backend import resolve_backend
 from hybridrl.single_controller.local import LocalWorkerGroup
 from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
+from hybridrl.trainer.ppo.teachers import teacher_role_classes, teacher_views
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 from hybridrl.workers.megatron_config import check_colocated_megatron
@@ -31,6 +32,7 @@ class WorkerGroups:
     critic: Any = None
     reward_model: Any = None
     reward_loop: Any = None  # RewardLoopManager with reward_model.use_reward_loop (start_reward_loop)
+    teachers: dict | None = None  # distillation: {teacher key: view} (trainer/ppo/teachers.py)
     _group: Any = None
     _pool: Any = None
 
@@ -93,9 +95,11 @@ def role_classes(config, world: int, threads: int | None, peak_flops: float | No
             pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
             peak_flops=peak_flops,
             dims=dims,
+            distillation=config.distillation.distillation_loss if config.distillation.enabled else None,
         )
     }
     classes.update(support_role_classes(config, critic_cls, reward_cls, world, threads, peak_flops))
+    classes.update(teacher_role_classes(config, actor_cls, threads))
     return classes
 
 
@@ -142,11 +146,17 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
         actor_rollout=views["actor_rollout"],
         critic=views.get("critic"),
         reward_model=views.get("reward_model"),
+        teachers=teacher_views(config, views),
         _group=group,
         _pool=pool,
     )
-    # Critic and reward model first, the actor (and its rollout engine) last, as veRL does.
-    for name in ("critic", "reward_model", "actor_rollout"):
+    # Critic, reward model and teachers first, the actor (and its rollout engine) last, as veRL does.
+    for name in (
+        "critic",
+        "reward_model",
+        *sorted(k for k in views if k.startswith("teacher_")),
+        "actor_rollout",
+    ):
         if name in views:
             views[name].init_model()
     return groups

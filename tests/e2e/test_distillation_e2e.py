@@ -1,0 +1,73 @@
+"""On-policy distillation end to end: a colocated teacher on 2 Ray ranks (FSDP2), self-distillation.
+
+With the teacher = the student's own starting weights, the teacher's log-probs at step 1 equal the
+student's old log-probs exactly (same model, same fp32 forward), so the per-token KL and the k3
+loss are 0; after one update the student has moved and both are > 0. The teacher's path is in the
+checkpoint's meta and it is not checkpointed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hybridrl.protocol import DataProto
+from hybridrl.trainer.ppo.teachers import route_rows
+from tests.e2e.ppo_runs import assert_finite, run
+
+DISTILL = [
+    "distillation.enabled=true",
+    "distillation.teacher_models.teacher_model.model_path=builtin:tiny",
+    "trainer.n_gpus_per_node=2",
+    "trainer.backend=ray",
+    "trainer.save_freq=2",
+]
+
+
+def _two_steps(tmp_path, *extra):
+    rows = [r for r in run([*DISTILL, *extra], tmp_path) if "actor/pg_loss" in r]
+    assert len(rows) == 2
+    assert_finite(rows, ["distillation/loss", "distillation/student_teacher_kl", "timing_s/teacher"])
+    first = rows[0]
+    assert abs(first["distillation/student_teacher_kl"]) < 1e-5  # the teacher sees the student's tokens
+    assert abs(first["distillation/loss"]) < 1e-6  # k3 of identical log-probs
+    assert all(r["timing_s/teacher"] > 0 for r in rows)
+    return rows
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_self_distillation_without_task_rewards_never_moves_and_records_the_teacher(tmp_path):
+    # use_task_rewards=false drops the GRPO loss; k3's gradient is 0 at identical log-probs, so the
+    # student stays the teacher: the step-2 loss is still 0
+    rows = _two_steps(tmp_path, "distillation.distillation_loss.use_task_rewards=false")
+    assert abs(rows[1]["distillation/loss"]) < 1e-6
+    meta = json.loads((tmp_path / "ckpt" / "global_step_2" / "meta.json").read_text())
+    assert meta["distillation_teachers"] == {"default": "builtin:tiny"}
+    assert sorted(meta["parts"]) == ["actor"]  # the teacher is not checkpointed
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_self_distillation_with_task_rewards_moves_away_from_the_teacher(tmp_path):
+    rows = _two_steps(tmp_path)  # GRPO moves the student at step 1: at step 2 it differs from the teacher
+    assert rows[1]["distillation/loss"] > 1e-6 and abs(rows[1]["distillation/student_teacher_kl"]) > 1e-6
+
+
+def _batch(sources):
+    return DataProto.from_dict(
+        {"responses": torch.zeros(len(sources), 2, dtype=torch.long)},
+        non_tensors={"data_source": np.array(sources, dtype=object)},
+    )
+
+
+def test_rows_are_routed_by_teacher_key():
+    got = route_rows(_batch(["a", "b", "a"]), ["a", "b"], "data_source")
+    assert {k: v.tolist() for k, v in got.items()} == {"a": [0, 2], "b": [1]}
+    assert route_rows(_batch(["x"]), ["default"], "data_source")["default"].tolist() == [0]
+    with pytest.raises(KeyError, match=r"data_source=\['c'\] have no teacher"):
+        route_rows(_batch(["a", "c"]), ["a", "b"], "data_source")
+    with pytest.raises(KeyError, match="teacher_key='task' is not a field"):
+        route_rows(_batch(["a"]), ["a", "b"], "task")
