@@ -215,3 +215,37 @@ def test_genrm_keys_in_verls_new_layout_and_refusals(tmp_path, tok):
     c = _check(new[:-2] + [f"+reward.custom_reward_function.path={f}"])
     with pytest.raises(ValueError, match="take reward_model_client instead"):
         build_reward_fns(c, tok)
+
+
+def test_start_reward_loop_gives_both_reward_managers_the_judge(tok, judge_answers):
+    """The trainer's wiring (trainer.backend=local): build_reward_fns leaves placeholders, the reward
+    loop fills them in the train and the validation manager with one client to the served judge."""
+    from hybridrl.trainer.ppo.setup import build_reward_fns
+    from hybridrl.trainer.ppo.workers import start_reward_loop
+
+    c = _check(
+        [
+            "trainer.backend=local",
+            "reward_model.enable=True",
+            "reward_model.use_reward_loop=True",
+            "reward_model.model.path=builtin:tiny",
+            "reward_model.rollout.dtype=float32",
+            "reward_model.rollout.do_sample=False",
+            "reward_model.rollout.prompt_length=32",
+            "reward_model.rollout.response_length=12",
+            "reward_model.reward_manager=batch",
+            f"custom_reward_function.path={RECIPE}",
+            "custom_reward_function.name=compute_score_batch",
+        ]
+    )
+    train, val = build_reward_fns(c, tok)
+    loop = start_reward_loop(c, train, val)
+    try:
+        client = train.reward_kwargs["reward_model_client"]
+        assert isinstance(client, GenRMClient) and val.reward_kwargs["reward_model_client"] is client
+        assert train.reward_kwargs["reward_model_tokenizer"] is not None
+        batch = make_batch(tok, responses_for(judge_answers))
+        scored, _ = loop.compute_rm_score(batch)
+        assert val(batch).sum(-1).tolist() == scored.batch["rm_scores"].sum(-1).tolist() == [1, 0, 1, 0, 1, 0]
+    finally:
+        loop.shutdown()
