@@ -440,6 +440,14 @@ class RewardRolloutConfig:
     max_model_len: int | None = None
     prompt_length: int = 2048
     response_length: int = 2048
+    # sampling defaults of a generative reward model (GenRM: enable + custom_reward_function.path);
+    # the custom function's client may override them per request (hybridrl/workers/reward/genrm.py)
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    n: int = 1
+    request_timeout_s: float = 300.0  # hybridrl: a GenRM request not answered in time fails naming this key
 
     @property
     def effective_max_model_len(self) -> int:

@@ -109,8 +109,10 @@ def test_reward_loop_keys_start_up_checks(tmp_path, capsys):
         _check(RM + ["reward_model.rollout.tensor_model_parallel_size=2"])
     f = tmp_path / "r.py"
     f.write_text("def compute_score(**kw):\n    return 0.0\n")
-    with pytest.raises(ConfigError, match="GenRM"):
-        _check(RM + [f"custom_reward_function.path={f}"])
+    genrm = _check(
+        RM + [f"custom_reward_function.path={f}"]
+    )  # a generative reward model (tests/reward/test_genrm.py)
+    assert genrm.reward_model.rollout.request_timeout_s == 300.0
     _check(["reward_model.num_workers=4"])
     assert "only act with reward_model.use_reward_loop=True" in capsys.readouterr().err
 

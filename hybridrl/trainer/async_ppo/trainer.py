@@ -345,7 +345,9 @@ def build_async_trainer(config: AsyncPPOConfig) -> AsyncPPOTrainer:
     """Tokenizer, data, rewards, tracker, the two worker pools and the trainer (workers last)."""
     run = prepare_run(config)
     workers = start_async_workers(config)
-    workers.reward_loop = start_reward_loop(config, run.reward_fn)  # scores chunks as they finish
+    workers.reward_loop = start_reward_loop(
+        config, run.reward_fn, run.val_reward_fn
+    )  # scores chunks as they finish
     print(
         f"[hybridrl.async] {workers.actor_rollout.world_size} training slot(s), {n_rollout_workers(config)} "
         f"rollout slot(s), max_head_offpolicyness={config.async_training.max_head_offpolicyness}"

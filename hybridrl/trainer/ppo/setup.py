@@ -19,6 +19,7 @@ from hybridrl.models.hf import load_tokenizer
 from hybridrl.models.shm import copy_to_shm
 from hybridrl.trainer.ppo.checkpoints import RunCheckpoints
 from hybridrl.trainer.ppo.config import PPOConfig
+from hybridrl.trainer.ppo.genrm_config import genrm_reward_kwargs
 from hybridrl.trainer.ppo.reward_kwargs import reward_manager_class, reward_manager_kwargs
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 from hybridrl.trainer.ppo.workers import start_reward_loop, start_workers, uses_ray
@@ -136,6 +137,7 @@ def build_reward_fns(config: PPOConfig, tokenizer):
         compute_score = functools.partial(compute_score_with_sandbox, sandbox=settings)
     name = config.reward_model.reward_manager
     extra = reward_manager_kwargs(config)  # hybridrl's keys + reward_model.reward_kwargs (one setting)
+    extra.update(genrm_reward_kwargs(config, compute_score))  # the judge's client, filled by the reward loop
     key = config.data.reward_fn_key
     cls = reward_manager_class(config)  # reward_manager.source=importlib
     if cls is not None:
@@ -197,7 +199,7 @@ def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     if init_ray is not None and uses_ray(config):
         init_ray(config)
     workers = start_workers(config, peak_flops=peak)
-    workers.reward_loop = start_reward_loop(config, run.reward_fn)
+    workers.reward_loop = start_reward_loop(config, run.reward_fn, run.val_reward_fn)
     trainer = trainer_of(RayPPOTrainer, config, run, workers)
     trainer.checkpoints = checkpoints
     return trainer

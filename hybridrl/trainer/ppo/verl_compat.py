@@ -366,11 +366,14 @@ def check_reward_side(config: Any, explicit_keys) -> None:
     if rm.enable and (tp < 1 or slots % tp):
         raise config_error(f"{key}.rollout.tensor_model_parallel_size={tp} must divide the {slots} slots")
     if rm.enable and config.custom_reward_function.path:
-        raise config_error(
-            f"{key}.use_reward_loop=True with both {key}.enable and custom_reward_function.path: veRL then calls "
-            "the custom function with an HTTP router to the reward model (GenRM), which is not available here; "
-            "drop one of them (or use_reward_loop=False: the reward model's scores are used)"
-        )
+        check_genrm(config)
+
+
+def check_genrm(config: Any) -> None:
+    """A generative reward model (reward loop + enable + custom_reward_function.path): checks (genrm.py)."""
+    from hybridrl.trainer.ppo.genrm_config import check_genrm_config
+
+    check_genrm_config(config, config_error)
 
 
 def link_critic_rollout_n(config: Any, explicit_keys) -> None:

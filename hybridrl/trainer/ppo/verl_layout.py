@@ -45,6 +45,12 @@ REWARD_ROLLOUT_FIELDS = (
     "max_model_len",
     "prompt_length",
     "response_length",
+    "temperature",
+    "top_k",
+    "top_p",
+    "do_sample",
+    "n",
+    "request_timeout_s",
 )
 
 

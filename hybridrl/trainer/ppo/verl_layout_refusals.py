@@ -210,6 +210,7 @@ REWARD_ROLLOUT_DEFAULTS = {  # veRL's reward-model serving keys hybridrl's rewar
     "quantization": None,
     "quantization_config_file": None,
     "mtp": None,
+    "ignore_eos": False,  # a GenRM judge stops at its EOS
 }
 
 

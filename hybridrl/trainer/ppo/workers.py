@@ -162,11 +162,12 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
     return groups
 
 
-def start_reward_loop(config, reward_fn) -> Any:
+def start_reward_loop(config, reward_fn, val_reward_fn=None) -> Any:
     """veRL's reward loop (`reward_model.use_reward_loop=True`): its workers and served reward model, or
-    None (hybridrl/workers/reward/reward_loop.py)."""
+    None (hybridrl/workers/reward/reward_loop.py). With a GenRM both reward managers get its client."""
     if not config.reward_model.use_reward_loop:
         return None
+    from hybridrl.trainer.ppo.genrm_config import is_genrm
     from hybridrl.workers.reward.reward_loop import RewardLoopManager
 
     tr, rm, rollout = config.trainer, config.reward_model, config.actor_rollout_ref.rollout
@@ -184,6 +185,8 @@ def start_reward_loop(config, reward_fn) -> Any:
         slots=tr.nnodes * tr.n_gpus_per_node,
         use_ray=uses_ray(config),
         num_threads=None if use_gpu(config) else max(1, int(tr.cpus_per_worker)),
+        genrm=is_genrm(config),
+        val_reward_fn=val_reward_fn,
     )
 
 

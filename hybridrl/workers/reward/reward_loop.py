@@ -10,14 +10,21 @@ driver with `trainer.backend=local`), and the workers score their chunks concurr
   go to a `RewardModelServer` replica (Ray actor, `reward_model.rollout.*`: vLLM's pooling
   runner or the HF forward; one replica per `rollout.tensor_model_parallel_size` slots, workers
   round-robin over them).
+* `reward_model.enable=True` with `custom_reward_function.path` (a generative reward model, GenRM):
+  the judge is served by `GenRMServer` replicas (`reward_model.rollout.*`: HF generate or vLLM),
+  and the reward manager's score function receives `reward_model_client` (a `GenRMClient`) and
+  `reward_model_tokenizer` (genrm.py); the workers score their chunks with it, and so do the
+  driver's train and validation reward managers. Parse failures and the function's `genrm_*`
+  extras become metrics (`genrm_metrics`).
 * otherwise the rule-based reward manager of the run (`reward_model.reward_manager`,
   `custom_reward_function`) scores the chunk, as the driver's reward function would.
 
 The result is `rm_scores` (B, T), each row's score on its last valid response token (plus the
 reward manager's per-row extras): the reward manager then returns these scores as they are, so
 the token-level scores equal the legacy path's (tests/reward/test_reward_loop.py).
-Not here: veRL's standalone mode (`enable_resource_pool`), GenRM through an HTTP router (a custom
-reward function beside the reward model is refused at start-up), sleep/wake of the served model.
+Not here: veRL's standalone mode (`enable_resource_pool`), veRL's HTTP router to the GenRM (a function
+taking `reward_router_address` is refused at start-up: take `reward_model_client`), sleep/wake of the
+served model.
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ from typing import Any
 
 import torch
 
+from hybridrl.models.hf import load_tokenizer
 from hybridrl.protocol import DataProto
 from hybridrl.workers.config import ModelConfig, RewardModelConfig
+from hybridrl.workers.reward.genrm import GenRMClient, GenRMServer, attach_client
 from hybridrl.workers.reward.rm import place_on_last_token, rm_inputs, token_lists
 from hybridrl.workers.reward.rm_server import RewardModelServer
 
@@ -84,13 +93,11 @@ class RewardLoopWorker:
         server: Any = None,
         num_threads: int | None = None,
     ) -> None:
-        from hybridrl.models.hf import load_tokenizer
-
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config, self.reward_fn, self.server = config, reward_fn, server
         self.policy_tok = self.rm_tok = None
-        if config.enable:
+        if config.enable and server is not None:
             m = config.model
             self.rm_tok = load_tokenizer(
                 ModelConfig(path=m.path, trust_remote_code=m.trust_remote_code), key="reward_model.model"
@@ -124,16 +131,32 @@ def merge_extras(parts: list[dict[str, list]], sizes: list[int]) -> dict[str, li
     return {k: [v for p, n in zip(parts, sizes) for v in p.get(k, [None] * n)] for k in keys}
 
 
+def genrm_metrics(extras: dict[str, list]) -> dict[str, float]:
+    """Metrics of a GenRM-scored batch from the score function's per-row extras:
+    reward/genrm_parse_failures (rows whose `genrm_parse_failure` is true) and
+    reward/genrm_<name>/mean for every other numeric `genrm_<name>` extra (None rows skipped)."""
+    out = {"reward/genrm_parse_failures": float(sum(bool(v) for v in extras.get("genrm_parse_failure", [])))}
+    for key, values in extras.items():
+        if not key.startswith("genrm_") or key == "genrm_parse_failure":
+            continue
+        nums = [float(v) for v in values if isinstance(v, (bool, int, float)) and v is not None]
+        if nums:
+            out[f"reward/{key}/mean"] = sum(nums) / len(nums)
+    return out
+
+
 class RewardLoopManager:
     """The driver's side of the reward loop: starts the RM replicas and the workers, scores batches.
 
     Args:
         config: `reward_model` (use_reward_loop, num_workers, rollout.*, enable, model.*).
         policy_tokenizer_path: `actor_rollout_ref.model.path`.
-        reward_fn: the run's rule-based reward manager (scored by the workers when the RM is off).
+        reward_fn: the run's reward manager (scored by the workers when the RM is off or is a GenRM).
         slots: trainer.nnodes * trainer.n_gpus_per_node (colocate mode: the RM replicas share them).
         use_ray: Ray actors (True), or the workers and the replica as objects in this process.
         num_threads: torch threads of each worker / replica process.
+        genrm: the reward model is a generative judge (enable + custom_reward_function.path).
+        val_reward_fn: the validation reward manager (given the GenRM client too).
     """
 
     def __init__(
@@ -145,14 +168,24 @@ class RewardLoopManager:
         slots: int = 1,
         use_ray: bool = True,
         num_threads: int | None = None,
+        genrm: bool = False,
+        val_reward_fn: Any = None,
     ) -> None:
         if config.num_workers < 1:
             raise ValueError(f"reward_model.num_workers must be >= 1, got {config.num_workers}")
-        self.use_ray = use_ray
+        self.use_ray, self.genrm, self._metrics = use_ray, genrm and config.enable, {}
         self.servers = self._start_servers(config, slots, num_threads) if config.enable else []
+        if self.genrm:
+            m = config.model
+            tok = load_tokenizer(
+                ModelConfig(path=m.path, trust_remote_code=m.trust_remote_code), "reward_model.model"
+            )
+            self.client = GenRMClient(self.servers, config.rollout, tok)
+            for fn in (reward_fn, val_reward_fn):
+                attach_client(fn, self.client, tok)
         self.workers = []
         for i in range(config.num_workers):
-            server = self.servers[i % len(self.servers)] if self.servers else None
+            server = self.servers[i % len(self.servers)] if self.servers and not self.genrm else None
             args = (config, policy_tokenizer_path, reward_fn, server, num_threads)
             self.workers.append(self._actor(RewardLoopWorker, f"reward_loop_worker_{i}", args))
 
@@ -173,15 +206,21 @@ class RewardLoopManager:
                 "(trainer.nnodes * trainer.n_gpus_per_node)"
             )
         m = config.model
-        args = (m.path, config.rollout, m.trust_remote_code, config.micro_batch_size_per_gpu, num_threads)
-        servers = [
-            self._actor(RewardModelServer, f"reward_model_server_{i}", args) for i in range(slots // tp)
-        ]
+        if self.genrm:
+            cls, name, args = (
+                GenRMServer,
+                "genrm_server",
+                (m.path, config.rollout, m.trust_remote_code, num_threads),
+            )
+        else:
+            cls, name = RewardModelServer, "reward_model_server"
+            args = (m.path, config.rollout, m.trust_remote_code, config.micro_batch_size_per_gpu, num_threads)
+        servers = [self._actor(cls, f"{name}_{i}", args) for i in range(slots // tp)]
         if self.use_ray:  # surface a start-up error here, not at the first batch
             import ray
 
             try:
-                ray.get([s.score.remote([]) for s in servers])
+                ray.get([(s.generate.remote([], {}) if self.genrm else s.score.remote([])) for s in servers])
             except Exception:
                 for server in servers:
                     ray.kill(server)
@@ -203,7 +242,15 @@ class RewardLoopManager:
             return DataProto.from_dict({"rm_scores": torch.zeros(batch.batch["responses"].shape)}), {}
         scores = torch.cat([o["reward_tensor"].float() for o in outs])
         extras = merge_extras([o.get("reward_extra_info", {}) for o in outs], [len(c) for c in chunks])
+        if self.genrm:
+            for k, v in genrm_metrics(extras).items():
+                self._metrics[k] = self._metrics.get(k, 0.0) + v if k.endswith("failures") else v
         return DataProto.from_dict({"rm_scores": scores}), extras
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The GenRM metrics of the batches scored since the last call (parse failures summed)."""
+        out, self._metrics = self._metrics, {}
+        return out
 
     def shutdown(self) -> None:
         if not self.use_ray:
