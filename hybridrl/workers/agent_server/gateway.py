@@ -16,13 +16,18 @@ once; one more gets 429 with `Retry-After` (back-pressure). A request for a traj
 open gets 404; a second request while one of the same trajectory is running gets 409.
 
 The replica side (external_loop.py) talks to this actor through Ray calls: `add_task`, then
-`next_event` (the next request of the trajectory, or its finish) and `reply`, then `drop`.
+`next_event` (the next request of the trajectory, or its finish) and `reply`, then `drop`. Without
+Ray (`trainer.backend` running the worker in the driver) the same object runs in a thread with its
+own event loop, called the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import threading
+import types
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -234,21 +239,48 @@ async def _read_json(request, default: Any = None) -> Any:
         return None
 
 
+class _InThread:
+    """`handle.method.remote(*args)` of a RolloutGateway that runs in a thread of this process (no Ray:
+    trainer.backend runs the worker in the driver); returns an awaitable, like a Ray ObjectRef."""
+
+    def __init__(self, gateway: RolloutGateway) -> None:
+        self._gateway = gateway
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="hybridrl-agent-server", daemon=True).start()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._gateway, name)
+        submit = functools.partial(asyncio.run_coroutine_threadsafe, loop=self._loop)
+        return types.SimpleNamespace(
+            remote=lambda *a: asyncio.wrap_future(submit(method(*a))),
+            sync=lambda *a: submit(method(*a)).result(),
+        )
+
+
+_IN_PROCESS: dict[str, _InThread] = {}
+
+
 def get_gateway(cfg: Any, model_name: str) -> tuple[Any, str]:
-    """The run's gateway actor (created on this node by the first caller) and its base URL.
+    """The run's gateway (created by the first caller) and its base URL: a Ray actor on this node when
+    Ray is running, else a thread of this process.
 
     Args:
         cfg: AgentServerConfig (`actor_rollout_ref.rollout.agent_server`).
         model_name: what /v1/models reports.
     """
     import ray
+
+    args = (cfg.host, int(cfg.port), int(cfg.max_in_flight), float(cfg.request_timeout_s), model_name)
+    if not ray.is_initialized():
+        if GATEWAY_NAME not in _IN_PROCESS:
+            _IN_PROCESS[GATEWAY_NAME] = _InThread(RolloutGateway(*args))
+        handle = _IN_PROCESS[GATEWAY_NAME]
+        return handle, handle.start.sync()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(RolloutGateway).options(
         name=GATEWAY_NAME, get_if_exists=True, num_cpus=0, max_concurrency=10000, scheduling_strategy=here
     )
-    handle = actor.remote(
-        cfg.host, int(cfg.port), int(cfg.max_in_flight), float(cfg.request_timeout_s), model_name
-    )
+    handle = actor.remote(*args)
     return handle, ray.get(handle.start.remote())
