@@ -34,7 +34,7 @@ from typing import Any
 
 from hybridrl.workers.agent_server.wire import error_body
 
-__all__ = ["GATEWAY_NAME", "RolloutGateway", "get_gateway"]
+__all__ = ["GATEWAY_NAME", "RolloutGateway", "get_gateway", "shutdown_gateway"]
 
 GATEWAY_NAME = "hybridrl_agent_server"
 _GEN_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -97,6 +97,12 @@ class RolloutGateway:
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{port}/v1"
         return self.url
+
+    async def stop(self) -> None:
+        """Stop listening (open requests are cut)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self._runner = self.url = None
 
     async def stats(self) -> dict[str, Any]:
         """Counters (requests served, refused with 429, ...) and the current load."""
@@ -284,3 +290,18 @@ def get_gateway(cfg: Any, model_name: str) -> tuple[Any, str]:
     )
     handle = actor.remote(*args)
     return handle, ray.get(handle.start.remote())
+
+
+def shutdown_gateway() -> None:
+    """Stop this run's gateway (the in-process one, or the Ray actor), if there is one."""
+    import ray
+
+    local = _IN_PROCESS.pop(GATEWAY_NAME, None)
+    if local is not None:
+        local.stop.sync()
+        local._loop.call_soon_threadsafe(local._loop.stop)
+    if ray.is_initialized():
+        try:
+            ray.kill(ray.get_actor(GATEWAY_NAME))
+        except ValueError:  # no such actor
+            pass

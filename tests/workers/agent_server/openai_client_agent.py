@@ -2,7 +2,9 @@
 test_rollout_server.py): takes N tasks, runs two chat turns each (the second after a user message),
 finishes with a reward, and tries a few bad requests. Writes everything it saw to a JSON file.
 
-    python openai_client_agent.py BASE_URL N OUT.json
+    python openai_client_agent.py BASE_URL N OUT.json AGAIN_IDS_JSON
+
+Trajectory 2 uses /v1/completions (token ids; AGAIN_IDS: the ids it adds before its second turn).
 """
 
 import json
@@ -11,7 +13,7 @@ import sys
 import httpx
 import openai
 
-url, n, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+url, n, out_path, again = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
 record = {"trajectories": [], "errors": {}}
 for k in range(n):
@@ -19,12 +21,25 @@ for k in range(n):
     tid, msgs = task["trajectory_id"], list(task["messages"])
     turns = []
     for turn in range(2):
+        if k == 2:  # the completions endpoint, token ids in: the same trajectory shape
+            ids = (
+                task["prompt_token_ids"]
+                if turn == 0
+                else turns[0]["prompt_token_ids"] + turns[0]["token_ids"] + again
+            )
+            r = client.completions.create(model="policy", prompt=ids, user=tid, logprobs=1, max_tokens=12)
+            c = r.choices[0]
+            d = c.model_dump()
+            turns.append({"prompt_token_ids": r.model_extra["prompt_token_ids"], "token_ids": d["token_ids"],
+                          "logprobs": d["logprobs"]["token_logprobs"], "finish_reason": c.finish_reason, "tool_calls": []})  # fmt: skip
+            continue
         kw = {"temperature": task["sampling"]["temperature"]} if k % 2 else {}
         r = client.chat.completions.create(
             model="policy", messages=msgs, user=tid, logprobs=True, max_tokens=12, **kw
         )
         c = r.choices[0]
         d = c.model_dump()
+        calls = [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls or []]
         turns.append(
             {
                 "prompt_token_ids": r.model_extra["prompt_token_ids"],
@@ -32,6 +47,7 @@ for k in range(n):
                 "logprobs": [x["logprob"] for x in d["logprobs"]["content"]],
                 "content": c.message.content,
                 "finish_reason": c.finish_reason,
+                "tool_calls": calls,
             }
         )
         msgs += [

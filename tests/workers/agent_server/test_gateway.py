@@ -156,7 +156,9 @@ def test_without_ray_the_gateway_runs_in_a_thread_called_like_an_actor():
             async with aiohttp.ClientSession() as http:
                 async with http.post(f"{url}/hybridrl/tasks", json={"wait_s": 5}) as r:
                     assert (await r.json())["trajectory_id"] == "t"
-                req = asyncio.ensure_future(http.post(f"{url}/completions", json={"prompt": [1], "user": "t"}))
+                req = asyncio.ensure_future(
+                    http.post(f"{url}/completions", json={"prompt": [1], "user": "t"})
+                )
                 ev = await handle.next_event.remote("t", 30)
                 await handle.reply.remote(ev["req_id"], 200, {"echo": ev["body"]["prompt"]})
                 assert (await (await req).json()) == {"echo": [1]}
@@ -165,4 +167,5 @@ def test_without_ray_the_gateway_runs_in_a_thread_called_like_an_actor():
 
         run(main())
     finally:
-        gw_mod._IN_PROCESS.pop(gw_mod.GATEWAY_NAME, None)
+        gw_mod.shutdown_gateway()
+    assert gw_mod.GATEWAY_NAME not in gw_mod._IN_PROCESS

@@ -5,6 +5,7 @@ against a teacher-forced forward pass of the same model."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -16,10 +17,19 @@ import pytest
 import torch
 
 from hybridrl.protocol import DataProto
+from hybridrl.workers.agent.parser import ToolCall, ToolCallParser, register_tool_parser
 from hybridrl.workers.agent.runner import AgentLoopRunner
 from hybridrl.workers.rollout.config import RolloutConfig
 
 CLIENT = Path(__file__).with_name("openai_client_agent.py")
+
+
+@register_tool_parser("test_server_calls")
+class CallsWhenShort(ToolCallParser):
+    """The built-in model writes no tool calls: read a call `calc(len)` out of every answer (a plug point)."""
+
+    def parse(self, text):
+        return "", [ToolCall("calc", {"expr": str(len(text))})]
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +53,11 @@ def hf_engine(tokenizer):
     return HFRollout(cfg, get_builtin_model_path(), tokenizer)
 
 
-def server_config(**agent_server) -> RolloutConfig:
+def server_config(multi_turn=None, **agent_server) -> RolloutConfig:
     return RolloutConfig(
         name="hf", mode="server", dtype="float32", load_format="auto", response_length=48, prompt_length=16,
         calculate_log_probs=True, temperature=1.0, agent_server={"port": 0, "claim_timeout_s": 120, **agent_server},
+        multi_turn=multi_turn or {},
     )  # fmt: skip
 
 
@@ -67,41 +78,50 @@ def prompts(tokenizer, questions) -> DataProto:
 
 def serve(runner, batch, client_args, tmp_path):
     """Run the replica's generate_sequences in a thread while the client process plays the agent."""
-    import ray
-
-    from hybridrl.workers.agent_server.gateway import GATEWAY_NAME, get_gateway
+    from hybridrl.workers.agent_server.gateway import get_gateway, shutdown_gateway
 
     _, url = get_gateway(runner.config.agent_server, "policy")
     box = {}
     thread = threading.Thread(target=lambda: box.update(out=runner.generate_sequences(batch)))
     thread.start()
     out_file = tmp_path / "client.json"
-    proc = subprocess.run([sys.executable, str(CLIENT), url, *client_args, str(out_file)], capture_output=True,
+    proc = subprocess.run([sys.executable, str(CLIENT), url, *client_args[:1], str(out_file), *client_args[1:]], capture_output=True,
                           text=True, timeout=240)  # fmt: skip
     thread.join(timeout=120)
-    ray.kill(ray.get_actor(GATEWAY_NAME))
+    shutdown_gateway()
     assert proc.returncode == 0, proc.stderr[-3000:]
     return box["out"], json.loads(out_file.read_text())
 
 
-def teacher_forced_log_probs(ids: list[int]) -> torch.Tensor:
-    """(L-1,) log p(ids[t] | ids[:t]) of the built-in model at temperature 1."""
+@functools.cache
+def reference_model():
     from transformers import AutoModelForCausalLM
 
     from hybridrl.models.builtin import get_builtin_model_path
 
-    model = AutoModelForCausalLM.from_pretrained(get_builtin_model_path(), torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(get_builtin_model_path(), torch_dtype=torch.float32).eval()
+
+
+def teacher_forced_log_probs(ids: list[int]) -> torch.Tensor:
+    """(L-1,) log p(ids[t] | ids[:t]) of the built-in model at temperature 1."""
+    model = reference_model()
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1]
     return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def test_openai_client_trajectories_are_recorded_exactly(ray_local, hf_engine, tokenizer, tmp_path):
-    cfg = server_config(reward_source="agent")
+@pytest.mark.parametrize(
+    "backend", ["in_process", pytest.param("ray_actor", marks=pytest.mark.slow)]
+)  # in_process: the gateway in a thread (a Ray actor if another module left Ray running)
+def test_openai_client_trajectories_are_recorded_exactly(backend, hf_engine, tokenizer, tmp_path, request):
+    if backend == "ray_actor":
+        request.getfixturevalue("ray_local")
+    cfg = server_config(reward_source="agent", multi_turn={"format": "test_server_calls"})
     hf_engine.config = cfg
     runner = AgentLoopRunner(hf_engine, cfg, tokenizer)
     batch = prompts(tokenizer, ["12+34=", "56+7=", "8+90="])
-    out, seen = serve(runner, batch, ["3"], tmp_path)
+    again = tokenizer("<|user|>again 0<|assistant|>", add_special_tokens=False)["input_ids"]
+    out, seen = serve(runner, batch, ["3", json.dumps(again)], tmp_path)
     rows = {
         tuple(r[0]["content"] for r in [m]): i for i, m in enumerate(batch.non_tensor_batch["raw_prompt"])
     }
@@ -114,7 +134,13 @@ def test_openai_client_trajectories_are_recorded_exactly(ray_local, hf_engine, t
         # the second request's context = prompt + answer 1 + the chat template's ids of the user message
         env = t2["prompt_token_ids"][len(prompt) + len(t1["token_ids"]) :]
         assert t2["prompt_token_ids"][: len(prompt) + len(t1["token_ids"])] == prompt + t1["token_ids"]
-        assert env == tokenizer("<|user|>again 0<|assistant|>", add_special_tokens=False)["input_ids"]
+        assert env == again
+        if traj is not seen["trajectories"][2]:  # chat: every answer carries its parsed call (OpenAI shape)
+            for t in traj["turns"]:
+                text = tokenizer.decode(t["token_ids"], skip_special_tokens=True)
+                assert t["tool_calls"] == [["calc", {"expr": str(len(text))}]] and t["content"] is None
+                ended = t["token_ids"][-1] == tokenizer.eos_token_id
+                assert t["finish_reason"] == ("tool_calls" if ended else "length")
         want = t1["token_ids"] + env + t2["token_ids"]
         n = len(want)
         assert out.batch["responses"][i, :n].tolist() == want
