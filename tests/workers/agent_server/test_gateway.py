@@ -169,3 +169,21 @@ def test_without_ray_the_gateway_runs_in_a_thread_called_like_an_actor():
     finally:
         gw_mod.shutdown_gateway()
     assert gw_mod.GATEWAY_NAME not in gw_mod._IN_PROCESS
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"mode": "server", "tensor_model_parallel_size": 2}, "rollout.mode"),
+        ({"mode": "serve"}, "rollout.mode"),
+        ({"agent_server": {"port": 70000}}, "rollout.agent_server.port"),
+        ({"agent_server": {"max_in_flight": 0}}, "rollout.agent_server.max_in_flight"),
+        ({"agent_server": {"reward_source": "judge"}}, "rollout.agent_server.reward_source"),
+        ({"agent_server": {"claim_timeout_s": 0}}, "rollout.agent_server.claim_timeout_s"),
+    ],
+)
+def test_bad_server_keys_fail_at_start_naming_the_key(kwargs, key):
+    from hybridrl.workers.rollout.config import RolloutConfig
+
+    with pytest.raises(ValueError, match=f"actor_rollout_ref.{key}"):
+        RolloutConfig(name="hf", **kwargs)
