@@ -21,6 +21,7 @@ from hybridrl.workers.agent.parser import ToolCall, ToolCallParser, register_too
 from hybridrl.workers.agent.runner import AgentLoopRunner
 from hybridrl.workers.rollout.config import RolloutConfig
 
+pytest.importorskip("openai")  # the client process uses it
 CLIENT = Path(__file__).with_name("openai_client_agent.py")
 
 
