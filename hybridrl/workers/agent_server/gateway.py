@@ -210,6 +210,8 @@ class RolloutGateway:
         if traj.busy:
             return self._json(409, error_body(409, f"trajectory {tid!r} already has a request running; "
                                              "a trajectory's requests are sequential"))  # fmt: skip
+        if not traj.claimed and tid in self.pending[traj.replica]:  # used without being handed out
+            self.pending[traj.replica].remove(tid)
         req_id = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
         self.waiting[req_id] = fut

@@ -77,6 +77,8 @@ def test_back_pressure_and_error_statuses():
             gw.max_in_flight = 2
             async with http.post(f"{url}/chat/completions", json={**CHAT, "user": "t1"}) as r:
                 assert r.status == 409
+            # t1 was used without being handed out: it is no longer a pending task
+            assert "t1" not in gw.pending["A"] and list(gw.pending["A"]) == ["t2"]
             r = await first  # nobody answers: 504 after request_timeout_s
             assert r.status == 504 and "request_timeout_s" in (await r.json())["error"]["message"]
             async with http.post(f"{url}/chat/completions", json={**CHAT, "user": "nope"}) as r:
