@@ -28,6 +28,9 @@ EXTRAS = {
     # rollout.trace.backend=mlflow without the MLflow server stack (tracing + local stores)
     "trace": ["mlflow-skinny==3.17.2"],
     "math": ["math-verify"],
+    # the external agents of rollout.mode=server (recipes/agent_server, tests); the server itself uses
+    # aiohttp, which ray[default] brings
+    "agent-server": ["openai"],
     "bench": ["trl>=1.16,<1.17", "datasets"],
 }
 

@@ -139,7 +139,10 @@ class AgentLoopBase:
 
 
 _LOOPS: dict[str, Callable[..., AgentLoopBase]] = {}
-_LAZY_LOOPS = {"tool_agent": "hybridrl.workers.agent.tool_agent"}
+_LAZY_LOOPS = {
+    "tool_agent": "hybridrl.workers.agent.tool_agent",
+    "external_agent": "hybridrl.workers.agent_server.external_loop",
+}
 
 
 def register_agent_loop(name: str) -> Callable[[type[AgentLoopBase]], type[AgentLoopBase]]:

@@ -57,7 +57,7 @@ def agent_loops_configured(config: Any) -> bool:
     here the batching queue with the rollout.server.* limits)."""
     agent = config.agent
     return bool(
-        getattr(config, "mode", "sync") == "async"
+        getattr(config, "mode", "sync") in ("async", "server")
         or getattr(config, "sglang_rollout_mode", "engine") == "server"
         or config.multi_turn.enable
         or agent.default_agent_loop != "single_turn_agent"
@@ -160,6 +160,8 @@ class AgentLoopRunner:
         return {k: v[i] for k, v in prompts.non_tensor_batch.items()}
 
     def agent_names(self, prompts: DataProto) -> list[str]:
+        if getattr(self.config, "mode", "sync") == "server":  # external agents drive every row
+            return ["external_agent"] * len(prompts)
         default = self.config.agent.default_agent_loop
         col = prompts.non_tensor_batch.get("agent_name")
         names = [default if col is None or col[i] in (None, "") else str(col[i]) for i in range(len(prompts))]
@@ -246,6 +248,10 @@ class AgentLoopRunner:
         outputs = _run_coroutine(coro) if len(prompts) else []
         elapsed = time.perf_counter() - t0
         out = build_agent_output(prompts, outputs, self.rollout.pad_token_id, self.config.response_length)
+        if getattr(self.config, "mode", "sync") == "server" and len(prompts):
+            from hybridrl.workers.agent_server.external_loop import attach_agent_rewards
+
+            attach_agent_rewards(out, self.config.agent_server.reward_source)
         metrics = {"timing_s/generate_sequences": elapsed, **self.engine.metrics()}
         n_tokens = int(out.batch["response_mask"].sum()) if len(prompts) else 0
         metrics["rollout/num_response_tokens"] = n_tokens

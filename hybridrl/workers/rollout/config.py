@@ -14,7 +14,8 @@ Notes on a few keys:
   "safetensors" load the checkpoint at `model_path`.
 - `mode`: `sync` generates with the engine directly; `async` (veRL's default) generates through
   the agent loops (`hybridrl/workers/agent`, `single_turn_agent` unless configured otherwise), as
-  veRL's async mode does.
+  veRL's async mode does. `server` (hybridrl) serves every trajectory to external agents through an
+  OpenAI-compatible HTTP endpoint (`agent_server.*`, hybridrl/workers/agent_server/, docs/agent.md).
 - `enable_chunked_prefill`, `enable_prefix_caching`, `disable_log_stats`, `scheduling_policy`,
   `logprobs_mode`, `cudagraph_capture_sizes`: vLLM engine arguments veRL exposes at the top level
   (passed to `vllm.LLM`; `engine_kwargs.vllm` still wins). With `name=hf` they do nothing and the
@@ -49,6 +50,7 @@ from hybridrl.workers.agent.config import (
     validate_agent_config,
     validate_multi_turn_config,
 )
+from hybridrl.workers.agent_server.config import AgentServerConfig, validate_agent_server_config
 
 DUMMY_LOAD_FORMATS = ("dummy", "dummy_dtensor", "dummy_hf", "dummy_megatron")
 REAL_LOAD_FORMATS = ("auto", "hf", "safetensors", "pt", "dtensor")
@@ -170,6 +172,7 @@ class RolloutConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)  # trainer/ppo/profiling.py
+    agent_server: AgentServerConfig = field(default_factory=AgentServerConfig)  # hybridrl: mode=server
     hf_decode_gemm_max_rows: int = 128  # hybridrl: see the module docstring; 0 = off
 
     def __post_init__(self) -> None:
@@ -191,6 +194,8 @@ class RolloutConfig:
             self.server = ServerConfig(**self.server)
         if isinstance(self.trace, dict):
             self.trace = TraceConfig(**self.trace)
+        if isinstance(self.agent_server, dict):
+            self.agent_server = AgentServerConfig(**self.agent_server)
         validate_rollout_config(self)
 
     @property
@@ -210,7 +215,14 @@ def _check(ok: bool, key: str, value: Any, want: str) -> None:
 
 def validate_rollout_config(cfg: RolloutConfig) -> None:
     """Fail early, naming the key and the fix (shared/DESIGN.md, house style 4)."""
-    _check(cfg.mode in ("sync", "async"), "mode", cfg.mode, "use 'sync' or 'async'")
+    _check(cfg.mode in ("sync", "async", "server"), "mode", cfg.mode, "use 'sync', 'async' or 'server'")
+    _check(
+        cfg.mode != "server" or cfg.tensor_model_parallel_size == 1,
+        "mode",
+        cfg.mode,
+        "the rollout server needs tensor_model_parallel_size=1 (one engine per replica); set it to 1",
+    )
+    validate_agent_server_config(cfg.agent_server)
     _check(cfg.temperature >= 0, "temperature", cfg.temperature, "use a value >= 0 (0 = greedy)")
     _check(0 < cfg.top_p <= 1, "top_p", cfg.top_p, "use a value in (0, 1]; 1 disables top-p")
     _check(cfg.n >= 1, "n", cfg.n, "use n >= 1")
@@ -302,7 +314,7 @@ def validate_request_options(cfg: RolloutConfig) -> None:
         0 <= cfg.over_sample_rate < 1, "over_sample_rate", cfg.over_sample_rate, "use a fraction in [0, 1)"
     )
     agent_path = (
-        cfg.mode == "async"
+        cfg.mode in ("async", "server")
         or cfg.sglang_rollout_mode == "server"
         or cfg.multi_turn.enable
         or cfg.agent.default_agent_loop != "single_turn_agent"
