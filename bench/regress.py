@@ -50,9 +50,12 @@ PHASES = {
 }
 
 
-def workload_overrides(name: str, steps: int, threads: int) -> list[str]:
-    """main_ppo overrides of workload `name` (see the module docstring)."""
-    base = [*COMMON, f"trainer.total_training_steps={steps}", f"trainer.cpus_per_worker={threads}"]
+def workload_overrides(name: str, steps: int, threads: int, model: str | None = None) -> list[str]:
+    """main_ppo overrides of workload `name` (see the module docstring); `model`: another HF folder
+    for the real48 workloads (same prompts; it must read the real model's tokenizer)."""
+    base = [*COMMON, f"trainer.total_training_steps={steps}"]
+    if threads:
+        base.append(f"trainer.cpus_per_worker={threads}")
     if name == "tiny":
         return base
     if name == "vllm":
@@ -61,14 +64,19 @@ def workload_overrides(name: str, steps: int, threads: int) -> list[str]:
         import compare_trl
         from real_model import ensure_real_model
 
-        paths = ensure_real_model()
+        paths = dict(ensure_real_model())
+        if model:
+            paths["model"] = model
         w = {"model": compare_trl.REAL, "model_path": paths["model"], "threads": threads, "prompts": 4, "n": 4,
              "response_length": 48, "lr": 1e-5, "steps": steps, "eval": False, "dtype": "fp32",
              "hybridrl_overrides": [], "data_overrides": [
                  f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
                  f"data.max_prompt_length={compare_trl.max_prompt_tokens(paths['model'], paths['train'])}"]}  # fmt: skip
         out = compare_trl.hybridrl_overrides(w, seed=1, tmp=tempfile.gettempdir() + "/regress_real48")
-        out = [o for o in out if not o.startswith(("trainer.logger=", "trainer.default_local_dir="))]
+        drop = ("trainer.logger=", "trainer.default_local_dir=") + (
+            () if threads else ("trainer.cpus_per_worker=",)
+        )
+        out = [o for o in out if not o.startswith(drop)]
         return out + (["actor_rollout_ref.rollout.name=vllm"] if name == "real48_vllm" else [])
     raise ValueError(f"--workloads: unknown workload {name!r}; use some of {', '.join(WORKLOADS)}")
 
@@ -103,8 +111,14 @@ def main() -> None:
     p.add_argument("--workloads", default="tiny,vllm", help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=6, help="training steps per run (the first is warm-up)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the worker, both trees")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the worker, both trees (0: each tree's own default, no thread environment)",
+    )
     p.add_argument("--head", default=str(C.REPO), help="the tree measured as HEAD (default: this checkout)")
+    p.add_argument("--model", help="real48 workloads: another model folder (default bench/real_model.py's)")
     p.add_argument("--keep", action="store_true", help="keep the base worktree")
     p.add_argument("head_overrides", nargs="*", help="extra main_ppo overrides for HEAD only (after --)")
     args = p.parse_args()
@@ -115,13 +129,17 @@ def main() -> None:
     if args.steps < 2:
         p.error("--steps must be >= 2 (step 1 is warm-up and left out)")
     C.print_header(f"regress: HEAD ({args.head}) vs {args.base}, {args.rounds} rounds x {args.steps} steps")
-    env = {**C.ONE_THREAD_ENV, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    env = {
+        k: v for k, v in C.ONE_THREAD_ENV.items() if not (args.threads == 0 and k.endswith("_NUM_THREADS"))
+    }
+    if args.threads:
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     if args.threads > 1:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     base, sha = add_worktree(args.base)
     try:
         for name in names:
-            over = workload_overrides(name, args.steps, args.threads)
+            over = workload_overrides(name, args.steps, args.threads, args.model)
             print(f"\n{name}: {' '.join(over)}", flush=True)
             per, identical = ab_trees.alternate({"A": base, "B": args.head},
                                                 {"A": over, "B": over + args.head_overrides}, args.rounds, env)  # fmt: skip
