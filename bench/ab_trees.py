@@ -22,7 +22,13 @@ import subprocess
 import sys
 import tempfile
 
-STAGES = ("timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights")
+STAGES = (
+    "timing_s/step",
+    "timing_s/gen",
+    "timing_s/old_log_prob",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+)
 
 
 def _is_time(key: str) -> bool:
@@ -33,10 +39,13 @@ def _is_time(key: str) -> bool:
     )
 
 
-def run_tree(tree: str, overrides: list[str], workdir: str) -> list[dict]:
-    """One main_ppo run from `tree`; the rows of its metrics file."""
+def run_tree(tree: str, overrides: list[str], workdir: str, env: dict | None = None) -> list[dict]:
+    """One main_ppo run from `tree` (extra environment `env`); the rows of its metrics file.
+
+    The run's output goes to `output.log` in its log folder; its tail is printed when it fails.
+    """
     log_dir = tempfile.mkdtemp(dir=workdir)
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree), "HYBRIDRL_LOG_DIR": log_dir}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.path.abspath(tree), "HYBRIDRL_LOG_DIR": log_dir}
     cmd = [
         sys.executable,
         "-m",
@@ -47,7 +56,13 @@ def run_tree(tree: str, overrides: list[str], workdir: str) -> list[dict]:
         f"trainer.default_local_dir={log_dir}/ckpt",
         *overrides,
     ]
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = os.path.join(log_dir, "output.log")
+    with open(log_path, "w") as log:
+        rc = subprocess.run(cmd, env=env, cwd=workdir, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"main_ppo from {tree} exited with {rc}; the end of its output:\n{tail}")
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -68,6 +83,44 @@ def same_metrics(a: list[dict], b: list[dict]) -> bool:
                for ra, rb in zip(a, b))  # fmt: skip
 
 
+def alternate(
+    trees: dict[str, str], overrides: dict[str, list[str]], rounds: int, env: dict | None = None
+) -> tuple[dict[str, list[dict]], bool]:
+    """Run trees {"A": path, "B": path} alternating (A B, then B A, ...) with their overrides.
+
+    Returns the per-round stage medians of each tree and whether the two logged identical
+    non-timing metrics on the last round.
+    """
+    per = {"A": [], "B": []}
+    with tempfile.TemporaryDirectory() as workdir:
+        for r in range(rounds):
+            order = ("A", "B") if r % 2 == 0 else ("B", "A")
+            rows = {}
+            for name in order:
+                rows[name] = run_tree(trees[name], overrides[name], workdir, env)
+                per[name].append(stage_medians(rows[name]))
+                print(f"round {r + 1} {name}: " + ", ".join(f"{k}={v:.4f}" for k, v in per[name][-1].items()),
+                      flush=True)  # fmt: skip
+        identical = same_metrics(rows["A"], rows["B"])
+    return per, identical
+
+
+def ratios(per: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per stage: the medians of A and B, the per-round ratios B / A and their median."""
+    out = {}
+    for key in STAGES:
+        pairs = [(a[key], b[key]) for a, b in zip(per["A"], per["B"]) if key in a and key in b]
+        if pairs:
+            r = [y / x for x, y in pairs]
+            out[key] = {
+                "a": statistics.median(x for x, _ in pairs),
+                "b": statistics.median(y for _, y in pairs),
+                "ratios": r,
+                "median": statistics.median(r),
+            }
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--a", required=True, help="tree A (the baseline)")
@@ -76,24 +129,11 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="main_ppo overrides (after --)")
     args = p.parse_args()
     overrides = args.overrides or ["trainer.total_training_steps=20"]
-    per = {"A": [], "B": []}
-    with tempfile.TemporaryDirectory() as workdir:
-        for r in range(args.rounds):
-            order = ("A", "B") if r % 2 == 0 else ("B", "A")
-            rows = {}
-            for name in order:
-                rows[name] = run_tree(args.a if name == "A" else args.b, overrides, workdir)
-                per[name].append(stage_medians(rows[name]))
-                print(f"round {r + 1} {name}: " + ", ".join(f"{k}={v:.4f}" for k, v in per[name][-1].items()))
-        identical = same_metrics(rows["A"], rows["B"])
+    per, identical = alternate({"A": args.a, "B": args.b}, {"A": overrides, "B": overrides}, args.rounds)
     print(f"non-timing metrics identical on the last round: {identical}")
-    for key in STAGES:
-        a = [m[key] for m in per["A"] if key in m]
-        b = [m[key] for m in per["B"] if key in m]
-        if a and b:
-            ratios = [y / x for x, y in zip(a, b)]
-            print(f"{key}: A {statistics.median(a):.4f} s, B {statistics.median(b):.4f} s, B/A per round "
-                  f"{', '.join(f'{x:.3f}' for x in ratios)} (median {statistics.median(ratios):.3f})")  # fmt: skip
+    for key, r in ratios(per).items():
+        print(f"{key}: A {r['a']:.4f} s, B {r['b']:.4f} s, B/A per round "
+              f"{', '.join(f'{x:.3f}' for x in r['ratios'])} (median {r['median']:.3f})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -271,10 +271,22 @@ def max_prompt_tokens(model_path: str, train_path: str) -> int:
 
 
 # ------------------------------------------------------------------------------------ summary
-def summarize(run: dict) -> dict:
-    """Per-run numbers; the first step (warm-up: allocator, lazy imports) is left out of rates."""
+def summarize(run: dict, floors: dict | None = None) -> dict:
+    """Per-run numbers; the first step (warm-up: allocator, lazy imports) is left out of rates.
+
+    With `floors` (bench/floors.py, `--floors`): also the update's achieved FLOP/s over the GEMM
+    peak and generation's tokens/s over the decode bound (medians over the steady steps).
+    """
     steps = run["steps"]
     steady = steps[1:] if len(steps) > 1 else steps
+    fracs = {}
+    if floors:
+        import floors as F
+
+        per_step = [
+            F.phase_fractions(floors, s, floors["prompt_tokens"], floors["decode_rows"]) for s in steady
+        ]
+        fracs = {k: C.median([f[k] for f in per_step]) for k in per_step[0]}
     wall = sum(s["wall_s"] for s in steady)
     tokens = sum(s["gen_tokens"] for s in steady)
     all_tokens = sum(s["gen_tokens"] for s in steps)
@@ -296,6 +308,7 @@ def summarize(run: dict) -> dict:
         "mean_reward": sum(s["reward"] for s in steps) / len(steps),
         "final_greedy_acc": run["final_greedy_acc"],
         "load_avg_after": run.get("load_avg_after"),
+        **fracs,
     }
 
 
@@ -311,7 +324,7 @@ def reward_curve(runs: list[dict], window: int) -> list[float]:
 
 def report(w: dict, runs: dict[str, list[dict]], info: dict) -> dict:
     names = list(runs)
-    per = {name: [summarize(r) for r in runs[name]] for name in names}
+    per = {name: [summarize(r, w.get("floors")) for r in runs[name]] for name in names}
     med = {
         name: {k: C.median([s[k] for s in per[name] if s[k] is not None]) for k in per[name][0]}
         for name in names
@@ -343,6 +356,9 @@ def report(w: dict, runs: dict[str, list[dict]], info: dict) -> dict:
         ("mean training reward", "mean_reward"),
         ("greedy val exact match (200 prompts)", "final_greedy_acc"),
     ]
+    if w.get("floors"):
+        labels[8:8] = [("  update FLOP/s / GEMM peak", "update_frac_of_gemm_peak"),
+                       ("  generation tokens/s / decode bound", "gen_frac_of_decode_bound")]  # fmt: skip
     ours = [n for n in names if n != "trl"]
     rows = []
     for label, key in labels:
@@ -432,6 +448,9 @@ def main() -> None:
         "--only", help="run one runner (a library, or a runner name such as hybridrl_vllm; no ratio)"
     )
     p.add_argument("--hybridrl-override", action="append", help="extra hybridrl override key=value (repeat)")
+    p.add_argument(
+        "--floors", action="store_true", help="also report each phase against its floor (bench/floors.py)"
+    )
     p.add_argument("--json", help="write all numbers to this file")
     p.add_argument("--child", choices=["hybridrl", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
@@ -470,6 +489,14 @@ def main() -> None:
             f"data.val_files={paths['val']}",
             f"data.max_prompt_length={max_prompt_tokens(w['model_path'], paths['train'])}",
         ]
+    if args.floors:
+        import floors as F
+
+        w["floors"] = F.measure(w["model_path"], w["prompts"] * w["n"], w["threads"])
+        w["floors"]["prompt_tokens"] = F.mean_prompt_tokens(w["model_path"], paths["train"])
+        print(f"   floors ({w['threads']} thread(s)): fp32 GEMM peak {w['floors']['gemm_peak_flops'] / 1e9:.1f} GFLOP/s; "
+              f"decode bound {w['floors']['decode_bound_tokens_per_s']:.0f} tokens/s at M={w['prompts'] * w['n']}; "
+              f"{w['floors']['prompt_tokens']:.1f} prompt tokens per row")  # fmt: skip
     # (name, library, extra hybridrl overrides, extra env), run in this order every round
     runners: list[tuple[str, str, list[str], dict]] = [
         ("hybridrl", "hybridrl", [], {}),

@@ -80,3 +80,24 @@ def test_main_ppo_command_line_suggests_the_key():
     assert proc.returncode != 0
     assert "ConfigError: unknown config key 'actor_rollout_ref.actor.ppo_mini_batch'" in proc.stderr
     assert "Did you mean actor_rollout_ref.actor.ppo_mini_batch_size" in proc.stderr
+
+
+def test_shared_schema_node_is_not_changed_by_loads(tmp_path):
+    """The schema is built once per class (start-up cost) and shared: loads with a yaml, overrides
+    and interpolations, and a full PPO load, must leave it equal to a freshly built one."""
+    from hybridrl.trainer.ppo.config import PPOConfig
+    from hybridrl.utils.config_loader import schema_node
+
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("inner:\n  size: 7\ndouble: ${inner.size}\nextra:\n  k: 1\n")
+    first = load_structured(Outer, ["inner.name=a", "+extra.j=2"], "c.yaml", yaml)
+    second = load_structured(Outer, ["double=3"], "c.yaml")
+    assert (first.inner.name, first.double, first.extra, second.double, second.inner.name) == (
+        "a", 7, {"k": 1, "j": 2}, 3, "x"
+    )  # fmt: skip
+    assert schema_node(Outer) is schema_node(Outer)
+    assert OmegaConf.to_container(schema_node(Outer)) == OmegaConf.to_container(OmegaConf.structured(Outer))
+    load_config(["trainer.total_training_steps=3", "actor_rollout_ref.actor.optim.lr=0.5"])
+    assert OmegaConf.to_container(schema_node(PPOConfig)) == OmegaConf.to_container(
+        OmegaConf.structured(PPOConfig)
+    )

@@ -84,10 +84,10 @@ def load_config(
     from omegaconf import OmegaConf
 
     from hybridrl.trainer.ppo.verl_layout import apply_verl_layout
-    from hybridrl.utils.config_loader import as_node
+    from hybridrl.utils.config_loader import as_node, schema_node
 
     node = OmegaConf.create(as_node(cfg))  # a copy: the caller's config is not changed
-    explicit_keys = apply_verl_layout(node, explicit_keys, OmegaConf.structured(PPOConfig))
+    explicit_keys = apply_verl_layout(node, explicit_keys, schema_node(PPOConfig))
     try:
         config: PPOConfig = load_structured(PPOConfig, node, keys_doc)
     except ConfigError:

@@ -1,0 +1,160 @@
+"""Per-phase floors of a GRPO step on this machine: the update's GEMM peak and generation's decode bound.
+
+- **Update floor**: the fp32 GEMM peak at `threads` threads (a torch matmul loop at training sizes,
+  M = 1024 rows, the model's MLP shape) against the arithmetic the loss needs,
+  `6 * (N_body * T_all + N_head * T_resp)` FLOPs per step: every token through the decoder
+  layers, the vocabulary head only at the response positions (both libraries compute it only
+  there); attention's quadratic term is left out (small at these lengths), so the achieved
+  fraction is a slight underestimate.
+- **Generation floor**: the time of every linear layer of one decode step (the model's own shapes,
+  each with its own weights, so they stream from memory as in the model) at M = the step's rows,
+  the faster of F.linear and oneDNN; bound = rows / that time, in tokens/s. Attention, sampling
+  and the engine's bookkeeping are left out, so this is an upper bound on decode tokens/s.
+Both are measured in a child process with `threads` torch threads (so the parent's thread count
+and imports do not matter); the result is printed by bench/compare_trl.py `--floors` per runner as
+achieved FLOP/s over the peak (update) and achieved tokens/s over the bound (generation).
+
+    python bench/floors.py --model real100m --rows 16 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+_CHILD = r"""
+import json, sys, time, statistics
+import torch
+import torch.nn.functional as F
+cfg, rows, seconds = json.loads(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+torch.manual_seed(0)
+h, inter, kv, v = cfg["hidden"], cfg["inter"], cfg["kv"], cfg["vocab"]
+a, b = torch.randn(1024, h), torch.randn(h, inter)
+for _ in range(3):
+    a @ b
+n, t = 0, time.perf_counter()
+while time.perf_counter() - t < seconds:
+    a @ b
+    n += 1
+peak = 2 * 1024 * h * inter * n / (time.perf_counter() - t)
+shapes = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)] * cfg["layers"] + [(v, h)]
+weights = [torch.randn(o, i) * 0.02 for o, i in shapes]
+xs = {k: torch.randn(rows, k) for k in (h, inter)}
+forms = {"linear": lambda x, w: F.linear(x, w),
+         "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")}
+best = {}
+for name, f in forms.items():
+    try:
+        f(xs[h], weights[0])
+    except Exception:
+        continue
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for w in weights:
+            f(xs[w.shape[1]], w)
+        times.append(time.perf_counter() - t0)
+    best[name] = statistics.median(times[1:])
+form = min(best, key=best.get)
+print(json.dumps({"gemm_peak_flops": peak, "decode_step_s": best[form], "decode_form": form,
+                  "decode_rows": rows, "decode_bound_tokens_per_s": rows / best[form]}))
+"""
+
+
+def model_shapes(model_path: str) -> dict:
+    """hidden, MLP, KV width, vocabulary, layers, and the body / head parameter counts of a HF model."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    h, inter, layers, v = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_hidden_layers"],
+        cfg["vocab_size"],
+    )
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or h // heads
+    kv = cfg.get("num_key_value_heads", heads) * head_dim
+    body = layers * (2 * h * heads * head_dim + 2 * h * kv + 3 * h * inter)
+    return {"hidden": h, "inter": inter, "kv": kv, "vocab": v, "layers": layers,
+            "body_params": body, "head_params": v * h}  # fmt: skip
+
+
+def measure(model_path: str, rows: int, threads: int, seconds: float = 3.0) -> dict:
+    """The machine's fp32 GEMM peak and the decode-step bound for this model, in a child process."""
+    shapes = model_shapes(model_path)
+    env = {**os.environ, **C.ONE_THREAD_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if threads > 1:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(shapes), str(rows), str(seconds)],
+                         env=env, check=True, capture_output=True, text=True).stdout  # fmt: skip
+    return {**shapes, **json.loads(out.strip().splitlines()[-1]), "threads": threads}
+
+
+def mean_prompt_tokens(model_path: str, train_path: str, limit: int = 64) -> float:
+    """Mean chat-templated prompt length (tokens) of the first `limit` prompts of a train parquet."""
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompts = pd.read_parquet(train_path)["prompt"][:limit]
+    texts = [tok.apply_chat_template([dict(m) for m in p], add_generation_prompt=True, tokenize=False)
+             for p in prompts]  # fmt: skip
+    lens = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    return sum(lens) / len(lens)
+
+
+def update_flops(floors: dict, prompt_tokens: float, response_tokens: float) -> float:
+    """FLOPs one update needs: 6 (N_body T_all + N_head T_resp); T in tokens summed over the batch."""
+    return 6.0 * (
+        floors["body_params"] * (prompt_tokens + response_tokens) + floors["head_params"] * response_tokens
+    )
+
+
+def phase_fractions(floors: dict, step: dict, prompt_tokens_per_row: float, rows: int) -> dict:
+    """Achieved / floor of one step's update and generation (fractions; 1.0 = at the floor).
+
+    Args:
+        step: a compare_trl step record (`update_s`, `gen_s`, `gen_tokens`; `weight_sync_s` is
+            taken out of the generation time when present).
+        prompt_tokens_per_row: mean prompt tokens of one row.
+        rows: rows (samples) per step.
+    """
+    resp = step["gen_tokens"]
+    flops = update_flops(floors, prompt_tokens_per_row * rows, resp)
+    gen_s = step["gen_s"] - step.get("weight_sync_s", 0.0)
+    return {
+        "update_frac_of_gemm_peak": flops / step["update_s"] / floors["gemm_peak_flops"]
+        if step["update_s"]
+        else None,
+        "gen_frac_of_decode_bound": resp / gen_s / floors["decode_bound_tokens_per_s"] if gen_s > 0 else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="real100m", help="real100m, tiny, 30m or a HF model folder")
+    p.add_argument("--rows", type=int, default=16, help="decode rows (prompts x samples)")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    C.print_header("per-phase floors (bench/floors.py)")
+    if args.model == "real100m":
+        from real_model import ensure_real_model
+
+        path = ensure_real_model()["model"]
+    else:
+        path = C.resolve_bench_model(args.model)
+    f = measure(path, args.rows, args.threads)
+    print(f"fp32 GEMM peak at {args.threads} thread(s): {f['gemm_peak_flops'] / 1e9:.1f} GFLOP/s; decode step "
+          f"of every linear at M={args.rows} ({f['decode_form']}): {f['decode_step_s'] * 1e3:.1f} ms -> "
+          f"<= {f['decode_bound_tokens_per_s']:.0f} tokens/s")  # fmt: skip
+    print(f"load average after: {[round(x, 2) for x in C.load_average()]}")
+
+
+if __name__ == "__main__":
+    main()

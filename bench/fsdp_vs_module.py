@@ -1,0 +1,135 @@
+"""FSDP2 on one rank vs the plain module: the same update step, same batch, same process, alternating.
+
+Two copies of one model with identical weights: A is sharded with the library's `apply_fsdp2` over
+a one-rank gloo group (what `FSDPEngine` runs with `trainer.n_gpus_per_node=1`), B is the bare
+module. Each step is the actor update's work through `ModuleEngine`: `forward_log_probs` with
+entropy (the chunked head at the response positions), a token-mean loss, backward, grad-norm clip
+and AdamW. The two alternate (A B, then B A) for `--rounds` rounds of `--steps` steps each; printed:
+seconds per step of each, the ratio FSDP2 / plain per round and its median (above 1: FSDP2 costs),
+and the largest difference of the losses (the two must compute the same numbers).
+
+Run:
+    python bench/fsdp_vs_module.py                        # real-vocabulary model, 48 response tokens
+    python bench/fsdp_vs_module.py --model tiny --rounds 5
+    python bench/fsdp_vs_module.py --response-length 256 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+
+def _batch(rows: int, prompt: int, response: int, vocab: int):
+    """rows x (prompt + response) random tokens, all valid; responses are the last `response`."""
+    import torch
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, vocab, (rows, prompt + response), generator=g)
+    mask = torch.ones_like(ids)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    b = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, prompt:]}
+    return TensorDict(b, batch_size=[rows])
+
+
+def _engine(module, lr: float):
+    import torch
+
+    from hybridrl.workers.engine.base import LogProbRequest
+    from hybridrl.workers.engine.module_engine import ModuleEngine
+
+    opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.01)
+    return ModuleEngine(module, opt), LogProbRequest(calculate_entropy=True)
+
+
+def _step(engine, request, batch) -> tuple[float, float]:
+    """One forward+backward+step; (seconds, loss)."""
+
+    def loss_fn(micro, out):
+        loss = -out.log_probs.mean() - 0.001 * out.entropy.mean()
+        return loss, float(loss.detach())
+
+    t = time.perf_counter()
+    engine.optimizer.zero_grad(set_to_none=True)
+    (loss,) = engine.forward_backward([batch], request, loss_fn)
+    engine.optimizer_step(1.0)
+    return time.perf_counter() - t, loss
+
+
+def _models(name: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if name == "real100m":
+        from real_model import ensure_real_model
+
+        path = ensure_real_model()["model"]
+    else:
+        path = C.resolve_bench_model(name)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return copy.deepcopy(plain), plain
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--model", default="real100m", help="real100m (bench/real_model.py), tiny, 30m or a folder"
+    )
+    p.add_argument("--response-length", type=int, default=48)
+    p.add_argument("--prompt-length", type=int, default=53)
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2, help="steps per engine per round")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig
+    from hybridrl.workers.engine.fsdp import apply_fsdp2
+
+    torch.set_num_threads(args.threads)
+    C.print_header(f"FSDP2 world 1 vs plain module (bench/fsdp_vs_module.py), {args.threads} thread(s)")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    sharded, plain = _models(args.model)
+    fsdp_config = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))  # the yaml default
+    apply_fsdp2(sharded, init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",)), fsdp_config)
+    engines = {"fsdp2": _engine(sharded, 1e-5), "plain": _engine(plain, 1e-5)}
+    batch = _batch(args.rows, args.prompt_length, args.response_length, plain.config.vocab_size)
+    times: dict[str, list[float]] = {"fsdp2": [], "plain": []}
+    losses: dict[str, list[float]] = {"fsdp2": [], "plain": []}
+    for name in ("fsdp2", "plain"):  # warm-up step of each (allocator, lazy init); kept in the loss check
+        losses[name].append(_step(*engines[name], batch)[1])
+    for r in range(args.rounds):
+        for name in ("fsdp2", "plain") if r % 2 == 0 else ("plain", "fsdp2"):
+            secs = []
+            for _ in range(args.steps):
+                s, loss = _step(*engines[name], batch)
+                secs.append(s)
+                losses[name].append(loss)
+            times[name].append(C.median(secs))
+            print(f"round {r + 1} {name}: {times[name][-1]:.3f} s/step (load avg {C.load_average()[0]:.2f})",
+                  flush=True)  # fmt: skip
+    ratios = [a / b for a, b in zip(times["fsdp2"], times["plain"])]
+    diff = max(abs(a - b) for a, b in zip(losses["fsdp2"], losses["plain"]))
+    print(f"\n{args.rows} rows x ({args.prompt_length} + {args.response_length}) tokens, {args.model}: "
+          f"fsdp2 {C.median(times['fsdp2']):.3f} s vs plain {C.median(times['plain']):.3f} s per step; "
+          f"fsdp2 / plain per round {', '.join(f'{x:.3f}' for x in ratios)} (median {C.median(ratios):.3f}); "
+          f"max |loss difference| over {len(losses['plain'])} steps: {diff:.2e}")  # fmt: skip
+    print(f"load average at the end: {[round(x, 2) for x in C.load_average()]}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
