@@ -30,6 +30,7 @@ from hybridrl.trainer.ppo.sections import (
 from hybridrl.trainer.ppo.verl_compat import apply_verl_compat, warn_once
 from hybridrl.trainer.ppo.verl_misc import apply_verl_misc
 from hybridrl.utils.config_loader import ConfigError, load_structured
+from hybridrl.utils.deadlines import check_keys as check_deadline_keys
 from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.workers.parallel_dims import ParallelDims
@@ -241,6 +242,7 @@ def _validate_choices(config: PPOConfig) -> None:
             "number of steps in a row with identical rewards before the warning (0 turns it off)"
         )
     _check_choice("actor_rollout_ref.rollout.name", arr.rollout.name, ["hf", "vllm", "sglang"])
+    check_deadline_keys(tr)
 
 
 def _validate_actor_batches(config: PPOConfig, world: int) -> None:
