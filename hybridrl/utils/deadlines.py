@@ -70,13 +70,25 @@ def reward_timeout() -> float:
     return _settings["reward"]
 
 
+def check_max_restarts(value: Any) -> int:
+    """``trainer.max_restarts`` as an int >= 0, or a ValueError naming the key."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"trainer.max_restarts={value!r} must be an integer >= 0 (0: a dead or hung worker ends the run; "
+            "N: start the workers again and resume from the last checkpoint up to N times)"
+        )
+    return value
+
+
 def check_keys(trainer_config: Any) -> tuple[float, float]:
-    """(step, reward) seconds of the ``trainer`` section, or a ConfigError naming the key."""
+    """(step, reward) seconds of the ``trainer`` section (``max_restarts`` is checked too), or a
+    ConfigError naming the key."""
     from hybridrl.utils.config_loader import ConfigError
 
     try:
         step = check_timeout(trainer_config.step_timeout_s, STEP_KEY, allow_zero=False)
         reward = check_timeout(trainer_config.reward_timeout_s, REWARD_KEY, allow_zero=True)
+        check_max_restarts(getattr(trainer_config, "max_restarts", 0))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return step, reward
