@@ -7,11 +7,92 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
+import torch
 
+from hybridrl.protocol import DataProto
+from hybridrl.workers.agent.parser import ToolCallParser, parse_call_json, register_tool_parser
+from hybridrl.workers.agent.runner import AgentLoopRunner
 from hybridrl.workers.agent.tool import BaseTool, FunctionTool, function_tool
 from hybridrl.workers.agent.tool_runner import tool_loop
-from tests.workers.agent.test_tool_agent import Script, hf_engine, make_runner, prompts, tokenizer  # noqa: F401
+from hybridrl.workers.rollout.config import RolloutConfig
+
+# a tool message renders as a new user question, so the built-in model keeps answering turns
+TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}{{ '<|user|>' ~ message['content'] }}"
+    "{% else %}{{ '<|' ~ message['role'] ~ '|>' ~ message['content'] }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+class Script:
+    """The tool-call body of the next assistant turn (then none)."""
+
+    bodies: list[str] = []
+
+
+@register_tool_parser("faults_scripted")
+class Scripted(ToolCallParser):
+    def parse(self, text):
+        return (text, [parse_call_json(Script.bodies.pop(0))]) if Script.bodies else (text, [])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from hybridrl.models.builtin import get_builtin_model_path
+
+    tok = AutoTokenizer.from_pretrained(get_builtin_model_path())
+    tok.padding_side = "left"
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tokenizer):
+    from hybridrl.models.builtin import get_builtin_model_path
+    from hybridrl.workers.rollout.hf import HFRollout
+
+    torch.set_num_threads(1)
+    cfg = RolloutConfig(name="hf", dtype="float32", load_format="auto", response_length=64, prompt_length=16)
+    return HFRollout(cfg, get_builtin_model_path(), tokenizer)
+
+
+def make_runner(hf_engine, tokenizer, tools, response_length, **multi_turn):
+    cfg = RolloutConfig(
+        name="hf",
+        dtype="float32",
+        load_format="auto",
+        response_length=response_length,
+        prompt_length=16,
+        temperature=1.0,
+        multi_turn={"enable": True, **multi_turn},
+        agent={"default_agent_loop": "tool_agent"},
+    )
+    hf_engine.config = cfg
+    runner = AgentLoopRunner(hf_engine, cfg, tokenizer)
+    runner.tools.update({t.name: t for t in tools})
+    return runner
+
+
+def prompts(tokenizer, questions):
+    msgs = [[{"role": "user", "content": q}] for q in questions]
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    mask = enc["attention_mask"]
+    batch = {
+        "input_ids": enc["input_ids"],
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+    }
+    return DataProto.from_dict(
+        batch, {"raw_prompt": np.array(msgs + [None], dtype=object)[:-1]}, {"seed_index": 3}
+    )
+
 
 TIMEOUT = 0.5
 
@@ -59,24 +140,24 @@ def sleepy(seconds: float) -> str:
     return "done"
 
 
-def _run_one(hf_engine, tokenizer, tool, body):  # noqa: F811
+def _run_one(hf_engine, tokenizer, tool, body):
     Script.bodies = [body]
     runner = make_runner(
-        hf_engine, tokenizer, [tool], response_length=160, format="test_scripted", tool_timeout_s=TIMEOUT
+        hf_engine, tokenizer, [tool], response_length=160, format="faults_scripted", tool_timeout_s=TIMEOUT
     )
     t0 = time.monotonic()
     out = runner.generate_sequences(prompts(tokenizer, ["12+34="]))
     return out, time.monotonic() - t0
 
 
-def _tool_text(out, tokenizer):  # noqa: F811
+def _tool_text(out, tokenizer):
     b = out.batch
     T = b["responses"].shape[1]
     ids = b["responses"][0][(b["attention_mask"][0, -T:] == 1) & (b["response_mask"][0] == 0)]
     return tokenizer.decode(ids)
 
 
-def test_a_blocking_async_tool_times_out_and_the_tool_loop_is_replaced(hf_engine, tokenizer, caplog):  # noqa: F811
+def test_a_blocking_async_tool_times_out_and_the_tool_loop_is_replaced(hf_engine, tokenizer, caplog):
     before = tool_loop.abandoned
     out, took = _run_one(
         hf_engine, tokenizer, BlockingTool({}, _schema("block")), '{"name": "block", "arguments": {}}'
@@ -88,7 +169,7 @@ def test_a_blocking_async_tool_times_out_and_the_tool_loop_is_replaced(hf_engine
     assert "blocked the tools' event loop" in caplog.text and "tool 'block' execute" in caplog.text
 
 
-def test_an_overrunning_sync_function_tool_is_not_waited_for(hf_engine, tokenizer):  # noqa: F811
+def test_an_overrunning_sync_function_tool_is_not_waited_for(hf_engine, tokenizer):
     out, took = _run_one(
         hf_engine, tokenizer, FunctionTool(sleepy), '{"name": "sleepy", "arguments": {"seconds": 30}}'
     )
@@ -98,7 +179,7 @@ def test_an_overrunning_sync_function_tool_is_not_waited_for(hf_engine, tokenize
 
 
 @pytest.mark.parametrize("stage", ["create", "calc_reward", "release"])
-def test_a_hanging_lifecycle_method_becomes_a_counted_timeout(hf_engine, tokenizer, stage, caplog):  # noqa: F811
+def test_a_hanging_lifecycle_method_becomes_a_counted_timeout(hf_engine, tokenizer, stage, caplog):
     HangingLifecycle.hang = {stage}
     tool = HangingLifecycle({}, _schema("life"))
     out, took = _run_one(hf_engine, tokenizer, tool, '{"name": "life", "arguments": {}}')

@@ -27,6 +27,7 @@ from hybridrl.trainer.ppo.sections import (
     RewardManagerKwargs,
     TrainerConfig,
 )
+from hybridrl.trainer.ppo.startup_checks import check_startup_values
 from hybridrl.trainer.ppo.verl_compat import apply_verl_compat, warn_once
 from hybridrl.trainer.ppo.verl_misc import apply_verl_misc
 from hybridrl.utils.config_loader import ConfigError, load_structured
@@ -166,6 +167,7 @@ def validate_config(config: PPOConfig) -> None:
     if world < 1:
         raise ConfigError("trainer.nnodes * trainer.n_gpus_per_node must be >= 1")
     _validate_choices(config)
+    check_startup_values(config)
     n = arr.rollout.n
     if n < 1:
         raise ConfigError("actor_rollout_ref.rollout.n must be >= 1")
