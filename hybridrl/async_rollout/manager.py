@@ -50,6 +50,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from hybridrl.async_rollout.staleness import StalenessManager, select_batch, staleness_metrics
 from hybridrl.protocol import DataProto
+from hybridrl.utils import deadlines
 
 __all__ = ["AsyncBatch", "AsyncRolloutManager", "RolloutWorkersLostError"]
 
@@ -70,6 +71,14 @@ class _Group:
     result: DataProto | None = None  # rollout.n rows once finished
 
 
+def _hung(rank: int, method: str, waited_s: float) -> RuntimeError:
+    key = deadlines.STEP_KEY
+    return RuntimeError(
+        f"rollout worker {rank} is alive but {method} did not finish within {waited_s:.1f} s "
+        f"({key}={deadlines.step_timeout():g}); find what it waits on, or raise {key}"
+    )
+
+
 @dataclass
 class _Worker:
     rank: int
@@ -87,6 +96,7 @@ class _Chunk:
     groups: list[_Group]
     rest: DataProto  # the repeated prompt batch minus the generation inputs
     version: int
+    started: float = field(default_factory=time.monotonic)  # dispatch time (trainer.step_timeout_s)
 
 
 @dataclass
@@ -257,7 +267,9 @@ class AsyncRolloutManager:
                 w = min(alive, key=lambda x: (x.busy, x.rank))
                 ref = w.handle.generate_sequences.remote(prompts)
             try:
-                out = ray.get(ref)
+                out = ray.get(ref, timeout=deadlines.step_timeout())
+            except GetTimeoutError:
+                raise _hung(w.rank, "generate_sequences (generate_now)", deadlines.step_timeout()) from None
             except RayActorError as err:
                 self._mark_dead(w, err)
                 continue
@@ -435,6 +447,7 @@ class AsyncRolloutManager:
         ready, _ = ray.wait(refs, num_returns=1, timeout=self.poll_s)
         if ready and len(refs) > 1:  # take every chunk that is done, not only the first
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        self._check_deadline(set(ready))
         for ref in ready:
             with self._lock:
                 chunk = self._inflight.pop(ref)
@@ -450,6 +463,16 @@ class AsyncRolloutManager:
                     f"rollout worker {chunk.worker.rank} raised in generate_sequences (version {chunk.version}):\n{err}"
                 ) from None
             self._finish(chunk, out)
+
+    def _check_deadline(self, ready: set) -> None:
+        """A chunk in flight for longer than trainer.step_timeout_s: its worker is hung."""
+        limit, now = deadlines.step_timeout(), time.monotonic()
+        with self._lock:
+            late = [c for r, c in self._inflight.items() if r not in ready and now - c.started >= limit]
+        if late:
+            raise _hung(
+                late[0].worker.rank, f"generate_sequences (version {late[0].version})", now - late[0].started
+            )
 
     def _finish(self, chunk: _Chunk, out: DataProto) -> None:
         got = out.meta_info.get("policy_version")

@@ -62,6 +62,7 @@ def resolve_model_path(path: str, key: str = MODEL_PATH_KEY) -> str:
 
     Raises:
         FileNotFoundError: a local path that does not exist.
+        ValueError: the path names a file instead of a folder.
     """
     if not path:
         raise ValueError(
@@ -76,6 +77,11 @@ def resolve_model_path(path: str, key: str = MODEL_PATH_KEY) -> str:
     if "://" in path:
         return path
     expanded = os.path.expanduser(path)
+    if os.path.isfile(expanded):
+        raise ValueError(
+            f"{key}={path!r} names a file; point it at the model's folder (the one holding config.json "
+            "and the weights), e.g. the parent folder of this file"
+        )
     if os.path.exists(expanded):
         return os.path.abspath(expanded)
     looks_local = (

@@ -17,7 +17,7 @@ from typing import Any
 from hybridrl.single_controller.base import Execute, RegisterSpec, registered_methods
 from hybridrl.single_controller.dispatch import DispatchPlan, MeshDispatchInfo, proto_collect_fn
 
-__all__ = ["WorkerDiedError", "WorkerGroup", "WorkerGroupError"]
+__all__ = ["WorkerDiedError", "WorkerGroup", "WorkerGroupError", "WorkerHungError"]
 
 
 class WorkerGroupError(RuntimeError):
@@ -33,6 +33,10 @@ class WorkerGroupError(RuntimeError):
 
 class WorkerDiedError(WorkerGroupError):
     """The process of a worker died (killed, crashed, out of memory) during or before a call."""
+
+
+class WorkerHungError(WorkerGroupError):
+    """A worker is alive but made no progress in a call for ``trainer.step_timeout_s``."""
 
 
 def _signature_without_self(fn: Callable[..., Any]) -> inspect.Signature | None:

@@ -40,6 +40,14 @@ def get_visible_devices_keyword() -> str:
     return "CUDA_VISIBLE_DEVICES"
 
 
+_PG_TIMEOUT: dict[str, float | None] = {"s": None}
+
+
+def process_group_timeout_s() -> float:
+    """The timeout the default process group was created with here (DEFAULT_PG_TIMEOUT_S if not yet)."""
+    return _PG_TIMEOUT["s"] or DEFAULT_PG_TIMEOUT_S
+
+
 def init_process_group(
     rank: int | None = None,
     world_size: int | None = None,
@@ -55,6 +63,7 @@ def init_process_group(
 
     if dist.is_initialized():
         return
+    _PG_TIMEOUT["s"] = float(timeout_s)
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

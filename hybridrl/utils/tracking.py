@@ -18,6 +18,9 @@ Backends:
 * `mlflow`: a run named after the experiment in an MLflow experiment named after the project;
   `$MLFLOW_TRACKING_URI` or `file:log_dir/mlruns`.
 
+Every backend gets the config with its secrets redacted (`hybridrl.utils.redact`: env var values,
+URL credentials, tokens and keys by name or shape).
+
 `log_dir` is the argument, else `$HYBRIDRL_FILE_LOGGER_PATH` (a folder, or a `.jsonl` file path),
 else `outputs/{project_name}/{experiment_name}`.
 """
@@ -36,6 +39,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from hybridrl.utils.redact import redact_config
 
 __all__ = ["Tracking", "sanitize_metrics", "SUPPORTED_BACKENDS"]
 
@@ -322,6 +327,7 @@ class Tracking:
         self.log_dir, metrics_file = _resolve_log_dir(project_name, experiment_name, log_dir)
         self.metrics_path = os.path.join(self.log_dir, metrics_file)
         plain = _plain_config(config)
+        plain = redact_config(plain) if plain is not None else None  # no secret reaches a tracker
         self._loggers: dict[str, Any] = {}
         try:
             for name in self.backends:

@@ -100,7 +100,9 @@ def test_requests_in_flight_never_exceed_max_concurrent(url):
 
 
 def test_an_unreachable_service_is_a_clear_error():
-    client = SandboxFusionClient(SandboxSettings("http://127.0.0.1:9/run_code", retries=2, api_timeout=1))
+    client = SandboxFusionClient(
+        SandboxSettings("http://127.0.0.1:9/run_code", retries=2, api_timeout=1, retry_window_s=0)
+    )
     with pytest.raises(RuntimeError, match="sandbox_fusion.url='http://127.0.0.1:9/run_code' failed 2 times"):
         score_code(client, RIGHT, CASES)
 

@@ -13,6 +13,7 @@ Colocating several roles in one process: see ``colocate.py``.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -28,7 +29,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridrl.protocol import DataProto, DataProtoFuture
 from hybridrl.single_controller.base import Worker
-from hybridrl.single_controller.worker_group import WorkerDiedError, WorkerGroup, WorkerGroupError
+from hybridrl.single_controller.worker_group import (
+    WorkerDiedError,
+    WorkerGroup,
+    WorkerGroupError,
+    WorkerHungError,
+)
+from hybridrl.utils import deadlines
 from hybridrl.utils.cpus import thread_env
 
 __all__ = [
@@ -230,34 +237,56 @@ def _wrap_error(err: RayError, group: str, rank: int, method: str) -> WorkerGrou
     )
 
 
-def gather_refs(refs: Sequence[ray.ObjectRef], *, group: str, method: str, ranks: Sequence[int]) -> list[Any]:
-    """``ray.get`` on the refs of several ranks, failing fast.
+def gather_refs(
+    refs: Sequence[ray.ObjectRef],
+    *,
+    group: str,
+    method: str,
+    ranks: Sequence[int],
+    timeout_s: float | None = None,
+    timeout_key: str = deadlines.STEP_KEY,
+) -> list[Any]:
+    """``ray.get`` on the refs of several ranks, failing fast and never waiting forever.
 
     While some ranks still run, results that are already there are checked, so one rank that
     raised or died surfaces at once (as a WorkerGroupError naming group, rank and method) even
-    if the other ranks block, e.g. in a collective waiting for the dead one.
+    if the other ranks block, e.g. in a collective waiting for the dead one. When no rank has
+    finished for ``timeout_s`` (default: ``trainer.step_timeout_s``), a WorkerHungError names the
+    group, the first unfinished rank, the method, how long it waited and ``timeout_key``.
     """
     refs = list(refs)
+    limit = deadlines.step_timeout() if timeout_s is None else float(timeout_s)
     values: dict[int, Any] = {}
     pending = list(range(len(refs)))
     timeout = 0.02
-    while len(pending) > 1:
+    t0 = last_progress = time.monotonic()
+    while pending:
         ready, _ = ray.wait([refs[i] for i in pending], num_returns=len(pending), timeout=timeout)
-        if len(ready) == len(pending):
-            break
         ready_ids = {r.hex() for r in ready}
         for i in [i for i in pending if refs[i].hex() in ready_ids]:
             values[i] = _get_one(refs[i], group, ranks[i], method)
             pending.remove(i)
-        timeout = min(timeout * 2, 0.5)
-    if pending:
-        try:
-            for i, v in zip(pending, ray.get([refs[i] for i in pending])):
-                values[i] = v
-        except RayError:
-            for i in pending:  # find the failing rank (all are finished: this is quick)
-                values[i] = _get_one(refs[i], group, ranks[i], method)
+            last_progress = time.monotonic()
+        now = time.monotonic()
+        if pending and now - last_progress >= limit:
+            stuck = [ranks[i] for i in pending]
+            raise _hung_error(group, stuck, method, now - last_progress, now - t0, limit, timeout_key)
+        timeout = min(timeout * 2, 0.5, max(limit - (now - last_progress), 0.001))
     return [values[i] for i in range(len(refs))]
+
+
+def _hung_error(
+    group: str, stuck: list[int], method: str, idle_s: float, total_s: float, limit: float, key: str
+) -> WorkerHungError:
+    return WorkerHungError(
+        f"worker group {group!r}: rank {stuck[0]} is alive but made no progress in {method!r} for "
+        f"{idle_s:.1f} s (waited {total_s:.1f} s in all; unfinished ranks {stuck}); {key}={limit:g}. "
+        f"Find what rank {stuck[0]} waits on (a collective another rank never entered, a lock, a "
+        f"remote service), or raise {key} if the step is just slow.",
+        group=group,
+        rank=stuck[0],
+        method=method,
+    )
 
 
 def _get_one(ref: ray.ObjectRef, group: str, rank: int, method: str) -> Any:

@@ -7,6 +7,8 @@ from omegaconf import DictConfig, OmegaConf
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, load_async_config, n_rollout_workers
 from hybridrl.trainer.async_ppo.trainer import build_async_trainer
 from hybridrl.trainer.ppo.launch import fit_and_report, start_ray
+from hybridrl.utils.config_loader import ConfigError
+from hybridrl.utils.shutdown import sigterm_raises
 
 # Applied before the user's overrides: one core for the trainer, one for the rollout worker.
 ASYNC_DEFAULTS = [
@@ -36,9 +38,16 @@ def run_async(cfg: DictConfig | dict | None = None) -> dict[str, float]:
 
 
 def run_async_config(config: AsyncPPOConfig) -> dict[str, float]:
+    if config.trainer.max_restarts:
+        raise ConfigError(
+            f"trainer.max_restarts={config.trainer.max_restarts}: restarting after a dead worker is done by "
+            "main_ppo only; main_async drops dead rollout workers and goes on (docs/async.md). Set "
+            "trainer.max_restarts=0, or resume a stopped run from its checkpoint (trainer.resume_mode=auto)"
+        )
     init_ray(config)
-    trainer = build_async_trainer(config)
-    return fit_and_report(trainer, trainer.async_workers, config)
+    with sigterm_raises():  # SIGTERM runs the cleanup (tracker, workers) instead of ending at once
+        trainer = build_async_trainer(config)
+        return fit_and_report(trainer, trainer.async_workers, config)
 
 
 def init_ray(config: AsyncPPOConfig) -> None:

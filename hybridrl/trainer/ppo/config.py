@@ -27,9 +27,11 @@ from hybridrl.trainer.ppo.sections import (
     RewardManagerKwargs,
     TrainerConfig,
 )
+from hybridrl.trainer.ppo.startup_checks import check_startup_values
 from hybridrl.trainer.ppo.verl_compat import apply_verl_compat, warn_once
 from hybridrl.trainer.ppo.verl_misc import apply_verl_misc
 from hybridrl.utils.config_loader import ConfigError, load_structured
+from hybridrl.utils.deadlines import check_keys as check_deadline_keys
 from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.workers.distillation_config import DistillationConfig, validate_distillation
@@ -167,6 +169,7 @@ def validate_config(config: PPOConfig) -> None:
     if world < 1:
         raise ConfigError("trainer.nnodes * trainer.n_gpus_per_node must be >= 1")
     _validate_choices(config)
+    check_startup_values(config)
     n = arr.rollout.n
     if n < 1:
         raise ConfigError("actor_rollout_ref.rollout.n must be >= 1")
@@ -244,6 +247,7 @@ def _validate_choices(config: PPOConfig) -> None:
             "number of steps in a row with identical rewards before the warning (0 turns it off)"
         )
     _check_choice("actor_rollout_ref.rollout.name", arr.rollout.name, ["hf", "vllm", "sglang"])
+    check_deadline_keys(tr)
 
 
 def _validate_actor_batches(config: PPOConfig, world: int) -> None:

@@ -7,8 +7,10 @@ import sys
 
 from hybridrl.report import make_report
 from hybridrl.trainer.ppo.config import PPOConfig
+from hybridrl.trainer.ppo.restarts import run_with_restarts
 from hybridrl.trainer.ppo.sections import AsyncTrainingConfig
 from hybridrl.trainer.ppo.setup import build_trainer
+from hybridrl.utils.shutdown import sigterm_raises
 
 
 def run_ppo_config(config: PPOConfig) -> dict[str, float]:
@@ -19,6 +21,11 @@ def run_ppo_config(config: PPOConfig) -> dict[str, float]:
             file=sys.stderr,
         )
 
+    with sigterm_raises():  # SIGTERM runs the cleanup (tracker, workers) instead of ending at once
+        return run_with_restarts(config, _attempt)  # trainer.max_restarts: again after a dead / hung worker
+
+
+def _attempt(config: PPOConfig) -> dict[str, float]:
     trainer = build_trainer(config, init_ray=_init_ray)  # data and rewards are checked before Ray starts
     return fit_and_report(trainer, trainer.workers, config)
 
@@ -82,7 +89,21 @@ def start_ray(cpus_needed: float, ray_init=None) -> None:
         num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
         if ray_init is not None and ray_init.num_cpus is not None:
             num_cpus = ray_init.num_cpus
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
+        loopback_only()
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+
+
+def loopback_only() -> None:
+    """Make the local Ray about to start listen on 127.0.0.1 only (GCS, raylet, agents, workers).
+
+    Ray turns a node address of 127.0.0.1 into the machine's network address unless it runs in its
+    single-machine mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when ray is imported): both the
+    variable (for Ray's own processes) and the constant it set in this process are switched.
+    """
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def write_report(tracker) -> None:

@@ -23,6 +23,8 @@ from hybridrl.trainer.ppo.genrm_config import genrm_reward_kwargs
 from hybridrl.trainer.ppo.reward_kwargs import reward_manager_class, reward_manager_kwargs
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 from hybridrl.trainer.ppo.workers import start_reward_loop, start_workers, uses_ray
+from hybridrl.utils import deadlines
+from hybridrl.utils.deadlines import RewardWithDeadline
 from hybridrl.utils.flops import get_peak_flops
 from hybridrl.utils.torch_utils import str_to_dtype
 from hybridrl.utils.tracking import Tracking
@@ -142,11 +144,12 @@ def build_reward_fns(config: PPOConfig, tokenizer):
     cls = reward_manager_class(config)  # reward_manager.source=importlib
     if cls is not None:
         return tuple(
-            cls(tokenizer, n, compute_score=compute_score, reward_fn_key=key, **extra) for n in (0, 1)
+            RewardWithDeadline(cls(tokenizer, n, compute_score=compute_score, reward_fn_key=key, **extra))
+            for n in (0, 1)
         )
     train = load_reward_manager(name, tokenizer, 0, compute_score, reward_fn_key=key, **extra)
     val = load_reward_manager(name, tokenizer, 1, compute_score, reward_fn_key=key, **extra)
-    return train, val
+    return RewardWithDeadline(train), RewardWithDeadline(val)
 
 
 @dataclasses.dataclass
@@ -167,6 +170,7 @@ def prepare_run(config: PPOConfig) -> RunParts:
     import random
 
     resolve_builtin(config)
+    deadlines.configure(config.trainer)
     seed = config.trainer.seed
     random.seed(seed)
     np.random.seed(seed)

@@ -14,8 +14,9 @@ template (`tools=`), so the model sees the tool descriptions the way an OpenAI-s
 would show them.
 
 A plain function becomes a tool with `@function_tool`: its signature and docstring give the schema,
-it is called in a worker thread (so a slow function never stalls generation), and its return value
-is the tool response (`normalize_tool_return`: a ToolResponse, a string, a dict as JSON, or a
+it is called in a daemon thread of its own (so a slow function never stalls generation, and one that
+overruns `multi_turn.tool_timeout_s` is left behind, not waited on), and its return value is the
+tool response (`normalize_tool_return`: a ToolResponse, a string, a dict as JSON, or a
 (response, reward, metrics) tuple, as veRL's function tools).
 
 veRL's newest tool API under the same module names is `hybridrl.tools` (base_tool, schemas,
@@ -24,13 +25,14 @@ function_tool, tool_registry): a veRL tool changes only its import line.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from hybridrl.workers.agent.tool_runner import run_sync_detached
 
 __all__ = [
     "BaseTool",
@@ -283,5 +285,5 @@ class FunctionTool(BaseTool):
         if inspect.iscoroutinefunction(self.fn):
             result = await self.fn(**parameters)
         else:
-            result = await asyncio.to_thread(self.fn, **parameters)
+            result = await run_sync_detached(self.fn, **parameters)  # not waited on after a deadline
         return normalize_tool_return(result)

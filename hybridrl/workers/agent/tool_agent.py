@@ -17,7 +17,10 @@ At most `max_parallel_calls` calls of a turn run (concurrently); each response i
 
 Failures are data: a call with bad JSON, an unknown tool name, a tool that raises or takes longer
 than `multi_turn.tool_timeout_s` gets an "Error: ..." text as its response, and is counted in the
-trajectory's metrics (`tool_errors`, `tool_timeouts`). Nothing of that ends the step.
+trajectory's metrics (`tool_errors`, `tool_timeouts`). Nothing of that ends the step. Every tool
+method (`create`, `execute`, `calc_reward`, `release`) has that deadline and runs on the tools' own
+event loop (tool_runner.py), so even a blocking call inside `async def execute` cannot hold
+generation; a `calc_reward` / `release` that fails or times out is logged and counted.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from hybridrl.workers.agent.loop import AgentLoopBase, AgentLoopOutput, register
 from hybridrl.workers.agent.parser import ToolCall, get_tool_parser
 from hybridrl.workers.agent.tokenization import ToolTurnRenderer, check_tokenization, conversation_ids
 from hybridrl.workers.agent.tool import ToolResponse, create_arguments, schema_dict
+from hybridrl.workers.agent.tool_runner import tool_loop
 from hybridrl.workers.agent.trace import set_span_outputs, span
 from hybridrl.workers.rollout.base import SamplingSpec
 
@@ -75,6 +79,12 @@ class TrajectoryTools:
     def _kw(self, name: str, stage: str) -> dict[str, Any]:
         return dict((self.kwargs.get(name) or {}).get(stage) or {})
 
+    async def _run(self, method: Any, name: str, stage: str, *args: Any, **kwargs: Any) -> Any:
+        """``await method(*args, **kwargs)`` on the tools' own loop, for at most ``timeout_s``."""
+        return await tool_loop.run(
+            lambda: method(*args, **kwargs), timeout_s=self.timeout_s, what=f"tool {name!r} {stage}"
+        )
+
     async def call(self, call: ToolCall) -> str:
         """Run one parsed call; returns the tool response text (an error text on failure)."""
         with span(f"tool/{call.name}", arguments=call.arguments, parse_error=call.error) as s:
@@ -93,15 +103,17 @@ class TrajectoryTools:
             return f"Error: unknown tool {call.name!r}; available tools: {', '.join(sorted(self.tools)) or 'none'}"
         try:
             if call.name not in self.instances:
-                created = await tool.create(
-                    None, **create_arguments(tool, self._kw(call.name, "create_kwargs"))
+                created = await self._run(
+                    tool.create,
+                    call.name,
+                    "create",
+                    None,
+                    **create_arguments(tool, self._kw(call.name, "create_kwargs")),
                 )
                 self.instances[call.name] = created[0] if isinstance(created, tuple) else created
-            result = await asyncio.wait_for(
-                tool.execute(
-                    self.instances[call.name], call.arguments, **self._kw(call.name, "execute_kwargs")
-                ),
-                timeout=self.timeout_s,
+            kw = self._kw(call.name, "execute_kwargs")
+            result = await self._run(
+                tool.execute, call.name, "execute", self.instances[call.name], call.arguments, **kw
             )
         except asyncio.TimeoutError:
             self.timeouts += 1
@@ -131,15 +143,26 @@ class TrajectoryTools:
         total = 0.0
         for name, instance_id in self.instances.items():
             tool = self.tools[name]
-            try:
-                total += float(await tool.calc_reward(instance_id, **self._kw(name, "calc_reward_kwargs")))
-            except Exception as e:
-                self.errors += 1
-                logger.warning("tool %r calc_reward raised %s: %s", name, type(e).__name__, e)
-            try:
-                await tool.release(instance_id, **self._kw(name, "release_kwargs"))
-            except Exception as e:
-                logger.warning("tool %r release raised %s: %s", name, type(e).__name__, e)
+            for stage in ("calc_reward", "release"):
+                try:
+                    value = await self._run(
+                        getattr(tool, stage), name, stage, instance_id, **self._kw(name, f"{stage}_kwargs")
+                    )
+                except asyncio.TimeoutError:
+                    self.timeouts += 1
+                    logger.warning(
+                        "tool %r %s timed out after %gs (multi_turn.tool_timeout_s)",
+                        name,
+                        stage,
+                        self.timeout_s,
+                    )
+                    continue
+                except Exception as e:
+                    self.errors += stage == "calc_reward"
+                    logger.warning("tool %r %s raised %s: %s", name, stage, type(e).__name__, e)
+                    continue
+                if stage == "calc_reward":
+                    total += float(value)
         return total
 
 

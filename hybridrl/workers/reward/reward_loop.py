@@ -66,9 +66,27 @@ def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 def _call(server: Any, seqs: list[list[int]]) -> list[float]:
     if isinstance(server, RewardModelServer):
         return server.score(seqs)
-    import ray
+    from hybridrl.single_controller.ray.base import gather_refs
 
-    return ray.get(server.score.remote(seqs))
+    return gather_refs([server.score.remote(seqs)], group="reward_model_server", method="score", ranks=[0])[0]
+
+
+def _wait_workers(refs: list[Any]) -> list[Any]:
+    """The reward loop workers' results; a worker with no result for the deadline fails naming it."""
+    from hybridrl.single_controller.ray.base import gather_refs
+    from hybridrl.utils import deadlines
+
+    limit, key = deadlines.reward_timeout(), deadlines.REWARD_KEY
+    if limit <= 0:
+        limit, key = deadlines.step_timeout(), deadlines.STEP_KEY
+    return gather_refs(
+        refs,
+        group="reward_loop",
+        method="compute_scores",
+        ranks=list(range(len(refs))),
+        timeout_s=limit,
+        timeout_key=key,
+    )
 
 
 _ACTOR_IDS = itertools.count()
@@ -233,9 +251,7 @@ class RewardLoopManager:
         chunks = [batch.slice(lo, hi) for lo, hi in bounds]
         workers = self.workers[: len(chunks)]
         if self.use_ray:
-            import ray
-
-            outs = ray.get([w.compute_scores.remote(c) for w, c in zip(workers, chunks)])
+            outs = _wait_workers([w.compute_scores.remote(c) for w, c in zip(workers, chunks)])
         else:
             outs = [w.compute_scores(c) for w, c in zip(workers, chunks)]
         if not outs:

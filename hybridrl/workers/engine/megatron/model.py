@@ -13,6 +13,7 @@ Linear(H, 1) with bias, the `score` head of AutoModelForTokenClassification).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridrl.utils.device import process_group_timeout_s
 from hybridrl.workers.engine.megatron.convert import (
     ArchSpec,
     hf_layer_to_megatron,
@@ -71,6 +73,8 @@ def init_parallel(cfg: MegatronConfig, key: str) -> None:
             tensor_model_parallel_size=sizes[0],
             pipeline_model_parallel_size=sizes[1],
             virtual_pipeline_model_parallel_size=sizes[2],
+            # Megatron's groups get the worker's timeout (actor_rollout_ref.nccl_timeout), not its 30 min
+            distributed_timeout_minutes=max(1, math.ceil(process_group_timeout_s() / 60)),
         )
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=True)
 

@@ -9,10 +9,13 @@ expected output (stripped). Score = passed / cases; "acc" = all passed. Other da
 the built-in scorers.
 
 At most `max_concurrent` requests are in flight per scoring process (a semaphore; the `prime`
-manager scores in several processes, each with its own). Each request has a timeout
-(compile + run + `api_timeout` s); a connection error, an HTTP error or a non-JSON answer is
-retried `retries` times and then raises a RuntimeError naming the URL and the cause; nothing is
-scored 0 because the service failed.
+manager scores in several processes, each with its own). Each request has one total deadline
+(compile + run + `api_timeout` s, for connecting, the headers and the whole body: a server that
+trickles bytes ends at the deadline, plus at most one stalled read of that length) and an answer
+larger than `max_response_bytes` is refused (not retried). A connection error, an HTTP error or a non-JSON answer is retried with exponential backoff
+(0.5 s doubling to 16 s) for at least `retries` attempts and `retry_window_s` seconds (so a sandbox
+that restarts is waited for), then raises a RuntimeError naming the URL and the cause; nothing is
+scored 0 because the service failed. Only http:// and https:// URLs are accepted.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import re
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +45,8 @@ class SandboxSettings:
     compile_timeout: float = 10.0
     api_timeout: float = 10.0
     retries: int = 3
+    retry_window_s: float = 60.0  # keep retrying (with backoff) at least this long: a sandbox restart
+    max_response_bytes: int = 16 << 20
 
 
 class SandboxFusionClient:
@@ -50,6 +56,12 @@ class SandboxFusionClient:
         if settings.max_concurrent < 1:
             raise ValueError(
                 f"reward_model.sandbox_fusion.max_concurrent must be >= 1, got {settings.max_concurrent}"
+            )
+        scheme = urllib.parse.urlsplit(str(settings.url)).scheme.lower()
+        if scheme not in ("http", "https"):
+            raise ValueError(
+                f"reward_model.sandbox_fusion.url={settings.url!r} must be an http:// or https:// URL of the "
+                "SandboxFusion run_code endpoint (e.g. http://localhost:8080/run_code)"
             )
         self.settings = settings
         self._slots = threading.BoundedSemaphore(settings.max_concurrent)
@@ -73,22 +85,46 @@ class SandboxFusionClient:
             s.url, data=body, headers={"Content-Type": "application/json", "Accept": "application/json"}
         )
         error: Exception | None = None
-        for attempt in range(max(1, s.retries)):
+        start, attempt = time.monotonic(), 0
+        while True:
             try:
-                with (
-                    self._slots,
-                    urllib.request.urlopen(
-                        request, timeout=s.compile_timeout + s.run_timeout + s.api_timeout
-                    ) as resp,
-                ):
-                    return json.loads(resp.read().decode())
-            except (urllib.error.URLError, TimeoutError, OSError, json.JSONDecodeError) as e:
+                with self._slots:
+                    return json.loads(self._post(request).decode())
+            except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
                 error = e
-                time.sleep(min(0.2 * 2**attempt, 2.0))
+            attempt += 1
+            elapsed = time.monotonic() - start
+            if attempt >= max(1, s.retries) and elapsed >= s.retry_window_s:
+                break
+            time.sleep(min(0.5 * 2 ** (attempt - 1), 16.0))
         raise RuntimeError(
-            f"SandboxFusion at reward_model.sandbox_fusion.url={s.url!r} failed {max(1, s.retries)} times: "
-            f"{type(error).__name__}: {error}. Check that the service runs and the URL ends in /run_code"
+            f"SandboxFusion at reward_model.sandbox_fusion.url={s.url!r} failed {attempt} times in "
+            f"{time.monotonic() - start:.0f} s: {type(error).__name__}: {error}. Check that the service runs "
+            "and the URL ends in /run_code"
         )
+
+    def _post(self, request: urllib.request.Request) -> bytes:
+        """The answer's body, within one total deadline and at most `max_response_bytes`."""
+        s = self.settings
+        limit = s.compile_timeout + s.run_timeout + s.api_timeout
+        deadline = time.monotonic() + limit
+        body = bytearray()
+        with urllib.request.urlopen(request, timeout=limit) as resp:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"the answer did not arrive within {limit:g} s (compile + run + api timeout)"
+                    )
+                chunk = resp.read1(65536)
+                if not chunk:
+                    return bytes(body)
+                body += chunk
+                if len(body) > s.max_response_bytes:
+                    raise RuntimeError(
+                        f"SandboxFusion at reward_model.sandbox_fusion.url={s.url!r} sent an answer larger than "
+                        f"{s.max_response_bytes} bytes (SandboxSettings.max_response_bytes); it is not read further"
+                    )
 
 
 def extract_code(solution: str) -> str | None:

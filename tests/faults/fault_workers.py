@@ -1,0 +1,22 @@
+"""Worker classes of the fault tests (shipped to the Ray actors by value)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from hybridrl.single_controller.base import Dispatch, Worker, register
+
+
+class NapWorker(Worker):
+    """A worker whose `nap` hangs (alive, sleeping) on one rank."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def nap(self, rank_to_hang: int, seconds: float) -> int:
+        if self.rank == rank_to_hang:
+            time.sleep(seconds)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
