@@ -19,6 +19,13 @@ so a chunk already generating finishes with its old weights and the next chunk u
 ones ("finish the chunk, then update": no generation is aborted). Every group is tagged with the
 version its chunk was generated with.
 
+Partial rollout (`partial_rollout=True`, workers: hybridrl.async_rollout.partial): `publish` also
+asks every worker generating with an older version to abort (`abort_generation`); the chunk comes
+back with the tokens so far, its finished groups go on as usual and the unfinished ones return to
+the front of the queue with their prefixes (tokens, log-probs, per-token versions), continued by
+the next chunk with the new weights. A group keeps the version of its first dispatch, the version
+of its oldest token, so its deadline and the staleness bound are those of its oldest token.
+
 An optional `postprocess(chunk) -> chunk` runs on every finished chunk in the background thread,
 before its groups are queued: the trainer scores rule-based rewards there, so reward computation
 overlaps training instead of sitting on the trainer's path (AReaL scores inside its rollout
@@ -48,7 +55,12 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-from hybridrl.async_rollout.staleness import StalenessManager, select_batch, staleness_metrics
+from hybridrl.async_rollout.staleness import (
+    StalenessManager,
+    select_batch,
+    staleness_metrics,
+    token_version_metrics,
+)
 from hybridrl.protocol import DataProto
 
 __all__ = ["AsyncBatch", "AsyncRolloutManager", "RolloutWorkersLostError"]
@@ -68,6 +80,7 @@ class _Group:
     commit_version: int = -1
     version: int = -1  # the behaviour policy's version, set when its chunk is dispatched
     result: DataProto | None = None  # rollout.n rows once finished
+    partial: dict[str, Any] | None = None  # partial rollout: the rows' prefixes (resume.PARTIAL_KEYS)
 
 
 @dataclass
@@ -121,6 +134,8 @@ class AsyncRolloutManager:
         poll_s: how long the background loop waits for results in one round.
         postprocess: applied to each finished chunk (all its rows, prompt data included) in the
             background thread, e.g. reward scoring; must keep the rows and their order.
+        partial_rollout: abort generations at a weight update and continue them from their
+            prefix (the workers must have `abort_generation`, see the module docstring).
     """
 
     def __init__(
@@ -135,6 +150,7 @@ class AsyncRolloutManager:
         chunk_size: int,
         poll_s: float = 0.02,
         postprocess: Callable[[DataProto], DataProto] | None = None,
+        partial_rollout: bool = False,
     ) -> None:
         if not workers:
             raise ValueError("AsyncRolloutManager needs at least one rollout worker")
@@ -148,6 +164,9 @@ class AsyncRolloutManager:
         self.chunk_size = chunk_size
         self.poll_s = poll_s
         self.postprocess = postprocess
+        self.partial_rollout = partial_rollout
+        self._aborts_sent = 0
+        self._resumed_groups = 0  # groups sent back to the queue with a prefix
         self._postprocess_s = 0.0  # seconds spent in postprocess since the last batch
         self._workers = [_Worker(rank, h) for rank, h in enumerate(workers)]
         self._pending: collections.deque[_Group] = collections.deque()
@@ -213,6 +232,8 @@ class AsyncRolloutManager:
             for w in self._workers:
                 if w.alive:
                     self._send_weights(w)
+            if self.partial_rollout:
+                self._abort_older(version)
         self._wake.set()
 
     def wait_batch(self, timeout_s: float | None = None) -> AsyncBatch:
@@ -286,6 +307,14 @@ class AsyncRolloutManager:
                 "async/rollout_workers_alive": float(len(alive)),
                 "async/worker_failures": float(self._worker_failures),
                 "async/requeued_groups": float(self._requeued_groups),
+                **(
+                    {
+                        "async/partial/aborts_sent": float(self._aborts_sent),
+                        "async/partial/resumed_groups": float(self._resumed_groups),
+                    }
+                    if self.partial_rollout
+                    else {}
+                ),
                 "async/output_backpressure_waits": float(self._backpressure_waits),
                 "async/version": float(self._version),
                 "async/version_lag": float(
@@ -345,6 +374,8 @@ class AsyncRolloutManager:
         staleness = [k - v for v in versions]
         data = DataProto.concat([g.result for g in picked])
         metrics = staleness_metrics(staleness, self.eta)
+        if "rollout_versions" in data.batch.keys():
+            metrics.update(token_version_metrics(data.batch["rollout_versions"], k))
         metrics.update(self.stats())
         now = time.perf_counter()
         with self._lock:
@@ -417,9 +448,12 @@ class AsyncRolloutManager:
                 batch = DataProto.concat([g.prompt for g in groups]).repeat(self.rollout_n, interleave=True)
                 gen_in = batch.select(batch_keys=list(GEN_KEYS))
                 gen_in.meta_info["seed_index"] = self.seed_index(groups[0].seq)
+                if self.partial_rollout:
+                    self._add_partial_columns(gen_in, groups)
                 batch.pop(batch_keys=list(GEN_KEYS))
                 for g in groups:
-                    g.version = self._version
+                    if g.partial is None:  # a resumed group keeps the version of its oldest token
+                        g.version = self._version
                 ref = w.handle.generate_sequences.remote(gen_in)
                 self._inflight[ref] = _Chunk(w, groups, batch, self._version)
                 w.busy = True
@@ -460,6 +494,13 @@ class AsyncRolloutManager:
             )
         busy = out.meta_info.get("worker_busy_s")
         out.meta_info = {}
+        if self.partial_rollout:
+            chunk, out = self._split_unfinished(chunk, out)
+            if not chunk.groups:
+                with self._lock:
+                    if busy is not None:
+                        chunk.worker.busy_s = float(busy)
+                return
         full = chunk.rest.union(out)
         if self.postprocess is not None:
             t0 = time.perf_counter()
@@ -502,6 +543,14 @@ class AsyncRolloutManager:
             self._requeued_groups += len(chunk.groups)
 
     # ------------------------------------------------------------------ workers
+    def _abort_older(self, version: int) -> None:
+        """Ask every worker generating with a version < `version` to stop once the weights exist."""
+        ready = [self._weights] if isinstance(self._weights, ray.ObjectRef) else None
+        for chunk in self._inflight.values():
+            if chunk.version < version and chunk.worker.alive:
+                chunk.worker.handle.abort_generation.remote(version, ready)
+                self._aborts_sent += 1
+
     def _send_weights(self, w: _Worker) -> None:
         ref = w.handle.load_weights.remote(self._weights, self._version)
         self._load_refs.append((w, ref, self._version))
@@ -548,3 +597,52 @@ class AsyncRolloutManager:
                 f"all {len(self._workers)} rollout workers died (last: worker {w.rank}: {first}). Finished groups "
                 "were kept but no generation is possible; restart the run (it resumes from the last checkpoint)."
             )
+
+    # ------------------------------------------------------------------ partial rollout
+    def _add_partial_columns(self, gen_in: DataProto, groups: list[_Group]) -> None:
+        """The resume.PARTIAL_KEYS columns of a chunk: each group's prefixes, or empty ones."""
+        from hybridrl.workers.rollout.resume import PARTIAL_KEYS, fresh_partial_columns
+
+        n = self.rollout_n
+        cols = fresh_partial_columns(len(groups) * n)
+        for i, g in enumerate(groups):
+            if g.partial is not None:
+                for key in PARTIAL_KEYS:
+                    cols[key][i * n : (i + 1) * n] = g.partial[key]
+        if any(g.partial is not None for g in groups):
+            gen_in.meta_info["seed_index"] = 10**9 + self._dispatched_chunks  # a fresh stream
+        gen_in.non_tensor_batch.update(cols)
+
+    def _split_unfinished(self, chunk: _Chunk, out: DataProto) -> tuple[_Chunk, DataProto]:
+        """Partial rollout: groups with an unfinished row go back to the front of the queue with
+        their prefixes; returns the chunk and output rows of the finished groups."""
+        from hybridrl.workers.rollout.resume import fresh_partial_columns
+
+        n, done = self.rollout_n, out.non_tensor_batch["partial_done"]
+        keep, rows, back = [], [], []
+        for i, g in enumerate(chunk.groups):
+            if all(bool(x) for x in done[i * n : (i + 1) * n]):
+                keep.append(g)
+                rows += range(i * n, (i + 1) * n)
+                continue
+            cols = fresh_partial_columns(n)
+            lp = out.batch["rollout_log_probs"] if "rollout_log_probs" in out.batch.keys() else None
+            for j, r in enumerate(range(i * n, (i + 1) * n)):
+                m = int(out.batch["response_mask"][r].sum())
+                cols["partial_response"][j] = out.batch["responses"][r, :m].tolist()
+                cols["partial_log_probs"][j] = lp[r, :m].tolist() if lp is not None else []
+                cols["partial_versions"][j] = out.batch["rollout_versions"][r, :m].tolist()
+                cols["partial_done"][j] = bool(done[r])
+            tokens = sum(len(x) for x in cols["partial_response"])
+            g.partial = cols if tokens else None  # nothing generated yet: a fresh start, re-tagged
+            back.append(g)
+        with self._lock:
+            self._retry.extendleft(reversed(back))
+            self._resumed_groups += len(back)
+        out.non_tensor_batch.pop("partial_done")
+        if not back:
+            return chunk, out
+        if not keep:
+            return _Chunk(chunk.worker, [], chunk.rest, chunk.version), out
+        rest = chunk.rest.select_idxs(rows)
+        return _Chunk(chunk.worker, keep, rest, chunk.version), out.select_idxs(rows)

@@ -7,7 +7,8 @@ built-in tiny model on the built-in task on CPU with one training and one rollou
 core each (ASYNC_DEFAULTS in hybridrl/trainer/async_ppo/launch.py), eta = max_head_offpolicyness = 1.
 
 Locally it starts an embedded Ray instance; with RAY_ADDRESS set it attaches to that cluster.
-The config goes through main_ppo's config stage (veRL's spellings, refused keys, one-line errors).
+The config goes through main_ppo's config stage (veRL's spellings, refused keys, one-line errors),
+after AReaL's keys and veRL v1's async-trainer keys are translated (async_ppo/foreign_keys.py).
 From Python, `main(config)` runs a composed config, as veRL's `main(config)` does.
 """
 
@@ -18,6 +19,7 @@ import sys
 from omegaconf import DictConfig, OmegaConf
 
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, load_async_config
+from hybridrl.trainer.async_ppo.foreign_keys import translate_argv
 from hybridrl.trainer.async_ppo.launch import compose_async_config, run_async_config
 from hybridrl.trainer.ppo.config_stage import load_for_cli, override_key, prepare_argv
 from hybridrl.utils.cli import check_command_line
@@ -40,7 +42,7 @@ def main(config: DictConfig | dict | list[str] | None = None) -> dict[str, float
         print(__doc__)
         print(OmegaConf.to_yaml(OmegaConf.structured(AsyncPPOConfig).async_training))
         return {}
-    argv = prepare_argv(["main_async", *argv])[1:]
+    argv = prepare_argv(["main_async", *translate_argv(argv)])[1:]  # AReaL / veRL v1 keys first
     check_command_line(argv, AsyncPPOConfig, "ppo_trainer")
     explicit = {override_key(o) for o in argv}
     return run_async_config(load_for_cli(compose_async_config(argv), load_async_config, explicit))

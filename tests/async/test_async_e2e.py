@@ -86,16 +86,26 @@ def test_async_grpo_respects_the_bound_and_uses_the_decoupled_loss(tmp_path):
     assert "val-core/hybridrl/arith/acc/mean@1" in rows[-1]
 
 
-def test_eta0_async_equals_the_synchronous_trainer(tmp_path):
+@pytest.mark.parametrize("partial", [False, True])
+def test_eta0_async_equals_the_synchronous_trainer(tmp_path, partial):
     """eta = 0 is synchronous PPO: same data, same samples, same updates, step for step (one
-    rollout worker, one training slot, both single-threaded like the synchronous worker)."""
+    rollout worker, one training slot, both single-threaded like the synchronous worker). With
+    partial rollout on, nothing is generating at a weight update (eta = 0), so nothing is
+    aborted and the resumable path must give the same samples."""
     keys = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"]
     sync = run_sync(["actor_rollout_ref.rollout.calculate_log_probs=true"], tmp_path / "sync")
     asyn = run_async(
-        ["async_training.max_head_offpolicyness=0", "async_training.use_decoupled_loss=false"],
+        [
+            "async_training.max_head_offpolicyness=0",
+            "async_training.use_decoupled_loss=false",
+            f"async_training.partial_rollout={str(partial).lower()}",
+        ],
         tmp_path / "async",
     )
     assert asyn.consumed_versions == [[0] * 4, [1] * 4, [2] * 4]
+    if partial:
+        assert all(r["async/token_staleness/max"] == 0.0 for r in asyn.history)
+        assert all(r["async/partial/resumed_groups"] == 0.0 for r in asyn.history)
     for s, a in zip(sync.history, asyn.history, strict=True):
         for key in keys:
             assert a[key] == s[key], key  # bit-identical: same samples, same updates

@@ -152,8 +152,11 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
     """Two resource pools: training slots (actor [+ ref], critic, reward model colocated) and
     rollout slots (one disaggregated rollout-only ActorRolloutRefWorker each). Both groups build
     their models concurrently."""
+    from hybridrl.async_rollout.partial import PartialRolloutWorker
     from hybridrl.workers.engine_workers import ActorRolloutRefWorker
 
+    # partial rollout: a worker whose generation a weight update can interrupt
+    rollout_cls = PartialRolloutWorker if config.async_training.partial_rollout else ActorRolloutRefWorker
     gpu = use_gpu(config)
     train_pool, rollout_pool = _pools(config, gpu)
     classes = _train_classes(
@@ -167,7 +170,7 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
     rollout_group = RayWorkerGroup(
         rollout_pool,
         RayClassWithInitArgs(
-            ActorRolloutRefWorker,
+            rollout_cls,
             model=arr.model,
             rollout=_rollout_worker_config(arr.rollout),
             role="rollout",
@@ -249,6 +252,7 @@ class AsyncPPOTrainer(RayPPOTrainer):
             # rule-based rewards are scored as chunks finish, off the trainer's path; a reward
             # model is a worker group on the training slots, so it stays on the trainer's path
             postprocess=self._score_chunk if workers.reward_model is None else None,
+            partial_rollout=at.partial_rollout,
         )
         self._manager_started = False
         self._last_publish = None
