@@ -26,6 +26,11 @@ the front of the queue with their prefixes (tokens, log-probs, per-token version
 the next chunk with the new weights. A group keeps the version of its first dispatch, the version
 of its oldest token, so its deadline and the staleness bound are those of its oldest token.
 
+DAPO dynamic sampling (`group_filter`): after `postprocess` (which scores the chunk) a group whose
+rows the filter rejects is dropped; it stops counting as committed, so the producer gate lets a
+fresh group in, and the consumer keeps waiting until it has B kept groups (the trainer tops the
+prompt queue up while it waits: `wait_batch(refill=...)`).
+
 An optional `postprocess(chunk) -> chunk` runs on every finished chunk in the background thread,
 before its groups are queued: the trainer scores rule-based rewards there, so reward computation
 overlaps training instead of sitting on the trainer's path (AReaL scores inside its rollout
@@ -136,6 +141,10 @@ class AsyncRolloutManager:
             background thread, e.g. reward scoring; must keep the rows and their order.
         partial_rollout: abort generations at a weight update and continue them from their
             prefix (the workers must have `abort_generation`, see the module docstring).
+        group_filter: DAPO dynamic sampling: (rows of a postprocessed chunk) -> (rows,) bool keep
+            mask, whole groups kept or dropped.
+        max_dropped_per_batch: with group_filter, raise when more groups than this were dropped
+            while one batch was being formed (None: no limit).
     """
 
     def __init__(
@@ -151,6 +160,8 @@ class AsyncRolloutManager:
         poll_s: float = 0.02,
         postprocess: Callable[[DataProto], DataProto] | None = None,
         partial_rollout: bool = False,
+        group_filter: Callable[[DataProto], Any] | None = None,
+        max_dropped_per_batch: int | None = None,
     ) -> None:
         if not workers:
             raise ValueError("AsyncRolloutManager needs at least one rollout worker")
@@ -165,6 +176,10 @@ class AsyncRolloutManager:
         self.poll_s = poll_s
         self.postprocess = postprocess
         self.partial_rollout = partial_rollout
+        self.group_filter = group_filter
+        self.max_dropped_per_batch = max_dropped_per_batch
+        self._dropped_since_batch = 0
+        self._dropped_total = 0
         self._aborts_sent = 0
         self._resumed_groups = 0  # groups sent back to the queue with a prefix
         self._postprocess_s = 0.0  # seconds spent in postprocess since the last batch
@@ -236,8 +251,11 @@ class AsyncRolloutManager:
                 self._abort_older(version)
         self._wake.set()
 
-    def wait_batch(self, timeout_s: float | None = None) -> AsyncBatch:
-        """Block until batch k (k = the published version) can be formed; return it."""
+    def wait_batch(self, timeout_s: float | None = None, refill: Callable[[], None] | None = None) -> AsyncBatch:
+        """Block until batch k (k = the published version) can be formed; return it.
+
+        `refill` is called on every round of the wait (the trainer's thread): with a group filter
+        dropped groups must be replaced by new prompts."""
         self._require_started()
         t0 = time.perf_counter()
         k = self.staleness.batch_index
@@ -248,6 +266,9 @@ class AsyncRolloutManager:
             )
         while True:
             self._raise_if_failed()
+            self._check_dropped(k)
+            if refill is not None:
+                refill()
             self._drain_output()
             with self._lock:
                 picked = self._try_select(k)
@@ -388,6 +409,9 @@ class AsyncRolloutManager:
         metrics["async/rollout_idle_frac"] = min(max(1.0 - busy / span, 0.0), 1.0)
         metrics["async/rollout_busy_s"] = busy
         metrics["async/train_wait_s"] = wait_s
+        if self.group_filter is not None:
+            with self._lock:
+                metrics["async/filtered_groups"], self._dropped_since_batch = self._dropped_since_batch, 0
         if self.postprocess is not None:
             with self._lock:
                 metrics["async/postprocess_s"], self._postprocess_s = self._postprocess_s, 0.0
@@ -512,6 +536,8 @@ class AsyncRolloutManager:
                 )
             with self._lock:
                 self._postprocess_s += time.perf_counter() - t0
+        if self.group_filter is not None:
+            chunk, full = self._drop_filtered(chunk, full)
         n = self.rollout_n
         with self._lock:
             if busy is not None:
@@ -646,3 +672,33 @@ class AsyncRolloutManager:
             return _Chunk(chunk.worker, [], chunk.rest, chunk.version), out
         rest = chunk.rest.select_idxs(rows)
         return _Chunk(chunk.worker, keep, rest, chunk.version), out.select_idxs(rows)
+
+    # ------------------------------------------------------------------ DAPO dynamic sampling
+    def _drop_filtered(self, chunk: _Chunk, full: DataProto) -> tuple[_Chunk, DataProto]:
+        """Drop the groups `group_filter` rejects: they finish and are un-committed (the gate then
+        admits a replacement; the bound's invariant counts only groups that can still be trained)."""
+        keep = [bool(x) for x in self.group_filter(full)]
+        n = self.rollout_n
+        kept = [i for i in range(len(chunk.groups)) if all(keep[i * n : (i + 1) * n])]
+        if len(kept) == len(chunk.groups):
+            return chunk, full
+        dropped = [g for i, g in enumerate(chunk.groups) if i not in set(kept)]
+        with self._lock:
+            for g in dropped:
+                self._outstanding.pop(g.seq, None)
+            self.staleness.on_finish(len(dropped))
+            self.staleness.on_drop(len(dropped))
+            self._dropped_since_batch += len(dropped)
+            self._dropped_total += len(dropped)
+        rows = [r for i in kept for r in range(i * n, (i + 1) * n)]
+        groups = [chunk.groups[i] for i in kept]
+        return _Chunk(chunk.worker, groups, chunk.rest, chunk.version), full.select_idxs(rows)
+
+    def _check_dropped(self, k: int) -> None:
+        limit = self.max_dropped_per_batch
+        if self.group_filter is not None and limit is not None and self._dropped_since_batch > limit:
+            raise RuntimeError(
+                f"DAPO dynamic sampling: {self._dropped_since_batch} groups were dropped (constant metric) while "
+                f"batch {k} was being formed, more than {limit}. Raise algorithm.filter_groups.max_num_gen_batches, "
+                "use easier data, or disable algorithm.filter_groups.enable"
+            )

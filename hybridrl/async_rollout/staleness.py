@@ -106,6 +106,14 @@ class StalenessManager:
             raise ValueError(f"on_finish({n}) but only {self.running} groups are running")
         self.running -= n
 
+    def on_drop(self, n: int) -> None:
+        """`n` finished groups were dropped (DAPO dynamic sampling): they no longer count as
+        committed, so the gate admits as many new ones. Rule 1's bound then counts the groups that
+        can still be trained, which is what the consumer rule needs."""
+        if n > self.submitted - self.running - self.consumed:
+            raise ValueError(f"on_drop({n}): only {self.submitted - self.running - self.consumed} finished groups exist")
+        self.submitted -= n
+
     def on_consume(self, n: int) -> None:
         if self.consumed + n > self.submitted - self.running:
             raise ValueError(

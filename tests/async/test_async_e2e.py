@@ -109,3 +109,53 @@ def test_eta0_async_equals_the_synchronous_trainer(tmp_path, partial):
     for s, a in zip(sync.history, asyn.history, strict=True):
         for key in keys:
             assert a[key] == s[key], key  # bit-identical: same samples, same updates
+
+
+def test_partial_rollout_keeps_the_bound_per_token(tmp_path):
+    """eta = 1 with partial rollout: generations running at a weight update are aborted and
+    resumed; every group's version (its oldest token) and every token stay within the bound."""
+    trainer = run_async(
+        [  # generation (4 chunks x 40 tokens) is slower than the update: a chunk runs at every publish
+            "async_training.max_head_offpolicyness=2",
+            "async_training.partial_rollout=true",
+            "async_training.chunk_size=1",
+            "actor_rollout_ref.rollout.ignore_eos=true",
+            "data.max_response_length=40",
+            "trainer.total_training_steps=4",
+        ],
+        tmp_path,
+    )
+    assert len(trainer.consumed_versions) == 4
+    for step, versions in enumerate(trainer.consumed_versions):
+        assert all(step - 2 <= v <= step for v in versions), (step, versions)
+    rows = trainer.history
+    assert rows[-1]["async/partial/aborts_sent"] > 0 and rows[-1]["async/partial/resumed_groups"] > 0
+    assert any(r["async/partial/mixed_version_frac"] > 0 for r in rows)
+    assert all(0.0 <= r["async/token_staleness/max"] <= 2.0 for r in rows)
+    # a group's version is its oldest token's: the oldest token of the batch is the stalest group
+    assert all(r["async/token_staleness/max"] == r["async/staleness/max"] for r in rows)
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in rows)
+    print(
+        "aborts sent", rows[-1]["async/partial/aborts_sent"], "resumed groups",
+        rows[-1]["async/partial/resumed_groups"], "mixed", [r["async/partial/mixed_version_frac"] for r in rows],
+    )  # fmt: skip
+
+
+def test_dapo_dynamic_sampling_in_async_mode(tmp_path):
+    """The consumer trains only groups whose score varies, B of them per step, within the bound."""
+    trainer = run_async(
+        [
+            "async_training.max_head_offpolicyness=1",
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=score",
+            "trainer.total_training_steps=3",
+        ],
+        tmp_path,
+    )
+    assert [len(v) for v in trainer.consumed_versions] == [4, 4, 4]
+    for step, versions in enumerate(trainer.consumed_versions):
+        assert all(step - 1 <= v <= step for v in versions), (step, versions)
+    rows = trainer.history
+    assert all("async/filtered_groups" in r for r in rows)
+    assert all(0.0 < r["critic/score/mean"] < 1.0 for r in rows)  # no all-right / all-wrong-only batch
+    print("filtered groups per step", [r["async/filtered_groups"] for r in rows])

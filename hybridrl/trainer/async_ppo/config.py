@@ -118,10 +118,11 @@ def validate_async_config(config: AsyncPPOConfig) -> None:
             f"is {mode!r}; set {KEY}.use_decoupled_loss=false to keep {mode!r}"
         )
     _validate_partial_rollout(config)
-    if algo.filter_groups.enable:
+    if algo.filter_groups.enable and config.reward_model.enable:
         raise ConfigError(
-            "algorithm.filter_groups.enable=true (DAPO dynamic sampling) is not supported in asynchronous mode "
-            "yet; disable it or use python -m hybridrl.trainer.main_ppo"
+            "algorithm.filter_groups.enable=true (DAPO dynamic sampling) with reward_model.enable=true is not "
+            "supported in asynchronous mode: groups are filtered as chunks finish, and a reward model scores "
+            "on the trainer's path; use a rule-based reward or python -m hybridrl.trainer.main_ppo"
         )
     if algo.adv_estimator == "remax":
         raise ConfigError(

@@ -30,6 +30,7 @@ from hybridrl.single_controller.ray.base import (
 )
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_workers
+from hybridrl.trainer.async_ppo.dynamic_sampling import dynamic_sampling
 from hybridrl.trainer.ppo.batch_steps import attach_reward_extra
 from hybridrl.trainer.ppo.setup import prepare_run, trainer_of
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
@@ -253,6 +254,7 @@ class AsyncPPOTrainer(RayPPOTrainer):
             # model is a worker group on the training slots, so it stays on the trainer's path
             postprocess=self._score_chunk if workers.reward_model is None else None,
             partial_rollout=at.partial_rollout,
+            **dynamic_sampling(config),
         )
         self._manager_started = False
         self._last_publish = None
@@ -305,7 +307,7 @@ class AsyncPPOTrainer(RayPPOTrainer):
     def _rollout_and_score(self, metrics: dict, timing: dict) -> DataProto:
         manager = self._started_manager()
         with timer("gen", timing):
-            got = manager.wait_batch()
+            got = manager.wait_batch(refill=self._feed)  # dynamic sampling replaces dropped groups
         metrics.update(got.metrics)
         self.consumed_versions.append(list(got.versions))
         batch = got.data
