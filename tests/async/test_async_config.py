@@ -76,7 +76,6 @@ def test_without_decoupled_loss_the_actor_loss_is_left_alone(base):
             "use_decoupled_loss=false to keep 'gspo'",
         ),
         ({"algorithm.filter_groups.enable": "true", "reward_model.enable": "true"}, "reward model scores"),
-        ({"algorithm.adv_estimator": "remax"}, "not supported in asynchronous mode"),
         ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}, "must be 1 in asynchronous mode"),
     ],
 )

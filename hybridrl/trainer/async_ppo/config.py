@@ -124,11 +124,6 @@ def validate_async_config(config: AsyncPPOConfig) -> None:
             "supported in asynchronous mode: groups are filtered as chunks finish, and a reward model scores "
             "on the trainer's path; use a rule-based reward or python -m hybridrl.trainer.main_ppo"
         )
-    if algo.adv_estimator == "remax":
-        raise ConfigError(
-            "algorithm.adv_estimator=remax needs a greedy rollout per step from the current policy; it is not "
-            "supported in asynchronous mode (use grpo, rloo, reinforce_plus_plus or gae)"
-        )
     if arr.rollout.tensor_model_parallel_size != 1:
         raise ConfigError(
             "actor_rollout_ref.rollout.tensor_model_parallel_size must be 1 in asynchronous mode (one engine "

@@ -312,6 +312,8 @@ class AsyncPPOTrainer(RayPPOTrainer):
         self.consumed_versions.append(list(got.versions))
         batch = got.data
         batch.meta_info["global_steps"] = self.global_steps
+        if self.config.algorithm.adv_estimator == "remax":  # greedy baseline: a rollout worker, version k
+            batch = self._remax_baseline(batch, timing)
         if "token_level_scores" not in batch.batch.keys():  # not scored by _score_chunk
             batch, extra = self._compute_reward(batch, timing)
             attach_reward_extra(batch, extra)
