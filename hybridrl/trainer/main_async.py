@@ -21,8 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, load_async_config
 from hybridrl.trainer.async_ppo.foreign_keys import translate_argv
 from hybridrl.trainer.async_ppo.launch import compose_async_config, run_async_config
-from hybridrl.trainer.ppo.config_stage import load_for_cli, override_key, prepare_argv
+from hybridrl.trainer.ppo.config_stage import exit_with_config_error, load_for_cli, override_key, prepare_argv
 from hybridrl.utils.cli import check_command_line
+from hybridrl.utils.config_loader import ConfigError
 
 
 def main(config: DictConfig | dict | list[str] | None = None) -> dict[str, float]:
@@ -42,7 +43,11 @@ def main(config: DictConfig | dict | list[str] | None = None) -> dict[str, float
         print(__doc__)
         print(OmegaConf.to_yaml(OmegaConf.structured(AsyncPPOConfig).async_training))
         return {}
-    argv = prepare_argv(["main_async", *translate_argv(argv)])[1:]  # AReaL / veRL v1 keys first
+    try:
+        argv = translate_argv(argv)  # AReaL / veRL v1 keys first
+    except ConfigError as e:
+        exit_with_config_error(e)
+    argv = prepare_argv(["main_async", *argv])[1:]
     check_command_line(argv, AsyncPPOConfig, "ppo_trainer")
     explicit = {override_key(o) for o in argv}
     return run_async_config(load_for_cli(compose_async_config(argv), load_async_config, explicit))
