@@ -19,17 +19,10 @@ so a chunk already generating finishes with its old weights and the next chunk u
 ones ("finish the chunk, then update": no generation is aborted). Every group is tagged with the
 version its chunk was generated with.
 
-Partial rollout (`partial_rollout=True`, workers: hybridrl.async_rollout.partial): `publish` also
-asks every worker generating with an older version to abort (`abort_generation`); the chunk comes
-back with the tokens so far, its finished groups go on as usual and the unfinished ones return to
-the front of the queue with their prefixes (tokens, log-probs, per-token versions), continued by
-the next chunk with the new weights. A group keeps the version of its first dispatch, the version
-of its oldest token, so its deadline and the staleness bound are those of its oldest token.
-
-DAPO dynamic sampling (`group_filter`): after `postprocess` (which scores the chunk) a group whose
-rows the filter rejects is dropped; it stops counting as committed, so the producer gate lets a
-fresh group in, and the consumer keeps waiting until it has B kept groups (the trainer tops the
-prompt queue up while it waits: `wait_batch(refill=...)`).
+Partial rollout (`partial_rollout=True`) and DAPO dynamic sampling (`group_filter`): see
+docs/async.md. In short, `publish` also aborts older generations; unfinished groups return to the
+front of the queue with their prefixes and keep their first (oldest-token) version; rejected
+groups are dropped and un-committed, and `wait_batch(refill=...)` lets the trainer replace them.
 
 An optional `postprocess(chunk) -> chunk` runs on every finished chunk in the background thread,
 before its groups are queued: the trainer scores rule-based rewards there, so reward computation
@@ -67,6 +60,7 @@ from hybridrl.async_rollout.staleness import (
     token_version_metrics,
 )
 from hybridrl.protocol import DataProto
+from hybridrl.workers.rollout.resume import chunk_partial_columns, unfinished_group_prefixes
 
 __all__ = ["AsyncBatch", "AsyncRolloutManager", "RolloutWorkersLostError"]
 
@@ -251,7 +245,9 @@ class AsyncRolloutManager:
                 self._abort_older(version)
         self._wake.set()
 
-    def wait_batch(self, timeout_s: float | None = None, refill: Callable[[], None] | None = None) -> AsyncBatch:
+    def wait_batch(
+        self, timeout_s: float | None = None, refill: Callable[[], None] | None = None
+    ) -> AsyncBatch:
         """Block until batch k (k = the published version) can be formed; return it.
 
         `refill` is called on every round of the wait (the trainer's thread): with a group filter
@@ -627,51 +623,28 @@ class AsyncRolloutManager:
     # ------------------------------------------------------------------ partial rollout
     def _add_partial_columns(self, gen_in: DataProto, groups: list[_Group]) -> None:
         """The resume.PARTIAL_KEYS columns of a chunk: each group's prefixes, or empty ones."""
-        from hybridrl.workers.rollout.resume import PARTIAL_KEYS, fresh_partial_columns
-
-        n = self.rollout_n
-        cols = fresh_partial_columns(len(groups) * n)
-        for i, g in enumerate(groups):
-            if g.partial is not None:
-                for key in PARTIAL_KEYS:
-                    cols[key][i * n : (i + 1) * n] = g.partial[key]
+        gen_in.non_tensor_batch.update(chunk_partial_columns([g.partial for g in groups], self.rollout_n))
         if any(g.partial is not None for g in groups):
             gen_in.meta_info["seed_index"] = 10**9 + self._dispatched_chunks  # a fresh stream
-        gen_in.non_tensor_batch.update(cols)
 
     def _split_unfinished(self, chunk: _Chunk, out: DataProto) -> tuple[_Chunk, DataProto]:
         """Partial rollout: groups with an unfinished row go back to the front of the queue with
         their prefixes; returns the chunk and output rows of the finished groups."""
-        from hybridrl.workers.rollout.resume import fresh_partial_columns
-
-        n, done = self.rollout_n, out.non_tensor_batch["partial_done"]
-        keep, rows, back = [], [], []
-        for i, g in enumerate(chunk.groups):
-            if all(bool(x) for x in done[i * n : (i + 1) * n]):
-                keep.append(g)
-                rows += range(i * n, (i + 1) * n)
-                continue
-            cols = fresh_partial_columns(n)
-            lp = out.batch["rollout_log_probs"] if "rollout_log_probs" in out.batch.keys() else None
-            for j, r in enumerate(range(i * n, (i + 1) * n)):
-                m = int(out.batch["response_mask"][r].sum())
-                cols["partial_response"][j] = out.batch["responses"][r, :m].tolist()
-                cols["partial_log_probs"][j] = lp[r, :m].tolist() if lp is not None else []
-                cols["partial_versions"][j] = out.batch["rollout_versions"][r, :m].tolist()
-                cols["partial_done"][j] = bool(done[r])
-            tokens = sum(len(x) for x in cols["partial_response"])
-            g.partial = cols if tokens else None  # nothing generated yet: a fresh start, re-tagged
-            back.append(g)
+        n = self.rollout_n
+        prefixes = unfinished_group_prefixes(out, n)  # pops partial_done
+        keep = [g for i, g in enumerate(chunk.groups) if i not in prefixes]
+        back = [g for i, g in enumerate(chunk.groups) if i in prefixes]
+        for i, cols in prefixes.items():
+            chunk.groups[i].partial = cols  # None: nothing generated yet, a fresh start (re-tagged)
         with self._lock:
             self._retry.extendleft(reversed(back))
             self._resumed_groups += len(back)
-        out.non_tensor_batch.pop("partial_done")
         if not back:
             return chunk, out
         if not keep:
             return _Chunk(chunk.worker, [], chunk.rest, chunk.version), out
-        rest = chunk.rest.select_idxs(rows)
-        return _Chunk(chunk.worker, keep, rest, chunk.version), out.select_idxs(rows)
+        rows = [r for i in range(len(chunk.groups)) if i not in prefixes for r in range(i * n, (i + 1) * n)]
+        return _Chunk(chunk.worker, keep, chunk.rest.select_idxs(rows), chunk.version), out.select_idxs(rows)
 
     # ------------------------------------------------------------------ DAPO dynamic sampling
     def _drop_filtered(self, chunk: _Chunk, full: DataProto) -> tuple[_Chunk, DataProto]:

@@ -111,7 +111,9 @@ class StalenessManager:
         committed, so the gate admits as many new ones. Rule 1's bound then counts the groups that
         can still be trained, which is what the consumer rule needs."""
         if n > self.submitted - self.running - self.consumed:
-            raise ValueError(f"on_drop({n}): only {self.submitted - self.running - self.consumed} finished groups exist")
+            raise ValueError(
+                f"on_drop({n}): only {self.submitted - self.running - self.consumed} finished groups exist"
+            )
         self.submitted -= n
 
     def on_consume(self, n: int) -> None:

@@ -43,7 +43,13 @@ from hybridrl.workers.rollout.base import (
     resolve_sampling,
 )
 
-__all__ = ["PARTIAL_KEYS", "fresh_partial_columns", "generate_resumable"]
+__all__ = [
+    "PARTIAL_KEYS",
+    "chunk_partial_columns",
+    "fresh_partial_columns",
+    "generate_resumable",
+    "unfinished_group_prefixes",
+]
 
 PARTIAL_KEYS = ("partial_response", "partial_log_probs", "partial_versions", "partial_done")
 
@@ -176,3 +182,50 @@ def generate_resumable(rollout: Any, prompts: DataProto, version: int) -> DataPr
     out.batch["rollout_versions"] = versions.to(out.batch["responses"].device)
     out.non_tensor_batch["partial_done"] = np.array(finished, dtype=object)
     return out
+
+
+def chunk_partial_columns(prefixes: list[dict[str, np.ndarray] | None], n: int) -> dict[str, np.ndarray]:
+    """The partial columns of a chunk of groups (n rows each): a group's saved prefixes, or fresh.
+
+    Args:
+        prefixes: per group, the columns `unfinished_group_prefixes` saved for it, or None.
+        n: rows per group (rollout.n).
+    """
+    cols = fresh_partial_columns(len(prefixes) * n)
+    for i, saved in enumerate(prefixes):
+        if saved is not None:
+            for key in PARTIAL_KEYS:
+                cols[key][i * n : (i + 1) * n] = saved[key]
+    return cols
+
+
+def unfinished_group_prefixes(out: DataProto, n: int) -> dict[int, dict[str, np.ndarray] | None]:
+    """The groups of a `generate_resumable` output with an unfinished row, and their prefixes.
+
+    Pops the non-tensor ``partial_done`` from `out`.
+
+    Args:
+        out: the output (groups of n consecutive rows), with responses / response_mask /
+            rollout_versions (B, T), optional rollout_log_probs (B, T), non-tensor partial_done.
+        n: rows per group.
+
+    Returns:
+        {group index: its n rows' partial columns, or None when no row has a token yet}.
+    """
+    done = out.non_tensor_batch.pop("partial_done")
+    lp = out.batch["rollout_log_probs"] if "rollout_log_probs" in out.batch.keys() else None
+    lengths = out.batch["response_mask"].sum(-1).tolist()
+    back: dict[int, dict[str, np.ndarray] | None] = {}
+    for i in range(len(out) // n):
+        rows = range(i * n, (i + 1) * n)
+        if all(bool(done[r]) for r in rows):
+            continue
+        cols = fresh_partial_columns(n)
+        for j, r in enumerate(rows):
+            m = int(lengths[r])
+            cols["partial_response"][j] = out.batch["responses"][r, :m].tolist()
+            cols["partial_log_probs"][j] = lp[r, :m].tolist() if lp is not None else []
+            cols["partial_versions"][j] = out.batch["rollout_versions"][r, :m].tolist()
+            cols["partial_done"][j] = bool(done[r])
+        back[i] = cols if any(lengths[r] for r in rows) else None
+    return back

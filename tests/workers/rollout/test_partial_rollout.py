@@ -110,3 +110,30 @@ def test_abort_twice_and_done_rows_pass_through(tiny_model_dir, tokenizer, sourc
     assert torch.equal(again.batch["responses"], plain)
     assert again.batch["rollout_versions"][1].tolist() == [7] * T
     assert again.meta_info["metrics"]["rollout/num_response_tokens"] == 0
+
+
+def test_unfinished_group_prefixes_round_trip():
+    """The manager's bookkeeping: groups with an unfinished row come back with their prefixes."""
+    from hybridrl.protocol import DataProto
+    from hybridrl.workers.rollout.resume import chunk_partial_columns, unfinished_group_prefixes
+
+    responses = torch.tensor([[5, 6, 0], [7, 0, 0], [8, 9, 1], [0, 0, 0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    versions = torch.where(mask.bool(), torch.tensor(3), torch.tensor(-1))
+    out = DataProto.from_dict(
+        {"responses": responses, "response_mask": mask, "rollout_versions": versions},
+        {"partial_done": np.array([True, False, True, False], dtype=object)},
+    )
+    back = unfinished_group_prefixes(out, n=2)  # group 0: rows 0-1, group 1: rows 2-3
+    assert set(back) == {0, 1} and "partial_done" not in out.non_tensor_batch
+    assert back[0]["partial_response"].tolist() == [[5, 6], [7]]
+    assert back[0]["partial_done"].tolist() == [True, False]
+    assert back[1]["partial_versions"].tolist() == [[3, 3, 3], []]
+    cols = chunk_partial_columns([None, back[0]], n=2)
+    assert cols["partial_response"].tolist() == [[], [], [5, 6], [7]]
+    assert cols["partial_done"].tolist() == [False, False, True, False]
+    none = DataProto.from_dict(
+        {"responses": responses[3:], "response_mask": mask[3:], "rollout_versions": versions[3:]},
+        {"partial_done": np.array([False], dtype=object)},
+    )
+    assert unfinished_group_prefixes(none, n=1) == {0: None}  # no token yet: a fresh start
