@@ -33,6 +33,8 @@ STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "publish_weigh
 VARIANTS = {
     "default": [],
     "no_recompute": ["async_training.recompute_logprob=false", "async_training.use_decoupled_loss=false"],
+    # partial rollout: generation running at a weight update is aborted and resumed (docs/async.md)
+    "partial": ["async_training.partial_rollout=true"],
 }
 
 

@@ -19,6 +19,11 @@ so a chunk already generating finishes with its old weights and the next chunk u
 ones ("finish the chunk, then update": no generation is aborted). Every group is tagged with the
 version its chunk was generated with.
 
+Partial rollout (`partial_rollout=True`) and DAPO dynamic sampling (`group_filter`): see
+docs/async.md. In short, `publish` also aborts older generations; unfinished groups return to the
+front of the queue with their prefixes and keep their first (oldest-token) version; rejected
+groups are dropped and un-committed, and `wait_batch(refill=...)` lets the trainer replace them.
+
 An optional `postprocess(chunk) -> chunk` runs on every finished chunk in the background thread,
 before its groups are queued: the trainer scores rule-based rewards there, so reward computation
 overlaps training instead of sitting on the trainer's path (AReaL scores inside its rollout
@@ -48,9 +53,15 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-from hybridrl.async_rollout.staleness import StalenessManager, select_batch, staleness_metrics
+from hybridrl.async_rollout.staleness import (
+    StalenessManager,
+    select_batch,
+    staleness_metrics,
+    token_version_metrics,
+)
 from hybridrl.protocol import DataProto
 from hybridrl.utils import deadlines
+from hybridrl.workers.rollout.resume import chunk_partial_columns, unfinished_group_prefixes
 
 __all__ = ["AsyncBatch", "AsyncRolloutManager", "RolloutWorkersLostError"]
 
@@ -69,6 +80,7 @@ class _Group:
     commit_version: int = -1
     version: int = -1  # the behaviour policy's version, set when its chunk is dispatched
     result: DataProto | None = None  # rollout.n rows once finished
+    partial: dict[str, Any] | None = None  # partial rollout: the rows' prefixes (resume.PARTIAL_KEYS)
 
 
 def _hung(rank: int, method: str, waited_s: float) -> RuntimeError:
@@ -131,6 +143,12 @@ class AsyncRolloutManager:
         poll_s: how long the background loop waits for results in one round.
         postprocess: applied to each finished chunk (all its rows, prompt data included) in the
             background thread, e.g. reward scoring; must keep the rows and their order.
+        partial_rollout: abort generations at a weight update and continue them from their
+            prefix (the workers must have `abort_generation`, see the module docstring).
+        group_filter: DAPO dynamic sampling: (rows of a postprocessed chunk) -> (rows,) bool keep
+            mask, whole groups kept or dropped.
+        max_dropped_per_batch: with group_filter, raise when more groups than this were dropped
+            while one batch was being formed (None: no limit).
     """
 
     def __init__(
@@ -145,6 +163,9 @@ class AsyncRolloutManager:
         chunk_size: int,
         poll_s: float = 0.02,
         postprocess: Callable[[DataProto], DataProto] | None = None,
+        partial_rollout: bool = False,
+        group_filter: Callable[[DataProto], Any] | None = None,
+        max_dropped_per_batch: int | None = None,
     ) -> None:
         if not workers:
             raise ValueError("AsyncRolloutManager needs at least one rollout worker")
@@ -158,6 +179,13 @@ class AsyncRolloutManager:
         self.chunk_size = chunk_size
         self.poll_s = poll_s
         self.postprocess = postprocess
+        self.partial_rollout = partial_rollout
+        self.group_filter = group_filter
+        self.max_dropped_per_batch = max_dropped_per_batch
+        self._dropped_since_batch = 0
+        self._dropped_total = 0
+        self._aborts_sent = 0
+        self._resumed_groups = 0  # groups sent back to the queue with a prefix
         self._postprocess_s = 0.0  # seconds spent in postprocess since the last batch
         self._workers = [_Worker(rank, h) for rank, h in enumerate(workers)]
         self._pending: collections.deque[_Group] = collections.deque()
@@ -223,10 +251,17 @@ class AsyncRolloutManager:
             for w in self._workers:
                 if w.alive:
                     self._send_weights(w)
+            if self.partial_rollout:
+                self._abort_older(version)
         self._wake.set()
 
-    def wait_batch(self, timeout_s: float | None = None) -> AsyncBatch:
-        """Block until batch k (k = the published version) can be formed; return it."""
+    def wait_batch(
+        self, timeout_s: float | None = None, refill: Callable[[], None] | None = None
+    ) -> AsyncBatch:
+        """Block until batch k (k = the published version) can be formed; return it.
+
+        `refill` is called on every round of the wait (the trainer's thread): with a group filter
+        dropped groups must be replaced by new prompts."""
         self._require_started()
         t0 = time.perf_counter()
         k = self.staleness.batch_index
@@ -237,6 +272,9 @@ class AsyncRolloutManager:
             )
         while True:
             self._raise_if_failed()
+            self._check_dropped(k)
+            if refill is not None:
+                refill()
             self._drain_output()
             with self._lock:
                 picked = self._try_select(k)
@@ -298,6 +336,14 @@ class AsyncRolloutManager:
                 "async/rollout_workers_alive": float(len(alive)),
                 "async/worker_failures": float(self._worker_failures),
                 "async/requeued_groups": float(self._requeued_groups),
+                **(
+                    {
+                        "async/partial/aborts_sent": float(self._aborts_sent),
+                        "async/partial/resumed_groups": float(self._resumed_groups),
+                    }
+                    if self.partial_rollout
+                    else {}
+                ),
                 "async/output_backpressure_waits": float(self._backpressure_waits),
                 "async/version": float(self._version),
                 "async/version_lag": float(
@@ -357,6 +403,8 @@ class AsyncRolloutManager:
         staleness = [k - v for v in versions]
         data = DataProto.concat([g.result for g in picked])
         metrics = staleness_metrics(staleness, self.eta)
+        if "rollout_versions" in data.batch.keys():
+            metrics.update(token_version_metrics(data.batch["rollout_versions"], k))
         metrics.update(self.stats())
         now = time.perf_counter()
         with self._lock:
@@ -369,6 +417,9 @@ class AsyncRolloutManager:
         metrics["async/rollout_idle_frac"] = min(max(1.0 - busy / span, 0.0), 1.0)
         metrics["async/rollout_busy_s"] = busy
         metrics["async/train_wait_s"] = wait_s
+        if self.group_filter is not None:
+            with self._lock:
+                metrics["async/filtered_groups"], self._dropped_since_batch = self._dropped_since_batch, 0
         if self.postprocess is not None:
             with self._lock:
                 metrics["async/postprocess_s"], self._postprocess_s = self._postprocess_s, 0.0
@@ -429,9 +480,12 @@ class AsyncRolloutManager:
                 batch = DataProto.concat([g.prompt for g in groups]).repeat(self.rollout_n, interleave=True)
                 gen_in = batch.select(batch_keys=list(GEN_KEYS))
                 gen_in.meta_info["seed_index"] = self.seed_index(groups[0].seq)
+                if self.partial_rollout:
+                    self._add_partial_columns(gen_in, groups)
                 batch.pop(batch_keys=list(GEN_KEYS))
                 for g in groups:
-                    g.version = self._version
+                    if g.partial is None:  # a resumed group keeps the version of its oldest token
+                        g.version = self._version
                 ref = w.handle.generate_sequences.remote(gen_in)
                 self._inflight[ref] = _Chunk(w, groups, batch, self._version)
                 w.busy = True
@@ -483,6 +537,13 @@ class AsyncRolloutManager:
             )
         busy = out.meta_info.get("worker_busy_s")
         out.meta_info = {}
+        if self.partial_rollout:
+            chunk, out = self._split_unfinished(chunk, out)
+            if not chunk.groups:
+                with self._lock:
+                    if busy is not None:
+                        chunk.worker.busy_s = float(busy)
+                return
         full = chunk.rest.union(out)
         if self.postprocess is not None:
             t0 = time.perf_counter()
@@ -494,6 +555,8 @@ class AsyncRolloutManager:
                 )
             with self._lock:
                 self._postprocess_s += time.perf_counter() - t0
+        if self.group_filter is not None:
+            chunk, full = self._drop_filtered(chunk, full)
         n = self.rollout_n
         with self._lock:
             if busy is not None:
@@ -525,6 +588,14 @@ class AsyncRolloutManager:
             self._requeued_groups += len(chunk.groups)
 
     # ------------------------------------------------------------------ workers
+    def _abort_older(self, version: int) -> None:
+        """Ask every worker generating with a version < `version` to stop once the weights exist."""
+        ready = [self._weights] if isinstance(self._weights, ray.ObjectRef) else None
+        for chunk in self._inflight.values():
+            if chunk.version < version and chunk.worker.alive:
+                chunk.worker.handle.abort_generation.remote(version, ready)
+                self._aborts_sent += 1
+
     def _send_weights(self, w: _Worker) -> None:
         ref = w.handle.load_weights.remote(self._weights, self._version)
         self._load_refs.append((w, ref, self._version))
@@ -570,4 +641,60 @@ class AsyncRolloutManager:
             self._error = RolloutWorkersLostError(
                 f"all {len(self._workers)} rollout workers died (last: worker {w.rank}: {first}). Finished groups "
                 "were kept but no generation is possible; restart the run (it resumes from the last checkpoint)."
+            )
+
+    # ------------------------------------------------------------------ partial rollout
+    def _add_partial_columns(self, gen_in: DataProto, groups: list[_Group]) -> None:
+        """The resume.PARTIAL_KEYS columns of a chunk: each group's prefixes, or empty ones."""
+        gen_in.non_tensor_batch.update(chunk_partial_columns([g.partial for g in groups], self.rollout_n))
+        if any(g.partial is not None for g in groups):
+            gen_in.meta_info["seed_index"] = 10**9 + self._dispatched_chunks  # a fresh stream
+
+    def _split_unfinished(self, chunk: _Chunk, out: DataProto) -> tuple[_Chunk, DataProto]:
+        """Partial rollout: groups with an unfinished row go back to the front of the queue with
+        their prefixes; returns the chunk and output rows of the finished groups."""
+        n = self.rollout_n
+        prefixes = unfinished_group_prefixes(out, n)  # pops partial_done
+        keep = [g for i, g in enumerate(chunk.groups) if i not in prefixes]
+        back = [g for i, g in enumerate(chunk.groups) if i in prefixes]
+        for i, cols in prefixes.items():
+            chunk.groups[i].partial = cols  # None: nothing generated yet, a fresh start (re-tagged)
+        with self._lock:
+            self._retry.extendleft(reversed(back))
+            self._resumed_groups += len(back)
+        if not back:
+            return chunk, out
+        if not keep:
+            return _Chunk(chunk.worker, [], chunk.rest, chunk.version), out
+        rows = [r for i in range(len(chunk.groups)) if i not in prefixes for r in range(i * n, (i + 1) * n)]
+        return _Chunk(chunk.worker, keep, chunk.rest.select_idxs(rows), chunk.version), out.select_idxs(rows)
+
+    # ------------------------------------------------------------------ DAPO dynamic sampling
+    def _drop_filtered(self, chunk: _Chunk, full: DataProto) -> tuple[_Chunk, DataProto]:
+        """Drop the groups `group_filter` rejects: they finish and are un-committed (the gate then
+        admits a replacement; the bound's invariant counts only groups that can still be trained)."""
+        keep = [bool(x) for x in self.group_filter(full)]
+        n = self.rollout_n
+        kept = [i for i in range(len(chunk.groups)) if all(keep[i * n : (i + 1) * n])]
+        if len(kept) == len(chunk.groups):
+            return chunk, full
+        dropped = [g for i, g in enumerate(chunk.groups) if i not in set(kept)]
+        with self._lock:
+            for g in dropped:
+                self._outstanding.pop(g.seq, None)
+            self.staleness.on_finish(len(dropped))
+            self.staleness.on_drop(len(dropped))
+            self._dropped_since_batch += len(dropped)
+            self._dropped_total += len(dropped)
+        rows = [r for i in kept for r in range(i * n, (i + 1) * n)]
+        groups = [chunk.groups[i] for i in kept]
+        return _Chunk(chunk.worker, groups, chunk.rest, chunk.version), full.select_idxs(rows)
+
+    def _check_dropped(self, k: int) -> None:
+        limit = self.max_dropped_per_batch
+        if self.group_filter is not None and limit is not None and self._dropped_since_batch > limit:
+            raise RuntimeError(
+                f"DAPO dynamic sampling: {self._dropped_since_batch} groups were dropped (constant metric) while "
+                f"batch {k} was being formed, more than {limit}. Raise algorithm.filter_groups.max_num_gen_batches, "
+                "use easier data, or disable algorithm.filter_groups.enable"
             )

@@ -34,11 +34,14 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 __all__ = [
     "StalenessError",
     "StalenessManager",
     "select_batch",
     "staleness_metrics",
+    "token_version_metrics",
 ]
 
 
@@ -102,6 +105,16 @@ class StalenessManager:
         if n > self.running:
             raise ValueError(f"on_finish({n}) but only {self.running} groups are running")
         self.running -= n
+
+    def on_drop(self, n: int) -> None:
+        """`n` finished groups were dropped (DAPO dynamic sampling): they no longer count as
+        committed, so the gate admits as many new ones. Rule 1's bound then counts the groups that
+        can still be trained, which is what the consumer rule needs."""
+        if n > self.submitted - self.running - self.consumed:
+            raise ValueError(
+                f"on_drop({n}): only {self.submitted - self.running - self.consumed} finished groups exist"
+            )
+        self.submitted -= n
 
     def on_consume(self, n: int) -> None:
         if self.consumed + n > self.submitted - self.running:
@@ -176,3 +189,30 @@ def staleness_metrics(staleness: Sequence[int], max_head_offpolicyness: int) -> 
     for s in range(max(max_head_offpolicyness, max(staleness)) + 1):
         out[f"async/staleness/hist_{s}"] = counts.get(s, 0) / n
     return out
+
+
+def token_version_metrics(rollout_versions: torch.Tensor, batch_index: int) -> dict[str, float]:
+    """Per-token staleness of a batch generated with partial rollout.
+
+    Args:
+        rollout_versions: (B, T) int, the policy version of each response token, -1 on padding.
+        batch_index: k, the version the batch is trained at.
+
+    Returns:
+        async/token_staleness/mean and /max (k - version over the response tokens) and
+        async/partial/mixed_version_frac, the share of responses whose tokens come from more than
+        one policy version.
+    """
+    valid = rollout_versions >= 0
+    if not bool(valid.any()):
+        return {}
+    stale = (batch_index - rollout_versions)[valid].float()
+    big = torch.iinfo(rollout_versions.dtype).max
+    lo = torch.where(valid, rollout_versions, torch.full_like(rollout_versions, big)).min(dim=-1).values
+    hi = rollout_versions.max(dim=-1).values
+    rows = valid.any(dim=-1)
+    return {
+        "async/token_staleness/mean": float(stale.mean()),
+        "async/token_staleness/max": float(stale.max()),
+        "async/partial/mixed_version_frac": float((hi > lo)[rows].float().mean()),
+    }

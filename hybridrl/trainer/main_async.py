@@ -7,7 +7,8 @@ built-in tiny model on the built-in task on CPU with one training and one rollou
 core each (ASYNC_DEFAULTS in hybridrl/trainer/async_ppo/launch.py), eta = max_head_offpolicyness = 1.
 
 Locally it starts an embedded Ray instance; with RAY_ADDRESS set it attaches to that cluster.
-The config goes through main_ppo's config stage (veRL's spellings, refused keys, one-line errors).
+The config goes through main_ppo's config stage (veRL's spellings, refused keys, one-line errors),
+after AReaL's keys and veRL v1's async-trainer keys are translated (async_ppo/foreign_keys.py).
 From Python, `main(config)` runs a composed config, as veRL's `main(config)` does.
 """
 
@@ -18,10 +19,12 @@ import sys
 from omegaconf import DictConfig, OmegaConf
 
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, load_async_config
+from hybridrl.trainer.async_ppo.foreign_keys import translate_argv
 from hybridrl.trainer.async_ppo.launch import compose_async_config, run_async_config
-from hybridrl.trainer.ppo.config_stage import load_for_cli, override_key, prepare_argv
+from hybridrl.trainer.ppo.config_stage import exit_with_config_error, load_for_cli, override_key, prepare_argv
 from hybridrl.trainer.ppo.verl_layout import layout_knows
 from hybridrl.utils.cli import check_command_line
+from hybridrl.utils.config_loader import ConfigError
 
 
 def main(config: DictConfig | dict | list[str] | None = None) -> dict[str, float]:
@@ -41,6 +44,10 @@ def main(config: DictConfig | dict | list[str] | None = None) -> dict[str, float
         print(__doc__)
         print(OmegaConf.to_yaml(OmegaConf.structured(AsyncPPOConfig).async_training))
         return {}
+    try:
+        argv = translate_argv(argv)  # AReaL / veRL v1 keys first
+    except ConfigError as e:
+        exit_with_config_error(e)
     argv = prepare_argv(["main_async", *argv])[1:]
     check_command_line(argv, AsyncPPOConfig, "ppo_trainer", also_known=layout_knows)
     explicit = {override_key(o) for o in argv}

@@ -14,6 +14,7 @@ import sys
 
 from omegaconf import DictConfig
 
+from hybridrl.trainer.async_ppo.foreign_keys import selects_v1_async
 from hybridrl.trainer.ppo.config import PPOConfig, load_config
 from hybridrl.trainer.ppo.config_stage import check_startup, load_for_cli, prepare_argv
 from hybridrl.trainer.ppo.launch import run_ppo_config
@@ -45,6 +46,10 @@ def main(config: DictConfig | dict | None = None) -> dict[str, float] | None:
     """
     if config is not None:
         return run_ppo_config(check_startup(config))
+    if selects_v1_async(sys.argv[1:]):  # veRL's trainer.use_v1 + v1.trainer_mode=*_async: main_async
+        from hybridrl.trainer import main_async
+
+        return main_async.main(sys.argv[1:])
     sys.argv = prepare_argv(sys.argv)  # veRL's `+key=` / `key=` spellings both reach the schema
     hydra_cli(__doc__, "ppo_trainer", PPOConfig, run_ppo_cli, also_known=layout_knows)
     return None

@@ -75,8 +75,7 @@ def test_without_decoupled_loss_the_actor_loss_is_left_alone(base):
             {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"},
             "use_decoupled_loss=false to keep 'gspo'",
         ),
-        ({"algorithm.filter_groups.enable": "true"}, "not supported in asynchronous mode"),
-        ({"algorithm.adv_estimator": "remax"}, "not supported in asynchronous mode"),
+        ({"algorithm.filter_groups.enable": "true", "reward_model.enable": "true"}, "reward model scores"),
         ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}, "must be 1 in asynchronous mode"),
     ],
 )

@@ -253,3 +253,52 @@ def test_postprocess_scores_every_chunk_in_the_background(shared):
     with pytest.raises(ValueError, match="crashed on purpose"):
         m.wait_batch(timeout_s=30)
     m.stop()
+
+
+def _drop_every_third(rows: DataProto) -> np.ndarray:
+    """DAPO-style group filter: reject the groups whose prompt number is a multiple of 3."""
+    return np.array([int(u[1:]) % 3 != 0 for u in rows.non_tensor_batch["uid"]])
+
+
+@pytest.mark.parametrize("eta", [0, 2])
+def test_dynamic_sampling_waits_for_b_kept_groups_within_the_bound(shared, eta):
+    workers = configured(shared, (0.002, 0.03), seed=10 + eta)
+    m = make(workers, batch=4, eta=eta, group_filter=_drop_every_third)
+    m.start(0, weights(0))
+    submitted = [0]
+
+    def refill():
+        while m.num_unconsumed() < (eta + 2) * 4:
+            m.submit(prompts(submitted[0], 4))
+            submitted[0] += 4
+
+    refill()
+    consumed, dropped = [], 0
+    for k in range(6):
+        got = m.wait_batch(timeout_s=60, refill=refill)
+        assert len(got.data) == 4 * N and all(k - eta <= v <= k for v in got.versions), (k, got.versions)
+        consumed += got.data.non_tensor_batch["uid"].tolist()[::N]
+        dropped += got.metrics["async/filtered_groups"]
+        m.publish(k + 1, weights(k + 1))
+    m.stop()
+    assert len(consumed) == len(set(consumed)) == 24
+    assert all(int(u[1:]) % 3 != 0 for u in consumed)  # no rejected group is trained
+    assert dropped >= 24 // 2 - 1  # about one in three prompts was generated and dropped
+
+
+def test_dynamic_sampling_stops_when_too_many_groups_are_dropped(shared):
+    workers = configured(shared, (0.0, 0.005))
+    m = make(
+        workers, batch=4, eta=0, group_filter=lambda rows: np.zeros(len(rows), bool), max_dropped_per_batch=8
+    )
+    m.start(0, weights(0))
+    submitted = [0]
+
+    def refill():
+        while m.num_unconsumed() < 8:
+            m.submit(prompts(submitted[0], 4))
+            submitted[0] += 4
+
+    with pytest.raises(RuntimeError, match="DAPO dynamic sampling: .* groups were dropped"):
+        m.wait_batch(timeout_s=60, refill=refill)
+    m.stop()

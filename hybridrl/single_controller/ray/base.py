@@ -205,8 +205,11 @@ _SHARED_TYPES = (DataProto, torch.Tensor, np.ndarray)
 
 
 def _actor_class(cls: type) -> Any:
+    """ray.remote(cls); a class attribute `ray_concurrency_groups` ({name: threads}) declares Ray
+    concurrency groups (e.g. a control method that runs while another call is executing)."""
     if cls not in _ACTOR_CLASSES:
-        _ACTOR_CLASSES[cls] = ray.remote(cls)
+        groups = getattr(cls, "ray_concurrency_groups", None)
+        _ACTOR_CLASSES[cls] = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
     return _ACTOR_CLASSES[cls]
 
 

@@ -21,6 +21,8 @@ and the placement of the rollout workers (their own Ray resource pool):
     rollout_cpus_per_worker                   CPU cores per rollout slot
     chunk_size                                groups per generate call; null -> consumer_batch_size
                                               // rollout workers (at least 1)
+    partial_rollout                           abort generation at each weight update and continue
+                                              each response from its prefix (HF engine)
 
 The training workers use trainer.nnodes x trainer.n_gpus_per_node slots as in synchronous mode.
 
@@ -117,20 +119,35 @@ def validate_async_config(config: AsyncPPOConfig) -> None:
             f"{KEY}.use_decoupled_loss=true sets actor_rollout_ref.actor.policy_loss.loss_mode=decoupled, but it "
             f"is {mode!r}; set {KEY}.use_decoupled_loss=false to keep {mode!r}"
         )
-    if algo.filter_groups.enable:
+    _validate_partial_rollout(config)
+    if algo.filter_groups.enable and config.reward_model.enable:
         raise ConfigError(
-            "algorithm.filter_groups.enable=true (DAPO dynamic sampling) is not supported in asynchronous mode "
-            "yet; disable it or use python -m hybridrl.trainer.main_ppo"
-        )
-    if algo.adv_estimator == "remax":
-        raise ConfigError(
-            "algorithm.adv_estimator=remax needs a greedy rollout per step from the current policy; it is not "
-            "supported in asynchronous mode (use grpo, rloo, reinforce_plus_plus or gae)"
+            "algorithm.filter_groups.enable=true (DAPO dynamic sampling) with reward_model.enable=true is not "
+            "supported in asynchronous mode: groups are filtered as chunks finish, and a reward model scores "
+            "on the trainer's path; use a rule-based reward or python -m hybridrl.trainer.main_ppo"
         )
     if arr.rollout.tensor_model_parallel_size != 1:
         raise ConfigError(
             "actor_rollout_ref.rollout.tensor_model_parallel_size must be 1 in asynchronous mode (one engine "
             f"per rollout slot); use more slots ({KEY}.rollout_n_gpus_per_node) instead"
+        )
+
+
+def _validate_partial_rollout(config: AsyncPPOConfig) -> None:
+    from hybridrl.workers.agent.runner import agent_loops_configured
+
+    rollout = config.actor_rollout_ref.rollout
+    if not config.async_training.partial_rollout:
+        return
+    if rollout.name != "hf":
+        raise ConfigError(
+            f"{KEY}.partial_rollout=true needs actor_rollout_ref.rollout.name=hf (got {rollout.name!r}): only the "
+            f"HF engine can be interrupted between decode steps so far; set {KEY}.partial_rollout=false"
+        )
+    if agent_loops_configured(rollout):
+        raise ConfigError(
+            f"{KEY}.partial_rollout=true does not support the agent loops (actor_rollout_ref.rollout.multi_turn / "
+            f"agent): a multi-turn trajectory cannot be resumed from a token prefix yet; set {KEY}.partial_rollout=false"
         )
 
 

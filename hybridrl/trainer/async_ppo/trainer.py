@@ -30,6 +30,7 @@ from hybridrl.single_controller.ray.base import (
 )
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_workers
+from hybridrl.trainer.async_ppo.dynamic_sampling import dynamic_sampling
 from hybridrl.trainer.ppo.batch_steps import attach_reward_extra
 from hybridrl.trainer.ppo.setup import prepare_run, trainer_of
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
@@ -152,8 +153,11 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
     """Two resource pools: training slots (actor [+ ref], critic, reward model colocated) and
     rollout slots (one disaggregated rollout-only ActorRolloutRefWorker each). Both groups build
     their models concurrently."""
+    from hybridrl.async_rollout.partial import PartialRolloutWorker
     from hybridrl.workers.engine_workers import ActorRolloutRefWorker
 
+    # partial rollout: a worker whose generation a weight update can interrupt
+    rollout_cls = PartialRolloutWorker if config.async_training.partial_rollout else ActorRolloutRefWorker
     gpu = use_gpu(config)
     train_pool, rollout_pool = _pools(config, gpu)
     classes = _train_classes(
@@ -167,7 +171,7 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
     rollout_group = RayWorkerGroup(
         rollout_pool,
         RayClassWithInitArgs(
-            ActorRolloutRefWorker,
+            rollout_cls,
             model=arr.model,
             rollout=_rollout_worker_config(arr.rollout),
             role="rollout",
@@ -249,6 +253,8 @@ class AsyncPPOTrainer(RayPPOTrainer):
             # rule-based rewards are scored as chunks finish, off the trainer's path; a reward
             # model is a worker group on the training slots, so it stays on the trainer's path
             postprocess=self._score_chunk if workers.reward_model is None else None,
+            partial_rollout=at.partial_rollout,
+            **dynamic_sampling(config),
         )
         self._manager_started = False
         self._last_publish = None
@@ -301,11 +307,13 @@ class AsyncPPOTrainer(RayPPOTrainer):
     def _rollout_and_score(self, metrics: dict, timing: dict) -> DataProto:
         manager = self._started_manager()
         with timer("gen", timing):
-            got = manager.wait_batch()
+            got = manager.wait_batch(refill=self._feed)  # dynamic sampling replaces dropped groups
         metrics.update(got.metrics)
         self.consumed_versions.append(list(got.versions))
         batch = got.data
         batch.meta_info["global_steps"] = self.global_steps
+        if self.config.algorithm.adv_estimator == "remax":  # greedy baseline: a rollout worker, version k
+            batch = self._remax_baseline(batch, timing)
         if "token_level_scores" not in batch.batch.keys():  # not scored by _score_chunk
             batch, extra = self._compute_reward(batch, timing)
             attach_reward_extra(batch, extra)

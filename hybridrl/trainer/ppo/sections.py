@@ -228,3 +228,4 @@ class AsyncTrainingConfig:
     rollout_n_gpus_per_node: int = 1
     rollout_cpus_per_worker: float = 1
     chunk_size: int | None = None
+    partial_rollout: bool = False

@@ -8,11 +8,18 @@ This is the reference engine: simple and exact, slower than vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from hybridrl.models.weight_map import get_weight_name_map, map_named_tensors, to_torch_dtype
 from hybridrl.utils.device import get_torch_device
@@ -27,6 +34,20 @@ from hybridrl.workers.rollout.config import RolloutConfig
 from hybridrl.workers.rollout.cpu_gemm import install_decode_gemm
 
 __all__ = ["HFRollout"]
+
+
+class _AbortCriteria(StoppingCriteria):
+    """Stops every row of a `generate` call once the rollout's `abort_requested()` is true
+    (checked after each decode step; the tokens generated so far are kept)."""
+
+    def __init__(self, rollout: HFRollout) -> None:
+        self.rollout = rollout
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        stop = bool(self.rollout.abort_requested())
+        if stop:
+            self.rollout.last_generate_aborted = True
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
 @register_rollout("hf")
@@ -46,7 +67,14 @@ class HFRollout(BaseRollout):
 
     Sampling is seeded per micro-batch with the seed of its first row (torch's RNG is forked,
     so the caller's RNG state is untouched): the same seed, weights and batching reproduce.
+
+    Interruptible (partial rollout, hybridrl/workers/rollout/resume.py): when `abort_requested`
+    is set (a callable), every decode step asks it; once it returns True the call stops, returns
+    the tokens generated so far (later micro-batches: none) and sets `last_generate_aborted`.
     """
+
+    abort_requested: Callable[[], bool] | None = None
+    last_generate_aborted: bool = False
 
     def __init__(
         self,
@@ -127,9 +155,13 @@ class HFRollout(BaseRollout):
         step = self._rows_per_micro_batch(prompt_len)
         tokens: list[list[int]] = []
         log_probs: list[list[float]] | None = [] if request.want_log_probs else None
+        self.last_generate_aborted = False
         for start in range(0, bsz, step):
             rows = slice(start, min(start + step, bsz))
-            toks, lps = self._generate_micro_batch(request, rows)
+            if self.last_generate_aborted:  # aborted: the later micro-batches generate nothing
+                toks, lps = [[] for _ in range(rows.stop - start)], [[] for _ in range(rows.stop - start)]
+            else:
+                toks, lps = self._generate_micro_batch(request, rows)
             tokens += toks
             if log_probs is not None:
                 log_probs += lps
@@ -156,9 +188,12 @@ class HFRollout(BaseRollout):
             output_scores=request.want_log_probs,
         )
         fork_devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        stopping = StoppingCriteriaList([_AbortCriteria(self)]) if self.abort_requested is not None else None
         with torch.random.fork_rng(devices=fork_devices):
             torch.manual_seed(request.seeds[rows.start])
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=gen_cfg, stopping_criteria=stopping
+            )
         new = out.sequences[:, prompt_len:]
         token_lists = new.tolist()
         if not self.config.ignore_eos:
