@@ -13,9 +13,9 @@ grid (16 patch rows of pixel values, 4 image tokens in the prompt).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
-import logging
 from typing import Any
 
 from hybridrl.models.tokenizer_builder import ROLE_TOKENS, build_tokenizer
