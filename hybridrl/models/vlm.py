@@ -194,7 +194,9 @@ def load_processor(path: str, trust_remote_code: bool = False, key: str = "actor
             raise ValueError(f"{key}={path!r}: cannot load the model's processor: {exc}") from exc
         from transformers import AutoImageProcessor
 
-        logger.warning("%s: AutoProcessor failed (%s); using the image-only Qwen2-VL processor", path, exc)
+        logger.info(
+            "%s: AutoProcessor failed (%s); using the image-only Qwen2-VL processor", path, type(exc).__name__
+        )
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         image = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
         return _image_only_processor_class()(image, tok, chat_template=tok.chat_template)
