@@ -64,7 +64,7 @@ def write_rl_parquet(path: str, n: int, seed: int, split: str = "train") -> str:
     return _write_parquet(make_rl_rows(n, seed, split), path)
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+def compute_score(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     """1.0 when the text after the last ``####`` (or the whole reply) names the colour, else 0.0."""
     text = solution_str.rsplit("####", 1)[-1].strip().lower()
     return 1.0 if text.split()[:1] == [ground_truth.lower()] else 0.0

@@ -246,6 +246,31 @@ def _name_processor_class(out: Path) -> None:
                 f.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def vision_tower(module: Any):
+    """The vision encoder of a Qwen2-VL-family model (``model.visual``), through a PEFT wrapper; or None."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    for holder in (getattr(base, "model", None), base):
+        visual = getattr(holder, "visual", None) if holder is not None else None
+        if visual is not None:
+            return visual
+    return None
+
+
+def freeze_vision_tower(module: Any, key: str = "actor_rollout_ref.actor.freeze_vision_tower") -> int:
+    """Turn off the gradients of the vision encoder; returns how many parameters were frozen.
+
+    Raises:
+        ValueError: the model has no vision tower (a text model with the key set).
+    """
+    visual = vision_tower(module)
+    if visual is None:
+        raise ValueError(
+            f"{key}=True but {type(module).__name__} has no vision tower; set {key}=False for a text model"
+        )
+    visual.requires_grad_(False)
+    return sum(p.numel() for p in visual.parameters())
+
+
 def is_vlm_config(config: Any) -> bool:
     """Whether a Hugging Face config is a vision-language model's (it has a vision tower config)."""
     return getattr(config, "vision_config", None) is not None

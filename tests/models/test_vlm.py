@@ -49,3 +49,31 @@ def test_config_checks():
         build_vlm_config("llava", tok)
     with pytest.raises(ValueError, match="must be 64"):
         build_vlm_config("qwen2_vl", tok, hidden_size=96)
+
+
+def test_freeze_vision_tower_leaves_the_encoder_without_gradients(vlm_dir):
+    from transformers import AutoModelForImageTextToText
+
+    from hybridrl.models.vlm import freeze_vision_tower, vision_tower
+
+    path, _ = vlm_dir
+    processor = load_processor(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    frozen = freeze_vision_tower(model)
+    assert frozen == sum(p.numel() for p in vision_tower(model).parameters()) > 0
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+    text = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], images=[PIL.new("RGB", (56, 56), (0, 0, 255))], return_tensors="pt")
+    model(**enc).logits.sum().backward()
+    assert all(p.grad is None for p in vision_tower(model).parameters())
+    assert model.lm_head.weight.grad is not None
+
+
+def test_freeze_vision_tower_refuses_a_text_model():
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.models.builtin import get_builtin_model_path
+    from hybridrl.models.vlm import freeze_vision_tower
+
+    with pytest.raises(ValueError, match="has no vision tower"):
+        freeze_vision_tower(AutoModelForCausalLM.from_pretrained(get_builtin_model_path()))

@@ -166,7 +166,7 @@ LISTED = [
     (f"{ARR}.rollout.data_parallel_size", "1", "2"),
     (f"{ARR}.rollout.expert_parallel_size", "1", "4"),
     ("distillation.enabled", "False", "True"),
-    ("data.image_key", "images", "pixels"),
+    ("data.audio_key", "audios", "sounds"),
 ]
 
 
