@@ -76,3 +76,22 @@ def test_freeze_vision_tower_on_a_text_model_is_refused(tmp_path):
     config = compose_config(["actor_rollout_ref.actor.freeze_vision_tower=true"], tmp_path)
     with pytest.raises(ConfigError, match="is a text model"):
         load_run_processor(config)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_main_ppo_on_images_with_two_fsdp_ranks_on_ray(vlm_files, tmp_path):
+    """The per-row pixel inputs are split over 2 Ray FSDP ranks (and gathered back) with their rows."""
+    rows = run(
+        _overrides(
+            vlm_files,
+            "trainer.backend=ray",
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.model.use_remove_padding=true",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+        ),
+        tmp_path,
+    )
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    assert_finite(steps, ["actor/pg_loss", "actor/grad_norm", "actor/kl_loss"])
