@@ -102,6 +102,8 @@ def test_pixels_matter_and_micro_batches_split_them(vlm):
     whole = actor.compute_log_prob(data, micro_batch_size=3).log_probs
     ones = actor.compute_log_prob(data, micro_batch_size=1).log_probs
     torch.testing.assert_close(ones[mask], whole[mask], atol=1e-5, rtol=0)
+    dynamic = actor.compute_log_prob(data, use_dynamic_bsz=True, max_token_len=60).log_probs  # rows regrouped
+    torch.testing.assert_close(dynamic[mask], whole[mask], atol=1e-5, rtol=0)
     swapped = DataProto(batch=data.batch, non_tensor_batch={MM_KEY: data.non_tensor_batch[MM_KEY].copy()})
     flipped = dict(swapped.non_tensor_batch[MM_KEY][0])
     flipped["pixel_values"] = -flipped["pixel_values"]
@@ -109,3 +111,10 @@ def test_pixels_matter_and_micro_batches_split_them(vlm):
     other = actor.compute_log_prob(swapped, micro_batch_size=3).log_probs
     assert (other[0] - whole[0]).abs().max() > 1e-4
     torch.testing.assert_close(other[1:][mask[1:]], whole[1:][mask[1:]], atol=1e-5, rtol=0)
+
+
+def test_visual_task_scorer():
+    assert visual_task.compute_score("#### red", "red") == 1.0
+    assert visual_task.compute_score("Red it is", "red") == 1.0
+    assert visual_task.compute_score("#### blue", "red") == 0.0
+    assert visual_task.compute_score("", "red") == 0.0
