@@ -238,9 +238,12 @@ def compose_collecting(overrides: list[str], config_name: str = "ppo_trainer") -
         except ConfigCompositionException as e:
             m = re.search(r"(?:override|at) '([^']+)'", str(e))
             bad = [o for o in todo if m and key_of(o) == m.group(1)]
+            group = re.search(r"Override (\S+)=\S* looks like a config group override", str(e))
+            if not bad and group:  # veRL's `++actor@actor_rollout_ref.actor=...` group selections
+                bad = [o for o in todo if o.startswith(group.group(1) + "=")]
             if not bad:
                 raise
-            refused.append(m.group(1))
+            refused.append(m.group(1) if m else key_of(bad[0]))
             todo.remove(bad[0])
 
 
