@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from hybridrl.data.multimodal import process_row, validate_row_images
 from hybridrl.utils.import_utils import import_user_file
 
 __all__ = [
@@ -53,6 +54,7 @@ _RESERVED_COLUMNS = (
     "raw_prompt_ids",
     "raw_prompt",
     "full_prompts",
+    "multi_modal_inputs",
 )
 
 
@@ -78,6 +80,12 @@ class RLDataConfig:
         max_samples: if > 0 keep only the first `max_samples` rows (applied before filtering).
         apply_chat_template_kwargs: extra keyword arguments for `tokenizer.apply_chat_template`.
         trust_remote_code: recorded for tokenizer/processor loading by the caller.
+        image_key / video_key: the multimodal columns (veRL's `data.image_key` / `data.video_key`;
+            read only with a processor, see hybridrl.data.multimodal).
+        image_patch_size: veRL's `data.image_patch_size`; must equal the processor's patch size.
+        return_multi_modal_inputs: put the processor's model inputs (pixel_values, image_grid_thw)
+            in each item as `multi_modal_inputs`.
+        mm_processor_kwargs: extra keyword arguments for the processor call.
     """
 
     prompt_key: str = "prompt"
@@ -89,6 +97,11 @@ class RLDataConfig:
     max_samples: int = -1
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
+    image_key: str = "images"
+    video_key: str = "videos"
+    image_patch_size: int | None = 14
+    return_multi_modal_inputs: bool = True
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.truncation not in TRUNCATION_MODES:
@@ -122,8 +135,9 @@ class RLDataConfig:
             if data_cfg.get(key) is not None:
                 kwargs["max_samples"] = int(data_cfg[key])
                 break
-        if "apply_chat_template_kwargs" in kwargs:
-            kwargs["apply_chat_template_kwargs"] = dict(kwargs["apply_chat_template_kwargs"])
+        for key in ("apply_chat_template_kwargs", "mm_processor_kwargs"):
+            if key in kwargs:
+                kwargs[key] = dict(kwargs[key])
         return cls(**kwargs)
 
 
@@ -288,6 +302,16 @@ def compute_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.cumsum(attention_mask.long(), dim=-1) - 1, min=0)
 
 
+def check_processor(processor: Any, config: RLDataConfig) -> None:
+    """Refuse a `data.image_patch_size` that differs from the processor's patch size."""
+    patch = getattr(getattr(processor, "image_processor", None), "patch_size", None)
+    if config.image_patch_size is not None and patch is not None and config.image_patch_size != patch:
+        raise ValueError(
+            f"data.image_patch_size={config.image_patch_size} but the model's image processor uses patch "
+            f"size {patch}; set data.image_patch_size={patch} (or null to take the processor's)."
+        )
+
+
 # ----------------------------------------------------------------------------------------------
 # the dataset
 # ----------------------------------------------------------------------------------------------
@@ -309,7 +333,9 @@ class RLHFDataset(Dataset):
         data_files: one parquet (or jsonl) path or a list of them; rows are concatenated in order.
         tokenizer: a Hugging Face tokenizer with a pad token.
         config: the `data.*` settings.
-        processor: multimodal processor; not supported yet (must be None).
+        processor: the model's multimodal processor (`AutoProcessor`) or None for text; with one,
+            rows take their images from `config.image_key` (hybridrl.data.multimodal), every image
+            is checked at construction, and items carry `multi_modal_inputs`.
         files_key: config key the files came from, quoted in errors.
     """
 
@@ -321,23 +347,21 @@ class RLHFDataset(Dataset):
         processor: Any = None,
         files_key: str = "data.train_files",
     ) -> None:
-        if processor is not None:
-            raise NotImplementedError(
-                "RLHFDataset does not support multimodal processors yet; pass processor=None or use "
-                "data.custom_cls for a multimodal dataset."
-            )
         if getattr(tokenizer, "pad_token_id", None) is None:
             raise ValueError(
                 "the tokenizer has no pad token; set one before building the dataset "
                 "(e.g. tokenizer.pad_token = tokenizer.eos_token)."
             )
         self.tokenizer = tokenizer
+        self.processor = processor
         self.config = config
         self.files_key = files_key
         rows, sources = read_rows(data_files, files_key, [config.prompt_key])
         self._rows = rows
         self._sources = sources
-        self._columns = list(dict.fromkeys(k for r in rows for k in r if k != config.prompt_key))
+        media = (config.image_key, config.video_key) if processor is not None else ()
+        skip = (config.prompt_key, *media)
+        self._columns = list(dict.fromkeys(k for r in rows for k in r if k not in skip))
         clash = [c for c in self._columns if c in _RESERVED_COLUMNS]
         if clash:
             raise ValueError(
@@ -347,6 +371,11 @@ class RLHFDataset(Dataset):
         keep = list(range(len(rows)))
         if config.max_samples > 0:
             keep = keep[: config.max_samples]
+        if processor is not None:
+            check_processor(processor, config)
+            for r in keep:  # a bad image fails here, with its row, not hours into a run
+                messages = as_messages(rows[r][config.prompt_key], self._where(r)) or []
+                validate_row_images(messages, rows[r], config.image_key, config.video_key, self._where(r))
         if config.filter_overlong_prompts:
             keep = self._drop_overlong(keep)
         self._keep = keep
@@ -362,8 +391,30 @@ class RLHFDataset(Dataset):
     def _encode(self, texts: list[str]) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
+    def _multimodal(self, row: int) -> tuple[str, list[int], dict[str, Any]] | None:
+        """(text, ids with image tokens expanded, multi_modal_inputs) of a row with images, else None."""
+        record, cfg = self._rows[row], self.config
+        if self.processor is None or not record.get(cfg.image_key):
+            return None
+        messages = as_messages(record[cfg.prompt_key], self._where(row)) or []
+        images = list(record[cfg.image_key])
+        return process_row(
+            self.processor, messages, images, self._where(row), cfg.apply_chat_template_kwargs,
+            cfg.mm_processor_kwargs,
+        )  # fmt: skip
+
+    def _row_ids(self, row: int) -> tuple[str, list[int], dict[str, Any] | None]:
+        mm = self._multimodal(row)
+        if mm is not None:
+            return mm
+        text = self._prompt_text(row)
+        return text, self._encode([text])[0], None
+
     def _drop_overlong(self, keep: list[int]) -> list[int]:
-        lengths = [len(ids) for ids in self._encode([self._prompt_text(r) for r in keep])]
+        if self.processor is not None:
+            lengths = [len(self._row_ids(r)[1]) for r in keep]
+        else:
+            lengths = [len(ids) for ids in self._encode([self._prompt_text(r) for r in keep])]
         kept = [r for r, n in zip(keep, lengths) if n <= self.config.max_prompt_length]
         dropped = len(keep) - len(kept)
         logger.info(
@@ -386,14 +437,18 @@ class RLHFDataset(Dataset):
     def __getitem__(self, item: int) -> dict[str, Any]:
         cfg = self.config
         row = self._keep[item]
-        text = self._prompt_text(row)
-        ids = self._encode([text])[0]
+        text, ids, mm_inputs = self._row_ids(row)
         if len(ids) > cfg.max_prompt_length:
-            if cfg.truncation == "error":
+            if cfg.truncation == "error" or mm_inputs is not None:  # cutting image tokens breaks the image
                 raise ValueError(
                     f"{self._where(row)}: prompt is {len(ids)} tokens, longer than data.max_prompt_length="
-                    f"{cfg.max_prompt_length}. Set data.truncation=left|right|middle, or "
-                    "data.filter_overlong_prompts=True, or raise data.max_prompt_length."
+                    f"{cfg.max_prompt_length}. "
+                    + (
+                        "A prompt with images is never truncated (its image tokens would be cut): "
+                        if mm_inputs is not None
+                        else "Set data.truncation=left|right|middle, or "
+                    )
+                    + "data.filter_overlong_prompts=True, or raise data.max_prompt_length."
                 )
             ids = truncate_ids(ids, cfg.max_prompt_length, cfg.truncation)
         pad = cfg.max_prompt_length - len(ids)
@@ -410,6 +465,8 @@ class RLHFDataset(Dataset):
             out["raw_prompt"] = record[cfg.prompt_key]
         if cfg.return_full_prompt:
             out["full_prompts"] = text
+        if self.processor is not None and cfg.return_multi_modal_inputs:
+            out["multi_modal_inputs"] = mm_inputs or {}
         for col in self._columns:
             out[col] = record.get(col)
         extra = record.get("extra_info")

@@ -148,6 +148,8 @@ def build_hf_model(
     hf_config = load_hf_config(model_config, role, key)
     dtype = str_to_dtype(dtype)
     cls = _auto_class(role)
+    if role in ("actor", "ref") and getattr(hf_config, "vision_config", None) is not None:
+        from transformers import AutoModelForImageTextToText as cls  # a vision-language model
     attn = getattr(hf_config, "_attn_implementation", None) or default_attn
     kwargs: dict[str, Any] = {"trust_remote_code": model_config.trust_remote_code}
     if attn:

@@ -26,6 +26,7 @@ from hybridrl.workers.config import ActorConfig
 from hybridrl.workers.distillation import add_distillation_loss
 from hybridrl.workers.engine.base import LogProbRequest, LogProbs
 from hybridrl.workers.engine.batching import mean_over_ranks, merge_outputs, response_mask_of
+from hybridrl.workers.engine.multimodal import attach_multimodal
 from hybridrl.workers.engine.update_loop import MicroBatchedRole, combine_micro_metrics, micro_loss_aux
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -104,7 +105,7 @@ class PPOActor(MicroBatchedRole):
             calculate_entropy; sum_pi_squared with calculate_sum_pi_squared (else None).
         """
         request = self._request(temperature, calculate_entropy, sps=calculate_sum_pi_squared)
-        batch = data.batch.select(*_FORWARD_KEYS).to(self.device)
+        batch = attach_multimodal(data.batch.select(*_FORWARD_KEYS).to(self.device), data)
         micros, indices = self.split(
             batch,
             micro_batch_size or len(data),
@@ -198,7 +199,9 @@ class PPOActor(MicroBatchedRole):
         if missing:
             raise KeyError(f"update_policy: the batch lacks {missing}; it has {sorted(data.batch.keys())}")
         keys += [k for k in _OPTIONAL_KEYS if k in data.batch.keys()]
-        return DataProto(batch=data.batch.select(*keys), meta_info=dict(data.meta_info))
+        return DataProto(
+            batch=attach_multimodal(data.batch.select(*keys), data), meta_info=dict(data.meta_info)
+        )
 
     def forward_backward(self, mini_batch: DataProto, *, temperature: float = 1.0) -> dict[str, float]:
         """Accumulate the gradient of one mini-batch (no optimizer step).

@@ -165,7 +165,7 @@ LISTED = [
     (f"{ARR}.actor.router_replay.mode", "disabled", "R3"),
     (f"{ARR}.rollout.data_parallel_size", "1", "2"),
     (f"{ARR}.rollout.expert_parallel_size", "1", "4"),
-    ("data.image_key", "images", "pixels"),
+    ("data.audio_key", "audios", "sounds"),
 ]
 
 

@@ -42,6 +42,12 @@ class DataConfig:
     truncation: str = "error"
     trust_remote_code: bool = False
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Multimodal rows (veRL's format, hybridrl.data.multimodal; read when the model has a processor)
+    image_key: str = "images"
+    video_key: str = "videos"
+    image_patch_size: int | None = 14
+    return_multi_modal_inputs: bool = True
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
     custom_cls: CustomClsConfig = field(default_factory=CustomClsConfig)
     # veRL's user sampler / curriculum (hybridrl.data.custom_sampler) and loader worker processes
     # (0 here, veRL's default 8: rows are read in the driver unless asked; docs/config.md).

@@ -22,6 +22,7 @@ from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.genrm_config import genrm_reward_kwargs
 from hybridrl.trainer.ppo.reward_kwargs import reward_manager_class, reward_manager_kwargs
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
+from hybridrl.trainer.ppo.vlm_setup import load_run_processor
 from hybridrl.trainer.ppo.workers import start_reward_loop, start_workers, uses_ray
 from hybridrl.utils import deadlines
 from hybridrl.utils.deadlines import RewardWithDeadline
@@ -74,7 +75,7 @@ def total_steps(config: PPOConfig, steps_per_epoch: int) -> int:
     return steps
 
 
-def build_datasets(config: PPOConfig, tokenizer):
+def build_datasets(config: PPOConfig, tokenizer, processor=None):
 
     d = config.data
     raw = {f.name: getattr(d, f.name) for f in dataclasses.fields(d)}
@@ -83,6 +84,7 @@ def build_datasets(config: PPOConfig, tokenizer):
         d.train_files,
         tokenizer,
         RLDataConfig.from_verl(raw, "train"),
+        processor=processor,
         custom_cls_path=custom.path,
         custom_cls_name=custom.name,
         files_key="data.train_files",
@@ -91,6 +93,7 @@ def build_datasets(config: PPOConfig, tokenizer):
         d.val_files,
         tokenizer,
         RLDataConfig.from_verl(raw, "val"),
+        processor=processor,
         custom_cls_path=custom.path,
         custom_cls_name=custom.name,
         files_key="data.val_files",
@@ -176,7 +179,7 @@ def prepare_run(config: PPOConfig) -> RunParts:
     np.random.seed(seed)
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(driver_tokenizer_config(config))
-    train_loader, val_loader = build_datasets(config, tokenizer)
+    train_loader, val_loader = build_datasets(config, tokenizer, load_run_processor(config))
     steps = total_steps(config, len(train_loader))
     config.trainer.total_training_steps = steps
     config.actor_rollout_ref.actor.optim.total_training_steps = steps

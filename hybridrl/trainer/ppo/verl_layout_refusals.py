@@ -96,7 +96,6 @@ def _leaves() -> list[Leaf]:
         ]
     out += [
         Leaf(f"{ARR}.ref.entropy_checkpointing", (False, True), f"ref.entropy_checkpointing {NO_ENTROPY}"),
-        Leaf(f"{ARR}.actor.freeze_vision_tower", (False,), VLM),
         Leaf(f"{ARR}.actor.loss_scale_factor", (None,), "the loss is scaled by loss_agg_mode only"),
         Leaf("critic.loss_scale_factor", (None,), "the loss is scaled by loss_agg_mode only"),
         Leaf("critic.enable", (None,), "the critic runs when algorithm.adv_estimator needs one (gae)"),
@@ -235,12 +234,7 @@ def _reward_leaves() -> list[Leaf]:
 
 def _other_leaves() -> list[Leaf]:
     return [
-        Leaf("data.image_key", ("images",), VLM),
-        Leaf("data.video_key", ("videos",), VLM),
         Leaf("data.audio_key", ("audios",), VLM),
-        Leaf("data.image_patch_size", (14,), VLM),
-        Leaf("data.return_multi_modal_inputs", (True,), VLM),
-        Leaf("data.mm_processor_kwargs", ({},), VLM),
         Leaf("data.use_shm", (False,), "data files are read directly"),
         Leaf("data.validation_shuffle", (False,), "validation rows keep their order"),
         Leaf("data.gen_batch_size", (None,), "the generation batch is data.train_batch_size"),

@@ -45,6 +45,7 @@ from hybridrl.utils.torch_utils import (
 )
 from hybridrl.workers.engine.base import LogProbs
 from hybridrl.workers.engine.lm_head import linear_log_probs
+from hybridrl.workers.engine.multimodal import has_multimodal, model_inputs
 from hybridrl.workers.engine.prefix_group import (
     LAYOUT_KWARG,
     LayoutNotPassed,
@@ -81,6 +82,8 @@ def _run(
     (`ulysses.slice_packed`); the output's per-token tensors are then (1, L, ...) local.
     """
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    if has_multimodal(batch):
+        return _run_multimodal(module, batch, use_remove_padding, packed, sp)
     if sp is not None:
         if not use_remove_padding:
             raise ValueError("Ulysses sequence parallelism needs use_remove_padding=True (the packed path)")
@@ -115,6 +118,29 @@ def _run(
 
 
 _NO_SEQUENCE_WISE: set[type] = set()
+
+
+def _run_multimodal(module, batch, use_remove_padding, packed, sp):
+    """`_run` for a vision-language batch (`engine.multimodal`): pixel inputs and 3-D rotary
+    positions; the packed row attends through transformers' packed-sequence detection (the text
+    positions in row 0 of the (4, 1, nnz) position ids) or the block-causal mask."""
+    if sp is not None:
+        raise NotImplementedError(
+            "Ulysses sequence parallelism with multimodal inputs is not supported yet; set "
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 for a vision-language model"
+        )
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    if not use_remove_padding:
+        ids, kwargs, feed = model_inputs(module, batch)
+        with feed:
+            return module(input_ids=ids, attention_mask=attention_mask, use_cache=False, **kwargs), None
+    packed = packed or pack_sequences(input_ids, attention_mask)
+    ids, kwargs, feed = model_inputs(module, batch, packed)
+    if not _DETECTS_PACKING:
+        dtype = next(module.parameters()).dtype
+        kwargs["attention_mask"] = block_causal_mask(packed.seq_lens, dtype, input_ids.device)
+    with feed:
+        return module(input_ids=ids, use_cache=False, **kwargs), packed
 
 
 def _sequence_wise(module: nn.Module) -> bool:
@@ -400,6 +426,10 @@ def forward_log_probs(
             return compiled_entropy_from_logits(x) if compile_kernels else entropy_from_logits(x)
 
     if prefix_group:
+        if has_multimodal(batch):
+            raise NotImplementedError(
+                "use_prefix_grouper does not take multimodal inputs yet; set it to False"
+            )
         if sp is not None:
             raise ValueError("use_prefix_grouper does not combine with Ulysses sequence parallelism")
         lp, ent, sps = _grouped_log_probs(

@@ -261,6 +261,7 @@ class FSDPEngine(ModuleEngine):
         key: str = "actor_rollout_ref.model",
         optim_key: str | None = None,
         load_tok: bool = True,
+        freeze_vision_tower: bool = False,
     ) -> FSDPEngine:
         """Build, shard and (if configured) offload the model of `role`; optimizer for actor/critic.
 
@@ -268,6 +269,7 @@ class FSDPEngine(ModuleEngine):
             mesh: device mesh to shard over (default: all ranks, see `create_device_mesh`).
             key / optim_key: config paths named in error messages.
             load_tok: also load the tokenizer (None when the folder has none).
+            freeze_vision_tower: a vision-language model's vision encoder gets no gradients.
         """
         from hybridrl.workers.engine.optim import build_lr_scheduler, build_optimizer
 
@@ -281,6 +283,10 @@ class FSDPEngine(ModuleEngine):
             model_config, role=role, dtype=fsdp_config.model_dtype, key=key, default_attn=attn
         )
         hf_config = module.config
+        if freeze_vision_tower:
+            from hybridrl.models.vlm import freeze_vision_tower as freeze
+
+            freeze(module, "actor_rollout_ref.actor.freeze_vision_tower")
         apply_fsdp2(module, mesh, fsdp_config)
         optimizer = lr_scheduler = None
         if optim_config is not None and role in ("actor", "critic"):
@@ -305,8 +311,9 @@ class FSDPEngine(ModuleEngine):
         section = spec.role_config
         fsdp_config = section.fsdp_config if hasattr(section, "fsdp_config") else section.model.fsdp_config
         engine = cls.build(
-            spec.model_config, fsdp_config, spec.optim_config, role=spec.role, key=spec.model_key
-        )
+            spec.model_config, fsdp_config, spec.optim_config, role=spec.role, key=spec.model_key,
+            freeze_vision_tower=spec.role == "actor" and getattr(section, "freeze_vision_tower", False),
+        )  # fmt: skip
         apply_sp(engine, spec.mesh, spec.rank, spec.key)
         return engine
 

@@ -194,6 +194,7 @@ class GenerationRequest:
     seeds: list[int]
     max_new_tokens: int
     want_log_probs: bool
+    multi_modal_inputs: Any = None  # (B,) per-row processor inputs of a vision-language batch, or None
 
 
 @dataclass
@@ -393,6 +394,7 @@ class BaseRollout(ABC):
             seeds=[derive_seed(self.config.seed, call, r, self.dp_rank) for r in range(len(prompt_lists))],
             max_new_tokens=self.config.response_length,
             want_log_probs=self.config.calculate_log_probs,
+            multi_modal_inputs=prompts.non_tensor_batch.get("multi_modal_inputs"),
         )
         t0 = time.perf_counter()
         result = (

@@ -96,10 +96,13 @@ class HFRollout(BaseRollout):
         self.device = torch.device(device) if device is not None else get_torch_device()
         self.dtype = to_torch_dtype(config.dtype)
         hf_config = model_config if model_config is not None else AutoConfig.from_pretrained(model_path)
+        auto = AutoModelForCausalLM
+        if getattr(hf_config, "vision_config", None) is not None:  # a vision-language model
+            from transformers import AutoModelForImageTextToText as auto
         if config.is_dummy_load:
-            model = AutoModelForCausalLM.from_config(hf_config)
+            model = auto.from_config(hf_config)
         else:
-            model = AutoModelForCausalLM.from_pretrained(model_path, config=hf_config)
+            model = auto.from_pretrained(model_path, config=hf_config)
         model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         # A fresh generation config: the checkpoint's defaults (repetition_penalty, top_k=50,
         # temperature, ...) must not leak into RL sampling; everything comes from `config`. No
@@ -167,6 +170,25 @@ class HFRollout(BaseRollout):
                 log_probs += lps
         return GenerationResult(tokens, log_probs)
 
+    def _mm_kwargs(self, request: GenerationRequest, rows: slice, ids: torch.Tensor) -> dict[str, Any]:
+        """pixel_values (N, D), image_grid_thw (I, 3), mm_token_type_ids (b, P) of these rows' images."""
+        if request.multi_modal_inputs is None:
+            return {}
+        mms = [m or {} for m in list(request.multi_modal_inputs)[rows]]
+        pixels = [m["pixel_values"] for m in mms if m.get("pixel_values") is not None]
+        if not pixels:
+            return {}
+        cfg = self.model.config
+        types = torch.zeros_like(ids, dtype=torch.int32)
+        types[ids == cfg.image_token_id] = 1
+        return {
+            "pixel_values": torch.cat(pixels).to(self.device, self.dtype),
+            "image_grid_thw": torch.cat(
+                [m["image_grid_thw"] for m in mms if m.get("pixel_values") is not None]
+            ).to(self.device),
+            "mm_token_type_ids": types,
+        }
+
     @torch.no_grad()
     def _generate_micro_batch(
         self, request: GenerationRequest, rows: slice
@@ -192,7 +214,11 @@ class HFRollout(BaseRollout):
         with torch.random.fork_rng(devices=fork_devices):
             torch.manual_seed(request.seeds[rows.start])
             out = self.model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=gen_cfg, stopping_criteria=stopping
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=gen_cfg,
+                stopping_criteria=stopping,
+                **self._mm_kwargs(request, rows, ids),
             )
         new = out.sequences[:, prompt_len:]
         token_lists = new.tolist()

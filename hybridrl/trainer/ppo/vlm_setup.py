@@ -1,0 +1,77 @@
+"""Start-up checks and the processor of a vision-language run (docs/vlm.md).
+
+The model's processor is loaded beside the tokenizer when `actor_rollout_ref.model.path` is a
+vision-language model (its config has a `vision_config`); the multimodal keys are checked here so a
+wrong combination fails before any worker starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridrl.models.builtin import resolve_model_path
+from hybridrl.utils.config_loader import ConfigError
+
+ARR = "actor_rollout_ref"
+
+
+def load_run_processor(config: Any) -> Any:
+    """The processor of the run's model (None for a text model), after the VLM start-up checks.
+
+    Raises:
+        ConfigError: Megatron with a VLM, `freeze_vision_tower` on a text model, Ulysses SP or the
+        prefix grouper with a VLM, `data.return_multi_modal_inputs=False`, a non-HF rollout with a VLM.
+    """
+    from hybridrl.models.vlm import load_processor
+
+    arr = config.actor_rollout_ref
+    model = arr.model
+    path = resolve_model_path(model.tokenizer_path or model.path, f"{ARR}.model.path")
+    try:
+        processor = load_processor(path, trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        if "://" in path or not _is_local(path):
+            return None  # a hub id this machine cannot reach: the tokenizer load reports it
+        raise ConfigError(f"{ARR}.model.path={path!r}: cannot load the model's processor: {exc}") from exc
+    if processor is None:
+        if arr.actor.freeze_vision_tower:
+            raise ConfigError(
+                f"{ARR}.actor.freeze_vision_tower=True but {path!r} is a text model (no vision tower); "
+                f"set {ARR}.actor.freeze_vision_tower=False"
+            )
+        return None
+    _check_vlm_keys(config)
+    return processor
+
+
+def _is_local(path: str) -> bool:
+    import os
+
+    return os.path.exists(path)
+
+
+def _check_vlm_keys(config: Any) -> None:
+    arr = config.actor_rollout_ref
+    for role in ("actor", "ref"):
+        if getattr(arr, role).strategy == "megatron":
+            raise ConfigError(
+                f"{ARR}.{role}.strategy=megatron with a vision-language model: the Megatron engine has no "
+                f"vision tower here; use {ARR}.{role}.strategy=fsdp (or fsdp2)"
+            )
+    if arr.actor.ulysses_sequence_parallel_size > 1:
+        raise ConfigError(
+            f"{ARR}.actor.ulysses_sequence_parallel_size>1 with a vision-language model is not supported yet; "
+            "set it to 1"
+        )
+    if arr.actor.use_prefix_grouper:
+        raise ConfigError(f"{ARR}.actor.use_prefix_grouper=True does not take images yet; set it to False")
+    if not config.data.return_multi_modal_inputs:
+        raise ConfigError(
+            "data.return_multi_modal_inputs=False: the training forward needs each row's pixel inputs "
+            "(regenerating them in the rollout is not supported); set it to True"
+        )
+    if arr.rollout.name != "hf":
+        raise ConfigError(
+            f"{ARR}.rollout.name={arr.rollout.name!r} with a vision-language model: only the HF rollout "
+            f"takes images so far; set {ARR}.rollout.name=hf"
+        )
