@@ -149,7 +149,7 @@ def make_sft_rows(n: int, seed: int, split: str = "train") -> list[dict[str, Any
     return rows
 
 
-def _write_parquet(rows: list[dict[str, Any]], path: str | os.PathLike) -> str:
+def write_parquet(rows: list[dict[str, Any]], path: str | os.PathLike) -> str:
     import pandas as pd
 
     path = Path(path)
@@ -164,12 +164,12 @@ def _write_parquet(rows: list[dict[str, Any]], path: str | os.PathLike) -> str:
 
 def write_rl_parquet(path: str | os.PathLike, n: int, seed: int, split: str) -> str:
     """Write :func:`make_rl_rows` to a parquet file; returns the path."""
-    return _write_parquet(make_rl_rows(n, seed, split), path)
+    return write_parquet(make_rl_rows(n, seed, split), path)
 
 
 def write_sft_parquet(path: str | os.PathLike, n: int, seed: int, split: str = "train") -> str:
     """Write :func:`make_sft_rows` to a parquet file; returns the path."""
-    return _write_parquet(make_sft_rows(n, seed, split), path)
+    return write_parquet(make_sft_rows(n, seed, split), path)
 
 
 def default_data_dir() -> str:

@@ -59,9 +59,9 @@ def make_rl_rows(n: int, seed: int, split: str = "train") -> list[dict[str, Any]
 
 def write_rl_parquet(path: str, n: int, seed: int, split: str = "train") -> str:
     """Write :func:`make_rl_rows` to a parquet file (images as PNG bytes); returns the path."""
-    from hybridrl.data.builtin_task import _write_parquet
+    from hybridrl.data.builtin_task import write_parquet
 
-    return _write_parquet(make_rl_rows(n, seed, split), path)
+    return write_parquet(make_rl_rows(n, seed, split), path)
 
 
 def compute_score(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:

@@ -149,11 +149,15 @@ class RewardWithDeadline:
     """A reward manager whose every call has the deadline ``trainer.reward_timeout_s``.
 
     ``reward(data, return_dict=...)`` runs the wrapped manager through :func:`call_with_deadline`;
-    every other attribute is the manager's own.
+    every other attribute is the manager's own, read and written (the reward loop sets
+    ``reward_kwargs`` to hand a GenRM client to the manager).
     """
 
     def __init__(self, inner: Callable[..., Any]) -> None:
-        self._inner = inner
+        object.__setattr__(self, "_inner", inner)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._inner, name, value)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inner = self._inner
