@@ -188,3 +188,37 @@ def test_a_hanging_lifecycle_method_becomes_a_counted_timeout(hf_engine, tokeniz
         assert "timedoutafter0.5s" in "".join(_tool_text(out, tokenizer).split())
     else:
         assert f"tool 'life' {stage} timed out after 0.5s" in caplog.text
+
+
+def _call_in_child(q) -> None:
+    import asyncio as aio
+
+    from hybridrl.workers.agent.tool_runner import tool_loop as loop_in_child
+
+    async def answer():
+        return 42
+
+    try:
+        q.put(aio.run(loop_in_child.run(answer, timeout_s=5.0, what="forked child")))
+    except Exception as e:  # noqa: BLE001 - the parent reports it
+        q.put(f"{type(e).__name__}: {e}")
+
+
+def test_tool_loop_of_a_forked_child_is_its_own():
+    """The tests' rank processes are forked after the parent ran tools: the parent's loop thread does
+    not exist in the child, so a call there must start a fresh loop, not wait for a dead one."""
+    import asyncio as aio
+    import multiprocessing as mp
+
+    from hybridrl.workers.agent.tool_runner import tool_loop as parent_loop
+
+    async def warm():
+        return 1
+
+    assert aio.run(parent_loop.run(warm, timeout_s=5.0, what="parent")) == 1  # the parent's loop runs
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_call_in_child, args=(q,))
+    p.start()
+    p.join(30)
+    assert q.get(timeout=5) == 42

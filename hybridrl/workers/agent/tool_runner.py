@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -43,6 +44,13 @@ class ToolLoop:
             if self._loop is None:
                 self._loop = self._start()
             return self._loop
+
+    def _after_fork_in_child(self) -> None:
+        """A forked process has none of its parent's threads: the parent's loop would never run
+        a call (every first tool call in the child would time out), so the child starts its own."""
+        self._lock = threading.Lock()
+        self._loop = None
+        self._beat = 0.0
 
     def _start(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.new_event_loop()
@@ -111,6 +119,8 @@ class ToolLoop:
 
 
 tool_loop = ToolLoop()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=tool_loop._after_fork_in_child)
 
 
 async def run_sync_detached(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
