@@ -248,15 +248,7 @@ def chat_response(
         if tokens is not None
         else None
     )
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": _usage(len(prompt_ids), len(token_ids)),
-        "prompt_token_ids": prompt_ids,
-    }
+    return _envelope("chatcmpl", "chat.completion", model, choice, prompt_ids, token_ids)
 
 
 def completion_response(
@@ -280,9 +272,16 @@ def completion_response(
         if tokens is not None
         else None
     )
+    return _envelope("cmpl", "text_completion", model, choice, prompt_ids, token_ids)
+
+
+def _envelope(
+    id_prefix: str, kind: str, model: str, choice: dict[str, Any], prompt_ids: list[int], token_ids: list[int]
+) -> dict[str, Any]:
+    """The response object around one choice (OpenAI's fields, plus the prompt's token ids)."""
     return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
