@@ -31,6 +31,7 @@ __all__ = [
     "build_hf_model",
     "import_external_libs",
     "load_hf_config",
+    "check_whitespace",
     "load_tokenizer",
 ]
 
@@ -100,11 +101,31 @@ def load_tokenizer(model_config: ModelConfig, key: str = "actor_rollout_ref.mode
         # recent transformers would build an empty tokenizer from a folder without one
         raise FileNotFoundError(f"{path_key}={path!r} holds no tokenizer files; set {key}.tokenizer_path")
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
+    check_whitespace(tok, f"{path_key}={path!r}")
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     if model_config.custom_chat_template:
         tok.chat_template = model_config.custom_chat_template
     return tok
+
+
+def check_whitespace(tok, where: str) -> None:
+    """Refuse a tokenizer that drops spaces and newlines (it would train on text that is not the data).
+
+    transformers 5 loads a folder whose config.json names a model type it has a tokenizer class for
+    (qwen2, llama, ...) with that class, which rebuilds the pipeline from the vocabulary; a character
+    vocabulary spelt with plain ``" "``/``"\\n"`` keys (the built-in model's before 2026-12-02) then
+    loses every space and newline.
+    """
+    text = "a b\nc"
+    decoded = tok.decode(tok(text, add_special_tokens=False)["input_ids"])
+    if decoded != text and decoded.strip() == "abc":
+        raise ValueError(
+            f"the tokenizer of {where} ({type(tok).__name__}) drops whitespace: {text!r} decodes as "
+            f"{decoded!r}. Rebuild its files (a character vocabulary: hybridrl.models.tokenizer_builder"
+            ".build_tokenizer(folder) spells space and newline byte-level) or point tokenizer_path at "
+            "a tokenizer that round-trips text"
+        )
 
 
 def _auto_class(role: str):

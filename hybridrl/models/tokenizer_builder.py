@@ -1,6 +1,7 @@
 """The built-in model's character-level tokenizer, built offline with the ``tokenizers`` library.
 
-Every printable ASCII character and ``"\\n"`` is one token; anything else maps to ``<unk>``. Special
+Every printable ASCII character and ``"\\n"`` is one token; any other character is one ``<unk>`` per
+UTF-8 byte (``Qwen2Tokenizer``, which transformers 5 loads for this folder, drops it instead). Special
 tokens: ``<pad>`` (0), ``<s>`` (bos, 1), ``</s>`` (eos, 2), ``<unk>`` (3) and three role markers
 ``<|system|>``, ``<|user|>``, ``<|assistant|>``, each a single token so chat prompts stay short:
 ``[{"role": "user", "content": "12+34="}]`` with a generation prompt is
@@ -41,9 +42,23 @@ CHAT_TEMPLATE = (
 )
 
 
+def _byte_char(c: str) -> str:
+    """GPT-2's byte-level alphabet for one ASCII character: printable non-space bytes are
+    themselves; space is ``"Ġ"`` (U+0120) and newline ``"Ċ"`` (U+010A)."""
+    b = ord(c)
+    return c if 33 <= b <= 126 else chr(256 + b)
+
+
 def vocab() -> dict[str, int]:
-    """Token -> id: special tokens first, then the characters."""
-    return {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    """Token -> id: special tokens first, then the characters in byte-level spelling.
+
+    The ids are the characters' positions (``"\n"`` is 7, ``" "`` 8, ...); only the spelling of
+    space and newline in the file is byte-level, so that every loader rebuilds the same pipeline:
+    transformers 5's ``AutoTokenizer`` reads a folder whose ``config.json`` says ``qwen2`` with its
+    own ``Qwen2Tokenizer`` (a byte-level pre-tokenizer over the file's vocabulary), which with
+    plain-character keys dropped every space and newline.
+    """
+    return {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [_byte_char(c) for c in CHARACTERS])}
 
 
 def build_tokenizer(out_dir: str | os.PathLike | None = None):
@@ -56,12 +71,13 @@ def build_tokenizer(out_dir: str | os.PathLike | None = None):
     Returns:
         The ``transformers`` fast tokenizer.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    # A BPE model without merges splits text into single characters; Fuse() decodes by concatenation.
+    # A BPE model without merges splits text into single (byte-level) characters.
     tok = Tokenizer(models.BPE(vocab=vocab(), merges=[], unk_token=UNK_TOKEN))
-    tok.decoder = decoders.Fuse()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,

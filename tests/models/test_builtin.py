@@ -43,7 +43,8 @@ def test_tokenizer_round_trip_one_token_per_character(tokenizer):
 def test_tokenizer_special_tokens(tokenizer):
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
     assert tokenizer.convert_tokens_to_ids("<unk>") == tokenizer.unk_token_id == 3
-    assert tokenizer("é", add_special_tokens=False)["input_ids"] == [3]
+    # one <unk> per UTF-8 byte (the vocabulary is byte-level; "é" is two bytes)
+    assert tokenizer("é", add_special_tokens=False)["input_ids"] == [3, 3]
     assert tokenizer.decode([1, 5, 25, 2], skip_special_tokens=True) == "1"
 
 
@@ -85,6 +86,49 @@ def test_tokenizer_saved_folder_loads_with_auto_tokenizer(tmp_path):
     assert loaded.chat_template == CHAT_TEMPLATE
     assert loaded.eos_token == "</s>" and loaded.pad_token == "<pad>"
     assert loaded.decode(loaded("7+8=")["input_ids"]) == "7+8="
+
+
+@pytest.mark.parametrize("folder", ["fresh", "shipped"])
+def test_auto_tokenizer_keeps_spaces_and_newlines_next_to_a_qwen2_config(tmp_path, tokenizer, folder):
+    """transformers 5 loads a folder whose config.json says qwen2 with Qwen2Tokenizer, rebuilt from
+    the vocabulary: with plain " "/"\\n" keys it dropped every space and newline (SFT, agent turns)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from hybridrl.models.hf import load_tokenizer
+    from hybridrl.workers.config import ModelConfig
+
+    shipped = builtin.get_builtin_model_path()
+    path = shipped
+    if folder == "fresh":
+        build_tokenizer(tmp_path)
+        shutil.copy(os.path.join(shipped, "config.json"), tmp_path)
+        path = str(tmp_path)
+    text = "<|user|>12 + 34 =\n<|assistant|>#### 46\nok"
+    want = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for tok in (AutoTokenizer.from_pretrained(path), load_tokenizer(ModelConfig(path=path))):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert ids == want and tok.decode(ids) == text
+
+
+def test_load_tokenizer_refuses_a_tokenizer_that_drops_whitespace(tmp_path):
+    """A character vocabulary spelt with plain keys (the built-in folder before 2026-12-02)."""
+    import json
+    import shutil
+
+    from hybridrl.models.hf import load_tokenizer
+    from hybridrl.workers.config import ModelConfig
+
+    build_tokenizer(tmp_path)
+    shutil.copy(os.path.join(builtin.get_builtin_model_path(), "config.json"), tmp_path)
+    tj = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    vocab[" "], vocab["\n"] = vocab.pop("\u0120"), vocab.pop("\u010a")
+    tj["pre_tokenizer"], tj["decoder"] = None, {"type": "Fuse"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(ValueError, match="drops whitespace"):
+        load_tokenizer(ModelConfig(path=str(tmp_path)))
 
 
 # ---------------------------------------------------------------- shipped model

@@ -210,12 +210,14 @@ def test_mask_is_exactly_the_policy_tokens(hf_engine, tokenizer):
 def test_tokenization_sanity_check_modes(tokenizer):
     from hybridrl.workers.agent.tokenization import check_tokenization, conversation_ids
 
-    space = tokenizer.convert_tokens_to_ids(" ")
-    five = tokenizer.convert_tokens_to_ids("5")
-    generated = tokenizer("####", add_special_tokens=False)["input_ids"] + [space, five]  # "#### 5"
-    whole = conversation_ids(tokenizer, [{"role": "assistant", "content": "#### 5"}], False, None)[2:-1]
-    assert not check_tokenization(tokenizer, generated, whole, "strict")  # the space was dropped
+    generated = tokenizer("#### 5", add_special_tokens=False)["input_ids"]
+    # the re-tokenized conversation lost the space (a chat template that strips whitespace, say)
+    whole = conversation_ids(tokenizer, [{"role": "assistant", "content": "####5"}], False, None)[2:-1]
+    assert check_tokenization(tokenizer, generated, generated, "strict")
+    assert not check_tokenization(tokenizer, generated, whole, "strict")
     assert check_tokenization(tokenizer, generated, whole, "ignore_strippable")
+    other = conversation_ids(tokenizer, [{"role": "assistant", "content": "#### 6"}], False, None)[2:-1]
+    assert not check_tokenization(tokenizer, generated, other, "ignore_strippable")
     assert check_tokenization(tokenizer, generated, [], "disable")
 
 
@@ -267,8 +269,7 @@ def test_failures_become_error_responses(hf_engine, tokenizer, body, expected, c
     b = out.batch
     T = b["responses"].shape[1]
     ids = b["responses"][0][(b["attention_mask"][0, -T:] == 1) & (b["response_mask"][0] == 0)]
-    # (the built-in tokenizer drops spaces when encoding, so compare without them)
-    assert "".join(expected.split()) in tokenizer.decode(ids)
+    assert expected in tokenizer.decode(ids)
     assert out.non_tensor_batch[counter][0] == 1
     m = agent_step_metrics(out)
     assert m[f"tool/{counter.split('_')[1]}"] == 1 and m["tool/error_rate"] == 1.0
@@ -405,8 +406,9 @@ interaction:
     config: {}
 """
 # the built-in model's context is 256 characters: short texts for the user turns
+# (no space in the reply: the tiny model's greedy continuation after "no, again" never stops)
 SHORT_INTERACTION_YAML = VERL_INTERACTION_YAML.replace(
-    "config: {}", "config: {correct_response: 'ok', incorrect_response: 'no, again'}"
+    "config: {}", "config: {correct_response: 'ok', incorrect_response: 'no,again'}"
 )
 
 
@@ -436,7 +438,7 @@ def test_interaction_user_turns_are_masked_scored_and_limited(hf_engine, tokeniz
     out = runner.generate_sequences(interaction_prompts(tokenizer, ["12+34=", "20+30="], ["-1", "-1"]))
     b, nt = out.batch, out.non_tensor_batch
     T = b["responses"].shape[1]
-    again = "<|user|>no, again<|assistant|>"
+    again = "<|user|>no,again<|assistant|>"
     first_answers = []
     for i in range(2):
         assert nt["agent_truncated"][i] == 0
@@ -447,7 +449,7 @@ def test_interaction_user_turns_are_masked_scored_and_limited(hf_engine, tokeniz
         runs = spans(mask)
         assert [f for _, _, f in runs] == [1, 0, 1, 0, 1]
         assert all(
-            tokenizer.decode(ids[s:e]).replace(" ", "") == again.replace(" ", "")
+            tokenizer.decode(ids[s:e]) == again
             for s, e, f in runs
             if f == 0
         )
@@ -463,7 +465,7 @@ def test_interaction_user_turns_are_masked_scored_and_limited(hf_engine, tokeniz
         valid = int(out.batch["attention_mask"][i, -T:].sum())
         ids = out.batch["responses"][i, :valid].tolist()
         s, e, flag = spans(out.batch["response_mask"][i, :valid].tolist())[-1]
-        assert flag == 0 and tokenizer.decode(ids[s:e]).replace(" ", "") == "<|user|>ok<|assistant|>"
+        assert flag == 0 and tokenizer.decode(ids[s:e]) == "<|user|>ok<|assistant|>"
 
     bad = prompts(tokenizer, ["12+34="])
     with pytest.raises(ValueError, match="interaction_kwargs with a 'name'"):
