@@ -448,11 +448,7 @@ def test_interaction_user_turns_are_masked_scored_and_limited(hf_engine, tokeniz
         ids, mask = b["responses"][i, :valid].tolist(), b["response_mask"][i, :valid].tolist()
         runs = spans(mask)
         assert [f for _, _, f in runs] == [1, 0, 1, 0, 1]
-        assert all(
-            tokenizer.decode(ids[s:e]) == again
-            for s, e, f in runs
-            if f == 0
-        )
+        assert all(tokenizer.decode(ids[s:e]) == again for s, e, f in runs if f == 0)
         first_answers.append(tokenizer.decode(ids[runs[0][0] : runs[0][1]], skip_special_tokens=True))
     assert out.meta_info["metrics"]["agent/interaction_turns/mean"] == 2.0
 
