@@ -8,8 +8,9 @@ Every key is honoured or refused at start-up by `validate_megatron_config`:
     context_parallel_size, expert_model_parallel_size,          only 1 (None for ETP): refused
     expert_tensor_parallel_size                                 otherwise (no CP / MoE support)
     sequence_parallel                                           ignored at TP=1 (as in Megatron);
-                                                                refused at TP>1 (the local layer
-                                                                spec has no sequence-parallel norms)
+                                                                honoured at TP>1 (sequence-parallel
+                                                                norms in the local layer spec,
+                                                                engine/megatron/model.py)
     use_distributed_optimizer                                   honoured (Megatron's DistributedOptimizer)
     param_offload / grad_offload / optimizer_offload            no-ops on CPU (everything is in host
                                                                 memory, like the FSDP engine's);
@@ -154,11 +155,6 @@ def validate_megatron_config(
             f"{key}.expert_model_parallel_size / expert_tensor_parallel_size: expert parallelism (MoE) is not "
             "supported by hybridrl's Megatron engine; set expert_model_parallel_size=1 and "
             "expert_tensor_parallel_size=null"
-        )
-    if cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1:
-        raise ValueError(
-            f"{key}.sequence_parallel=True: sequence parallelism needs Transformer Engine's norms, and this engine "
-            "builds Megatron's local layer spec; set it to False"
         )
     if on_gpu and (cfg.param_offload or cfg.grad_offload or cfg.optimizer_offload):
         raise ValueError(

@@ -22,7 +22,6 @@ KEY = "actor_rollout_ref.actor.megatron"
         ({"context_parallel_size": 2}, False, "context_parallel_size"),
         ({"expert_model_parallel_size": 2}, False, "expert"),
         ({"expert_tensor_parallel_size": 2}, False, "expert"),
-        ({"sequence_parallel": True, "tensor_model_parallel_size": 2}, False, "sequence_parallel"),
         ({"virtual_pipeline_model_parallel_size": 2}, False, "pipeline_model_parallel_size >= 2"),
         ({"param_offload": True}, True, "offload"),
         ({"dtype": "float16"}, False, "float16"),
@@ -39,9 +38,11 @@ def test_refused(kwargs, on_gpu, match):
 
 
 def test_accepted_and_no_ops():
-    # sequence_parallel at TP=1 (Megatron ignores it), offload on CPU (no-ops), use_mbridge either way
+    # sequence_parallel at TP=1 (Megatron ignores it) and TP=2 (honoured: test_megatron_engine.py),
+    # offload on CPU (no-ops), use_mbridge either way
     for kwargs in (
         {"sequence_parallel": True},
+        {"sequence_parallel": True, "tensor_model_parallel_size": 2},
         {"param_offload": True, "grad_offload": True},
         {"use_mbridge": True},
         {"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_size": 2},

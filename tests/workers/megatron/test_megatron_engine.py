@@ -38,7 +38,9 @@ def _batch(seed: int = 5):
     return DataProto.from_dict(b)
 
 
-def _configs(model_dir: str, tp: int, pp: int, vpp: int | None = None, packed: bool = False):
+def _configs(
+    model_dir: str, tp: int, pp: int, vpp: int | None = None, packed: bool = False, sp: bool = False
+):
     from hybridrl.workers.config import (
         ActorConfig,
         CriticConfig,
@@ -73,6 +75,7 @@ def _configs(model_dir: str, tp: int, pp: int, vpp: int | None = None, packed: b
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sp,
         dtype="float32",
     )
     return model, actor, critic, mcfg
@@ -82,7 +85,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-def _check_actor(rank, model_dir, tp, pp, out, vpp=None, packed=False):
+def _check_actor(rank, model_dir, tp, pp, out, vpp=None, packed=False, sp=False):
     import torch.distributed as dist
 
     from hybridrl.workers.actor import PPOActor
@@ -90,7 +93,7 @@ def _check_actor(rank, model_dir, tp, pp, out, vpp=None, packed=False):
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
 
-    model, cfg, _, mcfg = _configs(model_dir, tp, pp, vpp, packed)
+    model, cfg, _, mcfg = _configs(model_dir, tp, pp, vpp, packed, sp)
     data = _batch()
     mine = data.chunk(2)[rank]
     fsdp = FSDPEngine.build(model, cfg.fsdp_config, cfg.optim, load_tok=False)
@@ -138,13 +141,13 @@ def _initial(model_dir):
     return dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
 
 
-def _check_critic(rank, model_dir, tp, pp, out, vpp=None, packed=False):
+def _check_critic(rank, model_dir, tp, pp, out, vpp=None, packed=False, sp=False):
     from hybridrl.workers.batch_sizes import normalize_critic_batch_sizes
     from hybridrl.workers.critic import PPOCritic
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
 
-    _, _, cfg, mcfg = _configs(model_dir, tp, pp, vpp, packed)
+    _, _, cfg, mcfg = _configs(model_dir, tp, pp, vpp, packed, sp)
     data = _batch()
     mine = data.chunk(2)[rank]
     # The fresh value head: Megatron's is initialised under megatron.seed (whatever the global RNG, here
@@ -191,10 +194,10 @@ def _check_critic(rank, model_dir, tp, pp, out, vpp=None, packed=False):
     out["critic_weight_rel"] = max(_rel(m_w[k], f_w[k]) for k in f_w)
 
 
-def _run(rank, world, model_dir, tp, pp, vpp, packed, result_dir):
+def _run(rank, world, model_dir, tp, pp, vpp, packed, sp, result_dir):
     out: dict = {}
-    _check_actor(rank, model_dir, tp, pp, out, vpp, packed)
-    _check_critic(rank, model_dir, tp, pp, out, vpp, packed)
+    _check_actor(rank, model_dir, tp, pp, out, vpp, packed, sp)
+    _check_critic(rank, model_dir, tp, pp, out, vpp, packed, sp)
     torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
 
 
@@ -211,15 +214,24 @@ def _four_layer_model(path: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "tp,pp,vpp,packed",
-    [(2, 1, None, False), (1, 2, None, False), (1, 2, 2, False), (2, 1, None, True), (1, 2, 2, True)],
+    "tp,pp,vpp,packed,sp",
+    [
+        (2, 1, None, False, False),
+        (1, 2, None, False, False),
+        (1, 2, 2, False, False),
+        (2, 1, None, True, False),
+        (1, 2, 2, True, False),
+        (2, 1, None, False, True),
+        (2, 1, None, True, True),
+    ],
 )
-def test_megatron_matches_fsdp(tmp_path, tp, pp, vpp, packed):
+def test_megatron_matches_fsdp(tmp_path, tp, pp, vpp, packed, sp):
     """packed: model.use_remove_padding=True on both engines (Megatron packs each micro-batch into
-    one row with a block-diagonal causal mask; FSDP into varlen sequences)."""
+    one row with a block-diagonal causal mask; FSDP into varlen sequences). sp: Megatron's
+    sequence parallelism at TP=2 (the batch's 11 tokens per row: the padded path pads to 12)."""
     path = str(tmp_path / "model")
     model_dir = make_tiny_model_dir(path) if vpp is None else _four_layer_model(path)
-    spawn(_run, 2, tmp_path, model_dir, tp, pp, vpp, packed, str(tmp_path))
+    spawn(_run, 2, tmp_path, model_dir, tp, pp, vpp, packed, sp, str(tmp_path))
     for rank in range(2):
         out = torch.load(tmp_path / f"rank{rank}.pt")
         print(rank, out)

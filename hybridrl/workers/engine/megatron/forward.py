@@ -20,6 +20,11 @@ into THD sequences with PackedSeqParams, which need Transformer Engine's varlen 
 local attention here takes the (1, 1, L, L) mask instead. Each sequence's RoPE positions are
 shifted by its offset in the row, which the relative form cancels, as for left padding; the
 outputs are scattered back to the padded (b, S, ...) layout before the loss sees them.
+
+Sequence parallelism (`megatron.sequence_parallel` at TP > 1) splits the sequence dimension over
+the tensor-parallel ranks between the linear layers, so every fed row must be a multiple of TP
+long: packed rows already are; padded micro-batches get right padding (masked keys) up to the next
+multiple (`seq_multiple`), cropped off the outputs before the loss.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 
 from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu
 
-__all__ = ["PackedMicro", "attention_mask_4d", "pack_micro", "run_schedule"]
+__all__ = ["PackedMicro", "PaddedMicro", "attention_mask_4d", "pack_micro", "pad_micro", "run_schedule"]
 
 
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -57,6 +62,7 @@ class PackedMicro:
     input_ids: torch.Tensor
     mask: torch.Tensor
     valid: torch.Tensor
+    position_ids = None  # RoPE uses 0..L-1 (module docstring)
 
     def unpack(self, out: torch.Tensor) -> torch.Tensor:
         """(1, L, ...) outputs -> (b, S, ...), zeros at padded positions (differentiable)."""
@@ -64,6 +70,46 @@ class PackedMicro:
         full = out.new_zeros((*self.valid.shape, *out.shape[2:]))
         full[self.valid] = out[0, :t]
         return full
+
+
+@dataclasses.dataclass
+class PaddedMicro:
+    """A padded micro-batch with right padding up to a multiple of TP (sequence parallelism).
+
+    Attributes:
+        input_ids: (b, L) the micro-batch's ids, then zeros.
+        mask: (b, 1, L, L) bool, True where query i may NOT attend key j (the padding is masked).
+        position_ids: (b, L) the micro-batch's positions, continued over the padding.
+        length: S, the micro-batch's own length.
+    """
+
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    position_ids: torch.Tensor
+    length: int
+
+    def unpack(self, out: torch.Tensor) -> torch.Tensor:
+        """(b, L, ...) outputs -> (b, S, ...)."""
+        return out[:, : self.length]
+
+
+def pad_micro(micro: Any, multiple: int) -> PaddedMicro | None:
+    """`micro` (input_ids / attention_mask (b, S)) right-padded to a multiple of `multiple`; None if S is one."""
+    ids, attn = micro["input_ids"], micro["attention_mask"]
+    b, s = ids.shape
+    extra = -s % multiple
+    if not extra:
+        return None
+    positions = micro["position_ids"] if "position_ids" in micro.keys() else None
+    if positions is None or positions.dim() != 2:
+        positions = torch.arange(s, device=ids.device).expand(b, s)
+    more = positions[:, -1:] + torch.arange(1, extra + 1, device=ids.device)
+    return PaddedMicro(
+        input_ids=torch.cat([ids, ids.new_zeros(b, extra)], dim=1),
+        mask=attention_mask_4d(torch.cat([attn, attn.new_zeros(b, extra)], dim=1)),
+        position_ids=torch.cat([positions, more], dim=1),
+        length=s,
+    )
 
 
 def packed_length(micros: list[Any], multiple: int) -> int:
@@ -91,7 +137,7 @@ def pack_micro(micro: Any, length: int) -> PackedMicro:
 def _forward_step(loss_fn: Callable, data_iterator, model):
     micro, packed = next(data_iterator)
     if packed is not None:
-        ids, mask, positions = packed.input_ids, packed.mask, None
+        ids, mask, positions = packed.input_ids, packed.mask, packed.position_ids
     else:
         ids, mask = micro["input_ids"], attention_mask_4d(micro["attention_mask"])
         positions = micro["position_ids"] if "position_ids" in micro.keys() else None
@@ -108,6 +154,7 @@ def run_schedule(
     *,
     forward_only: bool,
     pack_multiple: int | None = None,
+    seq_multiple: int | None = None,
 ) -> list[Any]:
     """Run forward (and backward) of `micros` through the pipeline; results of the last stage.
 
@@ -117,6 +164,8 @@ def run_schedule(
         loss_fn: (micro, logits or values (b, S, ...)) -> (scalar loss, result).
         pack_multiple: pack each micro-batch into one row whose length is a multiple of this
             (`model.use_remove_padding`); None feeds the padded rows.
+        seq_multiple: padded rows are right-padded to a multiple of this (sequence parallelism:
+            the TP size); None feeds them as they are.
 
     Returns:
         One `result` per micro-batch on the last pipeline stage, [] on the others.
@@ -145,6 +194,10 @@ def run_schedule(
     if pack_multiple is not None:
         length = packed_length(micros, pack_multiple)
         feeds = [pack_micro(m, length) for m in micros]
+    elif seq_multiple is not None and seq_multiple > 1:
+        feeds = [pad_micro(m, seq_multiple) for m in micros]
+    # (every feed has the first's shape: one packed length, and one padded length per call)
+    first = feeds[0].input_ids if feeds[0] is not None else micros[0]["input_ids"]
     iters = [iter(list(zip(micros, feeds))) for _ in chunks]
     with cuda_to_cpu():
         get_forward_backward_func()(
@@ -152,8 +205,8 @@ def run_schedule(
             data_iterator=iters if len(chunks) > 1 else iters[0],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=n,
-            seq_length=(feeds[0].input_ids if feeds[0] is not None else micros[0]["input_ids"]).shape[1],
-            micro_batch_size=1 if feeds[0] is not None else micros[0]["input_ids"].shape[0],
+            seq_length=first.shape[1],
+            micro_batch_size=first.shape[0],
             forward_only=forward_only,
         )
     return results

@@ -34,6 +34,7 @@ from hybridrl.workers.engine.megatron.cpu_shims import apply_cpu_shims, cuda_to_
 from hybridrl.workers.megatron_config import MegatronConfig
 
 __all__ = [
+    "SequenceParallelRMSNorm",
     "ValueHead",
     "build_model",
     "init_parallel",
@@ -114,7 +115,8 @@ def transformer_config(spec: ArchSpec, cfg: MegatronConfig, dtype: torch.dtype, 
         # p2p (overlapped, as veRL and Megatron-LM do with virtual stages) keeps them apart.
         overlap_p2p_comm=interleaved,
         batch_p2p_comm=False,
-        sequence_parallel=False,
+        # Megatron turns sequence parallelism off at TP=1 too (nothing to split over)
+        sequence_parallel=cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1,
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # (no MoE; the default allgather refuses variable lengths)
         gradient_accumulation_fusion=False,
@@ -136,18 +138,44 @@ def transformer_config(spec: ArchSpec, cfg: MegatronConfig, dtype: torch.dtype, 
     return TransformerConfig(**kwargs)
 
 
+class SequenceParallelRMSNorm(nn.RMSNorm):
+    """torch's RMSNorm for Megatron's local layer spec, with sequence parallelism allowed.
+
+    Megatron's `WrappedTorchNorm` refuses `sequence_parallel`; the norm itself needs nothing new
+    (it is per token), only its weight's gradient must be summed over the tensor-parallel ranks,
+    each of which saw a slice of the sequence: the weight is marked `sequence_parallel`, which
+    `finalize_model_grads` all-reduces over the TP group. Without sequence parallelism it is
+    exactly `WrappedTorchNorm`'s module.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
 class ValueHead(nn.Module):
     """The critic's head: Linear(H, 1) with bias, replicated on every tensor-parallel rank.
 
-    Called like Megatron's output layer: `head(hidden, weight=None, ...) -> (values, None)`.
+    Called like Megatron's output layer: `head(hidden, weight=None, ...) -> (values, None)`, hidden
+    (S, B, H), or (S / TP, B, H) with sequence parallelism, gathered here first (every TP rank then
+    computes the same values and loss, so the backward only takes each rank's slice back).
     """
 
-    def __init__(self, hidden_size: int, std: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden_size: int, std: float, dtype: torch.dtype, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype).normal_(0.0, std))
         self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden: torch.Tensor, weight: Any = None, **_: Any) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False
+            )
         return nn.functional.linear(hidden, self.weight, self.bias), None
 
 
@@ -157,6 +185,11 @@ def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int) -> list[nn.Modu
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer_spec.submodules = dataclasses.replace(
+        layer_spec.submodules,
+        input_layernorm=SequenceParallelRMSNorm,
+        pre_mlp_layernorm=SequenceParallelRMSNorm,
+    )
     tp = ps.get_tensor_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     critic = role == "critic"
@@ -171,15 +204,24 @@ def _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role) -> None
     """Append the GPTModel of each virtual stage of this rank to `chunks`."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     for stage in range(vpp):
         vp_stage = stage if vpp > 1 else None
+        # the block's spec spelt out, so that its final norm is the sequence-parallel one too
+        block = TransformerBlockSubmodules(
+            layer_specs=[layer_spec] * get_num_layers_to_build(tcfg, vp_stage=vp_stage),
+            layer_norm=SequenceParallelRMSNorm,
+        )
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         with cuda_to_cpu():
             model = GPTModel(
                 config=tcfg,
-                transformer_layer_spec=layer_spec,
+                transformer_layer_spec=block,
                 vocab_size=padded_vocab_size(spec.vocab_size, tp),
                 max_sequence_length=spec.max_position_embeddings,
                 pre_process=pre,
@@ -191,7 +233,9 @@ def _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role) -> None
                 vp_stage=vp_stage,
             )
         if critic and post:
-            model.output_layer = ValueHead(spec.hidden_size, spec.initializer_range, tcfg.params_dtype)
+            model.output_layer = ValueHead(
+                spec.hidden_size, spec.initializer_range, tcfg.params_dtype, tcfg.sequence_parallel
+            )
         if tcfg.bf16:
             # Megatron's local RMSNorm keeps fp32 weights; bf16 everywhere, as Megatron-LM's Float16Module
             # casts (mixed-dtype grad buffers break the distributed optimizer's checkpoint gather).
