@@ -18,7 +18,8 @@ from hybridrl.utils.profiler import ProfilerConfig
 from hybridrl.workers.megatron_config import MegatronConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-LR_SCHEDULER_TYPES = ("constant", "cosine")
+# linear / inverse_square_root: veRL's Megatron optimizer's `lr_decay_style` values (Megatron's schedules)
+LR_SCHEDULER_TYPES = ("constant", "cosine", "linear", "inverse_square_root")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
 ACTOR_KEY = "actor_rollout_ref.actor"
@@ -31,12 +32,12 @@ CRITIC_KEY = "critic"
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class OptimConfig:
-    """AdamW with linear warm-up, then a constant or cosine schedule (veRL `*.optim`).
+    """AdamW with linear warm-up, then a constant, cosine, linear or inverse-square-root schedule (veRL `*.optim`).
 
     `lr_warmup_steps` wins when > 0; otherwise warm-up lasts `lr_warmup_steps_ratio *
     total_training_steps`. `total_training_steps` is set by the trainer; it is needed by the
-    cosine schedule and by ratio warm-up. `warmup_style` is veRL's older name for
-    `lr_scheduler_type`; when set it wins.
+    decaying schedules and by ratio warm-up. `warmup_style` is veRL's older name for
+    `lr_scheduler_type`, and `lr_decay_style` its Megatron optimizer's (renamed onto it at load).
     """
 
     lr: float = 1e-6

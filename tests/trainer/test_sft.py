@@ -155,8 +155,15 @@ def test_lr_schedules_hand_values():
     assert lr_factor(7, **wsd) == pytest.approx(1.0)
     assert lr_factor(10, **wsd) == pytest.approx(0.5 * (1 + math.cos(math.pi * 3 / 5)))
     assert lr_factor(12, **{**wsd, "min_lr_ratio": 0.1}) == pytest.approx(0.1)
+    # Megatron's lr_decay_style schedules: linear from 1 to min over steps 2..12; 1/sqrt after warm-up
+    assert lr_factor(7, scheduler_type="linear", **common) == pytest.approx(0.5)
+    assert lr_factor(12, scheduler_type="linear", **{**common, "min_lr_ratio": 0.1}) == pytest.approx(0.1)
+    assert lr_factor(20, scheduler_type="linear", **common) == pytest.approx(0.0)
+    assert lr_factor(2, scheduler_type="inverse_square_root", **common) == pytest.approx(1.0)
+    assert lr_factor(8, scheduler_type="inverse_square_root", **common) == pytest.approx(0.5)  # sqrt(2/8)
+    assert lr_factor(200, scheduler_type="inverse_square_root", **{**common, "min_lr_ratio": 0.2}) == 0.2
     with pytest.raises(ValueError, match="lr_scheduler"):
-        lr_factor(5, scheduler_type="linear", **common)
+        lr_factor(5, scheduler_type="polynomial", **common)
 
 
 # ----------------------------------------------------------------------------------------------

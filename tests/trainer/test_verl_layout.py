@@ -231,3 +231,16 @@ def test_command_line_check_lets_the_newest_layout_through():
     for bad in ("reward.reward_manger.name=naive", f"{ARR}.actor.fsdp_config.use_orig_param=False"):
         with pytest.raises(ConfigError, match="unknown config key"):
             check_override_keys([bad], PPOConfig, "ppo_trainer.yaml", layout_knows)
+
+
+def test_megatron_lr_decay_style_is_the_schedule():
+    """veRL's Megatron optimizer names the schedule `lr_decay_style` (Megatron's values)."""
+    for style in ("constant", "cosine", "linear", "inverse_square_root"):
+        c = _check([f"{ARR}.actor.strategy=megatron", f"{ARR}.actor.optim.lr_decay_style={style}"])
+        assert c.actor_rollout_ref.actor.optim.scheduler_type == style
+    c = _check(["critic.optim.lr_decay_style=linear"])
+    assert c.critic.optim.scheduler_type == "linear"
+    with pytest.raises(ConfigError, match="lr_decay_style.*lr_scheduler_type"):
+        _check([f"{ARR}.actor.optim.lr_decay_style=linear", f"{ARR}.actor.optim.lr_scheduler_type=cosine"])
+    with pytest.raises((ConfigError, ValueError), match="polynomial"):
+        _check([f"{ARR}.actor.optim.lr_decay_style=polynomial"])

@@ -88,6 +88,8 @@ def _moved() -> dict[str, str]:
     )
     for name in REWARD_ROLLOUT_FIELDS:
         moved[f"reward.reward_model.rollout.{name}"] = f"reward_model.rollout.{name}"
+    for optim in (f"{ARR}.actor.optim", "critic.optim"):  # veRL's Megatron optimizer's name of it
+        moved[f"{optim}.lr_decay_style"] = f"{optim}.lr_scheduler_type"
     return moved
 
 

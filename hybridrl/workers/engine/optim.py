@@ -1,4 +1,4 @@
-"""AdamW and the learning-rate schedule (linear warm-up, then constant or cosine).
+"""AdamW and the learning-rate schedule (linear warm-up, then constant, cosine, linear or 1/sqrt).
 
 The schedule is a pure function of the step (`lr_factor`), wrapped in a `LambdaLR` whose state
 (last step, base lrs) goes into checkpoints.
@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from hybridrl.workers.config import OptimConfig
+from hybridrl.workers.config import LR_SCHEDULER_TYPES, OptimConfig
 
 
 def num_warmup_steps(config: OptimConfig, key: str = "optim") -> int:
@@ -45,6 +45,9 @@ def lr_factor(
       constant: 1;
       cosine:   from 1 down to `min_lr_ratio`: min + (1 - min) * (1 + cos(2 pi num_cycles p)) / 2,
                 p the post-warm-up progress (clamped to 1 after `total_steps`);
+      linear:   min + (1 - min) * (1 - p) (Megatron's `linear` lr_decay_style);
+      inverse_square_root: max(min, sqrt(max(1, warmup_steps) / step)) (Megatron's: 1 at the end
+                of warm-up, independent of `total_steps`);
       wsd:      1 for the first `stable_ratio` of the post-warm-up steps, then the cosine above
                 over the remaining steps (warm-up, stable, decay).
     """
@@ -52,14 +55,21 @@ def lr_factor(
         return step / max(1, warmup_steps)
     if scheduler_type == "constant":
         return 1.0
+    if scheduler_type == "inverse_square_root":
+        return max(min_lr_ratio, math.sqrt(max(1, warmup_steps) / max(1, step)))
     decay_start = warmup_steps
     if scheduler_type == "wsd":
         decay_start = warmup_steps + int(stable_ratio * max(0, total_steps - warmup_steps))
         if step < decay_start:
             return 1.0
-    elif scheduler_type != "cosine":
-        raise ValueError(f"unknown lr_scheduler_type {scheduler_type!r}; use 'constant', 'cosine' or 'wsd'")
+    elif scheduler_type not in ("cosine", "linear"):
+        raise ValueError(
+            f"unknown lr_scheduler_type {scheduler_type!r}; use 'constant', 'cosine', 'linear', "
+            "'inverse_square_root' or 'wsd'"
+        )
     progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
+    if scheduler_type == "linear":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
     cosine = 0.5 * (1.0 + math.cos(math.pi * 2.0 * num_cycles * progress))
     return max(min_lr_ratio, min_lr_ratio + (1.0 - min_lr_ratio) * cosine)
 
@@ -83,11 +93,11 @@ def build_lr_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over `lr_factor` with the settings of `config`."""
     scheduler_type = config.scheduler_type
-    if scheduler_type not in ("constant", "cosine"):
-        raise ValueError(f"{key}.lr_scheduler_type={scheduler_type!r} is not one of 'constant', 'cosine'")
-    if scheduler_type == "cosine" and config.total_training_steps <= 0:
+    if scheduler_type not in LR_SCHEDULER_TYPES:
+        raise ValueError(f"{key}.lr_scheduler_type={scheduler_type!r} is not one of {LR_SCHEDULER_TYPES}")
+    if scheduler_type in ("cosine", "linear") and config.total_training_steps <= 0:
         raise ValueError(
-            f"{key}.lr_scheduler_type=cosine needs {key}.total_training_steps > 0 (the trainer sets it)"
+            f"{key}.lr_scheduler_type={scheduler_type} needs {key}.total_training_steps > 0 (the trainer sets it)"
         )
     fn = functools.partial(
         lr_factor,

@@ -96,7 +96,7 @@ def test_normalize_actor_sizes():
         ({"shuffle": True}, 1, 1, r"actor_rollout_ref\.actor\.data_loader_seed"),
         ({"strategy": "deepspeed"}, 1, 1, r"actor_rollout_ref\.actor\.strategy='deepspeed' is not supported"),
         (
-            {"optim": OptimConfig(lr_scheduler_type="linear")},
+            {"optim": OptimConfig(lr_scheduler_type="polynomial")},
             1,
             1,
             r"actor_rollout_ref\.actor\.optim\.lr_scheduler_type",

@@ -70,8 +70,10 @@ class ParamGroupLR:
     def __init__(self, optimizer: Any, config: OptimConfig, key: str) -> None:
         self.optimizer = optimizer
         self.base_lr = float(config.lr)
-        if config.scheduler_type == "cosine" and config.total_training_steps <= 0:
-            raise ValueError(f"{key}.lr_scheduler_type=cosine needs {key}.total_training_steps > 0")
+        if config.scheduler_type in ("cosine", "linear") and config.total_training_steps <= 0:
+            raise ValueError(
+                f"{key}.lr_scheduler_type={config.scheduler_type} needs {key}.total_training_steps > 0"
+            )
         self.factor = functools.partial(
             lr_factor,
             warmup_steps=num_warmup_steps(config, key),
@@ -316,15 +318,22 @@ class MegatronEngine(TrainEngine):
         """`run_schedule` in eval mode (forward_only) or train mode; last-stage results.
 
         With `model.use_remove_padding` each micro-batch is packed into one row (a multiple of the
-        tensor-parallel size long, for sequence parallelism): see engine/megatron/forward.py.
+        tensor-parallel size long, for sequence parallelism); with `megatron.sequence_parallel`
+        padded rows are right-padded to such a multiple: see engine/megatron/forward.py.
         """
         for chunk in self.chunks:
             chunk.train(not forward_only)
-        pack = self.tp_info_size() if self.model_config.use_remove_padding else None
+        tp = self.tp_info_size()
+        pack = tp if self.model_config.use_remove_padding else None
+        seq = tp if self.megatron_config.sequence_parallel else None  # padded rows: a multiple of TP
         if forward_only:
             with torch.no_grad():
-                return run_schedule(self.chunks, micros, loss_fn, forward_only=True, pack_multiple=pack)
-        return run_schedule(self.chunks, micros, loss_fn, forward_only=False, pack_multiple=pack)
+                return run_schedule(
+                    self.chunks, micros, loss_fn, forward_only=True, pack_multiple=pack, seq_multiple=seq
+                )
+        return run_schedule(
+            self.chunks, micros, loss_fn, forward_only=False, pack_multiple=pack, seq_multiple=seq
+        )
 
     @staticmethod
     def tp_info_size() -> int:
