@@ -92,6 +92,7 @@ from hybridrl.algos.returns import (
 from hybridrl.algos.rollout_is import (
     compute_rollout_correction,
     compute_rollout_importance_weights,
+    parse_is_threshold,
     parse_rs_threshold,
 )
 from hybridrl.algos.rollout_rs import (
@@ -158,6 +159,7 @@ __all__ = [
     "compute_rollout_rejection_mask",
     "is_kl_rs",
     "parse_kl_rs",
+    "parse_is_threshold",
     "parse_rs_threshold",
     "compute_value_loss",
     "discounted_returns",

@@ -118,15 +118,36 @@ def compute_rollout_importance_weights(
     return weights, metrics
 
 
-def parse_rs_threshold(threshold, default_upper: float) -> tuple[float, float]:
-    """veRL's `rollout_rs_threshold`: 'lower_upper' ('0.5_2.0'), one number U (-> 1/U, U) or None."""
+def parse_rs_threshold(threshold, default) -> tuple[float, float]:
+    """veRL's `rollout_rs_threshold`: 'lower_upper' ('0.5_2.0'), one number U (-> 1/U, U) or None
+    (then `default`, the rollout_is_threshold, read the same way)."""
     if threshold is None:
-        return 1.0 / default_upper, default_upper
+        threshold = default
     if isinstance(threshold, str) and "_" in threshold:
         lower, upper = (float(x) for x in threshold.split("_", 1))
         return lower, upper
     upper = float(threshold)
     return 1.0 / upper, upper
+
+
+def parse_is_threshold(threshold) -> tuple[float | None, float]:
+    """veRL's `rollout_is_threshold`: a number U (TIS: truncate at U) or 'lower_upper' (IcePop:
+    weights outside [lower, upper] become 0). Returns (lower or None, upper).
+
+    Raises:
+        ValueError: a spec that is not one of those, a bound <= 0, or lower > upper.
+    """
+    if isinstance(threshold, bool):
+        raise ValueError(f"rollout_is_threshold={threshold!r}: give a number or 'lower_upper'")
+    lower = None
+    if isinstance(threshold, str) and "_" in threshold:
+        lo, hi = threshold.split("_", 1)
+        lower, upper = float(lo), float(hi)
+    else:
+        upper = float(threshold)
+    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"rollout_is_threshold={threshold!r}: bounds must be positive with lower <= upper")
+    return lower, upper
 
 
 def compute_rollout_correction(
@@ -135,7 +156,7 @@ def compute_rollout_correction(
     response_mask: torch.Tensor,
     *,
     rollout_is: str | None,
-    rollout_is_threshold: float,
+    rollout_is_threshold: float | str,
     rollout_is_batch_normalize: bool,
     rollout_rs: str | None,
     rollout_rs_lower: float,
@@ -143,13 +164,16 @@ def compute_rollout_correction(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """veRL's rollout correction: truncated IS weights times a rejection-sampling mask.
 
-    w = min(pi_old / pi_rollout, U) at level `rollout_is` (1 when None), optionally divided by its
-    token mean over the batch (self-normalised); a token, or with rollout_rs=sequence/geometric a
-    whole response, whose ratio at level `rollout_rs` lies outside [lower, upper] gets w = 0.
+    w = min(pi_old / pi_rollout, U) at level `rollout_is` (1 when None; TIS), or with a
+    'lower_upper' threshold w = r for r in [lower, upper] and 0 outside (IcePop, veRL's string
+    form), optionally divided by its token mean over the batch (self-normalised); a token, or with
+    rollout_rs=sequence/geometric a whole response, whose ratio at level `rollout_rs` lies outside
+    [lower, upper] gets w = 0.
 
     Args:
         old_log_prob, rollout_log_prob, response_mask: (B, T).
         rollout_is: None, 'token' or 'sequence'.
+        rollout_is_threshold: U, or 'lower_upper' (see `parse_is_threshold`).
         rollout_rs: None, 'token', 'sequence' or 'geometric'.
 
     Returns:
@@ -158,13 +182,15 @@ def compute_rollout_correction(
     metrics: dict[str, torch.Tensor] = {}
     weights = response_mask.to(old_log_prob.dtype)
     if rollout_is is not None:
+        is_lower, is_upper = parse_is_threshold(rollout_is_threshold)
         weights, is_metrics = compute_rollout_importance_weights(
             old_log_prob,
             rollout_log_prob,
             response_mask,
             rollout_is_level=rollout_is,
-            rollout_is_mode="truncate",
-            rollout_is_threshold=rollout_is_threshold,
+            rollout_is_mode="truncate" if is_lower is None else "mask",
+            rollout_is_threshold=is_upper,
+            rollout_is_threshold_lower=is_lower,
         )
         metrics.update(is_metrics)
         if rollout_is_batch_normalize:

@@ -138,6 +138,28 @@ def test_rollout_correction_weights_hand_derived():
     # normalised by the mean (2+1+3)/3 = 2, then the ratio-5 token is rejected
     assert torch.allclose(w, torch.tensor([[1.0, 0.5, 0.0]]))
     assert float(m["rs_reject_frac"]) == pytest.approx(1 / 3)
+
+
+def test_rollout_is_threshold_lower_upper_is_icepop():
+    """veRL's 'lower_upper' rollout_is_threshold: weights outside [lower, upper] become 0 (IcePop),
+    the ones inside keep their ratio (no truncation)."""
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.5, 0.1, 0.8]]))  # ratios 2, 1, 5, 0.625
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w, _ = algos.compute_rollout_correction(
+        old, rollout, mask, rollout_is="token", rollout_is_threshold="0.8_4.0", rollout_is_batch_normalize=False,
+        rollout_rs=None, rollout_rs_lower=0.0, rollout_rs_upper=1.0,
+    )  # fmt: skip
+    assert torch.allclose(w, torch.tensor([[2.0, 1.0, 0.0, 0.0]]))
+    assert algos.parse_is_threshold("0.5_4.0") == (0.5, 4.0) and algos.parse_is_threshold(2) == (None, 2.0)
+    on = [
+        "algorithm.rollout_correction.rollout_is=token",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+    ]
+    _check([*on, "algorithm.rollout_correction.rollout_is_threshold=0.5_4.0"])
+    for bad in ("4.0_0.5", "x_y", "-1"):
+        with pytest.raises(ConfigError, match="rollout_is_threshold"):
+            _check([*on, f"algorithm.rollout_correction.rollout_is_threshold={bad}"])
     assert algos.parse_rs_threshold("0.5_2.0", 9.0) == (0.5, 2.0)
     assert algos.parse_rs_threshold(None, 4.0) == (0.25, 4.0)
 

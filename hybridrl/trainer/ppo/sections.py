@@ -79,7 +79,8 @@ class RolloutCorrectionConfig:
     """`algorithm.rollout_correction` (veRL's newer spelling of the rollout importance sampling).
 
     rollout_is: null | token | sequence: importance weights pi_old / pi_rollout at that level,
-      truncated at rollout_is_threshold (TIS); rollout_is_batch_normalize rescales them to mean 1
+      truncated at rollout_is_threshold (TIS), or with a 'lower_upper' string (e.g. '0.5_5.0') set
+      to 0 outside [lower, upper] (IcePop); rollout_is_batch_normalize rescales them to mean 1
       over the batch's tokens.
     rollout_rs: null | token | sequence | geometric: rejection sampling; tokens (or whole responses)
       whose ratio lies outside [lower, upper] get weight 0. rollout_rs_threshold: 'lower_upper'
@@ -90,7 +91,7 @@ class RolloutCorrectionConfig:
     """
 
     rollout_is: str | None = None
-    rollout_is_threshold: float = 2.0
+    rollout_is_threshold: Any = 2.0  # a number, or 'lower_upper'
     rollout_is_batch_normalize: bool = False
     rollout_rs: str | None = None
     rollout_rs_threshold: Any = None
@@ -198,7 +199,9 @@ class TrainerConfig:
     # deadlines (hybridrl.utils.deadlines): a remote wait with no rank finishing for this long fails
     step_timeout_s: float = 3600.0
     reward_timeout_s: float = 600.0  # one reward manager call in the driver; 0: no deadline
-    max_restarts: int = 0  # after a dead / hung worker: restart the workers, resume (hybridrl.trainer.ppo.restarts)
+    max_restarts: int = (
+        0  # after a dead / hung worker: restart the workers, resume (hybridrl.trainer.ppo.restarts)
+    )
 
 
 @dataclass

@@ -303,6 +303,13 @@ def check_rollout_correction(config: Any) -> None:
         raise config_error(
             f"{key}.* needs the rollout engine's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=True"
         )
+    try:
+        algos.parse_is_threshold(rc.rollout_is_threshold)
+    except ValueError as e:
+        raise config_error(
+            f"{key}.rollout_is_threshold={rc.rollout_is_threshold!r}: {e}; give a number U (truncate at U) or "
+            "'lower_upper' (IcePop: 0 outside [lower, upper]) with 0 < lower <= upper"
+        ) from None
     if algos.is_kl_rs(rc.rollout_rs):
         return
     try:
