@@ -2,8 +2,10 @@
 
 `PPOActor` (workers/actor.py) calls `add_distillation_loss` once per micro-batch when it was built
 with a `distillation.distillation_loss` config; the batch then carries `teacher_log_probs` (B, T),
-the teacher's log-probs of the sampled tokens (hybridrl/trainer/ppo/teachers.py). The losses are
-the pure functions of hybridrl/algos/distillation.py.
+the teacher's log-probs of the sampled tokens (hybridrl/trainer/ppo/teachers.py), and with
+loss_mode=forward_kl_topk `teacher_topk_log_probs` / `teacher_topk_ids` (B, T, K); the student's
+log-probs at those ids come from the engine (engine/topk.py). The losses are the pure functions
+of hybridrl/algos/distillation.py.
 """
 
 from __future__ import annotations
