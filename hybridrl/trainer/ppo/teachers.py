@@ -9,7 +9,8 @@ colocated worker, on the actor's slots, offloaded between steps like the referen
 One step (`teacher_step`): rows are routed to teachers by the row's `distillation.teacher_key`
 field (the single `teacher_model` takes every row), each teacher computes the log-probs of its
 rows' sampled tokens at the rollout temperature, and the batch gets `teacher_log_probs` (B, T)
-(with loss_mode=forward_kl_topk also the teachers' top-k log-probs and ids (B, T, k)) for the actor's loss (hybridrl/workers/distillation.py). The teachers are never checkpointed;
+(with loss_mode=forward_kl_topk also the teachers' top-k log-probs and ids (B, T, k)) for the
+actor's loss (hybridrl/workers/distillation.py). The teachers are never checkpointed;
 their paths are recorded in the checkpoint's meta (`teacher_meta`).
 """
 
