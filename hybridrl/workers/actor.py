@@ -23,7 +23,7 @@ from hybridrl.algos.kl import kl_penalty
 from hybridrl.algos.policy_loss import get_policy_loss_fn
 from hybridrl.protocol import DataProto
 from hybridrl.workers.config import ActorConfig
-from hybridrl.workers.distillation import add_distillation_loss
+from hybridrl.workers.distillation import add_distillation_loss, needs_topk
 from hybridrl.workers.engine.base import LogProbRequest, LogProbs
 from hybridrl.workers.engine.batching import mean_over_ranks, merge_outputs, response_mask_of
 from hybridrl.workers.engine.multimodal import attach_multimodal
@@ -36,6 +36,8 @@ _OPTIONAL_KEYS = (
     "rollout_is_weights",
     "rollout_log_probs",
     "teacher_log_probs",
+    "teacher_topk_log_probs",
+    "teacher_topk_ids",
 )
 
 
@@ -62,7 +64,13 @@ class PPOActor(MicroBatchedRole):
 
     # ------------------------------------------------------------------------------------------
     def _request(
-        self, temperature: float, calculate_entropy: bool, entropy_grad: bool = True, sps: bool = False
+        self,
+        temperature: float,
+        calculate_entropy: bool,
+        entropy_grad: bool = True,
+        sps: bool = False,
+        topk: int = 0,
+        topk_ids: bool = False,
     ) -> LogProbRequest:
         """What the engine computes from the policy's logits (the actor config's head options)."""
         if temperature <= 0:
@@ -78,6 +86,8 @@ class PPOActor(MicroBatchedRole):
             else None,
             compile_kernels=c.use_torch_compile,
             prefix_group=c.use_prefix_grouper,
+            topk=topk,
+            topk_ids=topk_ids,
         )
 
     def compute_log_prob(
@@ -90,6 +100,7 @@ class PPOActor(MicroBatchedRole):
         max_token_len: int | None = None,
         temperature: float = 1.0,
         calculate_sum_pi_squared: bool = False,
+        topk: int = 0,
     ) -> LogProbs:
         """Log-probs (and entropy) of `data`'s responses, in micro-batches, without gradients.
 
@@ -99,12 +110,13 @@ class PPOActor(MicroBatchedRole):
             use_dynamic_bsz / max_token_len: token-budget micro-batches instead.
             temperature: the rollout's sampling temperature.
             calculate_sum_pi_squared: also sum_v pi(v)^2 per position (`actor.calculate_sum_pi_squared`).
+            topk: > 0: also the k largest log-probs and their ids (B, T, k) (a distillation teacher).
 
         Returns:
             LogProbs of (B, T) float32 CPU tensors in `data`'s row order: log_probs; entropy with
             calculate_entropy; sum_pi_squared with calculate_sum_pi_squared (else None).
         """
-        request = self._request(temperature, calculate_entropy, sps=calculate_sum_pi_squared)
+        request = self._request(temperature, calculate_entropy, sps=calculate_sum_pi_squared, topk=topk)
         batch = attach_multimodal(data.batch.select(*_FORWARD_KEYS).to(self.device), data)
         micros, indices = self.split(
             batch,
@@ -122,6 +134,8 @@ class PPOActor(MicroBatchedRole):
             merged("log_probs"),
             merged("entropy", calculate_entropy),
             merged("sum_pi_squared", calculate_sum_pi_squared),
+            merged("topk_log_probs", topk > 0),
+            merged("topk_ids", topk > 0),
         )
 
     # ------------------------------------------------------------------------------------------
@@ -217,7 +231,12 @@ class PPOActor(MicroBatchedRole):
         has_old = "old_log_probs" in mini_batch.batch.keys()
         # Without old log-probs (exactly on-policy) the entropy metric the old-log-prob pass would
         # have reported comes from this forward instead (not in the loss unless entropy_coeff != 0).
-        request = self._request(temperature, c.entropy_coeff != 0 or not has_old, c.entropy_coeff != 0)
+        request = self._request(
+            temperature,
+            c.entropy_coeff != 0 or not has_old,
+            c.entropy_coeff != 0,
+            topk_ids=needs_topk(self.distillation),
+        )
         auxes = self.engine.forward_backward(
             micros, request, lambda micro, out: self._micro_batch_loss(micro, out, loss_scale, has_old)
         )
@@ -255,7 +274,7 @@ class PPOActor(MicroBatchedRole):
         means = {f"actor/{k}": v for k, v in pg_metrics.items()}
         if self.distillation is not None:  # on-policy distillation: workers/distillation.py
             loss, d_sums, d_means = add_distillation_loss(
-                self.distillation, loss, log_prob, micro, mask, loss_agg_mode=c.loss_agg_mode,
+                self.distillation, loss, out, micro, mask, loss_agg_mode=c.loss_agg_mode,
                 loss_scale=loss_scale, old_log_prob=micro["old_log_probs"] if has_old else log_prob.detach(),
             )  # fmt: skip
             sums, means = {**sums, **d_sums}, {**means, **d_means}

@@ -127,7 +127,27 @@ def validate_distillation(dist: DistillationConfig, rollout: Any, actor: Any) ->
     if not dist.enabled:
         return
     _validate_loss(dist.distillation_loss)
+    _validate_topk_actor(dist.distillation_loss, actor)
     _validate_teachers(dist, rollout)
+
+
+def _validate_topk_actor(loss: DistillationLossConfig, actor: Any) -> None:
+    """forward_kl_topk runs through the full logits of the HF engines (workers/engine/topk.py)."""
+    from hybridrl.algos.distillation import uses_topk
+
+    if not uses_topk(loss.loss_mode) or actor is None:
+        return
+    key, mode = "distillation.distillation_loss.loss_mode", loss.loss_mode
+    if str(getattr(actor, "strategy", "fsdp")).startswith("megatron"):
+        raise ConfigError(
+            f"{key}={mode} with actor strategy=megatron is not implemented (top-k over a vocabulary-parallel "
+            "head); use strategy=fsdp or loss_mode=k3"
+        )
+    if getattr(actor, "ulysses_sequence_parallel_size", 1) > 1 or getattr(actor, "use_prefix_grouper", False):
+        raise ConfigError(
+            f"{key}={mode} with actor.ulysses_sequence_parallel_size > 1 or actor.use_prefix_grouper=true is not "
+            "implemented; set them to 1 / false, or use loss_mode=k3"
+        )
 
 
 def _validate_loss(loss: DistillationLossConfig) -> None:
@@ -150,12 +170,6 @@ def _validate_loss(loss: DistillationLossConfig) -> None:
         )
     if uses_topk(loss.loss_mode) and (loss.topk is None or loss.topk < 1):
         raise ConfigError(f"{key}.topk must be >= 1 with loss_mode={loss.loss_mode}, got {loss.topk}")
-    if uses_topk(loss.loss_mode):
-        raise ConfigError(
-            f"{key}.loss_mode={loss.loss_mode} is not available yet: the training engines return the sampled "
-            "token's log-prob, not the vocabulary's top-k (hybridrl/algos/distillation.py has the loss); use "
-            "loss_mode=k3 (supervised) or k1 with use_policy_gradient=true"
-        )
     if loss.loss_max_clamp is not None and loss.loss_max_clamp <= 0:
         raise ConfigError(f"{key}.loss_max_clamp must be > 0 or null, got {loss.loss_max_clamp}")
     if loss.log_prob_min_clamp is not None and loss.log_prob_min_clamp >= 0:

@@ -352,9 +352,12 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
 
     @register(dispatch_mode=ON_ACTOR_MESH)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        """Log-probs of the responses under the frozen reference policy: ref_log_prob (B, T)."""
+        """Log-probs of the responses under the frozen reference policy: ref_log_prob (B, T); with
+        meta_info["topk"] = k > 0 (a distillation teacher) also ref_topk_log_probs / ref_topk_ids (B, T, k)."""
         c, r = self.ref_config, self.rollout_config
+        topk = int(data.meta_info.get("topk", 0))
         kwargs = dict(
+            topk=topk,
             calculate_entropy=False,
             micro_batch_size=c.log_prob_micro_batch_size_per_gpu,
             use_dynamic_bsz=c.log_prob_use_dynamic_bsz,
@@ -363,16 +366,19 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         )
         if self._lora_self_ref:  # LoRA: the base model without the adapter is the reference
             with self.actor_engine.disable_adapter():
-                log_probs = self.actor.compute_log_prob(data, **kwargs).log_probs
+                out = self.actor.compute_log_prob(data, **kwargs)
         elif self.ref_policy is not None:
             self.ref_engine.onload()
-            log_probs = self.ref_policy.compute_log_prob(data, **kwargs).log_probs
+            out = self.ref_policy.compute_log_prob(data, **kwargs)
             self.ref_engine.offload()
         else:
             raise RuntimeError(
                 f"compute_ref_log_prob needs the reference; this worker has role={self.role!r}"
             )
-        return DataProto.from_dict({"ref_log_prob": log_probs})
+        res = {"ref_log_prob": out.log_probs}
+        if topk > 0:
+            res.update(ref_topk_log_probs=out.topk_log_probs, ref_topk_ids=out.topk_ids)
+        return DataProto.from_dict(res)
 
     # ---------------------------------------------------------------- update
     @register(dispatch_mode=ON_ACTOR_MESH)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GenRM on the built-in task, on CPU: the judge is the built-in model after the zero-argument SFT
-# (main_sft, 93.5% greedy), served by HF generate in the reward loop; the policy (the shipped warm
+# (main_sft, 98.0% greedy), served by HF generate in the reward loop; the policy (the shipped warm
 # start) is rewarded 1 when its answer equals the judge's (recipes/genrm/judge_reward.py).
 # Usage: bash recipes/genrm/run.sh [extra main_ppo key=value overrides]
 # WORK (default /tmp/hybridrl_genrm) holds the data copy and the judge; an existing judge is reused.

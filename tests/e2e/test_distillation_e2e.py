@@ -56,6 +56,23 @@ def test_self_distillation_with_task_rewards_moves_away_from_the_teacher(tmp_pat
     assert rows[1]["distillation/loss"] > 1e-6 and abs(rows[1]["distillation/student_teacher_kl"]) > 1e-6
 
 
+@pytest.mark.usefixtures("ray_local")
+def test_self_distillation_forward_kl_topk_is_zero_at_step_one(tmp_path):
+    # teacher = student: the top-k forward KL of identical distributions is 0 at step 1; the top-k
+    # masses are the same and close to 1 (k = 16 of a 103-token vocabulary, a peaked model)
+    rows = _two_steps(
+        tmp_path,
+        "distillation.distillation_loss.loss_mode=forward_kl_topk",
+        "distillation.distillation_loss.topk=16",
+        "distillation.distillation_loss.use_task_rewards=false",
+    )
+    first = rows[0]
+    assert abs(first["distillation/student_mass"] - first["distillation/teacher_mass"]) < 1e-5
+    assert 0.5 < first["distillation/teacher_mass"] <= 1.0 + 1e-6
+    # the truncated KL's gradient raises the top-k tokens' mass: the student moves at step 1
+    assert rows[1]["distillation/loss"] >= 0 and abs(rows[1]["distillation/student_teacher_kl"]) > 1e-7
+
+
 def _batch(sources):
     return DataProto.from_dict(
         {"responses": torch.zeros(len(sources), 2, dtype=torch.long)},

@@ -9,7 +9,8 @@ colocated worker, on the actor's slots, offloaded between steps like the referen
 One step (`teacher_step`): rows are routed to teachers by the row's `distillation.teacher_key`
 field (the single `teacher_model` takes every row), each teacher computes the log-probs of its
 rows' sampled tokens at the rollout temperature, and the batch gets `teacher_log_probs` (B, T)
-for the actor's loss (hybridrl/workers/distillation.py). The teachers are never checkpointed;
+(with loss_mode=forward_kl_topk also the teachers' top-k log-probs and ids (B, T, k)) for the
+actor's loss (hybridrl/workers/distillation.py). The teachers are never checkpointed;
 their paths are recorded in the checkpoint's meta (`teacher_meta`).
 """
 
@@ -23,7 +24,12 @@ import torch
 
 from hybridrl.protocol import DataProto
 from hybridrl.utils.metrics import timer
-from hybridrl.workers.distillation import TEACHER_LOG_PROBS
+from hybridrl.workers.distillation import (
+    TEACHER_LOG_PROBS,
+    TEACHER_TOPK_IDS,
+    TEACHER_TOPK_LOG_PROBS,
+    needs_topk,
+)
 from hybridrl.workers.distillation_config import DEFAULT_KEY
 
 ROLE_PREFIX = "teacher_"
@@ -91,26 +97,55 @@ def route_rows(batch: DataProto, keys: list[str], teacher_key: str) -> dict[str,
     return {k: np.nonzero(values == k)[0] for k in keys if (values == k).any()}
 
 
-def compute_teacher_log_probs(teachers: dict[str, Any], batch: DataProto, teacher_key: str) -> torch.Tensor:
-    """(B, T) log nu(y_t) of each row's teacher (each teacher sees only its own rows)."""
-    responses = batch.batch["responses"]
-    out = torch.zeros(responses.shape, dtype=torch.float32)
+def compute_teacher_log_probs(
+    teachers: dict[str, Any], batch: DataProto, teacher_key: str, topk: int = 0
+) -> dict[str, torch.Tensor]:
+    """Each row's teacher's log-probs (each teacher sees only its own rows).
+
+    Args:
+        teachers: {teacher key: worker-group view}.
+        batch: the step's batch (responses (B, T)).
+        teacher_key: the row field that routes rows to teachers.
+        topk: > 0 (loss_mode=forward_kl_topk): also the teachers' k largest log-probs and ids.
+
+    Returns:
+        {teacher_log_probs: (B, T) log nu(y_t)}, with topk also teacher_topk_log_probs (B, T, k)
+        float32 and teacher_topk_ids (B, T, k) long.
+    """
+    b, t = batch.batch["responses"].shape
+    out = {TEACHER_LOG_PROBS: torch.zeros((b, t), dtype=torch.float32)}
+    if topk > 0:
+        out[TEACHER_TOPK_LOG_PROBS] = torch.zeros((b, t, topk), dtype=torch.float32)
+        out[TEACHER_TOPK_IDS] = torch.zeros((b, t, topk), dtype=torch.long)
     for key, rows in route_rows(batch, sorted(teachers), teacher_key).items():
         part = batch if len(rows) == len(batch) else batch.select_idxs(rows)
-        log_probs = teachers[key].compute_ref_log_prob(part).batch["ref_log_prob"]
-        out[torch.as_tensor(rows)] = log_probs.float()
+        part = DataProto(
+            batch=part.batch,
+            non_tensor_batch=part.non_tensor_batch,
+            meta_info={**part.meta_info, "topk": topk},
+        )
+        res = teachers[key].compute_ref_log_prob(part).batch
+        idx = torch.as_tensor(rows)
+        out[TEACHER_LOG_PROBS][idx] = res["ref_log_prob"].float()
+        if topk > 0:
+            out[TEACHER_TOPK_LOG_PROBS][idx] = res["ref_topk_log_probs"].float()
+            out[TEACHER_TOPK_IDS][idx] = res["ref_topk_ids"].long()
     return out
 
 
 def teacher_step(trainer: Any, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
-    """Add `teacher_log_probs` (B, T) to `batch` (no-op without distillation); the teachers' time
-    is timing_s/teacher (the actor reports distillation/student_teacher_kl and distillation/loss)."""
+    """Add `teacher_log_probs` (B, T) to `batch` (and with forward_kl_topk `teacher_topk_log_probs`,
+    `teacher_topk_ids` (B, T, k)); no-op without distillation. The teachers' time is timing_s/teacher
+    (the actor reports distillation/student_teacher_kl and distillation/loss)."""
     teachers = getattr(trainer.workers, "teachers", None)
     if not teachers:
         return batch
+    dist = trainer.config.distillation
+    topk = dist.distillation_loss.topk if needs_topk(dist.distillation_loss) else 0
     with timer("teacher", timing):
-        teacher = compute_teacher_log_probs(teachers, batch, trainer.config.distillation.teacher_key)
-    batch.batch[TEACHER_LOG_PROBS] = teacher
+        tensors = compute_teacher_log_probs(teachers, batch, dist.teacher_key, topk=topk)
+    for name, value in tensors.items():
+        batch.batch[name] = value
     return batch
 
 

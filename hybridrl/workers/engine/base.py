@@ -29,6 +29,7 @@ Which ranks hold the outputs is the dispatch mesh's business: `ParallelDims.trai
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,9 @@ class LogProbRequest:
         entropy_chunk_size: the entropy this many positions at a time (plain HF head only).
         compile_kernels: `actor.use_torch_compile` (HF engines: the head's kernels compiled).
         prefix_group: `actor.use_prefix_grouper` (HF engines: shared-prompt forward).
+        topk: > 0: also the k largest log-probs and their ids per position (a distillation teacher).
+        topk_ids: also the log-probs at the micro-batch's `teacher_topk_ids` (B, T, K) (the student of
+            `forward_kl_topk`). Both through the full logits (engine/topk.py).
     """
 
     temperature: float = 1.0
@@ -76,6 +80,8 @@ class LogProbRequest:
     entropy_chunk_size: int | None = None
     compile_kernels: bool = False
     prefix_group: bool = False
+    topk: int = 0
+    topk_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,15 +91,18 @@ class ValueRequest:
 
 @dataclass
 class LogProbs:
-    """Per response token (b, T) float32: log pi(a_t); entropy and sum pi^2 when requested, else None."""
+    """Per response token (b, T) float32: log pi(a_t); entropy and sum pi^2 when requested, else None;
+    with a top-k request topk_log_probs (b, T, K) float32 and topk_ids (b, T, K) long."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
+    topk_log_probs: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
 
     def to(self, device: Any) -> LogProbs:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return LogProbs(move(self.log_probs), move(self.entropy), move(self.sum_pi_squared))
+        return LogProbs(*(move(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from hybridrl.utils.flops import attention_dims, count_params
 from hybridrl.workers.engine.base import LogProbRequest, LossFn, PerfModel, TrainEngine, ValueRequest
 from hybridrl.workers.engine.batching import default_dp_group, optimizer_step
 from hybridrl.workers.engine.forward import forward_log_probs, forward_values
+from hybridrl.workers.engine.topk import forward_topk_log_probs, wants_topk
 from hybridrl.workers.engine.ulysses import SPGroup
 
 __all__ = ["ModuleEngine"]
@@ -95,6 +96,12 @@ class ModuleEngine(TrainEngine):
                 sp=self.sp,
                 fused=self.use_fused_kernels,
             )
+        if wants_topk(request):  # distillation's forward_kl_topk: the full logits (engine/topk.py)
+            return forward_topk_log_probs(
+                self.module, micro, temperature=request.temperature, use_remove_padding=self.use_remove_padding,
+                topk=request.topk, gather_ids=request.topk_ids, calculate_entropy=request.calculate_entropy,
+                entropy_grad=request.entropy_grad, sp=self.sp, prefix_group=request.prefix_group,
+            )  # fmt: skip
         return forward_log_probs(
             self.module,
             micro,

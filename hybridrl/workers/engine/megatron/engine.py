@@ -347,6 +347,11 @@ class MegatronEngine(TrainEngine):
         t = micro["responses"].shape[-1]
         if isinstance(request, ValueRequest):
             return out[:, -t - 1 : -1, 0].float()
+        if request.topk or request.topk_ids:
+            raise NotImplementedError(
+                "distillation.distillation_loss.loss_mode=forward_kl_topk is not implemented with strategy=megatron "
+                "(top-k over a vocabulary-parallel head); use loss_mode=k3 or strategy=fsdp"
+            )
         if request.sum_pi_squared:
             raise ValueError(
                 "actor.calculate_sum_pi_squared=True is not implemented with strategy=megatron (the optimal "
