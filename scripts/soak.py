@@ -143,9 +143,11 @@ def check_rss(samples: list[dict], start: int, limit: float) -> dict:
     base = next((s for s in samples if s["step"] >= start), None)
     if base is None or base is samples[-1]:
         return {"ok": False, "why": f"no RSS samples after step {start}"}
-    last = samples[-1]
+    # the last sample with all the workers (one taken while the run shuts down has fewer)
+    last = [s for s in samples if s["n_workers"] == base["n_workers"]][-1]
     growth = {k: last[k] / base[k] - 1.0 for k in ("driver", "workers") if base[k] > 0}
-    peak = {k: max(s[k] for s in samples if s["step"] >= base["step"]) / base[k] - 1.0 for k in growth}
+    kept = [s for s in samples if base["step"] <= s["step"] <= last["step"]]
+    peak = {k: max(s[k] for s in kept) / base[k] - 1.0 for k in growth}
     return {
         "ok": bool(growth) and all(g < limit for g in growth.values()),
         "base_step": base["step"],

@@ -154,9 +154,10 @@ def _check_dtypes(fsdp: Any, key: str) -> None:
 def _check_actor(actor: Any, key: str) -> None:
     _check_optim(actor.optim, f"{key}.optim")
     _in_range(f"{key}.grad_clip", actor.grad_clip, 0, None, "gradient norm clip", allow_none=True)
-    _in_range(f"{key}.clip_ratio", actor.clip_ratio, 0, None, "PPO clip range")
-    _in_range(f"{key}.clip_ratio_low", actor.clip_ratio_low, 0, None, "lower PPO clip", allow_none=True)
-    _in_range(f"{key}.clip_ratio_high", actor.clip_ratio_high, 0, None, "upper PPO clip", allow_none=True)
+    if actor.policy_loss.loss_mode not in ("dppo_tv", "dppo_kl"):  # those check them as divergence bounds
+        _in_range(f"{key}.clip_ratio", actor.clip_ratio, 0, None, "PPO clip range")
+        _in_range(f"{key}.clip_ratio_low", actor.clip_ratio_low, 0, None, "lower PPO clip", allow_none=True)
+        _in_range(f"{key}.clip_ratio_high", actor.clip_ratio_high, 0, None, "upper PPO clip", allow_none=True)
     if not (_number(actor.clip_ratio_c) and actor.clip_ratio_c > 1):
         raise ConfigError(
             f"{key}.clip_ratio_c={actor.clip_ratio_c!r} must be > 1 (the dual-clip bound of negative "
