@@ -63,9 +63,7 @@ class PPOConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
-    distillation: DistillationConfig = field(
-        default_factory=DistillationConfig
-    )  # veRL's on-policy distillation
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)  # veRL's on-policy distillation
     # veRL's newest engine switch for actor, ref and critic ("dp" / "fsdp", "megatron"); see ppo/model_engine.py
     model_engine: str | None = None
 
