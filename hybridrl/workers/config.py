@@ -449,7 +449,7 @@ class RewardRolloutConfig:
     top_p: float = 1.0
     do_sample: bool = True
     n: int = 1
-    request_timeout_s: float = 300.0  # hybridrl: a GenRM request not answered in time fails naming this key
+    request_timeout_s: float = 300.0  # hybridrl: a reward-model score / GenRM request not answered in time fails naming this key
 
     @property
     def effective_max_model_len(self) -> int:

@@ -20,3 +20,14 @@ class NapWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
         return os.getpid()
+
+
+class HangingScorer:
+    """A reward-model replica whose `score` never answers (alive, sleeping)."""
+
+    def __init__(self, seconds: float = 3600.0) -> None:
+        self.seconds = seconds
+
+    def score(self, seqs: list[list[int]]) -> list[float]:
+        time.sleep(self.seconds)
+        return [0.0] * len(seqs)

@@ -27,7 +27,7 @@ from hybridrl.trainer.ppo.sections import (
     RewardManagerKwargs,
     TrainerConfig,
 )
-from hybridrl.trainer.ppo.startup_checks import check_startup_values
+from hybridrl.trainer.ppo.startup_checks import check_data_lengths, check_startup_values
 from hybridrl.trainer.ppo.verl_compat import apply_verl_compat, warn_once
 from hybridrl.trainer.ppo.verl_misc import apply_verl_misc
 from hybridrl.utils.config_loader import ConfigError, load_structured
@@ -120,6 +120,7 @@ def derive_config(config: PPOConfig, explicit_keys=None) -> None:
     from hybridrl.trainer.ppo.model_engine import apply_model_engine
 
     apply_model_engine(config, explicit_keys)
+    check_data_lengths(config.data)  # before the rollout's lengths are derived from them
     rollout = config.actor_rollout_ref.rollout
     if rollout.prompt_length is None or rollout.prompt_length <= 0:
         rollout.prompt_length = config.data.max_prompt_length

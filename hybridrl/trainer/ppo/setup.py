@@ -21,6 +21,7 @@ from hybridrl.trainer.ppo.checkpoints import RunCheckpoints
 from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.genrm_config import genrm_reward_kwargs
 from hybridrl.trainer.ppo.reward_kwargs import reward_manager_class, reward_manager_kwargs
+from hybridrl.trainer.ppo.startup_checks import check_first_rows, check_model_inputs, read_model_config
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 from hybridrl.trainer.ppo.vlm_setup import load_run_processor
 from hybridrl.trainer.ppo.workers import start_reward_loop, start_workers, uses_ray
@@ -178,8 +179,11 @@ def prepare_run(config: PPOConfig) -> RunParts:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    model_cfg = read_model_config(config)  # a broken config.json names the key (before the tokenizer)
     tokenizer = load_tokenizer(driver_tokenizer_config(config))
+    check_model_inputs(config, tokenizer, model_cfg)
     train_loader, val_loader = build_datasets(config, tokenizer, load_run_processor(config))
+    check_first_rows(train_loader, val_loader)  # a bad prompt column fails here, before Ray
     steps = total_steps(config, len(train_loader))
     config.trainer.total_training_steps = steps
     config.actor_rollout_ref.actor.optim.total_training_steps = steps

@@ -21,6 +21,9 @@ hybridrl additions (not in veRL, documented in docs/agent.md):
 
 * `multi_turn.function_tool_path`: a Python file whose `@function_tool` functions become tools.
 * `multi_turn.tool_timeout_s`: seconds a tool call may take before it counts as a timeout.
+* `multi_turn.interaction_timeout_s`: seconds one interaction call (`start_interaction`,
+  `generate_response`, `finalize_interaction`) may take; past it the trajectory ends (counted in
+  `interaction_timeouts`, a warning names the key).
 * `agent.max_concurrent_trajectories`: trajectories in flight per rollout replica.
 * `agent.batch_wait_ms`: how long the batching queue waits for more requests once one arrives.
 """
@@ -50,6 +53,7 @@ class MultiTurnConfig:
     interaction_config_path: str | None = None
     function_tool_path: str | None = None
     tool_timeout_s: float = 30.0
+    interaction_timeout_s: float = 60.0
     format: str = "hermes"
     tokenization_sanity_check_mode: str = "strict"
 
@@ -87,7 +91,10 @@ def validate_multi_turn_config(cfg: MultiTurnConfig) -> None:
         cfg.tool_response_truncate_side,
         f"use one of {TRUNCATE_SIDES}",
     )
-    _check(cfg.tool_timeout_s > 0, "multi_turn.tool_timeout_s", cfg.tool_timeout_s, "use seconds > 0")
+    for key in ("tool_timeout_s", "interaction_timeout_s"):
+        v = getattr(cfg, key)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+        _check(ok, f"multi_turn.{key}", v, "use seconds > 0")
     _check(
         cfg.tokenization_sanity_check_mode in SANITY_MODES,
         "multi_turn.tokenization_sanity_check_mode",

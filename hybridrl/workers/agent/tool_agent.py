@@ -20,7 +20,9 @@ than `multi_turn.tool_timeout_s` gets an "Error: ..." text as its response, and 
 trajectory's metrics (`tool_errors`, `tool_timeouts`). Nothing of that ends the step. Every tool
 method (`create`, `execute`, `calc_reward`, `release`) has that deadline and runs on the tools' own
 event loop (tool_runner.py), so even a blocking call inside `async def execute` cannot hold
-generation; a `calc_reward` / `release` that fails or times out is logged and counted.
+generation; a `calc_reward` / `release` that fails or times out is logged and counted. The
+interaction's calls run on the same loop with `multi_turn.interaction_timeout_s`: one past it ends
+the trajectory (counted in `interaction_timeouts`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from hybridrl.workers.rollout.base import SamplingSpec
 __all__ = ["ToolAgentLoop", "TrajectoryTools", "truncate_text"]
 
 logger = logging.getLogger(__name__)
+INTERACTION_TIMEOUT_KEY = "actor_rollout_ref.rollout.multi_turn.interaction_timeout_s"
 _TRUNC = "...(truncated)"
 
 
@@ -181,31 +184,70 @@ class _Trajectory:
 
 
 class UserSession:
-    """The row's interaction (extra_info.interaction_kwargs.name) for one trajectory."""
+    """The row's interaction (extra_info.interaction_kwargs.name) for one trajectory.
 
-    def __init__(self, interaction: Any, instance_id: str, kwargs: dict[str, Any]) -> None:
+    Every call of the interaction runs on the tools' own event loop (tool_runner.py) with the
+    deadline `multi_turn.interaction_timeout_s`: a call past it ends the trajectory (no more user
+    turns), is counted in `timeouts` and logged with the key; nothing of that ends the step.
+    """
+
+    def __init__(self, interaction: Any, instance_id: str | None, kwargs: dict[str, Any], timeout_s: float):
         self.interaction, self.instance_id, self.kwargs = interaction, instance_id, kwargs
+        self.timeout_s, self.timeouts = timeout_s, 0
+
+    async def _run(self, stage: str, make: Any) -> tuple[bool, Any]:
+        """(True, value) of the interaction call ``make()``, or (False, None) past the deadline."""
+        name = getattr(self.interaction, "name", type(self.interaction).__name__)
+        try:
+            return True, await tool_loop.run(
+                make, timeout_s=self.timeout_s, what=f"interaction {name!r} {stage}"
+            )
+        except asyncio.TimeoutError:
+            self.timeouts += 1
+            logger.warning(
+                "interaction %r %s did not return within %gs (%s=%g): the trajectory ends here",
+                name,
+                stage,
+                self.timeout_s,
+                INTERACTION_TIMEOUT_KEY,
+                self.timeout_s,
+            )
+            return False, None
 
     @classmethod
-    async def start(cls, interactions: dict[str, Any], row: dict[str, Any]) -> UserSession:
+    async def start(cls, interactions: dict[str, Any], row: dict[str, Any], timeout_s: float) -> UserSession:
         kwargs = row_interaction_kwargs(row, interactions)
-        interaction = interactions[kwargs["name"]]
-        instance_id = await interaction.start_interaction(str(uuid.uuid4()), **kwargs)
-        return cls(interaction, instance_id, kwargs)
-
-    async def respond(self, messages: list[dict], st: _Trajectory) -> tuple[bool, str]:
-        """(should_terminate, user text) after `messages`; the turn score goes to st.turn_scores."""
-        done, text, score, _ = await self.interaction.generate_response(
-            self.instance_id, messages, **self.kwargs
+        session = cls(interactions[kwargs["name"]], None, kwargs, timeout_s)
+        ok, instance_id = await session._run(
+            "start_interaction", lambda: session.interaction.start_interaction(str(uuid.uuid4()), **kwargs)
         )
+        session.instance_id = instance_id if ok else None
+        return session
+
+    async def respond(self, messages: list[dict], st: _Trajectory) -> tuple[bool, str] | None:
+        """(should_terminate, user text) after `messages`, or None when the interaction timed out
+        (now or at its start); the turn score goes to st.turn_scores."""
+        if self.instance_id is None:
+            return None
+        ok, out = await self._run(
+            "generate_response",
+            lambda: self.interaction.generate_response(self.instance_id, messages, **self.kwargs),
+        )
+        if not ok:
+            return None
+        done, text, score, _ = out
         st.interaction_turns += 1
         if score is not None:
             st.turn_scores.append(float(score))
         return bool(done), str(text)
 
     async def finish(self) -> None:
+        if self.instance_id is None:
+            return
         try:
-            await self.interaction.finalize_interaction(self.instance_id)
+            await self._run(
+                "finalize_interaction", lambda: self.interaction.finalize_interaction(self.instance_id)
+            )
         except Exception as e:
             logger.warning(
                 "interaction %r finalize raised %s: %s", self.interaction.name, type(e).__name__, e
@@ -240,7 +282,11 @@ class ToolAgentLoop(AgentLoopBase):
         tools = TrajectoryTools(
             ctx.tools, row.get("tools_kwargs") or extra.get("tools_kwargs"), mt.tool_timeout_s
         )
-        user = await UserSession.start(ctx.interactions, row) if ctx.interactions else None
+        user = (
+            await UserSession.start(ctx.interactions, row, mt.interaction_timeout_s)
+            if ctx.interactions
+            else None
+        )
         st = _Trajectory(lps=[] if ctx.want_log_probs else None)
         try:
             while await self._assistant_turn(st, prompt, sampling, seed):
@@ -253,8 +299,10 @@ class ToolAgentLoop(AgentLoopBase):
                     ]
                     more = self._env_turn(st, texts, "tool")
                 elif user is not None:
-                    done, text = await user.respond(list(raw_prompt or []) + st.messages, st)
-                    more = self._env_turn(st, [text], "user") and not done
+                    answer = await user.respond(list(raw_prompt or []) + st.messages, st)
+                    if answer is None:  # the interaction timed out: the trajectory ends
+                        break
+                    more = self._env_turn(st, [answer[1]], "user") and not answer[0]
                 else:
                     break
                 if not more:
@@ -270,6 +318,7 @@ class ToolAgentLoop(AgentLoopBase):
             "tool_calls": float(tools.calls),
             "tool_errors": float(tools.errors),
             "tool_timeouts": float(tools.timeouts),
+            "interaction_timeouts": float(user.timeouts if user is not None else 0),
             "truncated": float(st.truncated),
             "tool_step_reward": tools.step_reward,
         }

@@ -63,12 +63,33 @@ def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _call(server: Any, seqs: list[list[int]]) -> list[float]:
-    if isinstance(server, RewardModelServer):
-        return server.score(seqs)
+SCORE_TIMEOUT_KEY = "reward_model.rollout.request_timeout_s"
+
+
+def _call(server: Any, seqs: list[list[int]], timeout_s: float) -> list[float]:
+    """The served reward model's scores of `seqs`, waited on for at most `timeout_s`
+    (`reward_model.rollout.request_timeout_s`): past it the call fails naming that key.
+
+    Raises:
+        WorkerHungError: a replica (a Ray actor) did not answer in time.
+        DeadlineError: the in-process replica did not answer in time.
+    """
+    from hybridrl.utils.deadlines import call_with_deadline
+
+    if not hasattr(getattr(server, "score", None), "remote"):  # the replica object itself
+        return call_with_deadline(
+            server.score, seqs, timeout_s=timeout_s, key=SCORE_TIMEOUT_KEY, what="reward model server score"
+        )
     from hybridrl.single_controller.ray.base import gather_refs
 
-    return gather_refs([server.score.remote(seqs)], group="reward_model_server", method="score", ranks=[0])[0]
+    return gather_refs(
+        [server.score.remote(seqs)],
+        group="reward_model_server",
+        method="score",
+        ranks=[0],
+        timeout_s=timeout_s,
+        timeout_key=SCORE_TIMEOUT_KEY,
+    )[0]
 
 
 def _wait_workers(refs: list[Any]) -> list[Any]:
@@ -133,7 +154,9 @@ class RewardLoopWorker:
         if self.server is None:
             return self.reward_fn(data, return_dict=True)
         seqs = token_lists(rm_inputs(data, self.policy_tok, self.rm_tok, self.config.max_length))
-        scores = torch.tensor(_call(self.server, seqs), dtype=torch.float32)
+        scores = torch.tensor(
+            _call(self.server, seqs, self.config.rollout.request_timeout_s), dtype=torch.float32
+        )
         return {
             "reward_tensor": place_on_last_token(scores, data.batch["response_mask"]),
             "reward_extra_info": {},
@@ -237,8 +260,15 @@ class RewardLoopManager:
         if self.use_ray:  # surface a start-up error here, not at the first batch
             import ray
 
-            try:
-                ray.get([(s.generate.remote([], {}) if self.genrm else s.score.remote([])) for s in servers])
+            from hybridrl.single_controller.ray.base import gather_refs
+
+            try:  # a replica that never finishes loading fails after trainer.step_timeout_s
+                gather_refs(
+                    [(s.generate.remote([], {}) if self.genrm else s.score.remote([])) for s in servers],
+                    group=name,
+                    method="start",
+                    ranks=list(range(len(servers))),
+                )
             except Exception:
                 for server in servers:
                     ray.kill(server)
