@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from hybridrl import algos
 from hybridrl.utils.config_loader import ConfigError
+from hybridrl.workers.config import LR_SCHEDULER_TYPES
 
 __all__ = [
     "check_data_lengths",
@@ -140,7 +141,7 @@ def _check_optim(optim: Any, key: str) -> None:
         raise ConfigError(
             f"{key}.betas={betas!r} must be two numbers in [0, 1), e.g. {key}.betas=[0.9,0.999]"
         )
-    _choice(f"{key}.lr_scheduler_type (or warmup_style)", optim.scheduler_type, ("constant", "cosine"))
+    _choice(f"{key}.lr_scheduler_type (or warmup_style)", optim.scheduler_type, LR_SCHEDULER_TYPES)
 
 
 def _check_dtypes(fsdp: Any, key: str) -> None:
