@@ -1,8 +1,9 @@
 """actor.use_prefix_grouper through main_ppo: the same training as without it.
 
 Two 2-step GRPO runs of the built-in task (4 prompts x 4 responses, micro-batches of 8 rows, the
-separate old-log-prob pass on), one with the shared-prompt forward: the step metrics that the
-actor computes (old log-probs through the PPO ratio, policy loss, gradient norm, entropy) agree.
+separate old-log-prob pass on), one with the key false, one with the default `auto` (which turns
+the shared-prompt forward on here): the step metrics that the actor computes (old log-probs through
+the PPO ratio, policy loss, gradient norm, entropy) agree.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ KEYS = ["actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "cr
 
 def test_prefix_grouper_trains_like_the_plain_forward(tmp_path):
     common = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.skip_on_policy_old_log_prob=False"]
-    plain = run(common, tmp_path / "plain")
-    grouped = run([*common, "actor_rollout_ref.actor.use_prefix_grouper=True"], tmp_path / "grouped")
+    plain = run([*common, "actor_rollout_ref.actor.use_prefix_grouper=false"], tmp_path / "plain")
+    grouped = run(common, tmp_path / "grouped")  # the default, auto: on for GRPO with rollout.n > 1
     rows = [[r for r in rows if "actor/pg_loss" in r] for rows in (plain, grouped)]
     assert len(rows[0]) == len(rows[1]) == 2
     for a, b in zip(*rows):
