@@ -98,3 +98,15 @@ def test_log_floors_takes_a_bool_only():
 
     with pytest.raises(ConfigError, match="trainer.log_floors"):
         load_config(["trainer.log_floors=sometimes"])
+
+
+def test_main_async_refuses_log_floors():
+    from hydra import compose, initialize_config_module
+
+    from hybridrl.trainer.async_ppo.config import load_async_config
+    from hybridrl.utils.config_loader import ConfigError
+
+    with initialize_config_module("hybridrl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=["trainer.log_floors=true"])
+    with pytest.raises(ConfigError, match="trainer.log_floors=true is not supported by main_async"):
+        load_async_config(cfg, explicit_keys={"trainer.log_floors"})
