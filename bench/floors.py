@@ -10,7 +10,8 @@
   each with its own weights, so they stream from memory as in the model) at M = the step's rows,
   the faster of F.linear and oneDNN; bound = rows / that time, in tokens/s. Attention, sampling
   and the engine's bookkeeping are left out, so this is an upper bound on decode tokens/s.
-Both are measured in a child process with `threads` torch threads (so the parent's thread count
+The measurement is the library's (hybridrl/utils/floors.py, which `trainer.log_floors` runs at
+start-up); here both are measured in a child process with `threads` torch threads (so the parent's thread count
 and imports do not matter); the result is printed by bench/compare_trl.py `--floors` per runner as
 achieved FLOP/s over the peak (update) and achieved tokens/s over the bound (generation).
 
@@ -30,59 +31,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 _CHILD = r"""
-import json, sys, time, statistics
-import torch
-import torch.nn.functional as F
-cfg, rows, seconds = json.loads(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-torch.manual_seed(0)
-h, inter, kv, v = cfg["hidden"], cfg["inter"], cfg["kv"], cfg["vocab"]
-a, b = torch.randn(1024, h), torch.randn(h, inter)
-for _ in range(3):
-    a @ b
-n, t = 0, time.perf_counter()
-while time.perf_counter() - t < seconds:
-    a @ b
-    n += 1
-peak = 2 * 1024 * h * inter * n / (time.perf_counter() - t)
-shapes = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)] * cfg["layers"] + [(v, h)]
-weights = [torch.randn(o, i) * 0.02 for o, i in shapes]
-xs = {k: torch.randn(rows, k) for k in (h, inter)}
-forms = {"linear": lambda x, w: F.linear(x, w),
-         "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")}
-best = {}
-for name, f in forms.items():
-    try:
-        f(xs[h], weights[0])
-    except Exception:
-        continue
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for w in weights:
-            f(xs[w.shape[1]], w)
-        times.append(time.perf_counter() - t0)
-    best[name] = statistics.median(times[1:])
-form = min(best, key=best.get)
-print(json.dumps({"gemm_peak_flops": peak, "decode_step_s": best[form], "decode_form": form,
-                  "decode_rows": rows, "decode_bound_tokens_per_s": rows / best[form]}))
+import json, sys
+from transformers import AutoConfig
+from hybridrl.utils.floors import measure_floors
+f = measure_floors(AutoConfig.from_pretrained(sys.argv[1]), decode_rows=int(sys.argv[2]), seconds=float(sys.argv[3]))
+print(json.dumps({"gemm_peak_flops": f.gemm_peak_flops, "decode_step_s": f.decode_step_s, "decode_form": f.decode_form,
+                  "decode_rows": f.decode_rows, "decode_bound_tokens_per_s": f.decode_bound_tokens_per_s}))
 """
 
 
 def model_shapes(model_path: str) -> dict:
     """hidden, MLP, KV width, vocabulary, layers, and the body / head parameter counts of a HF model."""
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    h, inter, layers, v = (
-        cfg["hidden_size"],
-        cfg["intermediate_size"],
-        cfg["num_hidden_layers"],
-        cfg["vocab_size"],
-    )
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or h // heads
-    kv = cfg.get("num_key_value_heads", heads) * head_dim
-    body = layers * (2 * h * heads * head_dim + 2 * h * kv + 3 * h * inter)
-    return {"hidden": h, "inter": inter, "kv": kv, "vocab": v, "layers": layers,
-            "body_params": body, "head_params": v * h}  # fmt: skip
+    from transformers import AutoConfig
+
+    from hybridrl.utils.floors import ModelShapes
+
+    m = ModelShapes.of(AutoConfig.from_pretrained(model_path))
+    return {"hidden": m.hidden, "inter": m.inter, "kv": m.kv, "vocab": m.vocab, "layers": m.layers,
+            "body_params": m.body_params, "head_params": m.head_params}  # fmt: skip
 
 
 def measure(model_path: str, rows: int, threads: int, seconds: float = 3.0) -> dict:
@@ -91,7 +57,7 @@ def measure(model_path: str, rows: int, threads: int, seconds: float = 3.0) -> d
     env = {**os.environ, **C.ONE_THREAD_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if threads > 1:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(shapes), str(rows), str(seconds)],
+    out = subprocess.run([sys.executable, "-c", _CHILD, model_path, str(rows), str(seconds)],
                          env=env, check=True, capture_output=True, text=True).stdout  # fmt: skip
     return {**shapes, **json.loads(out.strip().splitlines()[-1]), "threads": threads}
 

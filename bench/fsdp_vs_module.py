@@ -12,6 +12,10 @@ Run:
     python bench/fsdp_vs_module.py                        # real-vocabulary model, 48 response tokens
     python bench/fsdp_vs_module.py --model tiny --rounds 5
     python bench/fsdp_vs_module.py --response-length 256 --threads 2
+    python bench/fsdp_vs_module.py --rounds 0 --profile 20   # one profiled step each, op by op
+
+`--profile K` runs one step of each under torch.profiler after the rounds and prints the K ops whose
+self CPU time differs most between the two (calls and milliseconds of each), then the totals.
 """
 
 from __future__ import annotations
@@ -51,17 +55,44 @@ def _engine(module, lr: float):
 
 
 def _step(engine, request, batch) -> tuple[float, float]:
-    """One forward+backward+step; (seconds, loss)."""
+    """One forward+backward+step; (seconds, loss). `_CPU_S` collects the process CPU seconds of
+    each step (less sensitive to other processes' load than wall time at one thread)."""
 
     def loss_fn(micro, out):
         loss = -out.log_probs.mean() - 0.001 * out.entropy.mean()
         return loss, float(loss.detach())
 
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     engine.optimizer.zero_grad(set_to_none=True)
     (loss,) = engine.forward_backward([batch], request, loss_fn)
     engine.optimizer_step(1.0)
+    _CPU_S.append(time.process_time() - c)
     return time.perf_counter() - t, loss
+
+
+_CPU_S: list[float] = []
+
+
+def _profile(engines: dict, batch, top: int) -> None:
+    """One step of each under torch.profiler; the `top` ops whose self CPU time differs most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    stats = {}
+    for name, (engine, request) in engines.items():
+        _step(engine, request, batch)  # warm
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _step(engine, request, batch)
+        stats[name] = {e.key: (e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()}
+    a, b = stats["fsdp2"], stats["plain"]
+    keys = sorted(set(a) | set(b), key=lambda k: -abs(a.get(k, (0, 0.0))[1] - b.get(k, (0, 0.0))[1]))
+    print(f"\n{'op':<48} {'fsdp2 calls':>11} {'ms':>8} {'plain calls':>11} {'ms':>8} {'diff ms':>8}")
+    for k in keys[:top]:
+        (ca, ta), (cb, tb) = a.get(k, (0, 0.0)), b.get(k, (0, 0.0))
+        print(f"{k[:48]:<48} {ca:>11} {ta:>8.1f} {cb:>11} {tb:>8.1f} {ta - tb:>+8.1f}")
+    tot = {n: sum(t for _, t in st.values()) for n, st in stats.items()}
+    calls = {n: sum(c for c, _ in st.values()) for n, st in stats.items()}
+    print(f"total self CPU: fsdp2 {tot['fsdp2']:.1f} ms in {calls['fsdp2']} op calls, "
+          f"plain {tot['plain']:.1f} ms in {calls['plain']} op calls")  # fmt: skip
 
 
 def _models(name: str):
@@ -89,6 +120,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=2, help="steps per engine per round")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--profile", type=int, default=0, help="after the rounds: one profiled step each, top K ops"
+    )
     args = p.parse_args()
     import torch
     import torch.distributed as dist
@@ -108,25 +142,33 @@ def main() -> None:
     engines = {"fsdp2": _engine(sharded, 1e-5), "plain": _engine(plain, 1e-5)}
     batch = _batch(args.rows, args.prompt_length, args.response_length, plain.config.vocab_size)
     times: dict[str, list[float]] = {"fsdp2": [], "plain": []}
+    cpu: dict[str, list[float]] = {"fsdp2": [], "plain": []}
     losses: dict[str, list[float]] = {"fsdp2": [], "plain": []}
     for name in ("fsdp2", "plain"):  # warm-up step of each (allocator, lazy init); kept in the loss check
         losses[name].append(_step(*engines[name], batch)[1])
     for r in range(args.rounds):
         for name in ("fsdp2", "plain") if r % 2 == 0 else ("plain", "fsdp2"):
             secs = []
+            _CPU_S.clear()
             for _ in range(args.steps):
                 s, loss = _step(*engines[name], batch)
                 secs.append(s)
                 losses[name].append(loss)
             times[name].append(C.median(secs))
+            cpu[name].append(C.median(_CPU_S))
             print(f"round {r + 1} {name}: {times[name][-1]:.3f} s/step (load avg {C.load_average()[0]:.2f})",
                   flush=True)  # fmt: skip
-    ratios = [a / b for a, b in zip(times["fsdp2"], times["plain"])]
+    ratios = [a / b for a, b in zip(times["fsdp2"], times["plain"])] or [float("nan")]
     diff = max(abs(a - b) for a, b in zip(losses["fsdp2"], losses["plain"]))
     print(f"\n{args.rows} rows x ({args.prompt_length} + {args.response_length}) tokens, {args.model}: "
           f"fsdp2 {C.median(times['fsdp2']):.3f} s vs plain {C.median(times['plain']):.3f} s per step; "
           f"fsdp2 / plain per round {', '.join(f'{x:.3f}' for x in ratios)} (median {C.median(ratios):.3f}); "
           f"max |loss difference| over {len(losses['plain'])} steps: {diff:.2e}")  # fmt: skip
+    if args.profile:
+        _profile(engines, batch, args.profile)
+    cpu_ratios = [a / b for a, b in zip(cpu["fsdp2"], cpu["plain"])] or [float("nan")]
+    print(f"process CPU s/step: fsdp2 {C.median(cpu['fsdp2']):.3f} vs plain {C.median(cpu['plain']):.3f}; "
+          f"fsdp2 / plain per round {', '.join(f'{x:.3f}' for x in cpu_ratios)} (median {C.median(cpu_ratios):.3f})")  # fmt: skip
     print(f"load average at the end: {[round(x, 2) for x in C.load_average()]}")
     dist.destroy_process_group()
 

@@ -24,6 +24,7 @@ metrics) out. Files, one idea each:
 from hybridrl.algos.advantage import (
     ADV_ESTIMATORS,
     AdvantageEstimator,
+    estimator_groups_by_prompt,
     estimator_needs_critic,
     get_adv_estimator_fn,
     list_adv_estimators,
@@ -165,6 +166,7 @@ __all__ = [
     "discounted_returns",
     "entropy_from_logits",
     "entropy_from_logits_chunked",
+    "estimator_groups_by_prompt",
     "estimator_needs_critic",
     "filter_groups_by_metric",
     "get_adv_estimator_fn",

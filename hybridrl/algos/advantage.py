@@ -21,13 +21,16 @@ Each entry takes the keywords it needs and ignores the others (**_). The math li
 `returns.py` (per-token returns), `group_advantage.py` (group-relative outcome advantages) and
 `otb.py` (the optimal token baseline);
 the entries below only adapt the uniform call to those functions. `estimator_needs_critic`
-tells the trainer, at config-validation time, whether a critic must be built.
+tells the trainer, at config-validation time, whether a critic must be built;
+`estimator_groups_by_prompt` whether the estimator compares the responses of one prompt (it
+needs `index`), which is when the actor's shared-prompt forward pays (`use_prefix_grouper: auto`).
 
 Shapes: B batch, T response length.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -40,16 +43,25 @@ AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 _NEEDS_CRITIC: set[str] = set()
+_GROUPS_BY_PROMPT: set[str] = set()
+
+
+def _requires_index(fn: Callable) -> bool:
+    """True when `fn` takes `index` without a default: it cannot run without the prompt groups."""
+    param = inspect.signature(fn).parameters.get("index")
+    return param is not None and param.default is inspect.Parameter.empty
 
 
 def register_adv_est(
-    name: str, *, needs_critic: bool = False
+    name: str, *, needs_critic: bool = False, groups_by_prompt: bool | None = None
 ) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
     """Decorator registering an advantage estimator under `name`.
 
     Args:
         name: the value of `algorithm.adv_estimator` that selects it.
         needs_critic: the estimator reads `values`, so the trainer must build a critic.
+        groups_by_prompt: the estimator compares the responses to one prompt (GRPO, RLOO, ...);
+            None infers it from the signature: a required keyword `index` (the prompt uids).
     """
     add = ADV_ESTIMATORS.register(name)
 
@@ -57,6 +69,8 @@ def register_adv_est(
         add(fn)
         if needs_critic:
             _NEEDS_CRITIC.add(name)
+        if _requires_index(fn) if groups_by_prompt is None else groups_by_prompt:
+            _GROUPS_BY_PROMPT.add(name)
         return fn
 
     return decorator
@@ -76,6 +90,13 @@ def estimator_needs_critic(name: str) -> bool:
     """Whether the estimator `name` needs critic values (True for gae)."""
     ADV_ESTIMATORS.get(name)
     return name in _NEEDS_CRITIC
+
+
+def estimator_groups_by_prompt(name: str) -> bool:
+    """Whether the estimator `name` compares the responses to one prompt (True for grpo, rloo,
+    grpo_passk, opo, gpg, gdpo, ...; False for gae, reinforce_plus_plus, remax)."""
+    ADV_ESTIMATORS.get(name)
+    return name in _GROUPS_BY_PROMPT
 
 
 def _required(value, what: str, estimator: str, fix: str):
@@ -208,6 +229,7 @@ def _tir_optimal_token_baseline(
 __all__ = [
     "ADV_ESTIMATORS",
     "AdvantageEstimator",
+    "estimator_groups_by_prompt",
     "estimator_needs_critic",
     "get_adv_estimator_fn",
     "list_adv_estimators",

@@ -145,10 +145,13 @@ def compute_data_metrics(
     return out
 
 
-def compute_timing_metrics(batch: DataProto, timing_raw: Mapping[str, float]) -> dict[str, float]:
+def compute_timing_metrics(
+    batch: DataProto, timing_raw: Mapping[str, float], floors: Any = None
+) -> dict[str, float]:
     """timing_s/{section} for every timed section, and timing_per_token_ms/{section} where the
     token count is known: response tokens for "gen", prompt + response tokens for ref,
-    old_log_prob, values, adv, update_critic and update_actor."""
+    old_log_prob, values, adv, update_critic and update_actor. With `floors`
+    (`trainer.log_floors`, trainer/ppo/step_floors.StepFloors) also its `perf/floor/*`."""
     prompt_valid, response_valid, _ = _masks(batch)
     n_response = int(response_valid.sum())
     n_all = n_response + (0 if prompt_valid is None else int(prompt_valid.sum()))
@@ -157,6 +160,8 @@ def compute_timing_metrics(batch: DataProto, timing_raw: Mapping[str, float]) ->
     for name, seconds in timing_raw.items():
         if name in tokens and tokens[name] > 0:
             out[f"timing_per_token_ms/{name}"] = float(seconds) * 1000.0 / tokens[name]
+    if floors is not None:
+        out.update(floors.metrics(n_all, n_response, timing_raw))
     return out
 
 

@@ -85,7 +85,7 @@ class PPOActor(MicroBatchedRole):
             if (c.entropy_from_logits_with_chunking or c.entropy_checkpointing)
             else None,
             compile_kernels=c.use_torch_compile,
-            prefix_group=c.use_prefix_grouper,
+            prefix_group=c.use_prefix_grouper is True,  # 'auto' is resolved on the driver (prefix_auto.py)
             topk=topk,
             topk_ids=topk_ids,
         )

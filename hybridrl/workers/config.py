@@ -255,6 +255,9 @@ class ActorConfig:
     tokens are computed once per group instead of once per row, with the same numbers. Works
     with the packed and the padded layout and the fused head (veRL refuses those with it); not
     with Ulysses SP or Megatron. The reference keeps the plain forward (veRL's ref has no key).
+    'auto' (hybridrl's default; veRL's is false) is decided on the driver at start-up
+    (trainer/ppo/prefix_auto.py: on for rollout.n > 1 with a group estimator on FSDP and a
+    supported text model); an ActorConfig used without that config stage takes 'auto' as off.
 
     tau_pos / tau_neg: the temperatures of the 'sapo' policy loss's gate (veRL's keys and defaults
     1.0 / 1.05, used when null); `policy_loss.tau_pos / tau_neg` is the other spelling.
@@ -289,7 +292,7 @@ class ActorConfig:
     entropy_checkpointing: bool = False
     calculate_sum_pi_squared: bool = False
     skip_on_policy_old_log_prob: bool = True
-    use_prefix_grouper: bool = False
+    use_prefix_grouper: Any = "auto"  # true / false / auto (veRL: false); auto: trainer/ppo/prefix_auto.py
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from hybridrl import algos
+from hybridrl.trainer.ppo.prefix_auto import resolve_prefix_grouper
 from hybridrl.trainer.ppo.reward_kwargs import RewardManagerSection
 from hybridrl.trainer.ppo.sections import (
     AlgorithmConfig,
@@ -180,7 +181,7 @@ def validate_config(config: PPOConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _validate_ulysses(config, world)
-    _validate_prefix_grouper(config)
+    resolve_prefix_grouper(config)  # true / false as given; auto decided and printed (prefix_auto.py)
     _validate_actor_batches(config, world)
     if algos.estimator_needs_critic(algo.adv_estimator):
         _validate_critic(config, world)
@@ -313,23 +314,6 @@ def _validate_ulysses(config: PPOConfig, world: int) -> None:
         raise ConfigError(
             f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} differs from the actor's {actor_sp}: the "
             "reference runs in the actor's processes on its sequence-parallel groups; set them equal (veRL's default)"
-        )
-
-
-def _validate_prefix_grouper(config: PPOConfig) -> None:
-    """actor.use_prefix_grouper runs on the FSDP engine's forward (engine/prefix_group.py)."""
-    a = config.actor_rollout_ref.actor
-    if not a.use_prefix_grouper:
-        return
-    if a.strategy not in ("fsdp", "fsdp2"):
-        raise ConfigError(
-            f"actor_rollout_ref.actor.use_prefix_grouper=True with strategy={a.strategy}: the shared-prompt "
-            "forward is built for the FSDP engine (as in veRL); set it to false"
-        )
-    if a.ulysses_sequence_parallel_size > 1:
-        raise ConfigError(
-            "actor_rollout_ref.actor.use_prefix_grouper=True with ulysses_sequence_parallel_size="
-            f"{a.ulysses_sequence_parallel_size}: the two do not combine (as in veRL); use one of them"
         )
 
 

@@ -199,9 +199,8 @@ class TrainerConfig:
     # deadlines (hybridrl.utils.deadlines): a remote wait with no rank finishing for this long fails
     step_timeout_s: float = 3600.0
     reward_timeout_s: float = 600.0  # one reward manager call in the driver; 0: no deadline
-    max_restarts: int = (
-        0  # after a dead / hung worker: restart the workers, resume (hybridrl.trainer.ppo.restarts)
-    )
+    log_floors: bool = False  # start-up: GEMM peak, decode bound; log perf/floor/* (utils/floors.py)
+    max_restarts: int = 0  # after a dead / hung worker: restart the workers, resume (hybridrl.trainer.ppo.restarts)
 
 
 @dataclass

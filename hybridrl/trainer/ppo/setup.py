@@ -22,6 +22,7 @@ from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.genrm_config import genrm_reward_kwargs
 from hybridrl.trainer.ppo.reward_kwargs import reward_manager_class, reward_manager_kwargs
 from hybridrl.trainer.ppo.startup_checks import check_first_rows, check_model_inputs, read_model_config
+from hybridrl.trainer.ppo.step_floors import measure_step_floors
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 from hybridrl.trainer.ppo.vlm_setup import load_run_processor
 from hybridrl.trainer.ppo.workers import start_reward_loop, start_workers, uses_ray
@@ -213,6 +214,7 @@ def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     workers.reward_loop = start_reward_loop(config, run.reward_fn, run.val_reward_fn)
     trainer = trainer_of(RayPPOTrainer, config, run, workers)
     trainer.checkpoints = checkpoints
+    trainer.floors = measure_step_floors(config)  # trainer.log_floors: perf/floor/* each step
     return trainer
 
 

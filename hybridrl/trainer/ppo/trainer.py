@@ -554,7 +554,7 @@ class RayPPOTrainer:
             )
         )
         metrics.update(agent_step_metrics(batch))
-        metrics.update(compute_timing_metrics(batch, timing))
+        metrics.update(compute_timing_metrics(batch, timing, getattr(self, "floors", None)))  # log_floors
         metrics.update(compute_throughout_metrics(batch, timing, self.workers.actor_rollout.world_size))
         metrics.update(self.__dict__.pop("_sync_metrics", {}))  # the step's weight sync, per-rank min / max
         metrics.update(self.workers.reward_loop.pop_metrics() if self.workers.reward_loop else {})  # GenRM

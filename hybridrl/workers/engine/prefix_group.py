@@ -46,6 +46,7 @@ __all__ = [
     "PrefixGroupLayout",
     "build_prefix_layout",
     "grouped_attention",
+    "model_refusal",
     "prefix_grouped",
     "sequence_layout",
 ]
@@ -213,6 +214,37 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             kk, vv = torch.cat([ks[p], k], dim=1), torch.cat([vs[p], v], dim=1)
             outs.append(_attend(q, kk, vv, mask, drop, scaling, eager))
     return torch.cat(outs, dim=1).transpose(0, 1)[None], None
+
+
+def model_refusal(hf_config: Any) -> str | None:
+    """Why a model cannot take the shared-prompt forward, read from its config (None: it can).
+
+    The two refusals of `grouped_attention`, decided before any weight is loaded: a model class
+    whose forward does not pass extra keyword arguments down to its attention function
+    (transformers marks the ones that do with `_supports_attention_backend`; a class it cannot
+    name from the config counts as not passing them), and sliding-window attention (a layer type
+    'sliding_attention' / 'chunked_attention', or a `sliding_window` without `use_sliding_window=False`).
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    kind = getattr(hf_config, "model_type", type(hf_config).__name__)
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except KeyError:
+        return (
+            f"transformers has no causal-LM class for model_type={kind!r} to check that it passes the layout"
+        )
+    if not getattr(cls, "_supports_attention_backend", False):
+        return f"{cls.__name__}'s forward does not pass extra keyword arguments down to its attention"
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        windowed = sorted({t for t in layer_types if t in ("sliding_attention", "chunked_attention")})
+        if windowed:
+            return f"{kind} has {'/'.join(windowed)} layers (sliding-window attention)"
+    elif getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True):
+        return f"{kind} uses sliding-window attention (sliding_window={text.sliding_window})"
+    return None
 
 
 def _configs(module: nn.Module) -> list[Any]:

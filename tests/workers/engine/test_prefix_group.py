@@ -195,3 +195,28 @@ def test_packed_forward_of_a_model_that_drops_kwargs_falls_back(model):
     assert DropsKwargs in forward._NO_SEQUENCE_WISE
     with pytest.raises(RuntimeError, match="set actor.use_prefix_grouper=false"):
         forward.forward_log_probs(wrapped, grouped_batch(), prefix_group=True, fused=False)
+
+
+def test_grouped_forward_of_a_lora_model_matches_the_plain_one(model):
+    """`auto` turns the grouper on for LoRA runs too: a peft-wrapped model, same log-probs and LoRA grads."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    lora = get_peft_model(
+        copy.deepcopy(model),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),
+    )
+    batch = grouped_batch()
+    mask = batch["response_mask"].bool()
+    results = {}
+    for grouped in (False, True):
+        lora.zero_grad(set_to_none=True)
+        lp = forward.forward_log_probs(lora, batch, prefix_group=grouped, fused=False).log_probs[mask]
+        lp.sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in lora.parameters() if p.grad is not None])
+        results[grouped] = (lp.detach(), grads)
+    assert results[True][1].numel() > 0
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
