@@ -143,7 +143,10 @@ def _validate_topk_actor(loss: DistillationLossConfig, actor: Any) -> None:
             f"{key}={mode} with actor strategy=megatron is not implemented (top-k over a vocabulary-parallel "
             "head); use strategy=fsdp or loss_mode=k3"
         )
-    if getattr(actor, "ulysses_sequence_parallel_size", 1) > 1 or getattr(actor, "use_prefix_grouper", False):
+    if (
+        getattr(actor, "ulysses_sequence_parallel_size", 1) > 1
+        or getattr(actor, "use_prefix_grouper", False) is True
+    ):
         raise ConfigError(
             f"{key}={mode} with actor.ulysses_sequence_parallel_size > 1 or actor.use_prefix_grouper=true is not "
             "implemented; set them to 1 / false, or use loss_mode=k3"

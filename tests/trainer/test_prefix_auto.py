@@ -69,6 +69,12 @@ def test_yaml_default_is_auto_and_turns_on_for_grpo_on_the_builtin_model(capsys)
     assert out.count(KEY) == 1  # printed once
 
 
+def _builtin_path() -> str:
+    from hybridrl.models.builtin import get_builtin_model_path
+
+    return get_builtin_model_path()
+
+
 @pytest.mark.parametrize(
     "overrides, reason",
     [
@@ -84,6 +90,14 @@ def test_yaml_default_is_auto_and_turns_on_for_grpo_on_the_builtin_model(capsys)
                 "actor_rollout_ref.model.use_remove_padding=true",
             ],
             "ulysses_sequence_parallel_size=2",
+        ),
+        (
+            [
+                "distillation.enabled=true",
+                "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                "distillation.teacher_models.teacher_model.model_path=" + _builtin_path(),
+            ],
+            "loss_mode=forward_kl_topk",
         ),
     ],
 )

@@ -52,6 +52,12 @@ def auto_decision(config: Any, hf_config: Any) -> tuple[bool, str]:
         return False, f"actor.strategy={a.strategy}: the shared-prompt forward is built for the FSDP engine"
     if a.ulysses_sequence_parallel_size > 1:
         return False, f"actor.ulysses_sequence_parallel_size={a.ulysses_sequence_parallel_size} (Ulysses SP)"
+    dist = getattr(config, "distillation", None)
+    if dist is not None and dist.enabled and "topk" in str(dist.distillation_loss.loss_mode):
+        return (
+            False,
+            f"distillation loss_mode={dist.distillation_loss.loss_mode} (top-k: not with the grouper)",
+        )
     if hf_config is None:
         return False, f"the model config of {arr.model.path!r} cannot be read here to check the model"
     if getattr(hf_config, "vision_config", None) is not None:
