@@ -70,8 +70,20 @@ def _check_vlm_keys(config: Any) -> None:
             "data.return_multi_modal_inputs=False: the training forward needs each row's pixel inputs "
             "(regenerating them in the rollout is not supported); set it to True"
         )
+    if arr.rollout.name == "vllm":
+        _refuse_vllm_images()
     if arr.rollout.name != "hf":
         raise ConfigError(
             f"{ARR}.rollout.name={arr.rollout.name!r} with a vision-language model: only the HF rollout "
             f"takes images so far; set {ARR}.rollout.name=hf"
         )
+
+
+def _refuse_vllm_images() -> None:
+    """`rollout.name=vllm` with a VLM: refused with the exact reason (models/vlm.py)."""
+    from hybridrl.models.vlm import refuse_vllm_images
+
+    try:
+        refuse_vllm_images(f"{ARR}.rollout.name")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
