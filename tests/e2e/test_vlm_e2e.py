@@ -61,6 +61,8 @@ def test_main_ppo_two_steps_on_images(vlm_files, tmp_path, remove_padding):
         (["data.return_multi_modal_inputs=false"], "return_multi_modal_inputs=False"),
         (["actor_rollout_ref.rollout.name=vllm"], "rollout.name=vllm with a vision-language model"),
         (["actor_rollout_ref.rollout.name=sglang"], "only the HF rollout"),
+        (["actor_rollout_ref.rollout.multi_turn.enable=true"], "agent loops"),
+        (["actor_rollout_ref.rollout.mode=async"], "agent loops"),
     ],
 )
 def test_vlm_refusals_at_start_up(vlm_files, tmp_path, extra, match):
@@ -119,7 +121,7 @@ def test_sigkill_resume_exact_with_images_and_hf_export_with_processor(vlm_files
     ]
     check_sigkill_resume(tmp_path, args)
     hf = tmp_path / "b_ckpt" / "global_step_4" / "actor" / "huggingface"  # written by the resumed run
-    for name in ("preprocessor_config.json", "tokenizer.json", "config.json", "model.safetensors"):
+    for name in ("processor_config.json", "chat_template.jinja", "tokenizer.json", "model.safetensors"):
         assert (hf / name).exists(), sorted(p.name for p in hf.iterdir())
     processor = load_processor(str(hf))
     assert processor.image_processor.patch_size == 14
