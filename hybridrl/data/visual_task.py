@@ -1,7 +1,9 @@
 """A built-in visual task generated in code: "What colour is the shape?" on small drawn images.
 
 Each image is a 56 x 56 picture with one filled square or disc in one of four colours on a white
-background, at a random place and size; the prompt asks for its colour and the reference answer is
+background, at a random place, its side 36-56 pixels (large shapes: the tiny model's vision tower
+has to pick the colour out of 4 image tokens; with sides of 14-28 pixels it barely learned it even
+supervised); the prompt asks for its colour and the reference answer is
 ``#### red`` (the built-in tasks' ``####`` convention). Rows use veRL's multimodal schema (as
 ``examples/data_preprocess/geo3k.py`` writes it): ``prompt`` with an ``<image>`` placeholder and an
 ``images`` column of ``{"bytes": <PNG>}`` dicts, so the same files exercise the geo3k path.
@@ -25,7 +27,7 @@ def draw_shape(colour: str, shape: str, rng: random.Random, size: int = IMAGE_SI
     from PIL import Image, ImageDraw
 
     img = Image.new("RGB", (size, size), (255, 255, 255))
-    side = rng.randint(size // 4, size // 2)
+    side = rng.randint(size // 2 + 8, size)
     x, y = rng.randint(0, size - side), rng.randint(0, size - side)
     box = (x, y, x + side - 1, y + side - 1)
     draw = ImageDraw.Draw(img)

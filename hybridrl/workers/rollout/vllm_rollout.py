@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.models.vlm import is_vlm_config, refuse_vllm_images
 from hybridrl.models.weight_map import dtype_name, get_weight_name_map, map_named_tensors, to_torch_dtype
 from hybridrl.workers.rollout.base import (
     BaseRollout,
@@ -226,6 +227,8 @@ class VLLMRollout(BaseRollout):
 
         self.dtype = to_torch_dtype(config.dtype)
         hf_config = AutoConfig.from_pretrained(model_path)
+        if is_vlm_config(hf_config):
+            refuse_vllm_images()
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._embed_name = _input_embedding_name(hf_config) if self.tied_embeddings else ""
         self._name_map = get_weight_name_map("vllm")
