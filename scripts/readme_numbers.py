@@ -118,8 +118,9 @@ def parts(out: Path) -> list[Part]:
              env={"OUT": d("vlm/work")}),
         Part("agent", "README.md agent row; docs/agent.md",
              ["bash", "recipes/agent/run.sh"],
-             {"agent_acc": {0: 0.0, 5: 0.0, 10: 1.0, "min10": 1.0}, "ws_step": {"last": 297}},
-             [("README.md", rf"target reached at step {g('ws_step_last')}, greedy val {g('agent_acc_0_5')} "
+             {"agent_acc": {0: 0.0, 5: 0.0, 10: 1.0, "min10": 1.0}, "ws_step": {"last": 424}},
+             [("README.md", rf"warm start target reached at step {g('ws_step_last')} \(seed 0"),
+              ("README.md", rf"target at step 297, greedy val {g('agent_acc_0_5')} "
                             rf"\(steps 0, 5\) -> {g('agent_acc_10_min10')} at step 10 and at every "
                             rf"validation to step 60")],
              env={"AGENT_OUT": d("agent")}, metrics="logs/main_ppo/metrics.jsonl", json={"ws_step": ws}),
@@ -267,12 +268,12 @@ def compare(part: Part, out: Path) -> list[tuple]:
 
 
 def print_table(table: list[tuple]) -> None:
-    print(f"\n{'part':<12} {'metric':<38} {'step':>5} {'quoted':>8} {'measured':>9} {'|diff|':>7}")
+    print(f"\n{'part':<12} {'metric':<40} {'step':>5} {'quoted':>8} {'measured':>9} {'|diff|':>7}")
     for name, key, step, q, m, diff in table:
         qs = "-" if q is None else f"{q:.4g}"
         ms = "-" if m is None else f"{m:.4g}"
         ds = "-" if diff is None else f"{diff:.3f}"
-        print(f"{name:<12} {key:<38} {step!s:>5} {qs:>8} {ms:>9} {ds:>7}")
+        print(f"{name:<12} {key:<40} {step!s:>5} {qs:>8} {ms:>9} {ds:>7}")
 
 
 def print_list(known: dict[str, Part]) -> None:
