@@ -95,10 +95,11 @@ def parts(out: Path) -> list[Part]:
              env={"ALGO": "gae"}),
         Part("sft", "README.md SFT row; docs/sft.md",
              [sys.executable, "-m", "hybridrl.trainer.main_sft", FILE_LOG, f"trainer.log_dir={d('sft')}"],
-             {"sft_acc": {0: 0.315, "last": 0.935}, "sft_loss": {0: 2.392, "last": 0.0881}},
+             {"sft_acc": {0: 0.315, "last": 0.98}, "sft_loss": {0: 0.2769, "last": 0.0507}},
              [("README.md", rf"no-arg SFT: {g('sft_acc_0')} -> {g('sft_acc_last')} greedy in 256 steps"),
-              ("docs/sft.md", rf"\| before \(the shipped warm start\) \| {g('sft_loss_0')} \| \d\.\d+ \|"
-                              rf"[^\n]*\n\| after 256 steps, `OMP_NUM_THREADS=1` \| {g('sft_loss_last')} \|")]),
+              ("docs/sft.md", rf"tokenizer fixed \(af3ee03, 2026-12-02\) \| {g('sft_loss_0')} \| {g('sft_acc_0')} \|"
+                              rf"[^\n]*\n\| after 256 steps, default threads, 2026-12-02 [^|]*\| {g('sft_loss_last')} "
+                              rf"\| {g('sft_acc_last')} \|")]),
         Part("async", "docs/async.md (recipes/async/run.sh)",
              ["bash", "recipes/async/run.sh"], {"acc": {0: 0.315, 200: 0.635}},
              [("docs/async.md", rf"validation accuracy {g('acc_0')} -> {g('acc_200')}\s+at step 200")]),
