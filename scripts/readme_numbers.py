@@ -97,6 +97,7 @@ def parts(out: Path) -> list[Part]:
              [sys.executable, "-m", "hybridrl.trainer.main_sft", FILE_LOG, f"trainer.log_dir={d('sft')}"],
              {"sft_acc": {0: 0.315, "last": 0.98}, "sft_loss": {0: 0.2769, "last": 0.0507}},
              [("README.md", rf"no-arg SFT: {g('sft_acc_0')} -> {g('sft_acc_last')} greedy in 256 steps"),
+              ("README.md", rf"SFT {g('sft_acc_0')} -> {g('sft_acc_last')} \(\d+m\d+s\)"),
               ("docs/sft.md", rf"tokenizer fixed \(af3ee03, 2026-12-02\) \| {g('sft_loss_0')} \| {g('sft_acc_0')} \|"
                               rf"[^\n]*\n\| after 256 steps, default threads, 2026-12-02 [^|]*\| {g('sft_loss_last')} "
                               rf"\| {g('sft_acc_last')} \|")]),
