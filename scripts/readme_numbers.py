@@ -118,14 +118,14 @@ def parts(out: Path) -> list[Part]:
         Part("vlm", "docs/vlm.md (bash recipes/vlm/run.sh: a smoke run, no learning number quoted)",
              ["bash", "recipes/vlm/run.sh", FILE_LOG], {"vlm_acc": {0: None, "last": None}},
              env={"OUT": d("vlm/work")}),
-        Part("agent", "README.md agent row; docs/agent.md",
+        Part("agent", "README.md agent row; docs/agent.md (AGENT_STEPS=15)",
              ["bash", "recipes/agent/run.sh"],
-             {"agent_acc": {0: 0.0, 5: 0.0, 10: 1.0, "min10": 1.0}, "ws_step": {"last": 424}},
+             {"agent_acc": {0: 0.0, 5: 0.0, 10: 0.865, 15: 0.895}, "ws_step": {"last": 424}},
              [("README.md", rf"warm start target reached at step {g('ws_step_last')} \(seed 0"),
-              ("README.md", rf"target at step 297, greedy val {g('agent_acc_0_5')} "
-                            rf"\(steps 0, 5\) -> {g('agent_acc_10_min10')} at step 10 and at every "
-                            rf"validation to step 60")],
-             env={"AGENT_OUT": d("agent")}, metrics="logs/main_ppo/metrics.jsonl", json={"ws_step": ws}),
+              ("README.md", rf"\(`AGENT_STEPS=15`\): greedy val {g('agent_acc_0_5')} \(steps 0, 5\) -> "
+                            rf"{g('agent_acc_10')} at step 10 -> {g('agent_acc_15')} at step 15")],
+             env={"AGENT_OUT": d("agent"), "AGENT_STEPS": "15"}, metrics="logs/main_ppo/metrics.jsonl",
+             json={"ws_step": ws}),
         Part("agent_server", "README.md rollout-server row; docs/agent.md (AGENT_STEPS=20)",
              ["bash", "-c", "test -f \"$AGENT_SFT/warm_start.json\" || python recipes/agent/warm_start.py "
               "--out \"$AGENT_SFT\"; bash recipes/agent_server/run.sh"],
