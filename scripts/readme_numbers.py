@@ -1,7 +1,7 @@
 """Re-run every learning result that README.md and docs/ quote; print measured vs quoted.
 
-    bash scripts/readme_numbers.sh                  # every part (about 1-2 h on a quiet 2-core CPU)
-    bash scripts/readme_numbers.sh sft agent        # some parts
+    bash scripts/readme_numbers.sh                  # every part (about 2-3 h on a quiet 2-core CPU)
+    bash scripts/readme_numbers.sh --only sft,agent # some parts
     bash scripts/readme_numbers.sh --list           # the parts, their commands and where quoted
     bash scripts/readme_numbers.sh --compare DIR    # only the table, from the logs of an earlier run
 
@@ -20,6 +20,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,61 +29,179 @@ from pathlib import Path
 
 PPO_ACC = "val-core/hybridrl/arith/acc/mean@1"
 AGENT_ACC = "val-core/hybridrl/arith_tool/acc/mean@1"
+VLM_ACC = "val-core/hybridrl/shapes/acc/mean@1"
+# short metric names used in `Part.quoted` and in the named groups of `Part.cites`
+METRICS = {
+    "acc": PPO_ACC,
+    "agent_acc": AGENT_ACC,
+    "vlm_acc": VLM_ACC,
+    "sft_acc": "val/greedy_acc",
+    "sft_loss": "val/loss",
+    "ws_step": "warm_start/stop_step",
+}
 PPO = [sys.executable, "-m", "hybridrl.trainer.main_ppo"]
 FILE_LOG = "trainer.logger=[console,file]"
+N = r"(?:\d+(?:\.\d+)?%?)"  # a quoted number: 0.635 or 63.5%
 
 
 @dataclass
 class Part:
     """One quoted learning result: the command that produced it and the numbers quoted for it.
 
-    `quoted` maps a metric name to {step: value}; step "peak" is the maximum over the run and
-    "last" the last logged value. `metrics` is the metrics.jsonl path relative to OUT/<part>.
+    `quoted` maps a short metric name (METRICS) to {step: value}; step "peak" is the maximum over
+    the run, "last" the last logged value, "minN" the minimum from step N on (a claim such as "100%
+    at every validation from step 10"). `cites` lists (file, regex) pairs: where the numbers are
+    quoted; each regex's named groups `<metric>_<step>[_<step>...]` capture them (tests check that
+    they equal `quoted`). `metrics` is the metrics.jsonl path relative to OUT/<part>; `json` maps a
+    short metric name to a JSON file (relative to OUT/<part>) and its key, read as one "last" value.
     """
 
     name: str
     where: str
     cmd: list[str]
     quoted: dict[str, dict]
+    cites: list[tuple[str, str]] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     needs: tuple[str, ...] = ()
     metrics: str = "metrics.jsonl"
+    json: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+def g(name: str) -> str:
+    """A named group capturing one quoted number."""
+    return f"(?P<{name}>{N})"
 
 
 def parts(out: Path) -> list[Part]:
+    """Every quoted learning result, in the order `readme_numbers.sh` runs them (quick ones first)."""
     d = lambda name: str(out / name)  # noqa: E731
     vllm_tp = [
         "trainer.n_gpus_per_node=2",
         "actor_rollout_ref.rollout.name=vllm",
         "trainer.total_training_steps=40",
     ]
+    ws = ("warm_start/warm_start.json", "stop_step")
     return [
-        Part("quickstart", "README.md Features; docs/performance.md",
-             [*PPO, FILE_LOG], {PPO_ACC: {0: 0.315, 150: 0.65, 400: 0.64, "peak": 0.68}}),
-        Part("gae", "README.md Features (ALGO=gae bash recipes/quickstart/run.sh)",
-             ["bash", "recipes/quickstart/run.sh", FILE_LOG], {PPO_ACC: {100: 0.635, "peak": 0.705}},
+        Part("quickstart", "README.md (Measured on a 2-core CPU); docs/performance.md",
+             [*PPO, FILE_LOG], {"acc": {0: 0.315, 150: 0.65, 400: 0.64, "peak": 0.68}},
+             [("README.md", rf"from {g('acc_0')} to {g('acc_150')}\s+greedy validation accuracy by step 150 "
+                            rf"and peaks at {g('acc_peak')} \(step 375\)"),
+              ("README.md", rf"the same curve to the step \({g('acc_0')} -> {g('acc_150')} at step 150, "
+                            rf"peak {g('acc_peak')} at step 375, {g('acc_400')} at step 400\)")]),
+        Part("gae", "README.md (ALGO=gae bash recipes/quickstart/run.sh)",
+             ["bash", "recipes/quickstart/run.sh", FILE_LOG], {"acc": {100: 0.645, "peak": 0.745}},
+             [("README.md", rf"the PPO\+critic \(GAE\) recipe reached {g('acc_100')} at step 100 and "
+                            rf"peaked at {g('acc_peak')}")],
              env={"ALGO": "gae"}),
         Part("sft", "README.md SFT row; docs/sft.md",
              [sys.executable, "-m", "hybridrl.trainer.main_sft", FILE_LOG, f"trainer.log_dir={d('sft')}"],
-             {"val/greedy_acc": {0: 0.315, "last": 0.935}, "val/loss": {0: 2.392, "last": 0.0881}}),
-        Part("async", "recipes/async/run.sh header; docs/async.md",
-             ["bash", "recipes/async/run.sh"], {PPO_ACC: {0: 0.315, 200: 0.635}}),
-        Part("agent", "README.md agent row; docs/agent.md",
-             ["bash", "recipes/agent/run.sh"], {AGENT_ACC: {0: 0.0, 10: 0.995, 15: 1.0, 60: 1.0}},
-             env={"AGENT_OUT": d("agent")}, metrics="logs/main_ppo/metrics.jsonl"),
-        Part("agent_async", "docs/agent.md (AGENT_TRAINER=main_async, 20 steps)",
-             ["bash", "recipes/agent/run.sh"], {AGENT_ACC: {0: 0.0, 5: 0.04, 10: 1.0, 20: 1.0}},
+             {"sft_acc": {0: 0.315, "last": 0.98}, "sft_loss": {0: 0.2769, "last": 0.0507}},
+             [("README.md", rf"no-arg SFT: {g('sft_acc_0')} -> {g('sft_acc_last')} greedy in 256 steps"),
+              ("README.md", rf"SFT {g('sft_acc_0')} -> {g('sft_acc_last')} \(\d+m\d+s\)"),
+              ("docs/sft.md", rf"tokenizer fixed \(af3ee03, 2026-12-02\) \| {g('sft_loss_0')} \| {g('sft_acc_0')} \|"
+                              rf"[^\n]*\n\| after 256 steps, default threads, 2026-12-02 [^|]*\| {g('sft_loss_last')} "
+                              rf"\| {g('sft_acc_last')} \|")]),
+        Part("async", "docs/async.md (recipes/async/run.sh)",
+             ["bash", "recipes/async/run.sh"], {"acc": {0: 0.315, 200: 0.635}},
+             [("docs/async.md", rf"validation accuracy {g('acc_0')} -> {g('acc_200')}\s+at step 200")]),
+        Part("genrm", "docs/genrm.md (bash recipes/genrm/run.sh)",
+             ["bash", "recipes/genrm/run.sh", FILE_LOG],
+             {"acc": {0: 0.315, 10: 0.37, 20: 0.375, 30: 0.415, 40: 0.435}},
+             [("docs/genrm.md", "".join(rf"\| {s} \| {g(f'acc_{s}')} \|[^\n]*\n" for s in (0, 10, 20, 30, 40)))],
+             env={"WORK": d("genrm/work")}),
+        Part("distillation", "docs/distillation.md (bash recipes/distillation/run.sh, its k1 + PG column)",
+             ["bash", "recipes/distillation/run.sh"],
+             {"acc": {0: 0.315, 10: 0.145, 30: 0.035, 50: 0.04, 100: 0.01, 150: 0.025}},
+             [("docs/distillation.md",
+               "".join(rf"\| {s} \| {N} \| {g(f'acc_{s}')} \| {N} \|\n" for s in (0, 10, 30, 50, 100, 150)))],
+             env={"OUT": d("distillation")}),
+        Part("vlm", "docs/vlm.md (bash recipes/vlm/run.sh: a smoke run, no learning number quoted)",
+             ["bash", "recipes/vlm/run.sh", FILE_LOG], {"vlm_acc": {0: None, "last": None}},
+             env={"OUT": d("vlm/work")}),
+        Part("agent", "README.md agent row; docs/agent.md (AGENT_STEPS=15)",
+             ["bash", "recipes/agent/run.sh"],
+             {"agent_acc": {0: 0.0, 5: 0.0, 10: 0.865, 15: 0.895}, "ws_step": {"last": 424}},
+             [("README.md", rf"warm start target reached at step {g('ws_step_last')} \(seed 0"),
+              ("README.md", rf"\(`AGENT_STEPS=15`\): greedy val {g('agent_acc_0_5')} \(steps 0, 5\) -> "
+                            rf"{g('agent_acc_10')} at step 10 -> {g('agent_acc_15')} at step 15")],
+             env={"AGENT_OUT": d("agent"), "AGENT_STEPS": "15"}, metrics="logs/main_ppo/metrics.jsonl",
+             json={"ws_step": ws}),
+        Part("agent_server", "README.md rollout-server row; docs/agent.md (AGENT_STEPS=20)",
+             ["bash", "-c", "test -f \"$AGENT_SFT/warm_start.json\" || python recipes/agent/warm_start.py "
+              "--out \"$AGENT_SFT\"; bash recipes/agent_server/run.sh"],
+             {"agent_acc": {0: 0.0, 10: 1.0, 20: 1.0}},
+             [("README.md", rf"its own calculator\): greedy val {g('agent_acc_0')} -> {g('agent_acc_10')} "
+                            rf"at step 10"),
+              ("docs/agent.md", rf"as shipped [^\n]*\*\*{g('agent_acc_0')} \(steps 0, 5\) -> "
+                                rf"{g('agent_acc_10')} at step 10\*\*, and {g('agent_acc_20')} at steps 15 and 20")],
+             env={"AGENT_OUT": d("agent_server"), "AGENT_SFT": d("agent/warm_start"), "AGENT_STEPS": "20"},
+             metrics="logs/metrics.jsonl"),
+        Part("agent_async", "README.md agent row; docs/agent.md (AGENT_TRAINER=main_async, 20 steps)",
+             ["bash", "recipes/agent/run.sh"], {"agent_acc": {0: 0.0, 5: 0.04, "min10": 1.0}},
+             [("README.md", rf"main_async learns too \({g('agent_acc_0')} -> {g('agent_acc_5')} at step 5 "
+                            rf"-> {g('agent_acc_min10')} at steps 10-20"),
+              ("docs/agent.md", rf"validation {g('agent_acc_0')} -> {g('agent_acc_5')} \(step 5\) -> "
+                                rf"\*\*{g('agent_acc_min10')} \(steps 10-20\)\*\*")],
              env={"AGENT_OUT": d("agent"), "AGENT_TRAINER": "main_async", "AGENT_STEPS": "20"},
              metrics="logs/main_async/metrics.jsonl"),
         Part("megatron", "docs/megatron.md (acceptance command: TP=2 Megatron actor, vLLM rollout)",
              [*PPO, FILE_LOG, "actor_rollout_ref.actor.strategy=megatron",
               "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", *vllm_tp, "trainer.test_freq=20"],
-             {PPO_ACC: {0: 0.315, 20: 0.47, 40: 0.495}}, needs=("megatron.core", "vllm")),
+             {"acc": {0: 0.315, 20: 0.47, 40: 0.495}},
+             [("docs/megatron.md", rf"rerun on the final code: {g('acc_0')} -> {g('acc_20')} -> "
+                                   rf"{g('acc_40')} at steps 0/20/40")],
+             needs=("megatron.core", "vllm")),
         Part("tp", "docs/performance.md section 5 (vLLM rollout TP=2)",
              [*PPO, FILE_LOG, *vllm_tp, "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.test_freq=10"],
-             {PPO_ACC: {0: 0.315, 10: 0.415, 20: 0.445, 30: 0.49, 40: 0.51}}, needs=("vllm",)),
+             {"acc": {0: 0.315, 10: 0.415, 20: 0.445, 30: 0.49, 40: 0.51}},
+             [("docs/performance.md", rf"greedy validation accuracy {g('acc_0')} \(step 0\) -> {g('acc_10')} "
+                                      rf"\(10\)\s+-> {g('acc_20')} \(20\) -> \*\*{g('acc_30')} \(30\)\*\* -> "
+                                      rf"{g('acc_40')} \(40\)")],
+             needs=("vllm",)),
     ]  # fmt: skip
+
+
+def parse_number(text: str) -> float:
+    """'63.5%' -> 0.635, '0.635' -> 0.635, '297' -> 297.0."""
+    return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+
+
+def _group_key(name: str) -> tuple[str, list]:
+    """'agent_acc_10_min10' -> ('agent_acc', [10, 'min10'])."""
+    metric = next(m for m in sorted(METRICS, key=len, reverse=True) if name.startswith(m + "_"))
+    steps = [int(s) if s.isdigit() else s for s in name[len(metric) + 1 :].split("_")]
+    return metric, steps
+
+
+def cited(part: Part, root: Path) -> tuple[dict[str, dict], list[tuple[str, int, int]]]:
+    """The numbers `part.cites` find in the files under `root`, and the matched spans.
+
+    Returns:
+        ({metric: {step: value}}, [(file, start, end)]).
+
+    Raises:
+        ValueError: a cite's regex does not match its file exactly once, or two cites of one
+            metric and step disagree.
+    """
+    found: dict[str, dict] = {}
+    spans = []
+    for rel, pattern in part.cites:
+        text = (root / rel).read_text()
+        hits = list(re.finditer(pattern, text))
+        if len(hits) != 1:
+            raise ValueError(f"{part.name}: the quote pattern matches {rel} {len(hits)} times, not once")
+        spans.append((rel, hits[0].start(), hits[0].end()))
+        for name, value in hits[0].groupdict().items():
+            metric, steps = _group_key(name)
+            for step in steps:
+                v = parse_number(value)
+                if found.setdefault(metric, {}).setdefault(step, v) != v:
+                    raise ValueError(
+                        f"{part.name}: {rel} quotes {metric} at {step} as {v}, another file as "
+                        f"{found[metric][step]}"
+                    )
+    return found, spans
 
 
 def missing(part: Part) -> str | None:
@@ -111,61 +230,92 @@ def run_part(part: Part, out: Path) -> tuple[int, float]:
 
 
 def measured(rows: list[dict], key: str, step) -> float | None:
+    """The value of ``key`` at ``step`` (an int, "peak", "last" or "minN") in metrics rows."""
     vals = [(r["step"], r[key]) for r in rows if key in r and r.get(key) is not None]
+    if isinstance(step, str) and step.startswith("min"):
+        vals = [(s, v) for s, v in vals if s >= int(step[3:])]
     if not vals:
         return None
     if step == "peak":
         return max(v for _, v in vals)
+    if isinstance(step, str) and step.startswith("min"):
+        return min(v for _, v in vals)
     if step == "last":
         return vals[-1][1]
     at = [v for s, v in vals if s == step]
     return at[-1] if at else None
 
 
-def compare(part: Part, out: Path) -> list[tuple]:
+def load_rows(part: Part, out: Path) -> list[dict]:
+    """The part's metrics.jsonl rows, plus one row (step -1) with its `json` values."""
     path = out / part.name / part.metrics
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    extra = {}
+    for metric, (rel, key) in part.json.items():
+        f = out / part.name / rel
+        if f.exists():
+            extra[METRICS[metric]] = json.loads(f.read_text()).get(key)
+    return rows + ([{"step": -1, **extra}] if extra else [])
+
+
+def compare(part: Part, out: Path) -> list[tuple]:
+    rows = load_rows(part, out)
     table = []
-    for key, quoted in part.quoted.items():
+    for metric, quoted in part.quoted.items():
         for step, q in quoted.items():
-            m = measured(rows, key, step)
-            table.append((part.name, key, step, q, m, None if m is None else abs(m - q)))
+            m = measured(rows, METRICS[metric], step)
+            diff = None if m is None or q is None else abs(m - q)
+            table.append((part.name, METRICS[metric], step, q, m, diff))
     return table
 
 
 def print_table(table: list[tuple]) -> None:
-    print(f"\n{'part':<12} {'metric':<38} {'step':>5} {'quoted':>8} {'measured':>9} {'|diff|':>7}")
+    print(f"\n{'part':<12} {'metric':<40} {'step':>5} {'quoted':>8} {'measured':>9} {'|diff|':>7}")
     for name, key, step, q, m, diff in table:
+        qs = "-" if q is None else f"{q:.4g}"
         ms = "-" if m is None else f"{m:.4g}"
         ds = "-" if diff is None else f"{diff:.3f}"
-        print(f"{name:<12} {key:<38} {step!s:>5} {q:>8.4g} {ms:>9} {ds:>7}")
+        print(f"{name:<12} {key:<40} {step!s:>5} {qs:>8} {ms:>9} {ds:>7}")
+
+
+def print_list(known: dict[str, Part]) -> None:
+    for p in known.values():
+        env = " ".join(f"{k}={v}" for k, v in p.env.items() if k in ("ALGO", "AGENT_TRAINER", "AGENT_STEPS"))
+        cmd = " ".join(p.cmd).replace(sys.executable, "python")
+        quoted = ", ".join(f"{m}@{s}={v}" for m, q in p.quoted.items() for s, v in q.items() if v is not None)
+        print(
+            f"{p.name:<12} {p.where}\n{'':<12} {env + ' ' if env else ''}{cmd}\n{'':<12} quoted: {quoted or '-'}"
+        )
+
+
+def choose(only: str | None, known: dict[str, Part]) -> list[Part]:
+    """The parts named by ``--only a,b`` (all when None), in the order given."""
+    if only is None:
+        return list(known.values())
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"--only {only!r}: unknown part(s) {unknown}; known: {', '.join(known)}")
+    return [known[n] for n in names]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("parts", nargs="*", help="parts to run (default: all); --list names them")
-    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--only", metavar="NAME[,NAME]", help="run only these parts (--list names them)")
+    ap.add_argument("--list", action="store_true", help="the parts, their commands and quoted numbers")
     ap.add_argument("--compare", metavar="DIR", help="no runs: the table from an earlier OUT")
     args = ap.parse_args()
     stamp = time.strftime("%Y-%m-%d_%H%M%S")
     out = Path(args.compare or os.environ.get("README_NUMBERS_OUT", f"outputs/readme_numbers/{stamp}"))
-    known = {p.name: p for p in parts(out.resolve())}
-    if args.list:
-        for p in known.values():
-            env = " ".join(f"{k}={v}" for k, v in p.env.items() if k != "AGENT_OUT")
-            print(
-                f"{p.name:<12} {p.where}\n{'':<12} {env + ' ' if env else ''}{' '.join(p.cmd).replace(sys.executable, 'python')}"
-            )
-        return 0
-    unknown = [n for n in args.parts if n not in known]
-    if unknown:
-        print(f"unknown part(s) {unknown}; known: {sorted(known)}", file=sys.stderr)
-        return 2
-    chosen = [known[n] for n in (args.parts or known)]
     out = out.resolve()
+    known = {p.name: p for p in parts(out)}
+    if args.list:
+        print_list(known)
+        return 0
+    chosen = choose(args.only, known)
     failed, table = [], []
     for part in chosen:
-        if args.compare and not args.parts and not (out / part.name).exists():
+        if args.compare and args.only is None and not (out / part.name).exists():
             continue
         if not args.compare:
             reason = missing(part)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Re-run every learning result README.md and docs/ quote, and print measured vs quoted side by side.
 #
-#   bash scripts/readme_numbers.sh                 # all parts (quickstart gae sft async agent
-#                                                  #   agent_async megatron tp); ~1-2 h on 2 quiet cores
-#   bash scripts/readme_numbers.sh sft agent       # some of them
+#   bash scripts/readme_numbers.sh                 # all parts (quickstart gae sft async genrm
+#                                                  #   distillation vlm agent agent_server agent_async megatron tp); ~2-3 h on 2 quiet cores
+#   bash scripts/readme_numbers.sh --only sft,agent  # some of them
 #   bash scripts/readme_numbers.sh --list          # each part's command and where its numbers are quoted
 #   bash scripts/readme_numbers.sh --compare DIR   # the table again from an earlier run's outputs
 #

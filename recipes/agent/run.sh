@@ -47,6 +47,14 @@ if info.get("reached_target") is not True:
         "Delete that folder and rerun with a larger AGENT_SFT_STEPS, or another seed "
         "(AGENT_SFT_ARGS='--seed 1')."
     )
+try:  # a warm start cached before 2026-12-02 has a tokenizer that drops every space and newline
+    from transformers import AutoTokenizer
+
+    from hybridrl.models.hf import check_whitespace
+
+    check_whitespace(AutoTokenizer.from_pretrained(sys.argv[1].rsplit("/", 1)[0]), "the cached warm start")
+except ValueError as err:
+    sys.exit(f"agent recipe: {err}. Delete {sys.argv[1].rsplit('/', 1)[0]} and rerun (it is rebuilt).")
 if info["target_loss"] <= 0:
     print(f"agent recipe: warm start ran {info['stop_step']} steps without a loss target (mean loss "
           f"{info['window_loss']})")

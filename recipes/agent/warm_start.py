@@ -209,10 +209,12 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridrl.models.builtin import get_builtin_model_path
+    from hybridrl.models.hf import check_whitespace
     from hybridrl.workers.agent.tokenization import ToolTurnRenderer
 
     src = get_builtin_model_path() if args.init in ("builtin", "builtin:tiny") else args.init
     tokenizer = AutoTokenizer.from_pretrained(src)
+    check_whitespace(tokenizer, f"--init {args.init!r}")  # a folder built before 2026-12-02 drops spaces
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     renderer = ToolTurnRenderer(tokenizer)
     out_dir = Path(args.out)

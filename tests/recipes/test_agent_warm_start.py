@@ -69,3 +69,25 @@ def test_stops_at_the_target_or_at_the_cap(ws):
     # an unreachable target runs to the cap and says it was not reached
     result, rows = _train(ws, target=0.01)
     assert not result["reached_target"] and result["stop_step"] == 3 and len(rows) == 3
+
+
+def _run_sh(tmp_path, info: dict | None):
+    import os
+    import subprocess
+
+    ws_dir = tmp_path / "warm_start"
+    ws_dir.mkdir()
+    if info is not None:
+        (ws_dir / "warm_start.json").write_text(json.dumps(info))
+    env = {**os.environ, "AGENT_OUT": str(tmp_path), "AGENT_SFT_STEPS": "0"}
+    return subprocess.run(
+        ["bash", str(SCRIPT.parent / "run.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_run_sh_stops_before_grpo_when_the_target_was_not_reached(tmp_path):
+    info = {"reached_target": False, "window_loss": 0.7038, "stop_step": 1500, "target_loss": 0.6259}
+    done = _run_sh(tmp_path, info)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "stopping before GRPO" in done.stderr and "0.7038 after 1500 steps, target 0.6259" in done.stderr
+    assert "AGENT_SFT_STEPS" in done.stderr and not (tmp_path / "data").exists()  # GRPO never began
