@@ -1,22 +1,26 @@
-"""The long-tailed built-in task: several two-digit sums in one prompt, one answer per sum.
+"""The long-tailed built-in task: one to four two-digit sums in one prompt, one answer per sum.
 
-A question is ``k`` sums of the built-in task joined by commas, ``"12+34,56+78="``; the reference
-response is the ``k`` answers separated by spaces, ``"46 134"``. ``k`` is drawn from a long-tailed
-law, ``P(k) ∝ k ** -TAIL_EXPONENT`` on ``1..MAX_SUMS`` (about 60% of the prompts ask for one or two
-sums, 5% for ten or eleven), so with the built-in character tokenizer a response is 2 to 43 tokens
-(plus EOS): most are short, a few are long. This is the task docs/async.md measures partial rollout
-on: a batch's generation lasts as long as its longest response, and a weight update that waits for
-it holds the whole rollout pool back.
+A question is ``k`` sums of the built-in task joined by commas, ``"12+34,56+78="``. The reference
+response of one sum is its answer, ``"46"``; with several sums every sum is written out before its
+answer, ``"12+34=46 56+78=134"``, so each answer is computed right after its own sum, the way the
+built-in model already adds (``"a+b="``). ``k`` is drawn from a long-tailed law,
+``P(k) ∝ k ** -TAIL_EXPONENT`` on ``1..MAX_SUMS`` (60% one sum, 7.5% four), so with the built-in
+character tokenizer a response is 2 to 39 tokens (plus EOS): most are short, a few are long. This is
+the task docs/async.md measures partial rollout on: a batch's generation lasts as long as its
+longest response, and a weight update that waits for it holds the whole rollout pool back.
 
 Why this variant: every sum is a sum of the built-in task, which the built-in model can already
-partly do (31% greedy), so only the format (several sums, several answers) has to be taught. A short
-supervised warm start with ``main_sft`` on :func:`make_sft_rows` does that (recipes/async/long_tail.sh;
-docs/async.md "The long-tailed task").
+partly do (31% greedy), and it adds each one from adjacent context, so only the format (several
+sums, several answers) has to be taught: a short supervised warm start with ``main_sft`` on
+:func:`make_sft_rows` (recipes/async/long_tail.sh; docs/async.md "The long-tailed task"). A first
+version without the written-out sums (``"46 134"``) learnt the format but no longer added right (its
+answers must be read from far back in the prompt): 0.01 greedy after 250 SFT steps.
 
 Scoring (:func:`compute_score`, data source ``hybridrl/arith_long``): the fraction of sums answered
-right, position by position; the integers of the response are compared with the reference answers,
-and a response with more integers than sums is divided by its own count, so padding never pays. The
-reward is therefore never higher for a shorter answer: the lengths stay long-tailed while RL trains.
+right, position by position. The response is split at spaces; an item's answer is what follows its
+last ``=`` (the whole item when there is none); a response with more items than sums is divided by
+its own count, so padding never pays, and a shorter answer never scores higher: the lengths stay
+long-tailed while RL trains. The written-out sums are not checked.
 
 Splits: every pair of a prompt belongs to the prompt's split (the built-in task's fixed hash,
 :func:`hybridrl.data.builtin_task.pair_split`), so train and validation prompts share no sum.
@@ -30,7 +34,6 @@ import argparse
 import json
 import os
 import random
-import re
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +41,10 @@ from hybridrl.data import builtin_task
 
 LONG_DATA_SOURCE = "hybridrl/arith_long"
 ABILITY = "math"
-MAX_SUMS = 11
+MAX_SUMS = 4
 TAIL_EXPONENT = 1.5
 # Bump when the generator or the row format changes: cached parquet files are then rewritten.
-TASK_VERSION = 1
+TASK_VERSION = 2
 
 DEFAULT_N_TRAIN = 8192
 DEFAULT_N_VAL = 200
@@ -54,11 +57,10 @@ __all__ = [
     "ensure_long_data",
     "make_rl_rows",
     "make_sft_rows",
+    "response",
     "sample_problems",
     "sum_count_weights",
 ]
-
-_INT = re.compile(r"\d+")
 
 
 def sum_count_weights(max_sums: int = MAX_SUMS, exponent: float = TAIL_EXPONENT) -> list[float]:
@@ -89,18 +91,26 @@ def question(pairs: list[tuple[int, int]]) -> str:
 
 
 def answer(pairs: list[tuple[int, int]]) -> str:
-    """``[(12, 34), (56, 78)] -> "46 134"``: the reference response and the ground truth."""
+    """``[(12, 34), (56, 78)] -> "46 134"``: the ground truth."""
     return " ".join(str(a + b) for a, b in pairs)
+
+
+def response(pairs: list[tuple[int, int]]) -> str:
+    """The reference response: ``"46"`` for one sum, ``"12+34=46 56+78=134"`` for several."""
+    if len(pairs) == 1:
+        return answer(pairs)
+    return " ".join(f"{a}+{b}={a + b}" for a, b in pairs)
 
 
 def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """Fraction of the sums answered right, position by position, in [0, 1].
 
-    ``score = #{i : pred_i == ref_i} / max(len(ref), len(pred))`` where ``pred`` are the integers of
-    the response in order and ``ref`` the space-separated reference answers.
+    ``score = #{i : pred_i == ref_i} / max(len(ref), len(pred))`` where ``pred`` are the response's
+    space-separated items, each cut to what follows its last ``=``, and ``ref`` the space-separated
+    reference answers.
     """
     ref = str(ground_truth).split()
-    pred = _INT.findall(solution_str)
+    pred = [item.rsplit("=", 1)[-1] for item in solution_str.split()]
     if not ref:
         raise ValueError(f"{LONG_DATA_SOURCE}: empty ground truth")
     right = sum(p == r for p, r in zip(pred, ref))
@@ -130,7 +140,7 @@ def make_sft_rows(n: int, seed: int, split: str = "train") -> list[dict[str, Any
         rows.append(
             {
                 "prompt": question(pairs),
-                "response": answer(pairs),
+                "response": response(pairs),
                 "data_source": LONG_DATA_SOURCE,
                 "ground_truth": answer(pairs),
                 "extra_info": {"split": split, "index": i, "n_sums": len(pairs)},

@@ -11,15 +11,22 @@ from hybridrl.data import builtin_task, long_task
 from hybridrl.workers.reward.scorers import default_compute_score
 
 
-def test_response_lengths_are_long_tailed_from_2_to_40_tokens():
+def test_response_lengths_are_long_tailed_from_2_to_39_tokens():
     problems = long_task.sample_problems(5000, seed=0, split="train")
-    lengths = [len(long_task.answer(p)) for p in problems]  # characters = tokens of the built-in tokenizer
+    lengths = [len(long_task.response(p)) for p in problems]  # characters = tokens of the built-in tokenizer
     counts = collections.Counter(len(p) for p in problems)
-    assert min(lengths) == 2 and 40 <= max(lengths) <= 43
+    assert min(lengths) == 2 and 36 <= max(lengths) <= 39
     assert set(counts) == set(range(1, long_task.MAX_SUMS + 1))
-    assert counts[1] > counts[2] > counts[4] > counts[8]  # a tail, not a uniform law
-    assert sum(n <= 10 for n in lengths) / len(lengths) > 0.6  # most responses are short
+    assert counts[1] > counts[2] > counts[3] > counts[4]  # a tail, not a uniform law
+    assert sum(n <= 3 for n in lengths) / len(lengths) > 0.55  # most responses are short
     assert sum(n >= 30 for n in lengths) / len(lengths) > 0.05  # a few are long
+
+
+def test_reference_response_writes_each_sum_before_its_answer():
+    assert long_task.response([(12, 34)]) == "46"
+    assert long_task.response([(12, 34), (56, 78)]) == "12+34=46 56+78=134"
+    for pairs in long_task.sample_problems(200, 0, "val"):
+        assert long_task.compute_score(long_task.response(pairs), long_task.answer(pairs)) == 1.0
 
 
 def test_deterministic_and_splits_share_no_sum():
@@ -36,6 +43,8 @@ def test_deterministic_and_splits_share_no_sum():
     ("response", "score"),
     [
         ("46 134", 1.0),
+        ("12+34=46 56+78=134", 1.0),  # the answer of an item is what follows its last "="
+        ("12+34=46 56+78=135", 0.5),
         ("46 135", 0.5),
         ("134 46", 0.0),  # position by position
         ("46", 0.5),  # a missing answer is wrong
@@ -59,7 +68,7 @@ def test_rows_and_parquet_files(tmp_path):
     truth = row["reward_model"]["ground_truth"]
     sums = [eval(s) for s in q.rstrip("=").split(",")]  # noqa: S307 - our own "a+b" strings
     assert truth == " ".join(map(str, sums)) and row["extra_info"]["n_sums"] == len(sums)
-    assert all(sft["response"] == sft["ground_truth"])
+    assert all(long_task.compute_score(r, t) == 1.0 for r, t in zip(sft["response"], sft["ground_truth"]))
     before = (tmp_path / "train.parquet").stat().st_mtime_ns
     long_task.ensure_long_data(tmp_path, 64, 16, 32)  # same spec: files reused
     assert (tmp_path / "train.parquet").stat().st_mtime_ns == before
