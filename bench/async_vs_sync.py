@@ -3,8 +3,8 @@
     python bench/async_vs_sync.py [--steps 60] [--val-every 10] [--eta 1] [--repeats 1]
     python bench/async_vs_sync.py --task long --model DIR --variants default partial ...
 
-`--task long` trains on the long-tailed task (hybridrl/data/long_task.py: 1-4 sums per prompt,
-responses of 2-39 tokens) from `--model` (the built-in model warm-started on it,
+`--task long` trains on the long-tailed task (hybridrl/data/long_task.py: one sum asked 1-5 times,
+responses of 7-44 tokens) from `--model` (the built-in model warm-started on it,
 recipes/async/long_tail.sh), responses up to 48 tokens; the partial-rollout measurement of
 docs/async.md.
 

@@ -1,29 +1,28 @@
-"""The long-tailed built-in task: one to four two-digit sums in one prompt, one answer per sum.
+"""The long-tailed built-in task: one sum of the built-in task, asked for one to five times.
 
-A question is ``k`` sums of the built-in task joined by commas, ``"12+34,56+78="``. The reference
-response of one sum is its answer, ``"46"``; with several sums every sum is written out before its
-answer, ``"12+34=46 56+78=134"``, so each answer is computed right after its own sum, the way the
-built-in model already adds (``"a+b="``). ``k`` is drawn from a long-tailed law,
-``P(k) ∝ k ** -TAIL_EXPONENT`` on ``1..MAX_SUMS`` (60% one sum, 7.5% four), so with the built-in
-character tokenizer a response is 2 to 39 tokens (plus EOS): most are short, a few are long. This is
-the task docs/async.md measures partial rollout on: a batch's generation lasts as long as its
-longest response, and a weight update that waits for it holds the whole rollout pool back.
+A question is one sum of the built-in task written ``k`` times, ``"12+34,12+34,12+34="``; the reference
+response is the built-in task's answer ``k`` times, ``"#### 46 #### 46 #### 46"``. ``k`` is drawn from
+a long-tailed law, ``P(k) ∝ k ** -TAIL_EXPONENT`` on ``1..MAX_SUMS`` (55% once, 6% five times), so
+with the built-in character tokenizer a response is 7 to 44 tokens (plus EOS): most are short, a
+few are long. This is the task docs/async.md measures partial rollout on: a batch's generation
+lasts as long as its longest response, and a weight update that waits for it holds the whole
+rollout pool back.
 
-Why this variant: every sum is a sum of the built-in task, which the built-in model can already
-partly do (31% greedy), and it adds each one from adjacent context, so only the format (several
-sums, several answers) has to be taught: a short supervised warm start with ``main_sft`` on
-:func:`make_sft_rows` (recipes/async/long_tail.sh; docs/async.md "The long-tailed task"). A first
-version without the written-out sums (``"46 134"``) learnt the format but no longer added right (its
-answers must be read from far back in the prompt): 0.01 greedy after 250 SFT steps.
+Why this variant: with ``k = 1`` it *is* the built-in task, which the built-in model already answers
+(31% greedy), and every further answer is the same sum, so the only new skill is to repeat the
+answer once per copy of the sum; a short, gentle supervised warm start with ``main_sft`` on
+:func:`make_sft_rows` teaches it (recipes/async/long_tail.sh; docs/async.md "The long-tailed task").
+Two richer variants failed with the 0.5M-parameter model: ``k`` different sums answered ``"46 134"``
+(the count was learnt, the sums no longer: 0.01 greedy after 250 SFT steps), and the same with each
+sum written out before its answer (``"12+34=46 56+78=134"``: it could not copy the k-th sum, 0.03).
 
-Scoring (:func:`compute_score`, data source ``hybridrl/arith_long``): the fraction of sums answered
-right, position by position. The response is split at spaces; an item's answer is what follows its
-last ``=`` (the whole item when there is none); a response with more items than sums is divided by
-its own count, so padding never pays, and a shorter answer never scores higher: the lengths stay
-long-tailed while RL trains. The written-out sums are not checked.
+Scoring (:func:`compute_score`, data source ``hybridrl/arith_long``): the fraction of the ``k``
+answers that are right, position by position; the answers are the integers after each ``####``, and
+a response with more answers than ``k`` is divided by its own count, so padding never pays and a
+shorter answer never scores higher: the lengths stay long-tailed while RL trains.
 
-Splits: every pair of a prompt belongs to the prompt's split (the built-in task's fixed hash,
-:func:`hybridrl.data.builtin_task.pair_split`), so train and validation prompts share no sum.
+Splits: the built-in task's (its fixed hash, :func:`hybridrl.data.builtin_task.pair_split`), so
+train and validation prompts share no sum.
 
     python -m hybridrl.data.long_task --out DIR     # writes DIR/{train,val,sft_train,sft_val}.parquet
 """
@@ -34,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +41,17 @@ from hybridrl.data import builtin_task
 
 LONG_DATA_SOURCE = "hybridrl/arith_long"
 ABILITY = "math"
-MAX_SUMS = 4
+MAX_SUMS = 5
 TAIL_EXPONENT = 1.5
 # Bump when the generator or the row format changes: cached parquet files are then rewritten.
-TASK_VERSION = 2
+TASK_VERSION = 3
 
 DEFAULT_N_TRAIN = 8192
 DEFAULT_N_VAL = 200
 DEFAULT_N_SFT_TRAIN = 16384
 DEFAULT_N_SFT_VAL = 200
+
+_ANSWER = re.compile(r"####\s*(-?\d+)")
 
 __all__ = [
     "LONG_DATA_SOURCE",
@@ -73,7 +75,7 @@ def sum_count_weights(max_sums: int = MAX_SUMS, exponent: float = TAIL_EXPONENT)
 
 
 def sample_problems(n: int, seed: int, split: str) -> list[list[tuple[int, int]]]:
-    """``n`` problems of ``split``; a problem is a list of ``k`` pairs, ``k`` from the long tail.
+    """``n`` problems of ``split``; a problem is one pair repeated ``k`` times, ``k`` from the long tail.
 
     Deterministic in ``(n, seed, split)``; the pairs come from the split's pool of the built-in task.
     """
@@ -82,35 +84,32 @@ def sample_problems(n: int, seed: int, split: str) -> list[list[tuple[int, int]]
     pool = builtin_task.split_pool(split)  # raises on an unknown split
     rng = random.Random(f"long:{split}:{seed}")
     ks = rng.choices(range(1, MAX_SUMS + 1), weights=sum_count_weights(), k=n)
-    return [[pool[rng.randrange(len(pool))] for _ in range(k)] for k in ks]
+    return [[pool[rng.randrange(len(pool))]] * k for k in ks]
 
 
 def question(pairs: list[tuple[int, int]]) -> str:
-    """``[(12, 34), (56, 78)] -> "12+34,56+78="``."""
+    """``[(12, 34), (12, 34)] -> "12+34,12+34="``."""
     return ",".join(f"{a}+{b}" for a, b in pairs) + "="
 
 
 def answer(pairs: list[tuple[int, int]]) -> str:
-    """``[(12, 34), (56, 78)] -> "46 134"``: the ground truth."""
+    """``[(12, 34), (12, 34)] -> "46 46"``: the ground truth."""
     return " ".join(str(a + b) for a, b in pairs)
 
 
 def response(pairs: list[tuple[int, int]]) -> str:
-    """The reference response: ``"46"`` for one sum, ``"12+34=46 56+78=134"`` for several."""
-    if len(pairs) == 1:
-        return answer(pairs)
-    return " ".join(f"{a}+{b}={a + b}" for a, b in pairs)
+    """The reference response: ``"#### 46"`` per sum, ``"#### 46 #### 46"`` for two."""
+    return " ".join(f"{builtin_task.ANSWER_MARKER} {a + b}" for a, b in pairs)
 
 
 def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """Fraction of the sums answered right, position by position, in [0, 1].
 
-    ``score = #{i : pred_i == ref_i} / max(len(ref), len(pred))`` where ``pred`` are the response's
-    space-separated items, each cut to what follows its last ``=``, and ``ref`` the space-separated
-    reference answers.
+    ``score = #{i : pred_i == ref_i} / max(len(ref), len(pred))`` where ``pred`` are the integers
+    after each ``####`` of the response, in order, and ``ref`` the space-separated reference answers.
     """
     ref = str(ground_truth).split()
-    pred = [item.rsplit("=", 1)[-1] for item in solution_str.split()]
+    pred = _ANSWER.findall(solution_str)
     if not ref:
         raise ValueError(f"{LONG_DATA_SOURCE}: empty ground truth")
     right = sum(p == r for p, r in zip(pred, ref))

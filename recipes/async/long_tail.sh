@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Asynchronous GRPO with partial rollout on the long-tailed built-in task (hybridrl/data/long_task.py:
-# 1-4 two-digit sums per prompt, answers of 2-39 tokens), on CPU, 1 trainer core + 1 rollout core.
+# one sum asked 1-5 times, answers of 7-44 tokens), on CPU, 1 trainer core + 1 rollout core.
 #
 #   bash recipes/async/long_tail.sh [extra main_async overrides]
 #
 # 1. writes the task's parquet files to $OUT/data (python -m hybridrl.data.long_task);
-# 2. warm-starts the built-in model on the format with main_sft (200 steps of 64; skipped when
+# 2. warm-starts the built-in model on the format with main_sft (120 steps of 64, lr 3e-4; skipped when
 #    $OUT/model exists), see docs/async.md "The long-tailed task";
 # 3. trains with main_async, partial rollout on (a weight update aborts the generation in flight and
 #    the unfinished responses continue from their prefix with the new weights).
@@ -20,10 +20,10 @@ python -m hybridrl.data.long_task --out "$OUT/data"
 if [ ! -d "$OUT/model" ]; then
     python -m hybridrl.trainer.main_sft model.partial_pretrain=builtin:tiny \
         data.train_files="$OUT/data/sft_train.parquet" data.val_files="$OUT/data/sft_val.parquet" \
-        data.max_length=96 data.train_batch_size=64 data.micro_batch_size_per_gpu=64 optim.lr=1e-3 \
-        trainer.total_training_steps=200 trainer.test_freq=100 trainer.save_freq=200 \
+        data.max_length=96 data.train_batch_size=64 data.micro_batch_size_per_gpu=64 optim.lr=3e-4 \
+        trainer.total_training_steps=120 trainer.test_freq=60 trainer.save_freq=120 \
         trainer.resume_mode=disable trainer.default_local_dir="$OUT/sft" generation_eval.max_new_tokens=48
-    cp -r "$OUT/sft/global_step_200/huggingface" "$OUT/model"
+    cp -r "$OUT/sft/global_step_120/huggingface" "$OUT/model"
 fi
 
 python -m hybridrl.trainer.main_async \
