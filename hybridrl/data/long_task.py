@@ -2,7 +2,7 @@
 
 A question is one sum of the built-in task written ``k`` times, ``"12+34,12+34,12+34="``; the reference
 response is the built-in task's answer ``k`` times, ``"#### 46 #### 46 #### 46"``. ``k`` is drawn from
-a long-tailed law, ``P(k) ∝ k ** -TAIL_EXPONENT`` on ``1..MAX_SUMS`` (55% once, 6% five times), so
+a long-tailed law, ``P(k) ∝ k ** -TAIL_EXPONENT`` on ``1..MAX_SUMS`` (57% once, 5% five times), so
 with the built-in character tokenizer a response is 7 to 44 tokens (plus EOS): most are short, a
 few are long. This is the task docs/async.md measures partial rollout on: a batch's generation
 lasts as long as its longest response, and a weight update that waits for it holds the whole
