@@ -53,6 +53,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from hybridrl.async_rollout.padding import concat_left_padded
 from hybridrl.async_rollout.staleness import (
     StalenessManager,
     select_batch,
@@ -401,7 +402,7 @@ class AsyncRolloutManager:
     def _make_batch(self, k: int, picked: list[_Group], wait_s: float) -> AsyncBatch:
         versions = [g.version for g in picked]
         staleness = [k - v for v in versions]
-        data = DataProto.concat([g.result for g in picked])
+        data = concat_left_padded([g.result for g in picked])
         metrics = staleness_metrics(staleness, self.eta)
         if "rollout_versions" in data.batch.keys():
             metrics.update(token_version_metrics(data.batch["rollout_versions"], k))
@@ -477,7 +478,7 @@ class AsyncRolloutManager:
                     return
                 if w.version != self._version:
                     self._send_weights(w)
-                batch = DataProto.concat([g.prompt for g in groups]).repeat(self.rollout_n, interleave=True)
+                batch = concat_left_padded([g.prompt for g in groups]).repeat(self.rollout_n, interleave=True)
                 gen_in = batch.select(batch_keys=list(GEN_KEYS))
                 gen_in.meta_info["seed_index"] = self.seed_index(groups[0].seq)
                 if self.partial_rollout:

@@ -181,6 +181,45 @@ def test_killed_worker_is_dropped_and_its_chunk_regenerated(shared):
     assert len(flat) + m.num_unconsumed() == submitted[0]
 
 
+def left_padded_prompts(start: int, count: int, width: int) -> DataProto:
+    """prompts(start, count) left-padded to `width` columns (pad id -1, mask 0), as a data loader
+    pads each batch to its own longest prompt."""
+    p = prompts(start, count)
+    pad = width - 1
+    p.batch["input_ids"] = torch.cat([torch.full((count, pad), -1), p.batch["input_ids"]], dim=-1)
+    p.batch["attention_mask"] = torch.cat(
+        [torch.zeros(count, pad, dtype=torch.long), torch.ones(count, 1)], -1
+    ).long()
+    p.batch["position_ids"] = torch.zeros(count, width, dtype=torch.long)
+    return p
+
+
+def test_groups_with_different_prompt_widths_share_chunks_and_batches(shared):
+    # chunk_size 3 does not divide the batch of 4: chunks and batches mix groups of two submits,
+    # whose prompts are 1, 2 or 3 columns wide (a partial-rollout chunk resumes old groups with new ones)
+    m = make(configured(shared[:1], (0.0, 0.01)), batch=4, eta=1, chunk_size=3)
+    m.start(0, weights(0))
+    submitted = 0
+    for _ in range(3):
+        m.submit(left_padded_prompts(submitted, 4, 1 + (submitted // 4) % 3))
+        submitted += 4
+    mixed = 0
+    for k in range(6):
+        data = m.wait_batch(timeout_s=60).data
+        ids = data.batch["prompts"]  # the worker echoes the (padded) input ids it got
+        uids = [int(u[1:]) for u in data.non_tensor_batch["uid"]]
+        assert ids[:, -1].tolist() == uids  # every prompt still ends at the right edge
+        assert ids.shape[1] >= max(1 + (u // 4) % 3 for u in uids)  # padded to the widest (of its chunk)
+        # left-padded: the loader's pad id (-1), or 0 where the rows carry no attention mask to find it
+        assert ((ids[:, :-1] == -1) | (ids[:, :-1] == 0)).all()
+        mixed += ids.shape[1] > max(1 + (u // 4) % 3 for u in uids)  # a chunk held a wider group
+        m.publish(k + 1, weights(k + 1))
+        m.submit(left_padded_prompts(submitted, 4, 1 + (submitted // 4) % 3))
+        submitted += 4
+    m.stop()
+    assert mixed >= 1  # some chunk really held groups of two widths
+
+
 def test_all_workers_dead_raises_a_clear_error(ray_local):
     workers = [SleepyRolloutWorker.remote(0, (0.3, 0.4))]
     m = make(workers, batch=2, eta=0)
