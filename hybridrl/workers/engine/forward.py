@@ -69,7 +69,7 @@ def compiled_entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 _DETECTS_PACKING = transformers_detects_packed_sequences()
 
 
-def _run(
+def run_model(
     module: nn.Module,
     batch: Any,
     use_remove_padding: bool,
@@ -121,7 +121,7 @@ _NO_SEQUENCE_WISE: set[type] = set()
 
 
 def _run_multimodal(module, batch, use_remove_padding, packed, sp):
-    """`_run` for a vision-language batch (`engine.multimodal`): pixel inputs and 3-D rotary
+    """`run_model` for a vision-language batch (`engine.multimodal`): pixel inputs and 3-D rotary
     positions; the packed row attends through transformers' packed-sequence detection (the text
     positions in row 0 of the (4, 1, nnz) position ids) or the block-causal mask."""
     if sp is not None:
@@ -313,7 +313,7 @@ def _fused_log_probs_sp(
 
     columns = _head_columns(head, labels, temperature, calculate_entropy, entropy_grad, sps, compiled)
     with _head_replaced(head, lambda h: place(columns(select(h)))):
-        out, _ = _run(module, batch, True, packed, sp)
+        out, _ = run_model(module, batch, True, packed, sp)
     return _split_columns(finish(gather_seq(out.logits, sp, dim=0)), calculate_entropy, sps)
 
 
@@ -334,7 +334,7 @@ def _fused_log_probs(
 
     columns = _head_columns(head, labels, temperature, calculate_entropy, entropy_grad, sps, compiled)
     with _head_replaced(head, lambda h: columns(select(h))):
-        out, _ = _run(module, batch, use_remove_padding, packed)
+        out, _ = run_model(module, batch, use_remove_padding, packed)
     return _split_columns(scatter(out.logits), calculate_entropy, sps)
 
 
@@ -474,7 +474,7 @@ def _plain_log_probs(
     """forward_log_probs' plain path: the model's full logits, then the response slice."""
     responses = batch["responses"]
     t = responses.shape[-1]
-    out, packed = _run(module, batch, use_remove_padding, sp=sp)
+    out, packed = run_model(module, batch, use_remove_padding, sp=sp)
     if packed is None:
         logits = out.logits[:, -t - 1 : -1].float() / temperature
         entropy = ent_fn(logits) if calculate_entropy else None
@@ -526,15 +526,15 @@ def forward_values(
         packed = pack_sequences(batch["input_ids"], batch["attention_mask"])
         select, place, finish, _ = _sp_selector(batch, packed, t, sp)
         with _head_replaced(head, lambda h: place(nn.functional.linear(select(h), head.weight, head.bias))):
-            out, _ = _run(module, batch, True, packed, sp)
+            out, _ = run_model(module, batch, True, packed, sp)
         return finish(gather_seq(out.logits, sp, dim=0))[..., 0].float()
     if head is not None:
         packed = pack_sequences(batch["input_ids"], batch["attention_mask"]) if use_remove_padding else None
         select, scatter, _ = _selector(batch, packed, t)
         with _head_replaced(head, lambda h: nn.functional.linear(select(h), head.weight, head.bias)):
-            out, _ = _run(module, batch, use_remove_padding, packed)
+            out, _ = run_model(module, batch, use_remove_padding, packed)
         return scatter(out.logits)[..., 0].float()
-    out, packed = _run(module, batch, use_remove_padding, sp=sp)
+    out, packed = run_model(module, batch, use_remove_padding, sp=sp)
     logits = out.logits if packed is None else _gathered_logits(out, packed, sp)
     if logits.shape[-1] != 1:
         raise ValueError(f"the critic must output one value per token (num_labels=1), got {logits.shape[-1]}")
@@ -570,7 +570,7 @@ def forward_scores(module: nn.Module, batch: Any, *, use_remove_padding: bool = 
     captured: list[torch.Tensor] = []
     handle = _score_head(module).register_forward_hook(lambda _m, _i, out: captured.append(out))
     try:
-        _, packed = _run(module, batch, use_remove_padding)
+        _, packed = run_model(module, batch, use_remove_padding)
     finally:
         handle.remove()
     per_token = captured[-1][..., 0].float()  # (B, S) or (1, nnz)

@@ -25,7 +25,7 @@ from torch import nn
 from hybridrl.algos.utils import entropy_from_logits
 from hybridrl.utils.torch_utils import unpack_sequences
 from hybridrl.workers.engine.base import LogProbs
-from hybridrl.workers.engine.forward import _run
+from hybridrl.workers.engine.forward import run_model
 
 TOPK_IDS_KEY = "teacher_topk_ids"  # (B, T, K) long: the teacher's top-k ids, the student's gather index
 
@@ -76,7 +76,7 @@ def forward_topk_log_probs(
     if (topk > 0) == gather_ids:
         raise ValueError("forward_topk_log_probs: give exactly one of topk > 0 and gather_ids=True")
     t = batch["responses"].shape[-1]
-    out, packed = _run(module, batch, use_remove_padding)
+    out, packed = run_model(module, batch, use_remove_padding)
     logits = out.logits if packed is None else unpack_sequences(out.logits, packed)
     logits = logits[:, -t - 1 : -1].float() / temperature  # (B, T, V)
     log_probs = torch.log_softmax(logits, dim=-1)
