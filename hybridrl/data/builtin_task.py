@@ -214,19 +214,33 @@ def ensure_builtin_data(
         "train_seed": train_seed,
         "val_seed": val_seed,
     }
-    paths = {name: str(root / f"{name}.parquet") for name in ("train", "val", "sft_train", "sft_val")}
-    manifest = root / "manifest.json"
-    if manifest.exists() and all(Path(p).exists() for p in paths.values()):
-        try:
-            if json.loads(manifest.read_text()) == spec:
-                return paths
-        except json.JSONDecodeError:
-            pass  # a damaged manifest: regenerate below
+    paths, fresh = cached_task_files(root, spec)
+    if fresh:
+        return paths
     write_rl_parquet(paths["train"], n_train, train_seed, "train")
     write_rl_parquet(paths["val"], n_val, val_seed, "val")
     write_sft_parquet(paths["sft_train"], n_sft_train, train_seed, "train")
     write_sft_parquet(paths["sft_val"], n_sft_val, val_seed, "val")
+    write_manifest(root, spec)
+    return paths
+
+
+def cached_task_files(root: Path, spec: dict) -> tuple[dict[str, str], bool]:
+    """The four parquet paths of a task folder, and whether they are there and were written for `spec`
+    (its manifest.json equals it; a damaged manifest counts as stale)."""
+    paths = {name: str(root / f"{name}.parquet") for name in ("train", "val", "sft_train", "sft_val")}
+    manifest = root / "manifest.json"
+    if manifest.exists() and all(Path(p).exists() for p in paths.values()):
+        try:
+            return paths, json.loads(manifest.read_text()) == spec
+        except json.JSONDecodeError:
+            pass
+    return paths, False
+
+
+def write_manifest(root: Path, spec: dict) -> None:
+    """Record `spec` as the folder's manifest.json, atomically (written last, after the files)."""
+    manifest = root / "manifest.json"
     tmp = manifest.with_name(f".manifest.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(spec, indent=1))
     os.replace(tmp, manifest)
-    return paths

@@ -164,21 +164,14 @@ def ensure_long_data(
     root = Path(data_dir).expanduser().resolve()
     spec = {"version": TASK_VERSION, "n_train": n_train, "n_val": n_val, "n_sft_train": n_sft_train}
     spec.update({"n_sft_val": n_sft_val, "seed": seed})
-    paths = {name: str(root / f"{name}.parquet") for name in ("train", "val", "sft_train", "sft_val")}
-    manifest = root / "manifest.json"
-    if manifest.exists() and all(Path(p).exists() for p in paths.values()):
-        try:
-            if json.loads(manifest.read_text()) == spec:
-                return paths
-        except json.JSONDecodeError:
-            pass  # a damaged manifest: regenerate
+    paths, fresh = builtin_task.cached_task_files(root, spec)
+    if fresh:
+        return paths
     builtin_task.write_parquet(make_rl_rows(n_train, seed, "train"), paths["train"])
     builtin_task.write_parquet(make_rl_rows(n_val, seed + 1, "val"), paths["val"])
     builtin_task.write_parquet(make_sft_rows(n_sft_train, seed, "train"), paths["sft_train"])
     builtin_task.write_parquet(make_sft_rows(n_sft_val, seed + 1, "val"), paths["sft_val"])
-    tmp = manifest.with_name(f".manifest.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(spec, indent=1))
-    os.replace(tmp, manifest)
+    builtin_task.write_manifest(root, spec)
     return paths
 
 
