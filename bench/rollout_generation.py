@@ -13,6 +13,13 @@ noisy; compare within one run: the timed calls of the engines alternate (A B A B
 (plain F.linear in every layer), and prints hf-plain / hf time per call (float32 on CPU only;
 workers/rollout/cpu_gemm.py). `real100m` is the shape of bench/real_model.py's model.
 
+`--group N` repeats each prompt N times (GRPO's layout: batch / N distinct prompts); the engine
+label `hf-noshare` is the HF engine with `rollout.enable_prefix_caching=false` (one prefill per
+row instead of one per distinct prompt, workers/rollout/hf_prefix.py):
+
+    python bench/rollout_generation.py --sizes real100m --engines hf,hf-noshare --group 4 \
+        --dtype float32 --threads 2 --prompt-len 53 --new-tokens 48 --repeats 3
+
     python bench/rollout_generation.py --sizes real100m --engines hf --decode-gemm both \
         --dtype float32 --threads 2 --prompt-len 60 --new-tokens 128 --repeats 2
 """
@@ -103,9 +110,12 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> DataProto:
+def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0, group: int = 1) -> DataProto:
+    """`batch` rows of random prompts; each distinct prompt repeated `group` times in a row."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (batch, prompt_len), generator=gen)
+    if batch % group:
+        raise SystemExit(f"--batch {batch} is not a multiple of --group {group}")
+    ids = torch.randint(3, vocab, (batch // group, prompt_len), generator=gen).repeat_interleave(group, 0)
     mask = torch.ones_like(ids)
     pos = torch.arange(prompt_len).expand(batch, -1).clone()
     return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos})
@@ -118,6 +128,8 @@ def start_engine(label: str, path, model, prompts, args):
     """
     name = "hf" if label.startswith("hf") else label
     extra = {"hf_decode_gemm_max_rows": 0} if label == "hf-plain" else {}
+    if label == "hf-noshare":
+        extra = {"enable_prefix_caching": False}
     cfg = RolloutConfig(
         name=name,
         dtype=args.dtype,
@@ -177,6 +189,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="tiny,30m")
     parser.add_argument("--engines", default="hf,vllm")
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--group", type=int, default=1, help="rows per distinct prompt (GRPO's n)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
@@ -202,7 +215,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for size in args.sizes.split(","):
             path, model = build_model_dir(size, root)
-            prompts = random_prompts(args.batch, args.prompt_len, model.config.vocab_size)
+            prompts = random_prompts(args.batch, args.prompt_len, model.config.vocab_size, group=args.group)
             labels = []
             for e in args.engines.split(","):
                 if e == "hf" and args.decode_gemm != "on":
@@ -223,6 +236,11 @@ def main() -> None:
             if "hf" in by and "hf-plain" in by:
                 pairs = [p / d for p, d in zip(by["hf-plain"]["all_s"], by["hf"]["all_s"])]
                 print(f"hf-plain / hf time per call, round by round: {', '.join(f'{x:.2f}x' for x in pairs)}")
+            if "hf" in by and "hf-noshare" in by:
+                pairs = [p / d for p, d in zip(by["hf-noshare"]["all_s"], by["hf"]["all_s"])]
+                print(
+                    f"hf-noshare / hf time per call, round by round: {', '.join(f'{x:.2f}x' for x in pairs)}"
+                )
             print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

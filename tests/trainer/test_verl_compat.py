@@ -98,11 +98,16 @@ def test_every_refused_key_errors_on_a_non_default_value(entry):
 
 def test_engine_only_keys_with_hf_rollout_give_one_warning(capsys):
     _check(
-        ["actor_rollout_ref.rollout.enable_prefix_caching=False", "actor_rollout_ref.rollout.max_num_seqs=3"]
+        [
+            "actor_rollout_ref.rollout.enable_chunked_prefill=False",
+            "actor_rollout_ref.rollout.max_num_seqs=3",
+            "actor_rollout_ref.rollout.enable_prefix_caching=False",  # honoured by HF (shared prefill)
+        ]
     )
     err = capsys.readouterr().err
     assert err.count("rollout.name=hf ignores") == 1
-    assert "enable_prefix_caching" in err and "max_num_seqs" in err
+    assert "enable_chunked_prefill" in err and "max_num_seqs" in err
+    assert "enable_prefix_caching" not in err
 
 
 def test_checkpoint_engine_bucket_size_replaces_the_top_level_key():

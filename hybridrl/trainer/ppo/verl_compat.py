@@ -250,7 +250,6 @@ ENGINE_ONLY = (
     "max_num_seqs",
     "max_model_len",
     "enable_chunked_prefill",
-    "enable_prefix_caching",
     "disable_log_stats",
     "scheduling_policy",
     "logprobs_mode",

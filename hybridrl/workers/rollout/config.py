@@ -19,7 +19,9 @@ Notes on a few keys:
 - `enable_chunked_prefill`, `enable_prefix_caching`, `disable_log_stats`, `scheduling_policy`,
   `logprobs_mode`, `cudagraph_capture_sizes`: vLLM engine arguments veRL exposes at the top level
   (passed to `vllm.LLM`; `engine_kwargs.vllm` still wins). With `name=hf` they do nothing and the
-  trainer says so once.
+  trainer says so once, except `enable_prefix_caching`: the HF engine then runs the prefill once
+  per distinct prompt row of a micro-batch and shares its key/value cache with the row's repeats
+  (GRPO's n samples of a prompt; workers/rollout/hf_prefix.py).
 - `checkpoint_engine`: veRL's newer home of the weight-sync settings. `backend` must be `naive`
   (the in-process, bucketed sync of the colocated engine, the only one here);
   `update_weights_bucket_megabytes`, when set, is the bucket size (it replaces the older

@@ -32,6 +32,7 @@ from hybridrl.workers.rollout.base import (
 )
 from hybridrl.workers.rollout.config import RolloutConfig
 from hybridrl.workers.rollout.cpu_gemm import install_decode_gemm
+from hybridrl.workers.rollout.hf_prefix import shared_prefill
 
 __all__ = ["HFRollout"]
 
@@ -57,7 +58,8 @@ class HFRollout(BaseRollout):
     Args:
         config: rollout section. Uses temperature/top_k/top_p/do_sample, response_length,
             ignore_eos, dtype, load_format, calculate_log_probs, seed, hf_decode_gemm_max_rows
-            (CPU float32 only: workers/rollout/cpu_gemm.py), and the micro-batch size
+            (CPU float32 only: workers/rollout/cpu_gemm.py), enable_prefix_caching (one prefill
+            per distinct prompt row: workers/rollout/hf_prefix.py), and the micro-batch size
             `log_prob_micro_batch_size_per_gpu` (else max_num_seqs; with log_prob_use_dynamic_bsz
             the rows per micro-batch are log_prob_max_token_len_per_gpu // (P + T)).
         model_path: HF model directory (config always; weights unless load_format is dummy).
@@ -211,6 +213,11 @@ class HFRollout(BaseRollout):
         )
         fork_devices = [self.device.index or 0] if self.device.type == "cuda" else []
         stopping = StoppingCriteriaList([_AbortCriteria(self)]) if self.abort_requested is not None else None
+        mm = self._mm_kwargs(request, rows, ids)
+        if self.config.enable_prefix_caching and not mm:  # one prefill per distinct prompt row
+            cache = shared_prefill(self.model, ids, mask)
+            if cache is not None:
+                mm = {"past_key_values": cache}
         with torch.random.fork_rng(devices=fork_devices):
             torch.manual_seed(request.seeds[rows.start])
             out = self.model.generate(
@@ -218,7 +225,7 @@ class HFRollout(BaseRollout):
                 attention_mask=mask,
                 generation_config=gen_cfg,
                 stopping_criteria=stopping,
-                **self._mm_kwargs(request, rows, ids),
+                **mm,
             )
         new = out.sequences[:, prompt_len:]
         token_lists = new.tolist()
