@@ -7,14 +7,21 @@ sequence length; the full s x s product is counted, as in PaLM). Training (forwa
 costs three times the forward: 6 * N * tokens + 12 * L * d * sum_i s_i^2.
 
 MFU = achieved FLOPs / (seconds * peak FLOP/s). The peak is the caller's: `get_peak_flops` gives
-a table value on known GPUs and, on CPU, measures a large matmul once per process.
+a table value on known GPUs and, on CPU, measures a large matmul once per machine: the result is
+kept in `~/.cache/hybridrl/cpu_peak_flops.json` (`$HYBRIDRL_CACHE_DIR` overrides the folder), keyed
+by CPU model, torch version, thread count and dtype, so a run's start-up does not spend ~0.3 s
+(x threads of CPU) measuring it again; delete the file to measure anew.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import platform
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -119,7 +126,53 @@ def get_peak_flops(device: str | None = None, dtype: torch.dtype = torch.bfloat1
             if key in name:
                 return peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
         return 0.0
-    return measure_matmul_flops(dtype)
+    return cached_cpu_peak_flops(dtype)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def peak_cache_path() -> Path:
+    """Where measured CPU peaks are kept (`$HYBRIDRL_CACHE_DIR`, else ~/.cache/hybridrl)."""
+    root = os.environ.get("HYBRIDRL_CACHE_DIR") or str(Path.home() / ".cache" / "hybridrl")
+    return Path(root) / "cpu_peak_flops.json"
+
+
+@functools.lru_cache(maxsize=8)
+def cached_cpu_peak_flops(dtype: torch.dtype = torch.float32) -> float:
+    """`measure_matmul_flops(dtype)` with this process's threads, measured once per machine.
+
+    The key names the CPU model, torch version, thread count and dtype; an unreadable or
+    damaged cache file is measured over (and rewritten atomically), never trusted.
+    """
+    key = f"{_cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}"
+    path = peak_cache_path()
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    table = table if isinstance(table, dict) else {}
+    value = table.get(key)
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value)
+    value = measure_matmul_flops(dtype)
+    try:
+        table[key] = value
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: measure each run, as before
+        pass
+    return value
 
 
 def compute_mfu(flops: float, seconds: float, peak_flops: float | None) -> float | None:

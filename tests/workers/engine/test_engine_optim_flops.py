@@ -101,3 +101,28 @@ def test_clip_and_skip_non_finite_step():
     assert not stepped and math.isnan(grad_norm)
     torch.testing.assert_close(model.weight.data, torch.tensor([[0.4, 0.2]]), atol=1e-5, rtol=0)
     assert model.weight.grad is None
+
+
+def test_cpu_peak_is_kept_per_machine_and_a_damaged_cache_is_measured_over(tmp_path, monkeypatch):
+    import json
+
+    from hybridrl.utils import flops
+
+    monkeypatch.setenv("HYBRIDRL_CACHE_DIR", str(tmp_path))
+    flops.cached_cpu_peak_flops.cache_clear()
+    path = flops.peak_cache_path()
+    assert path.parent == tmp_path
+    path.write_text("{not json")  # damaged: measured over, rewritten
+    first = flops.cached_cpu_peak_flops(torch.float32)
+    table = json.loads(path.read_text())
+    assert list(table.values()) == [first] and first > 1e8
+    # a later process reads the kept value instead of measuring (a planted value proves it)
+    (key,) = table
+    path.write_text(json.dumps({key: 123.0, "other machine": 5.0}))
+    flops.cached_cpu_peak_flops.cache_clear()
+    assert flops.cached_cpu_peak_flops(torch.float32) == 123.0
+    # another dtype is another key: measured and added beside the others
+    flops.cached_cpu_peak_flops.cache_clear()
+    flops.cached_cpu_peak_flops(torch.bfloat16)
+    assert len(json.loads(path.read_text())) == 3
+    flops.cached_cpu_peak_flops.cache_clear()
