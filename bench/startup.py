@@ -107,6 +107,8 @@ def child(backend: str, out: str, first_step: bool) -> None:
         cpu.get(k, 0.0) for k in ("config", "prepare_run", "peak_flops", "ray_init", "workers")
     )
     t["cpu_imports"] = cpu["imports"]
+    for k in ("config", "prepare_run", "peak_flops", "workers"):
+        t[f"cpu_{k}"] = cpu.get(k, 0.0)
     Path(out).write_text(json.dumps(t))
 
 
@@ -154,7 +156,7 @@ def main() -> None:
                     f"round {r + 1} {n} (load avg {load:.2f}): "
                     + ", ".join(f"{k} {v:.2f}" for k, v in t.items())
                 )
-    keys = [*PHASES, "after_imports", "cpu_imports", "cpu_after_imports"]
+    keys = [*PHASES, "after_imports", "cpu_imports", "cpu_config", "cpu_prepare_run", "cpu_peak_flops", "cpu_workers", "cpu_after_imports"]
     med = {n: {k: C.median([t[k] for t in runs[n]]) for k in keys} for n in names}
     rows = [
         [
