@@ -31,7 +31,15 @@ from typing import Any
 
 from hybridrl.utils.config_loader import ConfigError
 
-__all__ = ["RowSpec", "check_data_files", "check_file", "check_messages", "read_columns", "row_spec"]
+__all__ = [
+    "RowSpec",
+    "check_data_files",
+    "check_file",
+    "check_messages",
+    "parquet_table",
+    "read_columns",
+    "row_spec",
+]
 
 _PREPROCESS = "regenerate the file (hybridrl/data/preprocess writes these columns)"
 # the reward managers that decode every row (workers/reward/manager.py decode_samples); a manager
@@ -95,13 +103,20 @@ def check_data_files(config: Any) -> None:
 
 def check_file(path: str, key: str, spec: RowSpec, limit: int | None = None) -> int:
     """Check the first `limit` rows (all: None) of one parquet / jsonl file; returns the rows checked."""
-    columns = read_columns(
-        path, key, _needed(spec), _fixes(spec), lambda schema, where: _check_types(schema, where, spec)
-    )
-    if columns is None:
-        return 0
-    n = len(next(iter(columns.values()))) if columns else 0
-    n = n if limit is None else min(n, limit)
+    needed, fixes = _needed(spec), _fixes(spec)
+    table = parquet_table(path, key, needed, fixes, lambda schema, where: _check_types(schema, where, spec))
+    if table is not None:
+        n = table.num_rows if limit is None else min(table.num_rows, limit)
+        table = table.slice(0, n)
+        if _arrow_rows_ok(table, spec):
+            return n  # every row passes: checked on the arrow columns, no Python objects built
+        columns = {c: table.column(c).to_pylist() for c in needed}  # find the row, say what is wrong
+    else:
+        columns = read_columns(path, key, needed, fixes)
+        if columns is None:
+            return 0
+        n = len(next(iter(columns.values()))) if columns else 0
+        n = n if limit is None else min(n, limit)
     where = f"{key}: file {path!r}"
     check_messages(columns[spec.prompt_key][:n], where, spec.prompt_key, "data.prompt_key", allow_str=True)
     if spec.source_key is not None:
@@ -146,18 +161,8 @@ def read_columns(
     suffix = os.path.splitext(path)[1].lower()
     where = f"{key}: file {path!r}"
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            pf = pq.ParquetFile(path)
-            schema = pf.schema_arrow
-        except Exception:  # noqa: BLE001  (empty / corrupt: the loader's message names it)
-            return None
-        _require(where, needed, list(schema.names), fixes)
-        if check_schema is not None:
-            check_schema(schema, where)
-        table = pf.read(columns=list(dict.fromkeys(needed)))
-        return {c: table.column(c).to_pylist() for c in needed}
+        table = parquet_table(path, key, needed, fixes, check_schema)
+        return None if table is None else {c: table.column(c).to_pylist() for c in needed}
     if suffix in (".jsonl", ".json"):
         rows = _jsonl_rows(path)
         if rows is None:
@@ -165,6 +170,60 @@ def read_columns(
         _require(where, needed, list(dict.fromkeys(k for r in rows for k in r)), fixes)
         return {c: [r.get(c) for r in rows] for c in needed}  # a row without it fails its row check
     return None
+
+
+def parquet_table(
+    path: str, key: str, needed: list[str], fixes: dict[str, str], check_schema: Callable | None = None
+) -> Any:
+    """The `needed` columns of a parquet file as a pyarrow Table (missing columns and, with
+    `check_schema`, column types checked first); None for anything the dataset loader must report
+    (missing, unreadable, not parquet)."""
+    if not (os.path.isfile(path) and os.path.splitext(path)[1].lower() == ".parquet"):
+        return None
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+        schema = pf.schema_arrow
+    except Exception:  # noqa: BLE001  (empty / corrupt: the loader's message names it)
+        return None
+    where = f"{key}: file {path!r}"
+    _require(where, needed, list(schema.names), fixes)
+    if check_schema is not None:
+        check_schema(schema, where)
+    return pf.read(columns=list(dict.fromkeys(needed)))
+
+
+def _arrow_rows_ok(table: Any, spec: RowSpec) -> bool:
+    """Whether every row passes, computed on the arrow columns (False: look row by row)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        prompt = table.column(spec.prompt_key).combine_chunks()
+        if prompt.null_count:
+            return False
+        if pa.types.is_list(prompt.type) or pa.types.is_large_list(prompt.type):
+            if pc.any(pc.equal(pc.list_value_length(prompt), 0)).as_py():
+                return False
+            messages = pc.list_flatten(prompt)
+            role = messages.type.field("role").type
+            if messages.null_count or not (pa.types.is_string(role) or pa.types.is_large_string(role)):
+                return False
+            if any(messages.field(f).null_count for f in ("role", "content")):
+                return False
+        if spec.known_sources is not None:
+            sources = table.column(str(spec.source_key)).combine_chunks()
+            known = pa.array(list(spec.known_sources), type=sources.type)
+            if not pc.all(pc.fill_null(pc.is_in(sources, value_set=known), False)).as_py():
+                return False
+        if spec.ground_truth:
+            rm = table.column("reward_model").combine_chunks()
+            if rm.null_count or (spec.known_sources is not None and rm.field("ground_truth").null_count):
+                return False
+    except (pa.ArrowException, KeyError, TypeError, ValueError):
+        return False
+    return True
 
 
 def _require(where: str, needed: list[str], present: list[str], fixes: dict[str, str]) -> None:
