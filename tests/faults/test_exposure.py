@@ -144,16 +144,13 @@ def test_sigterm_runs_the_drivers_cleanup(tmp_path):
     assert "[hybridrl] SIGTERM: stopping" in err and "TRACKER-FINISHED" in out
 
 
-def _score_one(data_source, solution_str, ground_truth, extra_info=None):
-    return float(solution_str == ground_truth)
-
-
 def test_the_prime_pool_does_not_fork_the_driver():
     """The prime reward manager's pool processes start from a forkserver (a clean process), not as
     forks of the multi-threaded driver; its start is outside every scoring deadline."""
     from hybridrl.workers.reward.prime import PrimeRewardManager
 
-    mgr = PrimeRewardManager(None, 0, compute_score=_score_one, num_workers=1, timeout=1)
+    # a builtin as the score function: the pool process imports nothing more to unpickle it
+    mgr = PrimeRewardManager(None, 0, compute_score=dict, num_workers=1, timeout=1)
     assert mgr.mp_start_method == "forkserver"
     try:
         parent = mgr._get_pool().submit(os.getppid).result(timeout=60)
@@ -162,6 +159,7 @@ def test_the_prime_pool_does_not_fork_the_driver():
     assert parent != os.getpid()  # a fork of this process would report its pid
 
 
+@pytest.mark.slow
 def test_sigterm_runs_the_sft_cleanup(tmp_path):
     """main_sft as well: SIGTERM during a step closes the tracker and exits 143."""
     marker = tmp_path / "training"
