@@ -19,6 +19,7 @@ imported lazily: `import hybridrl.protocol` does not import ray.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import pickle
 from collections.abc import Callable, Iterator, Sequence
@@ -495,11 +496,17 @@ class DataProtoFuture:
     `get()` runs `ray.get` on `futures`, combines them with `collect_fn` (default concat) and, if
     set, applies `dispatch_fn` (e.g. take chunk i of n). Passing a future to a worker lets the
     worker resolve only its own piece, so the data never goes through the driver.
+
+    `timeout_s` is the `trainer.step_timeout_s` of the driver that made the future (None: the
+    waiting process's own); `waiter` names the worker method that resolves it inside a worker
+    (set there, see `single_controller.base`), which then waits `deadlines.nested_timeout` of it.
     """
 
     collect_fn: Callable[[list[DataProto]], DataProto]
     futures: list[Any]
     dispatch_fn: Callable[[DataProto], DataProto] | None = None
+    timeout_s: float | None = None
+    waiter: str = ""
 
     @staticmethod
     def concat(data: list[Any]) -> DataProtoFuture:
@@ -507,22 +514,32 @@ class DataProtoFuture:
         return DataProtoFuture(collect_fn=DataProto.concat, futures=list(data))
 
     def chunk(self, chunks: int) -> list[DataProtoFuture]:
-        """`chunks` futures; future i resolves to chunk i of this future's result."""
+        """`chunks` futures of this one's class and settings; future i resolves to chunk i of this
+        future's result."""
         if self.dispatch_fn is not None:
             raise ValueError("chunk: this future is already a chunk; chunk the parent future instead")
         return [
-            DataProtoFuture(
-                collect_fn=self.collect_fn,
-                futures=self.futures,
-                dispatch_fn=functools.partial(_take_chunk, index=i, chunks=chunks),
-            )
+            dataclasses.replace(self, dispatch_fn=functools.partial(_take_chunk, index=i, chunks=chunks))
             for i in range(chunks)
         ]
 
-    def get(self) -> DataProto:
-        import ray  # lazy: the protocol module must not pull in ray
+    def wait_limit(self) -> float:
+        """Seconds `get()` may wait without progress (see the class docstring)."""
+        from hybridrl.utils import deadlines
 
-        output = self.collect_fn(ray.get(self.futures))
+        return (
+            deadlines.nested_timeout(self.timeout_s)
+            if self.waiter
+            else (self.timeout_s or deadlines.step_timeout())
+        )
+
+    def get(self) -> DataProto:
+        from hybridrl.utils import deadlines
+
+        what = f"{self.waiter or 'the driver'}: DataProtoFuture.get"
+        output = self.collect_fn(
+            deadlines.get_refs(list(self.futures), what=what, timeout_s=self.wait_limit())
+        )
         if self.dispatch_fn is not None:
             output = self.dispatch_fn(output)
         return output

@@ -508,7 +508,7 @@ class AsyncRolloutManager:
                 chunk = self._inflight.pop(ref)
                 chunk.worker.busy = False
             try:
-                out = ray.get(ref)
+                out = ray.get(ref)  # ready (ray.wait above): does not wait
             except RayActorError as err:
                 self._requeue(chunk)
                 self._mark_dead(chunk.worker, err)

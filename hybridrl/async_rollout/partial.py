@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from hybridrl.protocol import DataProto
+from hybridrl.utils import deadlines
 from hybridrl.workers.engine_workers import ActorRolloutRefWorker
 from hybridrl.workers.rollout.resume import generate_resumable
 
@@ -62,7 +63,8 @@ class PartialRolloutWorker(ActorRolloutRefWorker):
         Returns:
             True if a generation older than `version` may be running.
         """
-        if ready:
-            ray.wait(list(ready), num_returns=len(ready), fetch_local=False)
+        if ready:  # bounded: one payload that never comes must not block the one control thread
+            what = f"rollout worker {self.rank} abort_generation (version {version}): the weight payload"
+            deadlines.wait_refs(list(ready), what=what)
         self._abort_below = max(self._abort_below, int(version))
         return self._abort_pending()

@@ -12,6 +12,7 @@ group reads that record to build ``wg.<method>(...)`` on the driver.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import inspect
@@ -69,14 +70,27 @@ class RegisterSpec:
     materialize_futures: bool = True
 
 
-def _materialize(value: Any) -> Any:
-    """Resolve a DataProtoFuture or a Ray ObjectRef into its value; anything else unchanged."""
+def _materialize(value: Any, waiter: str) -> Any:
+    """Resolve a DataProtoFuture or a Ray ObjectRef into its value; anything else unchanged.
+
+    The wait has a deadline (``deadlines.nested_timeout``: most of ``trainer.step_timeout_s``), so
+    that a hung producer fails this call with an error naming the producer's group, rank and
+    method (a WorkerHungError) or the key (a DeadlineError), not after the driver's own deadline.
+    ``waiter`` names this worker's group, rank and method in that error.
+    """
     if isinstance(value, DataProtoFuture):
-        return value.get()
+        return dataclasses.replace(value, waiter=waiter).get()
     ray = _ray_if_loaded()
     if ray is not None and isinstance(value, ray.ObjectRef):
-        return ray.get(value)
+        from hybridrl.utils import deadlines
+
+        return deadlines.get_refs(value, what=f"{waiter}: an ObjectRef argument")
     return value
+
+
+def _waiter(worker: Any, method: str) -> str:
+    group = os.environ.get("HYBRIDRL_WORKER_GROUP", "")
+    return f"worker group {group!r} rank {getattr(worker, 'rank', 0)} in {method!r}"
 
 
 def _ray_if_loaded() -> Any:
@@ -119,8 +133,9 @@ def register(
         @functools.wraps(fn)
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             if materialize_futures:
-                args = tuple(_materialize(a) for a in args)
-                kwargs = {k: _materialize(v) for k, v in kwargs.items()}
+                waiter = _waiter(self, fn.__name__)
+                args = tuple(_materialize(a, waiter) for a in args)
+                kwargs = {k: _materialize(v, waiter) for k, v in kwargs.items()}
             out = fn(self, *args, **kwargs)
             if mode.mesh is not None and not self.mesh_coord(mode.mesh).is_collector:
                 return None  # the driver keeps the collector's result only: do not ship copies

@@ -30,6 +30,14 @@ class WorkerGroupError(RuntimeError):
         super().__init__(message)
         self.group, self.rank, self.method, self.cause = group, rank, method, cause
 
+    def __reduce__(self) -> tuple:
+        # picklable (raised inside a worker, it travels to the driver); the cause stays behind
+        return _rebuild_error, (type(self), str(self), self.group, self.rank, self.method)
+
+
+def _rebuild_error(cls: type, message: str, group: str, rank: int, method: str) -> WorkerGroupError:
+    return cls(message, group=group, rank=rank, method=method)
+
 
 class WorkerDiedError(WorkerGroupError):
     """The process of a worker died (killed, crashed, out of memory) during or before a call."""

@@ -14,12 +14,20 @@ Two settings of the run (set once on the driver by ``configure(config)``, read b
 A call with a deadline runs in a private daemon thread that nobody joins: after the deadline the
 caller raises :class:`DeadlineError` and goes on; the thread is left to finish on its own (Python
 cannot stop a thread), and never keeps the process from exiting.
+
+Worker processes get both settings from the driver: a Ray worker group starts its actors with
+``worker_env()`` (``HYBRIDRL_STEP_TIMEOUT_S`` / ``HYBRIDRL_REWARD_TIMEOUT_S``), read when this
+module is imported there. A wait inside a worker on another group's result (a future handed to a
+worker method) gets ``nested_timeout()``: ``NESTED_FRACTION`` of the step deadline, so that the
+worker's error, which names the group and rank it waits on, arrives before the driver's own
+deadline on the waiting worker fires.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
@@ -27,15 +35,20 @@ __all__ = [
     "call_with_deadline",
     "check_keys",
     "configure",
+    "get_refs",
+    "nested_timeout",
     "reward_timeout",
     "set_step_timeout",
     "step_timeout",
+    "wait_refs",
+    "worker_env",
 ]
 
 STEP_KEY = "trainer.step_timeout_s"
 REWARD_KEY = "trainer.reward_timeout_s"
 _DEFAULT_STEP_S = 3600.0
-_settings = {"step": _DEFAULT_STEP_S, "reward": 600.0}
+STEP_ENV, REWARD_ENV = "HYBRIDRL_STEP_TIMEOUT_S", "HYBRIDRL_REWARD_TIMEOUT_S"
+NESTED_FRACTION = 0.8
 
 
 class DeadlineError(TimeoutError):
@@ -45,6 +58,13 @@ class DeadlineError(TimeoutError):
         super().__init__(message)
         self.key, self.waited_s = key, waited_s
 
+    def __reduce__(self) -> tuple:  # picklable: raised in a worker, it travels to the driver
+        return _rebuild_deadline_error, (str(self), self.key, self.waited_s)
+
+
+def _rebuild_deadline_error(message: str, key: str, waited_s: float) -> DeadlineError:
+    return DeadlineError(message, key=key, waited_s=waited_s)
+
 
 def check_timeout(value: Any, key: str, *, allow_zero: bool) -> float:
     """``value`` as seconds, or ValueError naming ``key`` (must be > 0, or >= 0 with allow_zero)."""
@@ -53,6 +73,37 @@ def check_timeout(value: Any, key: str, *, allow_zero: bool) -> float:
         bound = ">= 0 (0: off)" if allow_zero else "> 0"
         raise ValueError(f"{key}={value!r} must be a number of seconds {bound}; e.g. {key}=600")
     return float(value)
+
+
+def _from_env(name: str, default: float, *, allow_zero: bool) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return check_timeout(float(raw), name, allow_zero=allow_zero)
+    except ValueError:
+        raise ValueError(
+            f"env var {name}={raw!r} must be a number of seconds; the worker group sets it from "
+            f"{STEP_KEY if name == STEP_ENV else REWARD_KEY}, do not set it by hand"
+        ) from None
+
+
+# this process's settings: the driver's (configure), or in a worker the values its group passed
+_settings = {
+    "step": _from_env(STEP_ENV, _DEFAULT_STEP_S, allow_zero=False),
+    "reward": _from_env(REWARD_ENV, 600.0, allow_zero=True),
+}
+
+
+def worker_env() -> dict[str, str]:
+    """The env vars that hand this process's deadlines to a worker process it starts."""
+    return {STEP_ENV: repr(_settings["step"]), REWARD_ENV: repr(_settings["reward"])}
+
+
+def nested_timeout(step_s: float | None = None) -> float:
+    """The deadline of a wait inside a worker on another group's result: NESTED_FRACTION of
+    ``step_s`` (default: this process's ``trainer.step_timeout_s``)."""
+    return NESTED_FRACTION * (step_timeout() if step_s is None else float(step_s))
 
 
 def set_step_timeout(seconds: float) -> None:
@@ -143,6 +194,57 @@ def call_with_deadline(
             ) from err
         raise err
     return box.get("value")
+
+
+def wait_refs(refs: Sequence[Any], *, what: str, timeout_s: float | None = None, key: str = STEP_KEY) -> None:
+    """Wait until every Ray object of ``refs`` exists (not fetched), or raise DeadlineError.
+
+    Args:
+        refs: Ray ObjectRefs.
+        what: the wait, as the error names it (e.g. "rollout worker 1 abort_generation: the weights").
+        timeout_s: seconds; default ``nested_timeout()`` (a wait inside a worker).
+        key: the config key that sets the deadline.
+    """
+    import ray
+
+    refs = list(refs)
+    if not refs:
+        return
+    limit = nested_timeout() if timeout_s is None else float(timeout_s)
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=limit, fetch_local=False)
+    if pending:
+        raise _wait_error(what, len(pending), len(refs), limit, key, nested=timeout_s is None)
+
+
+def get_refs(refs: Any, *, what: str, timeout_s: float | None = None, key: str = STEP_KEY) -> Any:
+    """``ray.get(refs)`` that raises DeadlineError naming ``what`` and ``key`` after ``timeout_s``
+    (default ``nested_timeout()``) instead of waiting forever. ``refs``: one ObjectRef or a list."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    limit = nested_timeout() if timeout_s is None else float(timeout_s)
+    try:
+        return ray.get(refs, timeout=limit)
+    except GetTimeoutError:
+        n = len(refs) if isinstance(refs, (list, tuple)) else 1
+        raise _wait_error(what, None, n, limit, key, nested=timeout_s is None) from None
+
+
+def _wait_error(
+    what: str, pending: int | None, total: int, limit: float, key: str, *, nested: bool
+) -> DeadlineError:
+    missing = f"{pending} of {total}" if pending is not None else f"some of {total}"
+    setting = (
+        f"{key}={step_timeout():g}; a wait inside a worker gets {NESTED_FRACTION:g} of it"
+        if nested
+        else f"{key}={limit:g}"
+    )
+    return DeadlineError(
+        f"{what}: {missing} Ray object(s) did not exist within {limit:g} s ({setting}). Find the task that "
+        f"should produce them (a hung or dead worker), or raise {key}.",
+        key=key,
+        waited_s=limit,
+    )
 
 
 class RewardWithDeadline:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import time
 
+from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import Dispatch, Worker, register
+from hybridrl.utils import deadlines
 
 
 class NapWorker(Worker):
@@ -31,3 +33,38 @@ class HangingScorer:
     def score(self, seqs: list[list[int]]) -> list[float]:
         time.sleep(self.seconds)
         return [0.0] * len(seqs)
+
+
+class ProducerWorker(Worker):
+    """Hands its result to another group as a future; `produce` can hang (alive, sleeping)."""
+
+    @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def produce(self, data: DataProto, seconds: float) -> DataProto:
+        time.sleep(seconds)
+        return data
+
+    @register(Dispatch.ONE_TO_ALL)
+    def nap(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+
+class ConsumerWorker(Worker):
+    """Resolves futures and object refs of another group inside the worker."""
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def consume(self, data: DataProto) -> DataProto:
+        return data
+
+    @register(Dispatch.ONE_TO_ALL)
+    def timeouts(self) -> tuple[float, float]:
+        return deadlines.step_timeout(), deadlines.reward_timeout()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def wait_for(self, boxed: list, seconds: float, how: str) -> str:
+        """Wait (inside this worker) for the ObjectRef in `boxed` (boxed: Ray does not resolve it)."""
+        if how == "get":
+            deadlines.get_refs(boxed[0], what="ConsumerWorker.wait_for", timeout_s=seconds)
+        else:
+            deadlines.wait_refs(boxed, what="ConsumerWorker.wait_for", timeout_s=seconds)
+        return "ready"

@@ -1,5 +1,5 @@
-"""Exposure (issue 30): no secret in a logged config, the embedded Ray on 127.0.0.1 only, and
-SIGTERM runs the driver's cleanup."""
+"""Exposure (issue 30): no secret in a logged config, the embedded Ray on 127.0.0.1 only,
+SIGTERM runs the driver's cleanup, and the prime pool is not forked from the driver."""
 
 from __future__ import annotations
 
@@ -134,6 +134,65 @@ def test_sigterm_runs_the_drivers_cleanup(tmp_path):
         while not marker.exists():
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the run never reached the reward function"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, (proc.returncode, err[-2000:])
+    assert "[hybridrl] SIGTERM: stopping" in err and "TRACKER-FINISHED" in out
+
+
+def test_the_prime_pool_does_not_fork_the_driver():
+    """The prime reward manager's pool processes start from a forkserver (a clean process), not as
+    forks of the multi-threaded driver; its start is outside every scoring deadline."""
+    from hybridrl.workers.reward.prime import PrimeRewardManager
+
+    # a builtin as the score function: the pool process imports nothing more to unpickle it
+    mgr = PrimeRewardManager(None, 0, compute_score=dict, num_workers=1, timeout=1)
+    assert mgr.mp_start_method == "forkserver"
+    try:
+        parent = mgr._get_pool().submit(os.getppid).result(timeout=60)
+    finally:
+        mgr.close()
+    assert parent != os.getpid()  # a fork of this process would report its pid
+
+
+@pytest.mark.slow
+def test_sigterm_runs_the_sft_cleanup(tmp_path):
+    """main_sft as well: SIGTERM during a step closes the tracker and exits 143."""
+    marker = tmp_path / "training"
+    script = tmp_path / "sft.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, time
+            sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+            from hybridrl.trainer.sft import launch, trainer
+            from hybridrl.utils import tracking
+            finish = tracking.Tracking.finish
+            def finish_and_say(self):
+                print("TRACKER-FINISHED", flush=True)
+                return finish(self)
+            tracking.Tracking.finish = finish_and_say
+            def hanging_step(self, indices):
+                open({str(marker)!r}, "a").close()
+                time.sleep(120)
+            trainer.SFTTrainer.train_step = hanging_step
+            launch.run_sft(["trainer.logger=[console,file]", "trainer.log_dir={tmp_path / "logs"}",
+                "trainer.total_training_steps=1", "trainer.val_before_train=false"])
+            """
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run never reached its first step"
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)

@@ -6,8 +6,9 @@ Three tiers, each row must fail with a message that names the key:
   (`run_config_stage`: derivations, veRL compat, every start-up check) runs (milliseconds a row);
 * LOADER_ROWS: overrides composed from the yaml like a command line (the typed loader's own
   checks: types, unknown keys, the sections' checks), about 1-2 s a row;
-* FILE_ROWS: real input files (train/val parquet schemas, model folder and config.json, tokenizer,
-  reward function file) read by `prepare_run`, the driver's part that runs before Ray starts.
+* FILE_ROWS: real input files (train/val parquet schemas and every row, model folder and config.json,
+  tokenizer, reward function file, tool / interaction / agent-loop configs and the classes they
+  name) read by `prepare_run`, the driver's part that runs before Ray starts.
 """
 
 from __future__ import annotations
@@ -266,6 +267,40 @@ def _text(path, text: str) -> str:
     return str(path)
 
 
+def _bad_row(tmp_path, name, column, value, row=37) -> str:
+    """The built-in task's rows with one bad value in the middle (all rows are checked before Ray)."""
+    data, _ = _builtin()
+    df = pd.read_parquet(data["train"]).head(64).reset_index(drop=True)
+    values = list(df[column])
+    values[row] = value
+    df[column] = pd.Series(values, dtype=object)
+    return _parquet_of(df, tmp_path / name)
+
+
+def _parquet_of(df, path) -> str:
+    df.to_parquet(path)
+    return str(path)
+
+
+def _with_agent_name(tmp_path, name: str) -> str:
+    data, _ = _builtin()
+    df = pd.read_parquet(data["train"]).head(64)
+    return _parquet_of(df.assign(agent_name=name), tmp_path / "agent.parquet")
+
+
+def _tool_yaml(tmp_path, entry) -> str:
+    return _text(
+        tmp_path / "tools.yaml", yaml.safe_dump({"tools": [entry]} if entry is not None else {"x": 1})
+    )
+
+
+SCHEMA = {
+    "type": "function",
+    "function": {"name": "calc", "description": "d", "parameters": {"type": "object"}},
+}
+MT = "actor_rollout_ref.rollout.multi_turn"
+AGENT = "actor_rollout_ref.rollout.agent"
+
 # name -> builds the bad file(s) in tmp_path and returns (overrides, the key the message must name)
 FILE_ROWS = {
     "missing train file": lambda t: ([f"data.train_files={t}/missing.parquet"], "data.train_files"),
@@ -321,6 +356,93 @@ FILE_ROWS = {
     "unknown reward manager": lambda t: (
         ["reward_model.reward_manager=bogus"],
         "reward_model.reward_manager",
+    ),
+    "reward function with the wrong signature": lambda t: (
+        [
+            f"custom_reward_function.path={_text(t / 'sig.py', 'def compute_score(text):' + chr(10) + '    return 0.0' + chr(10))}"
+        ],
+        "custom_reward_function.name",
+    ),
+    # every row of the data files (not only the first) -----------------------------------------
+    "empty prompt in the middle of the train file": lambda t: (
+        [f"data.train_files={_bad_row(t, 'p.parquet', 'prompt', [])}"],
+        "data.train_files",
+    ),
+    # (the val rows: data.val_max_samples=16 here, rows past it are not used, so not checked)
+    "unknown data source in the middle of the val file": lambda t: (
+        [f"data.val_files={_bad_row(t, 's.parquet', 'data_source', 'my/task', row=10)}"],
+        "data.reward_fn_key",
+    ),
+    "no reward_model in a row of the val file": lambda t: (
+        [f"data.val_files={_bad_row(t, 'g.parquet', 'reward_model', None, row=10)}"],
+        "data.val_files",
+    ),
+    "train file without the data_source column": lambda t: (
+        [f"data.train_files={_parquet(t, 'nods.parquet', drop='data_source')}"],
+        "data.reward_fn_key",
+    ),
+    # plug-ins the rollout workers would load after Ray started ----------------------------------
+    "tool class that does not import": lambda t: (
+        [f"{MT}.tool_config_path={_tool_yaml(t, {'class_name': 'no_such_pkg.Tool', 'tool_schema': SCHEMA})}"],
+        f"{MT}.tool_config_path",
+    ),
+    "tool class that is not a BaseTool": lambda t: (
+        [
+            f"{MT}.tool_config_path={_tool_yaml(t, {'class_name': 'collections.OrderedDict', 'tool_schema': SCHEMA})}"
+        ],
+        f"{MT}.tool_config_path",
+    ),
+    "tool schema that is not a function schema": lambda t: (
+        [
+            f"{MT}.tool_config_path="
+            + _tool_yaml(
+                t,
+                {
+                    "class_name": "hybridrl.workers.agent.builtin_tools.Gsm8kTool",
+                    "tool_schema": {"type": "function", "function": "calc"},
+                },
+            )
+        ],
+        f"{MT}.tool_config_path",
+    ),
+    "tool yaml without a tools list": lambda t: (
+        [f"{MT}.tool_config_path={_tool_yaml(t, None)}"],
+        f"{MT}.tool_config_path",
+    ),
+    "function tool file without tools": lambda t: (
+        [f"{MT}.function_tool_path={_text(t / 'ft.py', 'x = 1' + chr(10))}"],
+        f"{MT}.function_tool_path",
+    ),
+    "interaction class that does not import": lambda t: (
+        [
+            f"{MT}.interaction_config_path="
+            + _text(
+                t / "i.yaml",
+                yaml.safe_dump({"interaction": [{"name": "u", "class_name": "no_such_pkg.User"}]}),
+            )
+        ],
+        f"{MT}.interaction_config_path",
+    ),
+    "agent loop that is not an AgentLoopBase": lambda t: (
+        [
+            f"{AGENT}.agent_loop_config_path="
+            + _text(
+                t / "loops.yaml", yaml.safe_dump([{"name": "mine", "_target_": "collections.OrderedDict"}])
+            )
+        ],
+        f"{AGENT}.agent_loop_config_path",
+    ),
+    "unknown default agent loop": lambda t: (
+        [f"{AGENT}.default_agent_loop=nope_agent"],
+        f"{AGENT}.default_agent_loop",
+    ),
+    "unknown agent_name in the data": lambda t: (
+        [f"data.train_files={_with_agent_name(t, 'nope_agent')}"],
+        "agent_name",
+    ),
+    "unregistered tool-call format": lambda t: (
+        [f"{MT}.enable=true", f"{MT}.format=nope_format"],
+        f"{MT}.format",
     ),
 }
 

@@ -214,8 +214,8 @@ def test_eval_errors_name_the_problem(tmp_path):
     with pytest.raises(KeyError, match=r"r\.parquet.*no column 'responses'"):
         run_eval({"data": {"path": _responses_file(tmp_path / "r.parquet", rows)}})
     rows = [{"data_source": "nobody/knows", "reward_model": {"ground_truth": "2"}, "responses": ["#### 2"]}]
-    with pytest.raises(NotImplementedError, match="custom_reward_function.path"):
-        run_eval({"data": {"path": _responses_file(tmp_path / "u.parquet", rows)}})
+    with pytest.raises(ConfigError, match="row 0.*'nobody/knows'.*custom_reward_function.path"):
+        run_eval({"data": {"path": _responses_file(tmp_path / "u.parquet", rows)}})  # before any scoring
     rows = [{"data_source": "hybridrl/arith", "reward_model": {"answer": "2"}, "responses": ["#### 2"]}]
     with pytest.raises(ValueError, match="row 0.*no key 'ground_truth'"):
         run_eval({"data": {"path": _responses_file(tmp_path / "g.parquet", rows)}})

@@ -230,6 +230,16 @@ def _wrap_error(err: RayError, group: str, rank: int, method: str) -> WorkerGrou
             method=method,
             cause=err,
         )
+    cause = getattr(err, "cause", None)
+    if isinstance(err, RayTaskError) and isinstance(cause, WorkerHungError):
+        # the rank gave up waiting on another group's result: that group's rank is the hung one
+        return WorkerHungError(
+            f"worker group {group!r}: rank {rank} gave up in {method!r} waiting for its input: {cause}",
+            group=cause.group,
+            rank=cause.rank,
+            method=cause.method,
+            cause=err,
+        )
     kind = "raised" if isinstance(err, RayTaskError) else f"failed with {type(err).__name__}"
     return WorkerGroupError(
         f"worker group {group!r}: rank {rank} {kind} in {method!r}. Remote traceback:\n{text}",
@@ -248,6 +258,7 @@ def gather_refs(
     ranks: Sequence[int],
     timeout_s: float | None = None,
     timeout_key: str = deadlines.STEP_KEY,
+    limit_label: str | None = None,
 ) -> list[Any]:
     """``ray.get`` on the refs of several ranks, failing fast and never waiting forever.
 
@@ -255,7 +266,8 @@ def gather_refs(
     raised or died surfaces at once (as a WorkerGroupError naming group, rank and method) even
     if the other ranks block, e.g. in a collective waiting for the dead one. When no rank has
     finished for ``timeout_s`` (default: ``trainer.step_timeout_s``), a WorkerHungError names the
-    group, the first unfinished rank, the method, how long it waited and ``timeout_key``.
+    group, the first unfinished rank, the method, how long it waited and ``timeout_key``
+    (``limit_label``, when given, says how the limit follows from the key).
     """
     refs = list(refs)
     limit = deadlines.step_timeout() if timeout_s is None else float(timeout_s)
@@ -273,17 +285,18 @@ def gather_refs(
         now = time.monotonic()
         if pending and now - last_progress >= limit:
             stuck = [ranks[i] for i in pending]
-            raise _hung_error(group, stuck, method, now - last_progress, now - t0, limit, timeout_key)
+            label = limit_label or f"{timeout_key}={limit:g}"
+            raise _hung_error(group, stuck, method, now - last_progress, now - t0, label, timeout_key)
         timeout = min(timeout * 2, 0.5, max(limit - (now - last_progress), 0.001))
     return [values[i] for i in range(len(refs))]
 
 
 def _hung_error(
-    group: str, stuck: list[int], method: str, idle_s: float, total_s: float, limit: float, key: str
+    group: str, stuck: list[int], method: str, idle_s: float, total_s: float, label: str, key: str
 ) -> WorkerHungError:
     return WorkerHungError(
         f"worker group {group!r}: rank {stuck[0]} is alive but made no progress in {method!r} for "
-        f"{idle_s:.1f} s (waited {total_s:.1f} s in all; unfinished ranks {stuck}); {key}={limit:g}. "
+        f"{idle_s:.1f} s (waited {total_s:.1f} s in all; unfinished ranks {stuck}); {label}. "
         f"Find what rank {stuck[0]} waits on (a collective another rank never entered, a lock, a "
         f"remote service), or raise {key} if the step is just slow.",
         group=group,
@@ -294,7 +307,7 @@ def _hung_error(
 
 def _get_one(ref: ray.ObjectRef, group: str, rank: int, method: str) -> Any:
     try:
-        return ray.get(ref)
+        return ray.get(ref)  # ready (gather_refs' ray.wait): does not wait
     except RayError as err:
         raise _wrap_error(err, group, rank, method) from None
 
@@ -330,7 +343,21 @@ class WorkerGroupDataProtoFuture(DataProtoFuture):
     ranks: list[int] = field(default_factory=list)
 
     def get(self) -> DataProto:
-        outputs = gather_refs(self.futures, group=self.group, method=self.method, ranks=self.ranks)
+        limit, label = self.wait_limit(), None
+        if self.waiter:  # inside a worker: see DataProtoFuture / deadlines.nested_timeout
+            step = self.timeout_s or deadlines.step_timeout()
+            label = (
+                f"{deadlines.STEP_KEY}={step:g}, of which {self.waiter} waits "
+                f"{deadlines.NESTED_FRACTION:g} ({limit:g} s) for this input"
+            )
+        outputs = gather_refs(
+            self.futures,
+            group=self.group,
+            method=self.method,
+            ranks=self.ranks,
+            timeout_s=limit,
+            limit_label=label,
+        )
         output = self.collect_fn(outputs)
         if self.dispatch_fn is not None:
             output = self.dispatch_fn(output)
@@ -407,6 +434,7 @@ class RayWorkerGroup(WorkerGroup):
         for rank, slot in enumerate(slots):
             env_vars = {
                 **omp_env,
+                **deadlines.worker_env(),  # trainer.step_timeout_s / reward_timeout_s in the worker
                 **user_env_vars,
                 "OMP_NUM_THREADS": threads,
                 "HYBRIDRL_NUM_THREADS": threads,
@@ -516,7 +544,12 @@ class RayWorkerGroup(WorkerGroup):
     ) -> Any:
         if returns_data_proto:
             return WorkerGroupDataProtoFuture(
-                collect_fn=collect, futures=handles, group=self._name, method=method, ranks=ranks
+                collect_fn=collect,
+                futures=handles,
+                timeout_s=deadlines.step_timeout(),  # the driver's, when this future is resolved in a worker
+                group=self._name,
+                method=method,
+                ranks=ranks,
             )
         return WorkerGroupFuture(handles, collect, self._name, method, ranks)
 

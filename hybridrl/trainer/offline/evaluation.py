@@ -15,6 +15,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from hybridrl.data.rl_dataset import read_rows
+from hybridrl.trainer.offline.checks import check_eval_inputs
 from hybridrl.trainer.offline.generation import generate_responses
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.utils.metrics import process_validation_metrics
@@ -237,6 +238,7 @@ def run_eval(cfg: DictConfig | dict | list[str] | None = None) -> dict[str, Any]
     d, c = config.data, config.custom_reward_function
     rows, _ = read_rows(d.path, "data.path", [d.response_key, d.data_source_key, d.reward_model_key])
     score_fn = load_custom_reward_fn(c.path, c.name, c.reward_kwargs) or default_compute_score
+    check_eval_inputs(config, score_fn, rows)  # before any row is scored
     sources, uids, infos = score_rows(rows, config, score_fn)
     metrics = process_validation_metrics(sources, uids, infos)
     summary = summarize(metrics)

@@ -18,6 +18,7 @@ from hybridrl.data.rl_dataset import as_messages, compute_position_ids, read_row
 from hybridrl.models.builtin import resolve_model_path
 from hybridrl.models.hf import import_external_libs, load_tokenizer
 from hybridrl.protocol import DataProto
+from hybridrl.trainer.offline.checks import check_model_folder, check_output_path
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.utils.device import get_torch_device
 from hybridrl.workers.config import ModelConfig
@@ -105,6 +106,9 @@ def load_generation_config(cfg: DictConfig | dict | list[str] | None = None) -> 
             "compatibility, but generation runs in this one process on one device; set both to 1 "
             "(for more throughput use rollout.name=vllm with rollout.tensor_model_parallel_size)"
         )
+    from hybridrl.trainer.offline.checks import check_generation_values
+
+    check_generation_values(config)
     return config
 
 
@@ -227,7 +231,10 @@ def run_generation(cfg: DictConfig | dict | list[str] | None = None) -> str:
     rows, _ = read_rows(path, "data.path", [d.prompt_key])
     if d.max_samples > 0:
         rows = rows[: d.max_samples]
+    output = d.output_path or os.path.join("outputs", f"{Path(str(path)).stem}_responses.parquet")
+    check_output_path(output, "data.output_path")  # written last: refuse a bad one before generating
     import_external_libs(m.external_lib)
+    check_model_folder(m.path, "model.path")
     model_path = resolve_model_path(m.path, key="model.path")
     tok_path = resolve_model_path(m.tokenizer_path, key="model.tokenizer_path") if m.tokenizer_path else None
     tokenizer = load_tokenizer(
@@ -242,7 +249,6 @@ def run_generation(cfg: DictConfig | dict | list[str] | None = None) -> str:
         responses = generate_responses(rollout, tokenizer, texts, n=d.n_samples, batch_size=d.batch_size)
     finally:
         rollout.shutdown()
-    output = d.output_path or os.path.join("outputs", f"{Path(str(path)).stem}_responses.parquet")
     written = _write_parquet(rows, responses, output)
     print(f"[hybridrl] wrote {len(rows)} prompts x {d.n_samples} responses to {written}", flush=True)
     return written

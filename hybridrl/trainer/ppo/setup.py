@@ -19,7 +19,9 @@ from hybridrl.models.hf import load_tokenizer
 from hybridrl.models.shm import copy_to_shm
 from hybridrl.trainer.ppo.checkpoints import RunCheckpoints
 from hybridrl.trainer.ppo.config import PPOConfig
+from hybridrl.trainer.ppo.data_checks import check_data_files
 from hybridrl.trainer.ppo.genrm_config import genrm_reward_kwargs
+from hybridrl.trainer.ppo.plugin_checks import check_plugins, wrap_reward_errors
 from hybridrl.trainer.ppo.reward_kwargs import reward_manager_class, reward_manager_kwargs
 from hybridrl.trainer.ppo.startup_checks import check_first_rows, check_model_inputs, read_model_config
 from hybridrl.trainer.ppo.step_floors import measure_step_floors
@@ -180,16 +182,18 @@ def prepare_run(config: PPOConfig) -> RunParts:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    check_data_files(config)  # every used row of the train/val files: a bad row names file, row, column
     model_cfg = read_model_config(config)  # a broken config.json names the key (before the tokenizer)
     tokenizer = load_tokenizer(driver_tokenizer_config(config))
     check_model_inputs(config, tokenizer, model_cfg)
+    check_plugins(config)  # tools, interactions, agent loops, the tool-call parser (after external_lib)
     train_loader, val_loader = build_datasets(config, tokenizer, load_run_processor(config))
     check_first_rows(train_loader, val_loader)  # a bad prompt column fails here, before Ray
     steps = total_steps(config, len(train_loader))
     config.trainer.total_training_steps = steps
     config.actor_rollout_ref.actor.optim.total_training_steps = steps
     config.critic.optim.total_training_steps = steps
-    reward_fn, val_reward_fn = build_reward_fns(config, tokenizer)
+    reward_fn, val_reward_fn = wrap_reward_errors(config, lambda: build_reward_fns(config, tokenizer))
     tracker = Tracking(
         config.trainer.project_name,
         config.trainer.experiment_name,

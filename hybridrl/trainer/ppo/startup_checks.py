@@ -26,6 +26,7 @@ __all__ = [
     "check_model_inputs",
     "check_startup_values",
     "read_model_config",
+    "read_model_json",
 ]
 
 _DTYPES = ("bf16", "bfloat16", "fp16", "float16", "half", "fp32", "float32", "float")
@@ -286,8 +287,16 @@ def read_model_config(config: Any) -> dict | None:
     Raises:
         ConfigError: config.json missing or not JSON.
     """
-    path = config.actor_rollout_ref.model.path
-    key = "actor_rollout_ref.model.path"
+    return read_model_json(config.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
+
+
+def read_model_json(path: str, key: str) -> dict | None:
+    """The config.json of the model folder `path` (config key `key`); None when `path` is not a
+    local folder (a hub id, or missing: the model resolver names those).
+
+    Raises:
+        ConfigError: config.json missing, not JSON, or not an object.
+    """
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         return None

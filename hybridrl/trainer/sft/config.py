@@ -338,3 +338,6 @@ def validate_sft_config(config: SFTConfig) -> None:
             f"'{d.prompt_key}'/'{d.response_key}' columns (the built-in task's data only fits model.partial_pretrain="
             "builtin:tiny)"
         )
+    from hybridrl.trainer.sft.checks import check_sft_values
+
+    check_sft_values(config)  # the remaining ranges and names (issue 30's start-up sweep)

@@ -7,10 +7,12 @@ import socket
 
 from omegaconf import DictConfig
 
+from hybridrl.trainer.sft.checks import check_sft_inputs
 from hybridrl.trainer.sft.config import SFTConfig, load_sft_config
 from hybridrl.trainer.sft.trainer import SFTTrainer
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.device import init_process_group, is_cuda_available
+from hybridrl.utils.shutdown import sigterm_raises
 
 
 def _free_port() -> int:
@@ -81,12 +83,14 @@ def run_sft(cfg: DictConfig | dict | list[str] | None = None) -> dict[str, float
 
 
 def run_sft_config(config: SFTConfig) -> dict[str, float]:
-    init_distributed(config)
-    trainer = SFTTrainer(config)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+    check_sft_inputs(config)  # model folder and every data row, before the process group and the model
+    with sigterm_raises():  # SIGTERM closes the tracker (trainer.close) instead of ending at once
+        init_distributed(config)
+        trainer = SFTTrainer(config)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
 
 
 def stop_distributed() -> None:

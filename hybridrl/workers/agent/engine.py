@@ -222,6 +222,9 @@ class BatchingEngine:
 
     def wait_idle(self) -> None:
         """Block until the engine thread has finished its current batch (if any)."""
+        # No deadline here: the batch is this process's own generate call (its requests have
+        # rollout.server timeouts where set); if it hangs, the worker method that runs this hangs and
+        # the driver's wait on it (trainer.step_timeout_s) names this rank and method.
         self._executor.submit(lambda: None).result()
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "VERL_INTERACTION_ALIASES",
     "BaseInteraction",
     "Gsm8kInteraction",
+    "interaction_entries",
     "load_interactions",
     "row_interaction_kwargs",
 ]
@@ -125,9 +126,10 @@ def _default_name(class_name: str) -> str:
     return (simple[: -len("Interaction")] if simple.endswith("Interaction") else simple).lower()
 
 
-def load_interactions(path: str) -> dict[str, BaseInteraction]:
-    """The interactions of a veRL-format yaml by name (a missing name: the class name, lower case,
-    without "Interaction"). Duplicate names and non-BaseInteraction classes are refused."""
+def interaction_entries(path: str) -> dict[str, tuple[type[BaseInteraction], dict[str, Any]]]:
+    """name -> (class, config) of a veRL-format interaction yaml, checked (a missing name: the class
+    name, lower case, without "Interaction"; duplicate names and non-BaseInteraction classes are
+    refused) but not constructed."""
     import os
 
     from omegaconf import OmegaConf
@@ -138,7 +140,7 @@ def load_interactions(path: str) -> dict[str, BaseInteraction]:
     entries = data.get("interaction") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"{KEY}={path!r}: the yaml needs a top-level `interaction:` list (veRL's format)")
-    out: dict[str, BaseInteraction] = {}
+    out: dict[str, tuple[type[BaseInteraction], dict[str, Any]]] = {}
     for i, entry in enumerate(entries):
         where = f"{KEY}={path!r}, interaction[{i}]"
         if not isinstance(entry, dict) or "class_name" not in entry:
@@ -149,8 +151,13 @@ def load_interactions(path: str) -> dict[str, BaseInteraction]:
         name = str(entry.get("name") or _default_name(entry["class_name"]))
         if name in out:
             raise ValueError(f"{where}: duplicate interaction name {name!r}; names must be unique")
-        out[name] = cls({**dict(entry.get("config") or {}), "name": name})
+        out[name] = (cls, {**dict(entry.get("config") or {}), "name": name})
     return out
+
+
+def load_interactions(path: str) -> dict[str, BaseInteraction]:
+    """The interactions of a veRL-format yaml by name (see `interaction_entries`)."""
+    return {name: cls(config) for name, (cls, config) in interaction_entries(path).items()}
 
 
 def row_interaction_kwargs(row: dict[str, Any], interactions: dict[str, BaseInteraction]) -> dict[str, Any]:

@@ -102,6 +102,8 @@ def _run_coroutine(coro) -> Any:
 
     t = threading.Thread(target=target)
     t.start()
+    # No deadline: the coroutine is the agent loops of this worker call (tools, interactions and
+    # requests have their own timeouts); the driver's wait on this call bounds the rest.
     t.join()
     if "error" in box:
         raise box["error"]

@@ -24,7 +24,14 @@ from typing import Any
 
 from hybridrl.workers.agent.tool import BaseTool, FunctionTool, is_function_tool, validate_tool_schema
 
-__all__ = ["VERL_TOOL_ALIASES", "import_object", "load_function_tools", "load_tools", "load_tools_from_yaml"]
+__all__ = [
+    "VERL_TOOL_ALIASES",
+    "import_object",
+    "load_function_tools",
+    "load_tools",
+    "load_tools_from_yaml",
+    "tool_entries",
+]
 
 VERL_TOOL_ALIASES = {
     "verl.tools.gsm8k_tool.Gsm8kTool": "hybridrl.workers.agent.builtin_tools.Gsm8kTool",
@@ -72,8 +79,9 @@ def _schema_of(schema: Any, where: str) -> Any:
         raise ValueError(f"{where}: tool_schema is not an OpenAI function schema: {e}") from None
 
 
-def load_tools_from_yaml(path: str) -> list[BaseTool]:
-    """The tools of a veRL-format tool config (yaml or json), in file order."""
+def tool_entries(path: str) -> list[tuple[type[BaseTool], dict[str, Any], Any]]:
+    """(class, config, tool_schema) of each entry of a veRL-format tool config, checked (the class
+    imports and is a BaseTool, the schema is an OpenAI function schema) but not constructed."""
     key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
     data = _read_yaml(path)
     entries = data.get("tools") if isinstance(data, dict) else None
@@ -81,7 +89,7 @@ def load_tools_from_yaml(path: str) -> list[BaseTool]:
         raise ValueError(
             f"{key}={path!r}: the yaml needs a top-level `tools:` list (veRL's tool config format)"
         )
-    tools = []
+    out = []
     for i, entry in enumerate(entries):
         where = f"{key}={path!r}, tools[{i}]"
         if not isinstance(entry, dict) or "class_name" not in entry:
@@ -97,8 +105,19 @@ def load_tools_from_yaml(path: str) -> list[BaseTool]:
         cls = import_object(entry["class_name"], where)
         if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
             raise TypeError(f"{where}: {entry['class_name']!r} is not a hybridrl BaseTool subclass")
-        tools.append(cls(config, _schema_of(entry.get("tool_schema"), where)))
-    return tools
+        schema = _schema_of(entry.get("tool_schema"), where)
+        if schema is None and cls.get_openai_tool_schema is BaseTool.get_openai_tool_schema:
+            raise ValueError(
+                f"{where}: no tool_schema; give `tool_schema` in the entry or override get_openai_tool_schema() "
+                f"in {entry['class_name']}"
+            )
+        out.append((cls, config, schema))
+    return out
+
+
+def load_tools_from_yaml(path: str) -> list[BaseTool]:
+    """The tools of a veRL-format tool config (yaml or json), in file order."""
+    return [cls(config, schema) for cls, config, schema in tool_entries(path)]
 
 
 def load_function_tools(path: str) -> list[BaseTool]:

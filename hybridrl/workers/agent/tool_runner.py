@@ -63,7 +63,7 @@ class ToolLoop:
             loop.run_forever()
 
         threading.Thread(target=run, name="hybridrl-tool-loop", daemon=True).start()
-        ready.wait()
+        ready.wait()  # cannot hang: the loop's first callback sets it (nothing runs before it)
         self._beat = time.monotonic()
         return loop
 

@@ -32,6 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.utils import deadlines
 from hybridrl.workers.agent_server.wire import error_body
 
 __all__ = ["GATEWAY_NAME", "RolloutGateway", "get_gateway", "shutdown_gateway"]
@@ -261,7 +262,8 @@ class _InThread:
         submit = functools.partial(asyncio.run_coroutine_threadsafe, loop=self._loop)
         return types.SimpleNamespace(
             remote=lambda *a: asyncio.wrap_future(submit(method(*a))),
-            sync=lambda *a: submit(method(*a)).result(),
+            # binding a local socket: bounded anyway (trainer.step_timeout_s) like every start-up wait
+            sync=lambda *a: submit(method(*a)).result(timeout=deadlines.step_timeout()),
         )
 
 
@@ -291,7 +293,9 @@ def get_gateway(cfg: Any, model_name: str) -> tuple[Any, str]:
         name=GATEWAY_NAME, get_if_exists=True, num_cpus=0, max_concurrency=10000, scheduling_strategy=here
     )
     handle = actor.remote(*args)
-    return handle, ray.get(handle.start.remote())
+    return handle, deadlines.get_refs(
+        handle.start.remote(), what="the agent-server gateway's start", timeout_s=deadlines.step_timeout()
+    )
 
 
 def shutdown_gateway() -> None:

@@ -11,8 +11,10 @@ import concurrent.futures as cf
 import logging
 import math
 import multiprocessing
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +43,12 @@ def _init_worker(payload: bytes) -> None:
 
     global _WORKER_FN
     _WORKER_FN = cloudpickle.loads(payload)
+
+
+def _warm() -> int:
+    """A short task (run on every pool process before any scoring): its process id."""
+    time.sleep(0.05)
+    return os.getpid()
 
 
 def _raise_timeout(signum: int, frame: Any) -> None:
@@ -77,10 +85,16 @@ class PrimeRewardManager(RewardManager):
     Args:
         num_workers: pool processes.
         timeout: seconds per sample; None or 0 disables the limit.
-        mp_start_method: "fork" (default where available: fast start) | "spawn" | "forkserver".
+        mp_start_method: "forkserver" (default where available: the pool processes fork from a clean
+            server process that has imported this module once, not from the multi-threaded driver)
+            | "fork" | "spawn".
+
+    The pool is started (and one process warmed up) before the first batch's deadline begins, so
+    the start of a fresh forkserver (it imports torch) never counts against a sample's timeout.
     """
 
     deadline_grace_s: float = 30.0  # added to the batch deadline before stuck workers are killed
+    warmup_timeout_s: float = 300.0  # starting the pool (a fresh forkserver imports torch)
 
     def __init__(
         self,
@@ -99,7 +113,8 @@ class PrimeRewardManager(RewardManager):
         if timeout is not None and timeout < 0:
             raise ValueError(f"prime reward manager: timeout must be >= 0 seconds (0 = none), got {timeout}")
         methods = multiprocessing.get_all_start_methods()
-        self.mp_start_method = mp_start_method or ("fork" if "fork" in methods else methods[0])
+        default = next(m for m in ("forkserver", "fork", *methods) if m in methods)
+        self.mp_start_method = mp_start_method or default
         if self.mp_start_method not in methods:
             raise ValueError(
                 f"prime reward manager: mp_start_method {self.mp_start_method!r} not in {methods}"
@@ -119,13 +134,30 @@ class PrimeRewardManager(RewardManager):
             import cloudpickle
 
             payload = cloudpickle.dumps(self.compute_score)
-            self._pool = cf.ProcessPoolExecutor(
-                max_workers=self.num_workers,
-                mp_context=multiprocessing.get_context(self.mp_start_method),
-                initializer=_init_worker,
-                initargs=(payload,),
+            ctx = multiprocessing.get_context(self.mp_start_method)
+            if self.mp_start_method == "forkserver":  # the server imports this module (and torch) once
+                ctx.set_forkserver_preload([__name__])
+            pool = cf.ProcessPoolExecutor(
+                max_workers=self.num_workers, mp_context=ctx, initializer=_init_worker, initargs=(payload,)
             )
+            self._warm_up(pool)
+            self._pool = pool
         return self._pool
+
+    def _warm_up(self, pool: cf.ProcessPoolExecutor) -> None:
+        """Run short tasks until every pool process has started and run its initializer."""
+        seen: set[int] = set()
+        deadline = time.monotonic() + self.warmup_timeout_s
+        while len(seen) < self.num_workers:
+            left = deadline - time.monotonic()
+            done, late = cf.wait([pool.submit(_warm) for _ in range(self.num_workers)], timeout=max(left, 0))
+            seen.update(f.result() for f in done)
+            if late or time.monotonic() > deadline:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise RuntimeError(
+                    f"prime reward manager: {self.num_workers} pool processes ({self.mp_start_method}) did not "
+                    f"all start within {self.warmup_timeout_s:g} s"
+                )
 
     def close(self) -> None:
         """Stop the worker processes (killing any still busy)."""
@@ -161,6 +193,8 @@ class PrimeRewardManager(RewardManager):
         deadline = None
         if self.timeout:  # every worker interrupts its own sample; this catches workers stuck in C code
             deadline = self.timeout * math.ceil(len(samples) / self.num_workers) + self.deadline_grace_s
+        # timeout=0 / None (no per-sample limit): no deadline here, the caller's
+        # trainer.reward_timeout_s (RewardWithDeadline) bounds the whole call
         _, not_done = cf.wait(futures, timeout=deadline)
         if not_done:
             self.close()

@@ -237,7 +237,10 @@ class RewardLoopManager:
 
         # Colocate mode: these processes share the training slots' resources (num_cpus=0).
         unique = f"hybridrl_{name}_{os.getpid()}_{next(_ACTOR_IDS)}"
-        return ray.remote(cls).options(num_cpus=0, name=unique).remote(*args)
+        from hybridrl.utils import deadlines  # the driver's trainer.*_timeout_s in these processes too
+
+        env = {"env_vars": deadlines.worker_env()}
+        return ray.remote(cls).options(num_cpus=0, name=unique, runtime_env=env).remote(*args)
 
     def _start_servers(self, config: RewardModelConfig, slots: int, num_threads: int | None) -> list[Any]:
         tp = config.rollout.tensor_model_parallel_size
