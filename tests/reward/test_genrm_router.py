@@ -83,6 +83,33 @@ def test_chat_and_completions_answer_as_the_client_and_balance_the_replicas(rout
     assert requests.get(f"http://{router.address}/v1/models").json()["data"][0]["id"] == "builtin:tiny"
 
 
+def test_concurrent_requests_are_batched_and_a_bad_one_fails_alone(router, judge_answers):
+    import asyncio
+
+    import aiohttp
+
+    async def ask_all(questions):
+        async with aiohttp.ClientSession() as s:
+
+            async def one(q, max_tokens):
+                body = {
+                    "model": "judge",
+                    "messages": [{"role": "user", "content": q}],
+                    "max_tokens": max_tokens,
+                }
+                async with s.post(f"http://{router.address}/v1/chat/completions", json=body) as r:
+                    return r.status, await r.json()
+
+            return await asyncio.gather(*(one(q, 12) for q in questions), one(questions[0] + "9" * 40, 12))
+
+    questions = QUESTIONS * 2
+    *good, bad = asyncio.run(ask_all(questions))
+    assert [b["choices"][0]["message"]["content"] for _, b in good] == [judge_answers[q] for q in questions]
+    assert bad[0] == 400 and "reward_model.rollout.prompt_length" in bad[1]["error"]["message"]
+    stats = router.stats()
+    assert sum(stats["served"]) == 13 and sum(stats["calls"]) < 13  # waiting prompts went as batches
+
+
 def test_bad_requests_get_400_naming_the_field(router):
     r = _chat(router.address, "1+2=", frequency_penalty=0.5)
     assert r.status_code == 400 and "frequency_penalty" in r.json()["error"]["message"]

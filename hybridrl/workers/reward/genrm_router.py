@@ -17,8 +17,10 @@ see the same judge:
 A chat request is rendered with the judge's chat template (generation prompt added), exactly as
 `reward_model_client.chat` renders it. Sampling a request leaves out comes from
 `reward_model.rollout.*`; a request's `temperature` > 0 samples, 0 is greedy. Each request goes to
-the replica with the fewest requests in flight (ties: the one that has served fewest: round robin
-when they are idle). A replica that does not answer within `reward_model.rollout.request_timeout_s`
+the replica with the fewest prompts queued or running (ties: the one that has served fewest: round
+robin when they are idle); a replica's waiting prompts with the same sampling go as one `generate`
+call (HF: one left-padded batch, as the client's calls), so the concurrent requests of an async
+function are batched. A replica that does not answer within `reward_model.rollout.request_timeout_s`
 gets the request cancelled and the caller a 504 whose message (and HTTP reason) names that key; the
 router counts it, and the reward loop then fails the step with a TimeoutError naming the key even if
 the function swallowed the error (`pop_timeouts`). Other fields are refused with 400 naming them.
@@ -57,6 +59,7 @@ COMPLETION_FIELDS = {
     "logprobs",
 }
 _IDS = itertools.count()
+MAX_BATCH = 256  # prompts of one generate call on a replica
 
 
 class BadRequest(Exception):
@@ -131,8 +134,11 @@ class GenRMRouter:
         self.model_name = os.path.basename(str(tokenizer_path).rstrip("/")) or "genrm"
         self.in_flight = [0] * len(self.servers)
         self.served = [0] * len(self.servers)
+        self.calls = [0] * len(self.servers)  # generate calls (batches) per replica
         self.timeouts = 0
-        self._locks: list[asyncio.Lock] | None = None
+        self._queues: list[list] = []
+        self._wake: list[asyncio.Event] = []
+        self._tasks: list[asyncio.Task] = []
         self._runner = None
         self.address: str | None = None
 
@@ -142,7 +148,9 @@ class GenRMRouter:
             return self.address
         from aiohttp import web
 
-        self._locks = [asyncio.Lock() for _ in self.servers]
+        self._queues = [[] for _ in self.servers]
+        self._wake = [asyncio.Event() for _ in self.servers]
+        self._tasks = [asyncio.ensure_future(self._dispatch(i)) for i in range(len(self.servers))]
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completion)
@@ -161,11 +169,18 @@ class GenRMRouter:
         """Close the port (open requests are cut)."""
         if self._runner is not None:
             await self._runner.cleanup()
-        self._runner = self.address = None
+        for task in self._tasks:
+            task.cancel()
+        self._runner, self.address, self._tasks = None, None, []
 
     async def stats(self) -> dict[str, Any]:
-        """Requests served per replica, in flight per replica, timeouts so far."""
-        return {"served": list(self.served), "in_flight": list(self.in_flight), "timeouts": self.timeouts}
+        """Requests served, generate calls (batches) and prompts in flight per replica; timeouts so far."""
+        return {
+            "served": list(self.served),
+            "calls": list(self.calls),
+            "in_flight": list(self.in_flight),
+            "timeouts": self.timeouts,
+        }
 
     async def pop_timeouts(self) -> int:
         """Requests that timed out since the last call."""
@@ -174,33 +189,80 @@ class GenRMRouter:
 
     # ---------------------------------------------------------------- replicas
     def _pick(self) -> int:
-        """The replica with the fewest requests in flight; ties: the fewest served so far."""
+        """The replica with the fewest prompts queued or running; ties: the fewest served so far."""
         return min(range(len(self.servers)), key=lambda i: (self.in_flight[i], self.served[i], i))
 
     async def _ask(self, prompt: str | list[int], sampling: dict[str, Any]) -> str:
-        """One prompt's answer from the least-loaded replica, within the timeout (asyncio.TimeoutError)."""
+        """One prompt's answer from the least-loaded replica, within the timeout (asyncio.TimeoutError).
+        The prompt waits in the replica's queue; its dispatcher batches what is waiting."""
         i = self._pick()
         self.in_flight[i] += 1
         self.served[i] += 1
-        server = self.servers[i]
+        fut = asyncio.get_running_loop().create_future()
+        self._queues[i].append((prompt, sampling, fut))
+        self._wake[i].set()
         try:
-            if hasattr(getattr(server, "generate", None), "remote"):
-                ref = server.generate.remote([prompt], sampling)
-                try:
-                    [text] = await asyncio.wait_for(_await_ref(ref), self.timeout)
-                except asyncio.TimeoutError:
-                    import ray
-
-                    ray.cancel(ref)
-                    raise
-                return text
-            async with self._locks[i]:  # an in-process replica answers one request at a time
-                loop = asyncio.get_running_loop()
-                fut = loop.run_in_executor(None, server.generate, [prompt], sampling)
-                [text] = await asyncio.wait_for(fut, self.timeout)
-                return text
+            return await asyncio.wait_for(fut, self.timeout)
         finally:
             self.in_flight[i] -= 1
+
+    async def _dispatch(self, i: int) -> None:
+        """Replica i's loop: the waiting prompts with the first one's sampling (at most MAX_BATCH) go
+        as one `generate` call (HF: one left-padded batch), then the next group."""
+        queue = self._queues[i]
+        while True:
+            await self._wake[i].wait()
+            self._wake[i].clear()
+            while queue:
+                s = queue[0][1]
+                batch = [q for q in queue if q[1] == s][:MAX_BATCH]
+                for q in batch:
+                    queue.remove(q)
+                batch = [q for q in batch if not q[2].done()]  # timed out while waiting
+                if not batch:
+                    continue
+                await self._run_batch(i, batch, s)
+
+    async def _run_batch(self, i: int, batch: list, sampling: dict[str, Any]) -> None:
+        """Answer a batch's futures; a prompt the replica refuses (ValueError: too long for
+        reward_model.rollout.*) fails alone: the batch is then retried one prompt at a time."""
+        try:
+            texts = await self._generate(i, [p for p, _, _ in batch], sampling)
+        except ValueError as e:
+            if len(batch) == 1:
+                if not batch[0][2].done():
+                    batch[0][2].set_exception(e)
+                return
+            for one in batch:
+                if not one[2].done():
+                    await self._run_batch(i, [one], sampling)
+            return
+        except Exception as e:  # a replica that raised or did not answer: every caller of the batch sees it
+            for _, _, f in batch:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        for (_, _, f), text in zip(batch, texts):
+            if not f.done():
+                f.set_result(text)
+
+    async def _generate(self, i: int, prompts: list, sampling: dict[str, Any]) -> list[str]:
+        """One generate call on replica i, given up (and cancelled) after the timeout."""
+        server = self.servers[i]
+        self.calls[i] += 1
+        if hasattr(getattr(server, "generate", None), "remote"):
+            ref = server.generate.remote(prompts, sampling)
+            try:
+                return await asyncio.wait_for(_await_ref(ref), self.timeout)
+            except asyncio.TimeoutError:
+                import ray
+
+                ray.cancel(ref)
+                raise
+        loop = asyncio.get_running_loop()
+        return await asyncio.wait_for(
+            loop.run_in_executor(None, server.generate, prompts, sampling), self.timeout
+        )
 
     # ---------------------------------------------------------------- HTTP
     async def _chat(self, request):
