@@ -12,7 +12,9 @@ import socket
 
 import pytest
 import requests
-from openai.types.chat import ChatCompletion
+
+pytest.importorskip("openai")
+from openai.types.chat import ChatCompletion  # noqa: E402
 
 from hybridrl.trainer.ppo.genrm_config import judge_kwargs
 from hybridrl.workers.reward.custom import load_custom_reward_fn
