@@ -135,3 +135,12 @@ def test_separate_pool_replicas_follow_verls_rule():
             "+distillation.teacher_models.a.num_replicas=1",
             "+distillation.teacher_models.b.key=code", "+distillation.teacher_models.b.model_path=pb",
         )  # fmt: skip
+
+
+def test_a_separate_pool_without_ray_workers_is_refused_naming_the_key():
+    from hybridrl.trainer.ppo.teachers import start_teacher_pool
+
+    cfg = load(*ON, "distillation.nnodes=1", "distillation.n_gpus_per_node=2")
+    with pytest.raises(ValueError, match=r"distillation.nnodes=1 \(a separate teacher pool\) needs Ray"):
+        start_teacher_pool(cfg, object, gpu=False, ray_backend=False)
+    assert start_teacher_pool(load(*ON), object, gpu=False, ray_backend=False) is None  # colocated: no pool
