@@ -246,6 +246,12 @@ def _validate_pool(dist: DistillationConfig) -> None:
                 f"teacher's tensor x data x pipeline parallel size {per}: change distillation.n_gpus_per_node"
             )
         return
+    idle = sorted(k for k, t in teachers.items() if dist.nnodes > 0 and t.num_replicas < 1)
+    if idle:
+        raise ConfigError(
+            f"the teachers with keys {idle} have num_replicas < 1 but distillation.nnodes={dist.nnodes} gives the "
+            "teachers their own pool: set distillation.teacher_models.<name>.num_replicas >= 1 for each"
+        )
     used = sum(t.num_replicas * t.inference.per_replica_world_size for t in teachers.values())
     if used != pool:
         raise ConfigError(

@@ -10,7 +10,9 @@ A judge answer without a "####" number (e.g. cut off by max_tokens) is unparsabl
 0.0 and is counted (`genrm_parse_failure` -> the metric reward/genrm_parse_failures).
 
 Used with reward_model.reward_manager=batch: one judge request per batch, one prompt per distinct
-question (the n samples of a prompt share the judge's answer).
+question (the n samples of a prompt share the judge's answer). `compute_score_router` is the same
+judge in veRL's shape (naive manager): an async function that POSTs to the GenRM router at
+`reward_router_address` (docs/genrm.md).
 """
 
 from __future__ import annotations
@@ -46,7 +48,13 @@ def compute_score_batch(
     """One result dict per row: score (1.0 when the response's answer equals the judge's), acc (rule
     reward), genrm_agree (score == rule reward), genrm_parse_failure, genrm_response."""
     questions = [info["question"] for info in extra_infos]
-    answers = judge_answers(questions, reward_model_client, max_tokens)
+    return score_rows(
+        questions, solution_strs, ground_truths, judge_answers(questions, reward_model_client, max_tokens)
+    )
+
+
+def score_rows(questions, solution_strs, ground_truths, answers: dict[str, str]) -> list[dict]:
+    """The result dicts of rows given the judge's answer to each question."""
     out = []
     for question, solution, truth in zip(questions, solution_strs, ground_truths):
         judged, mine = extract_answer(answers[question]), extract_answer(solution)
@@ -70,3 +78,31 @@ def compute_score(data_source, solution_str, ground_truth, extra_info, reward_mo
         [data_source], [solution_str], [ground_truth], [extra_info], reward_model_client, **kwargs
     )
     return result
+
+
+async def compute_score_router(
+    data_source,
+    solution_str,
+    ground_truth,
+    extra_info,
+    reward_router_address,
+    reward_model_tokenizer,
+    max_tokens=12,
+):
+    """veRL's shape (reward_model.reward_manager=naive): an async function that asks the judge through
+    the GenRM router, `POST http://{reward_router_address}/v1/chat/completions`, one row per request
+    (the rows of a batch are awaited together, so their requests overlap)."""
+    import aiohttp
+
+    body = {
+        "model": "judge",
+        "messages": [{"role": "user", "content": extra_info["question"]}],
+        "max_tokens": max_tokens,
+    }
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://{reward_router_address}/v1/chat/completions", json=body) as resp:
+            resp.raise_for_status()
+            answer = (await resp.json())["choices"][0]["message"]["content"]
+    return score_rows(
+        [extra_info["question"]], [solution_str], [ground_truth], {extra_info["question"]: answer}
+    )[0]

@@ -213,8 +213,14 @@ def test_genrm_keys_in_verls_new_layout_and_refusals(tmp_path, tok):
         "reward_model_tokenizer):\n    return 0.0\n"
     )
     c = _check(new[:-2] + [f"+reward.custom_reward_function.path={f}"])
-    with pytest.raises(ValueError, match="take reward_model_client instead"):
-        build_reward_fns(c, tok)
+    assert build_reward_fns(c, tok)[0].reward_kwargs == {  # veRL's shape: the router's address
+        "reward_router_address": None,
+        "reward_model_tokenizer": None,
+    }
+    g = tmp_path / "rule_only.py"
+    g.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 0.0\n")
+    with pytest.raises(ValueError, match="neither reward_model_client nor reward_router_address"):
+        build_reward_fns(_check(new[:-2] + [f"+reward.custom_reward_function.path={g}"]), tok)
 
 
 def test_start_reward_loop_gives_both_reward_managers_the_judge(tok, judge_answers):

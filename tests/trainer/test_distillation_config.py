@@ -104,10 +104,43 @@ def test_server_only_inference_keys_are_accepted_with_a_note(capsys):
     assert "inference.{gpu_memory_utilization} tune an inference server" in capsys.readouterr().out
 
 
-def test_main_async_refuses_distillation():
+def test_main_async_accepts_distillation():
     from hybridrl.trainer.async_ppo.config import load_async_config
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         cfg = compose("ppo_trainer", overrides=ON)
-    with pytest.raises(ConfigError, match="not supported by main_async yet"):
-        load_async_config(cfg)
+    assert load_async_config(cfg).distillation.enabled
+
+
+def test_separate_pool_replicas_follow_verls_rule():
+    from hybridrl.trainer.ppo.teacher_pool import replica_counts
+    from hybridrl.trainer.ppo.teachers import teacher_pool_cpus
+
+    single = load(*ON, "distillation.nnodes=1", "distillation.n_gpus_per_node=4").distillation
+    assert replica_counts(single) == {"default": 2}  # pool 4 / (inference tp 2 x dp 1 x pp 1)
+    cfg = load(
+        "distillation.enabled=true", "distillation.nnodes=1", "distillation.n_gpus_per_node=3",
+        "+distillation.teacher_models.a.key=math", "+distillation.teacher_models.a.model_path=pa",
+        "+distillation.teacher_models.a.num_replicas=1",
+        "+distillation.teacher_models.b.key=code", "+distillation.teacher_models.b.model_path=pb",
+        "+distillation.teacher_models.b.num_replicas=1",
+        "+distillation.teacher_models.b.inference.tensor_model_parallel_size=1", "trainer.cpus_per_worker=2",
+    )  # fmt: skip
+    assert replica_counts(cfg.distillation) == {"math": 1, "code": 1}
+    assert teacher_pool_cpus(cfg) == 6 and teacher_pool_cpus(load(*ON)) == 0.0
+    with pytest.raises(ConfigError, match=r"keys \['code'\] have num_replicas < 1"):
+        load(
+            "distillation.enabled=true", "distillation.nnodes=1", "distillation.n_gpus_per_node=2",
+            "+distillation.teacher_models.a.key=math", "+distillation.teacher_models.a.model_path=pa",
+            "+distillation.teacher_models.a.num_replicas=1",
+            "+distillation.teacher_models.b.key=code", "+distillation.teacher_models.b.model_path=pb",
+        )  # fmt: skip
+
+
+def test_a_separate_pool_without_ray_workers_is_refused_naming_the_key():
+    from hybridrl.trainer.ppo.teachers import start_teacher_pool
+
+    cfg = load(*ON, "distillation.nnodes=1", "distillation.n_gpus_per_node=2")
+    with pytest.raises(ValueError, match=r"distillation.nnodes=1 \(a separate teacher pool\) needs Ray"):
+        start_teacher_pool(cfg, object, gpu=False, ray_backend=False)
+    assert start_teacher_pool(load(*ON), object, gpu=False, ray_backend=False) is None  # colocated: no pool

@@ -75,8 +75,6 @@ def load_async_config(cfg: DictConfig | dict | list[str] | None = None, explicit
 
 def async_stage(config: AsyncPPOConfig) -> None:
     """The async section's checks of the user's own values, then its derived values."""
-    if config.distillation.enabled:  # the teacher step is wired into main_ppo only (docs/distillation.md)
-        raise ConfigError("distillation.enabled=true is not supported by main_async yet; use main_ppo")
     if config.trainer.log_floors:  # generation overlaps the update here: no per-phase floor to compare with
         raise ConfigError(
             "trainer.log_floors=true is not supported by main_async yet; use main_ppo or set it false"

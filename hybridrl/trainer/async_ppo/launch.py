@@ -52,9 +52,12 @@ def run_async_config(config: AsyncPPOConfig) -> dict[str, float]:
 
 def init_ray(config: AsyncPPOConfig) -> None:
     """Start a local Ray with enough CPUs for both pools (or attach to RAY_ADDRESS)."""
+    from hybridrl.trainer.ppo.teachers import teacher_pool_cpus
+
     tr, at = config.trainer, config.async_training
     start_ray(
         tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker
-        + n_rollout_workers(config) * at.rollout_cpus_per_worker,
+        + n_rollout_workers(config) * at.rollout_cpus_per_worker
+        + teacher_pool_cpus(config),
         config.ray_kwargs.ray_init,
     )

@@ -33,6 +33,7 @@ from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_workers
 from hybridrl.trainer.async_ppo.dynamic_sampling import dynamic_sampling
 from hybridrl.trainer.ppo.batch_steps import attach_reward_extra
 from hybridrl.trainer.ppo.setup import prepare_run, trainer_of
+from hybridrl.trainer.ppo.teachers import start_teacher_pool, teacher_role_classes, teacher_views
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 from hybridrl.trainer.ppo.workers import (
     WorkerGroups,
@@ -143,9 +144,11 @@ def _train_classes(config: AsyncPPOConfig, world: int, threads: int | None, peak
             peak_flops=peak_flops,
             dims=dims,
             disaggregated=True,
+            distillation=config.distillation.distillation_loss if config.distillation.enabled else None,
         )
     }
     classes.update(support_role_classes(config, critic_cls, reward_cls, world, threads, peak_flops))
+    classes.update(teacher_role_classes(config, actor_cls, threads))  # colocated teachers, as main_ppo
     return classes
 
 
@@ -181,7 +184,8 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
         name_prefix="hybridrl_rollout",
     )
     rollout_init = rollout_group.execute_all_async("init_model")
-    for name in ("critic", "reward_model", "actor"):
+    teacher_pool = start_teacher_pool(config, worker_classes(config)[0], gpu, ray_backend=True)
+    for name in ("critic", "reward_model", *sorted(k for k in views if k.startswith("teacher_")), "actor"):
         if name in views:
             views[name].init_model()
     gather_refs(
@@ -194,8 +198,10 @@ def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None)
         actor_rollout=views["actor"],
         critic=views.get("critic"),
         reward_model=views.get("reward_model"),
+        teachers=teacher_views(config, views, teacher_pool),
         _group=train_group,
         _pool=train_pool,
+        _teacher_pool=teacher_pool,
         rollout=rollout_group,
         _rollout_pool=rollout_pool,
     )
@@ -237,6 +243,7 @@ class AsyncPPOTrainer(RayPPOTrainer):
             critic=workers.critic,
             reward_model=workers.reward_model,
             reward_loop=workers.reward_loop,
+            teachers=workers.teachers,  # on-policy distillation: main_ppo's teacher step (ppo/teachers.py)
         )
         super().__init__(
             config, tokenizer, groups, train_loader, val_loader, reward_fn, val_reward_fn, tracker

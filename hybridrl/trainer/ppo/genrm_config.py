@@ -3,7 +3,8 @@
 A GenRM run is veRL's reward loop (`reward_model.use_reward_loop`, turned on by the
 `reward.reward_model.enable` spelling) with `reward_model.enable` and
 `custom_reward_function.path`: the judge is served by `reward_model.rollout.*` and the custom
-function receives `reward_model_client` / `reward_model_tokenizer` (workers/reward/genrm.py).
+function receives `reward_model_client` / `reward_model_tokenizer` (workers/reward/genrm.py) and/or
+veRL's `reward_router_address` (workers/reward/genrm_router.py), whichever its signature takes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 GENRM_MANAGERS = ("naive", "batch", "dapo")  # in-process managers; prime scores in a process pool
 CLIENT_KWARGS = ("reward_model_client", "reward_model_tokenizer")
+ROUTER_KWARG = "reward_router_address"  # veRL's: "host:port" of the judge's OpenAI-compatible router
+JUDGE_KWARGS = (*CLIENT_KWARGS, ROUTER_KWARG)
 
 
 def is_genrm(config: Any) -> bool:
@@ -52,18 +55,34 @@ def check_genrm_config(config: Any, error: Callable[[str], Exception]) -> None:
 
 
 def genrm_reward_kwargs(config: Any, compute_score: Callable | None) -> dict[str, Any]:
-    """Placeholders for the judge's client in the reward managers' kwargs (filled once the judge runs);
-    {} when the run has no GenRM. A function written for veRL's HTTP router is refused here."""
+    """Placeholders for the judge in the reward managers' kwargs (filled once the judge runs); {} when
+    the run has no GenRM (see `judge_kwargs`)."""
     if not is_genrm(config):
         return {}
+    return judge_kwargs(compute_score, config.custom_reward_function.name)
+
+
+def judge_kwargs(compute_score: Callable | None, name: str = "compute_score") -> dict[str, None]:
+    """{kwarg: None} of the judge's arguments the score function takes: `reward_model_client`
+    (hybridrl's client) and `reward_model_tokenizer` when it names them or takes **kwargs, and
+    `reward_router_address` (veRL's HTTP router, workers/reward/genrm_router.py, started only for a
+    function that names it) when it names it.
+
+    Raises:
+        ValueError: the function takes neither the client nor the router's address.
+    """
     try:
-        params = inspect.signature(compute_score).parameters if compute_score is not None else {}
+        params = inspect.signature(compute_score).parameters if compute_score is not None else None
     except (TypeError, ValueError):
-        params = {}
-    if "reward_router_address" in params:
+        params = None
+    if params is None:
+        return dict.fromkeys(CLIENT_KWARGS)
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    names = [k for k in JUDGE_KWARGS if k in params or (var_kw and k in CLIENT_KWARGS)]
+    if not {"reward_model_client", ROUTER_KWARG} & set(names):
         raise ValueError(
-            f"custom_reward_function {config.custom_reward_function.name!r} takes reward_router_address (veRL's "
-            "HTTP router to the GenRM), which is not served here; take reward_model_client instead and call "
-            "reward_model_client.chat([messages]) or .generate([prompt]) (docs/genrm.md)"
+            f"custom_reward_function {name!r} takes neither reward_model_client nor {ROUTER_KWARG}, so it "
+            "cannot reach the generative reward model; add one of them (or **kwargs) to its signature "
+            "(docs/genrm.md)"
         )
-    return dict.fromkeys(CLIENT_KWARGS)
+    return dict.fromkeys(names)

@@ -43,8 +43,11 @@ def fit_and_report(trainer, workers, config) -> dict[str, float]:
 
 
 def _init_ray(config: PPOConfig) -> None:
+    from hybridrl.trainer.ppo.teachers import teacher_pool_cpus
+
     tr = config.trainer
-    start_ray(tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker, config.ray_kwargs.ray_init)
+    cpus = tr.nnodes * tr.n_gpus_per_node * tr.cpus_per_worker + teacher_pool_cpus(config)
+    start_ray(cpus, config.ray_kwargs.ray_init)
 
 
 def merge_runtime_env(ours: dict, user: dict) -> dict:

@@ -4,7 +4,8 @@ Each teacher of `distillation.teacher_models` is a reference-policy worker (`Act
 with role "ref") loaded from the teacher's `model_path`: a forward-only training engine from the
 engine registry (`actor_rollout_ref.ref.strategy`: FSDP2 or Megatron), so any student engine
 works. With `distillation.nnodes=0` (veRL's colocated mode) the teachers are roles of the actor's
-colocated worker, on the actor's slots, offloaded between steps like the reference.
+colocated worker, on the actor's slots, offloaded between steps like the reference; with
+`distillation.nnodes > 0` they run on their own resource pool, in replicas (teacher_pool.py).
 
 One step (`teacher_step`): rows are routed to teachers by the row's `distillation.teacher_key`
 field (the single `teacher_model` takes every row), each teacher computes the log-probs of its
@@ -35,41 +36,83 @@ from hybridrl.workers.distillation_config import DEFAULT_KEY
 ROLE_PREFIX = "teacher_"
 
 
-def teacher_role_classes(config: Any, actor_cls: type, threads: int | None) -> dict[str, Any]:
-    """{"teacher_<i>": RayClassWithInitArgs} of the colocated teachers ({} when disabled)."""
+def teacher_class(config: Any, actor_cls: type, teacher: Any, threads: int | None) -> Any:
+    """RayClassWithInitArgs of one teacher's worker: a reference-policy (forward-only) engine with the
+    teacher's weights, at the teacher's temperature (`inference.temperature`, else the rollout's)."""
     from hybridrl.single_controller.ray.base import RayClassWithInitArgs
 
-    dist, arr = config.distillation, config.actor_rollout_ref
-    if not dist.enabled:
+    arr = config.actor_rollout_ref
+    model = dataclasses.replace(
+        arr.model, path=teacher.model_path, init_from_scratch=False, lora_rank=0, lora_adapter_path=None
+    )
+    temperature = teacher.inference.temperature or arr.rollout.temperature
+    return RayClassWithInitArgs(
+        actor_cls,
+        model=model,
+        ref=arr.ref,
+        rollout=dataclasses.replace(arr.rollout, temperature=temperature),
+        role="ref",
+        num_threads=threads,
+        pg_timeout_s=arr.nccl_timeout,
+    )
+
+
+def teacher_role_classes(config: Any, actor_cls: type, threads: int | None) -> dict[str, Any]:
+    """{"teacher_<i>": RayClassWithInitArgs} of the colocated teachers ({} when disabled, or when the
+    teachers have their own pool: `start_teacher_pool`)."""
+    dist = config.distillation
+    if not dist.enabled or not dist.colocated:
         return {}
-    if not dist.colocated:
-        raise NotImplementedError(
-            f"distillation.nnodes={dist.nnodes}: a separate teacher pool is not implemented yet; set "
-            "distillation.nnodes=0 (the teachers share the actor's slots, as veRL's colocated mode)"
-        )
-    classes = {}
-    for i, (_key, t) in enumerate(sorted(dist.teachers().items())):
-        model = dataclasses.replace(
-            arr.model, path=t.model_path, init_from_scratch=False, lora_rank=0, lora_adapter_path=None
-        )
-        temperature = t.inference.temperature or arr.rollout.temperature
-        classes[f"{ROLE_PREFIX}{i}"] = RayClassWithInitArgs(
-            actor_cls,
-            model=model,
-            ref=arr.ref,
-            rollout=dataclasses.replace(arr.rollout, temperature=temperature),
-            role="ref",
-            num_threads=threads,
-            pg_timeout_s=arr.nccl_timeout,
-        )
-    return classes
+    teachers = sorted(dist.teachers().items())
+    return {
+        f"{ROLE_PREFIX}{i}": teacher_class(config, actor_cls, t, threads)
+        for i, (_k, t) in enumerate(teachers)
+    }
 
 
-def teacher_views(config: Any, views: dict[str, Any]) -> dict[str, Any]:
-    """{teacher key: worker-group view} from the spawned role views (same order as the classes)."""
+def start_teacher_pool(config: Any, actor_cls: type, gpu: bool, ray_backend: bool) -> Any:
+    """The teachers' own pool (distillation.nnodes > 0), models loaded; None when colocated or disabled.
+
+    Raises:
+        ValueError: the run's workers are not Ray actors (trainer.backend=local runs one process).
+    """
+    dist = config.distillation
+    if not dist.enabled or dist.colocated:
+        return None
+    if not ray_backend:
+        raise ValueError(
+            f"distillation.nnodes={dist.nnodes} (a separate teacher pool) needs Ray worker processes; "
+            "set trainer.backend=ray (or auto), or distillation.nnodes=0 to colocate the teachers"
+        )
+    from hybridrl.trainer.ppo.teacher_pool import TeacherPool
+
+    teachers = dist.teachers()
+    threads = None if gpu else max(1, int(config.trainer.cpus_per_worker))
+    pool = TeacherPool(config, lambda key: teacher_class(config, actor_cls, teachers[key], threads), gpu)
+    try:
+        pool.init_models()
+    except Exception:
+        pool.shutdown()
+        raise
+    return pool
+
+
+def teacher_pool_cpus(config: Any) -> float:
+    """CPUs the teachers' own pool reserves (distillation.nnodes x n_gpus_per_node x trainer.cpus_per_worker)."""
+    dist = config.distillation
+    if not dist.enabled or dist.colocated:
+        return 0.0
+    return dist.nnodes * dist.n_gpus_per_node * config.trainer.cpus_per_worker
+
+
+def teacher_views(config: Any, views: dict[str, Any], pool: Any = None) -> dict[str, Any]:
+    """{teacher key: what serves it}: the colocated role views (same order as the classes), or the
+    replicas of the separate pool (`start_teacher_pool`)."""
     dist = config.distillation
     if not dist.enabled:
         return {}
+    if pool is not None:
+        return pool.views()
     keys = sorted(dist.teachers())
     return {key: views[f"{ROLE_PREFIX}{i}"] for i, key in enumerate(keys)}
 

@@ -15,7 +15,7 @@ from hybridrl.single_controller.backend import resolve_backend
 from hybridrl.single_controller.local import LocalWorkerGroup
 from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
-from hybridrl.trainer.ppo.teachers import teacher_role_classes, teacher_views
+from hybridrl.trainer.ppo.teachers import start_teacher_pool, teacher_role_classes, teacher_views
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 from hybridrl.workers.megatron_config import check_colocated_megatron
@@ -35,10 +35,13 @@ class WorkerGroups:
     teachers: dict | None = None  # distillation: {teacher key: view} (trainer/ppo/teachers.py)
     _group: Any = None
     _pool: Any = None
+    _teacher_pool: Any = None  # distillation.nnodes > 0: the teachers' own pool (teacher_pool.py)
 
     def shutdown(self) -> None:
         if self.reward_loop is not None:
             self.reward_loop.shutdown()
+        if self._teacher_pool is not None:
+            self._teacher_pool.shutdown()
         if self._group is not None:
             self._group.shutdown()
         if self._pool is not None:
@@ -142,14 +145,14 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
     apply_nsight(config, spec, gpu)
     group, pool = _start_group(config, spec, gpu, threads)
     views = group.spawn(list(classes))
-    groups = WorkerGroups(
-        actor_rollout=views["actor_rollout"],
-        critic=views.get("critic"),
-        reward_model=views.get("reward_model"),
-        teachers=teacher_views(config, views),
-        _group=group,
-        _pool=pool,
-    )
+    groups = WorkerGroups(actor_rollout=views["actor_rollout"], _group=group, _pool=pool)
+    try:
+        groups._teacher_pool = start_teacher_pool(config, worker_classes(config)[0], gpu, uses_ray(config))
+    except Exception:
+        groups.shutdown()
+        raise
+    groups.critic, groups.reward_model = views.get("critic"), views.get("reward_model")
+    groups.teachers = teacher_views(config, views, groups._teacher_pool)
     # Critic, reward model and teachers first, the actor (and its rollout engine) last, as veRL does.
     for name in (
         "critic",

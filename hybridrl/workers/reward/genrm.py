@@ -4,7 +4,8 @@ veRL's reward loop serves the reward model and, when `reward.custom_reward_funct
 beside `reward.reward_model.enable`, calls the custom function with a way to reach the judge; the
 function builds the judge prompt, asks, and parses the answer. veRL hands it
 `reward_router_address` (an HTTP router to vLLM/SGLang servers) and `reward_model_tokenizer`.
-hybridrl hands it, in the same call:
+hybridrl hands a function that names `reward_router_address` the address of such a router in front
+of these replicas (genrm_router.py), and (to one that names them or takes **kwargs):
 
 * `reward_model_client`: a `GenRMClient` (picklable; usable in any process of the run) whose
   `generate(prompts)` / `chat(conversations)` send one batched request per call to the judge's
@@ -284,12 +285,22 @@ class GenRMClient:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def attach_client(reward_fn: Any, client: GenRMClient | None, tokenizer: Any) -> None:
-    """Give a reward manager's score function the judge (`reward_model_client`, `reward_model_tokenizer`)."""
+def attach_client(
+    reward_fn: Any, client: GenRMClient | None, tokenizer: Any, router_address: str | None = None
+) -> None:
+    """Give a reward manager's score function the judge: `reward_model_client`, `reward_model_tokenizer`
+    and (veRL's) `reward_router_address`, each where the manager holds its placeholder
+    (trainer/ppo/genrm_config.genrm_reward_kwargs); client and tokenizer also without one."""
     if reward_fn is None or not hasattr(reward_fn, "reward_kwargs"):
         return
-    reward_fn.reward_kwargs = {
-        **reward_fn.reward_kwargs,
-        "reward_model_client": client,
-        "reward_model_tokenizer": tokenizer,
-    }
+    values = {"reward_model_client": client, "reward_model_tokenizer": tokenizer}
+    if "reward_router_address" in reward_fn.reward_kwargs:
+        values["reward_router_address"] = router_address
+        if "reward_model_client" not in reward_fn.reward_kwargs:  # a veRL-shaped function without **kwargs
+            values.pop("reward_model_client")
+    reward_fn.reward_kwargs = {**reward_fn.reward_kwargs, **values}
+
+
+def wants_router(reward_fn: Any) -> bool:
+    """Whether a reward manager's score function takes `reward_router_address`."""
+    return reward_fn is not None and "reward_router_address" in getattr(reward_fn, "reward_kwargs", {})

@@ -399,7 +399,48 @@ def reward_fn_error(fn: Callable, error: Exception, sample: RewardSample) -> Run
     )
 
 
-def _call_one(fn: Callable, sample: RewardSample, reward_kwargs: dict) -> Any:
+def is_async_fn(fn: Callable) -> bool:
+    """An `async def` score function (veRL allows one: its reward loop awaits it)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__wrapped__", None))
+
+
+def run_coroutine(make: Callable[[], Any]) -> Any:
+    """Run the coroutine `make()` to its end: in this thread, or in a fresh one when this thread
+    already runs an event loop."""
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
+
+
+async def _await_all(fn: Callable, samples: list[RewardSample], reward_kwargs: dict) -> list[Any]:
+    """An async score function on every sample at once (its judge requests overlap, as in veRL)."""
+    import asyncio
+
+    async def one(sample: RewardSample) -> Any:
+        try:
+            return await _call_one(fn, sample, reward_kwargs, wrap=False)
+        except Exception as e:
+            raise reward_fn_error(fn, e, sample) from e
+
+    return list(await asyncio.gather(*(one(s) for s in samples)))
+
+
+def _call_one(fn: Callable, sample: RewardSample, reward_kwargs: dict, wrap: bool = True) -> Any:
+    if not wrap:
+        return fn(
+            data_source=sample.data_source,
+            solution_str=sample.response,
+            ground_truth=sample.ground_truth,
+            extra_info=sample.extra_info,
+            **reward_kwargs,
+        )
     try:
         return fn(
             data_source=sample.data_source,
@@ -417,9 +458,11 @@ def _call_one(fn: Callable, sample: RewardSample, reward_kwargs: dict) -> Any:
 # ----------------------------------------------------------------------------------------------
 @register_reward_manager("naive")
 class NaiveRewardManager(RewardManager):
-    """One `compute_score` call per sample, in this process."""
+    """One `compute_score` call per sample, in this process (an `async def` one: all samples at once)."""
 
     def score_samples(self, samples: list[RewardSample]) -> list[Any]:
+        if is_async_fn(self.compute_score):
+            return run_coroutine(lambda: _await_all(self.compute_score, samples, self.reward_kwargs))
         return [_call_one(self.compute_score, s, self.reward_kwargs) for s in samples]
 
 
@@ -437,14 +480,17 @@ class BatchRewardManager(RewardManager):
         )
 
     def score_samples(self, samples: list[RewardSample]) -> list[Any]:
-        try:
-            results = self.compute_score(
+        def call():
+            return self.compute_score(
                 data_sources=[s.data_source for s in samples],
                 solution_strs=[s.response for s in samples],
                 ground_truths=[s.ground_truth for s in samples],
                 extra_infos=[s.extra_info for s in samples],
                 **self.reward_kwargs,
             )
+
+        try:
+            results = run_coroutine(call) if is_async_fn(self.compute_score) else call()
         except Exception as e:
             sources = sorted({str(s.data_source) for s in samples})
             raise RuntimeError(

@@ -22,9 +22,10 @@ driver with `trainer.backend=local`), and the workers score their chunks concurr
 The result is `rm_scores` (B, T), each row's score on its last valid response token (plus the
 reward manager's per-row extras): the reward manager then returns these scores as they are, so
 the token-level scores equal the legacy path's (tests/reward/test_reward_loop.py).
-Not here: veRL's standalone mode (`enable_resource_pool`), veRL's HTTP router to the GenRM (a function
-taking `reward_router_address` is refused at start-up: take `reward_model_client`), sleep/wake of the
-served model.
+  A function that takes veRL's `reward_router_address` gets the address of an OpenAI-compatible
+  HTTP router in front of the same replicas (genrm_router.py; started only then, shut down with
+  the loop); a timeout there fails the batch naming `reward_model.rollout.request_timeout_s`.
+Not here: veRL's standalone mode (`enable_resource_pool`), sleep/wake of the served model.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 from hybridrl.models.hf import load_tokenizer
 from hybridrl.protocol import DataProto
 from hybridrl.workers.config import ModelConfig, RewardModelConfig
-from hybridrl.workers.reward.genrm import GenRMClient, GenRMServer, attach_client
+from hybridrl.workers.reward.genrm import TIMEOUT_KEY, GenRMClient, GenRMServer, attach_client, wants_router
 from hybridrl.workers.reward.rm import place_on_last_token, rm_inputs, token_lists
 from hybridrl.workers.reward.rm_server import RewardModelServer
 
@@ -215,6 +216,10 @@ class RewardLoopManager:
         if config.num_workers < 1:
             raise ValueError(f"reward_model.num_workers must be >= 1, got {config.num_workers}")
         self.use_ray, self.genrm, self._metrics = use_ray, genrm and config.enable, {}
+        self.router: Any = (
+            None  # the GenRM's HTTP router (genrm_router.py), when a function takes its address
+        )
+        self.timeout_s = config.rollout.request_timeout_s
         self.servers = self._start_servers(config, slots, num_threads) if config.enable else []
         if self.genrm:
             m = config.model
@@ -222,8 +227,12 @@ class RewardLoopManager:
                 ModelConfig(path=m.path, trust_remote_code=m.trust_remote_code), "reward_model.model"
             )
             self.client = GenRMClient(self.servers, config.rollout, tok)
+            if wants_router(reward_fn) or wants_router(val_reward_fn):  # veRL's reward_router_address
+                from hybridrl.workers.reward.genrm_router import RouterHandle
+
+                self.router = RouterHandle(self.servers, config.rollout, m.path, m.trust_remote_code, use_ray)
             for fn in (reward_fn, val_reward_fn):
-                attach_client(fn, self.client, tok)
+                attach_client(fn, self.client, tok, self.router.address if self.router else None)
         self.workers = []
         for i in range(config.num_workers):
             server = self.servers[i % len(self.servers)] if self.servers and not self.genrm else None
@@ -283,10 +292,15 @@ class RewardLoopManager:
         bounds = [b for b in chunk_bounds(len(batch), len(self.workers)) if b[1] > b[0]]
         chunks = [batch.slice(lo, hi) for lo, hi in bounds]
         workers = self.workers[: len(chunks)]
-        if self.use_ray:
-            outs = _wait_workers([w.compute_scores.remote(c) for w, c in zip(workers, chunks)])
-        else:
-            outs = [w.compute_scores(c) for w, c in zip(workers, chunks)]
+        try:
+            if self.use_ray:
+                outs = _wait_workers([w.compute_scores.remote(c) for w, c in zip(workers, chunks)])
+            else:
+                outs = [w.compute_scores(c) for w, c in zip(workers, chunks)]
+        except Exception as e:
+            self._check_router(e)
+            raise
+        self._check_router(None)
         if not outs:
             return DataProto.from_dict({"rm_scores": torch.zeros(batch.batch["responses"].shape)}), {}
         scores = torch.cat([o["reward_tensor"].float() for o in outs])
@@ -296,12 +310,26 @@ class RewardLoopManager:
                 self._metrics[k] = self._metrics.get(k, 0.0) + v if k.endswith("failures") else v
         return DataProto.from_dict({"rm_scores": scores}), extras
 
+    def _check_router(self, cause: Exception | None) -> None:
+        """TimeoutError naming reward_model.rollout.request_timeout_s when the router timed out requests
+        of this batch (whether or not the reward function passed the 504 on)."""
+        n = self.router.pop_timeouts() if self.router is not None else 0
+        if n:
+            raise TimeoutError(
+                f"the generative reward model did not answer {n} request(s) to the GenRM router within "
+                f"{TIMEOUT_KEY}={self.timeout_s:g} s; raise {TIMEOUT_KEY}, ask for fewer tokens, or check that "
+                "the judge's engine is alive"
+            ) from cause
+
     def pop_metrics(self) -> dict[str, float]:
         """The GenRM metrics of the batches scored since the last call (parse failures summed)."""
         out, self._metrics = self._metrics, {}
         return out
 
     def shutdown(self) -> None:
+        if self.router is not None:
+            self.router.shutdown()
+            self.router = None
         if not self.use_ray:
             return
         import ray
