@@ -82,9 +82,8 @@ def test_bad_exclude_modules_are_refused(value, lora_adapter_path, match):
 
 
 def test_exclude_modules_is_a_config_key_checked_at_start_up(tmp_path):
-    from tests.e2e.ppo_runs import compose_config
-
     from hybridrl.utils.config_loader import ConfigError
+    from tests.e2e.ppo_runs import compose_config
 
     key = "actor_rollout_ref.model"
     config = compose_config([f"{key}.lora_rank=4", f"{key}.exclude_modules=[up_proj,down_proj]"], tmp_path)

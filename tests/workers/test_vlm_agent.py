@@ -63,7 +63,9 @@ def vlm(tmp_path_factory):
     from hybridrl.models.vlm_warm_start import format_warm_start
 
     path = build_tiny_vlm(tmp_path_factory.mktemp("agent_vlm") / "model", "qwen2_vl", seed=0)
-    format_warm_start(path, steps=20, batch_size=4, lr=3e-3, num_threads=1)  # short "#### colour" turns ending in EOS
+    format_warm_start(
+        path, steps=20, batch_size=4, lr=3e-3, num_threads=1
+    )  # short "#### colour" turns ending in EOS
     processor = load_processor(path)
     processor.tokenizer.padding_side = "left"
     return path, processor
