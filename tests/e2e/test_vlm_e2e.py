@@ -54,6 +54,25 @@ def test_main_ppo_two_steps_on_images(vlm_files, tmp_path, remove_padding):
 
 
 @pytest.mark.usefixtures("ray_local")
+def test_main_ppo_two_steps_on_images_through_the_agent_loops(vlm_files, tmp_path):
+    """multi_turn.enable with a VLM: the tool agent's requests carry the rows' pixels (no tool is
+    configured, so every trajectory is one assistant turn); 2 GRPO steps run (a smoke test of the
+    worker path: that the pixels reach generation is tests/workers/test_vlm_agent.py's check)."""
+    rows = run(
+        _overrides(
+            vlm_files,
+            "trainer.backend=local",
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+        ),
+        tmp_path,
+    )
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    assert_finite(steps, ["actor/pg_loss", "actor/grad_norm", "num_turns/mean"])
+
+
+@pytest.mark.usefixtures("ray_local")
 def test_main_ppo_two_steps_on_videos(vlm_files, tmp_path):
     """A geo3k-like parquet with veRL's `videos` column (3 PNG frames a row; every other row also
     has an image) through main_ppo: 2 GRPO steps, packed forward."""
