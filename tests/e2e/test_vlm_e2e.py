@@ -53,6 +53,7 @@ def test_main_ppo_two_steps_on_images(vlm_files, tmp_path, remove_padding):
     assert_finite(steps, ["actor/pg_loss", "actor/grad_norm", "critic/score/mean"])
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
 def test_main_ppo_two_steps_on_images_through_the_agent_loops(vlm_files, tmp_path):
     """multi_turn.enable with a VLM: the tool agent's requests carry the rows' pixels (no tool is
