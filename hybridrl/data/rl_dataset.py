@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hybridrl.data.multimodal import process_row, validate_row_images
+from hybridrl.data.multimodal import as_media_list, process_row, validate_row_images
 from hybridrl.utils.import_utils import import_user_file
 
 __all__ = [
@@ -394,13 +394,15 @@ class RLHFDataset(Dataset):
     def _multimodal(self, row: int) -> tuple[str, list[int], dict[str, Any]] | None:
         """(text, ids with image tokens expanded, multi_modal_inputs) of a row with images, else None."""
         record, cfg = self._rows[row], self.config
-        if self.processor is None or not record.get(cfg.image_key):
+        if self.processor is None:
+            return None
+        images, videos = as_media_list(record.get(cfg.image_key)), as_media_list(record.get(cfg.video_key))
+        if not images and not videos:
             return None
         messages = as_messages(record[cfg.prompt_key], self._where(row)) or []
-        images = list(record[cfg.image_key])
         return process_row(
             self.processor, messages, images, self._where(row), cfg.apply_chat_template_kwargs,
-            cfg.mm_processor_kwargs,
+            cfg.mm_processor_kwargs, videos,
         )  # fmt: skip
 
     def _row_ids(self, row: int) -> tuple[str, list[int], dict[str, Any] | None]:

@@ -66,6 +66,42 @@ def write_rl_parquet(path: str, n: int, seed: int, split: str = "train") -> str:
     return write_parquet(make_rl_rows(n, seed, split), path)
 
 
+VIDEO_QUESTION = "<video>What colour is the moving shape?"
+
+
+def make_video_rows(n: int, seed: int, frames: int = 3, split: str = "train") -> list[dict[str, Any]]:
+    """`n` RL rows with a ``videos`` column (veRL's ``[{"video": [frame, ...]}]``, PNG-bytes frames of
+    one shape moving); every other row also has a picture (``<image><video>`` prompts).
+
+    `frames` odd exercises the padding of the last temporal patch (Qwen2-VL groups 2 frames).
+    """
+    rng = random.Random(f"video:{split}:{seed}")
+    rows = []
+    for i in range(n):
+        colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
+        clip = [{"bytes": draw_shape(colour, shape, rng)} for _ in range(frames)]
+        with_image = i % 2 == 0
+        rows.append(
+            {
+                "data_source": VISUAL_DATA_SOURCE,
+                "prompt": [{"role": "user", "content": ("<image>" if with_image else "") + VIDEO_QUESTION}],
+                "images": [{"bytes": draw_shape(colour, shape, rng)}] if with_image else [],
+                "videos": [{"video": clip}],
+                "ability": "vision",
+                "reward_model": {"style": "rule", "ground_truth": colour},
+                "extra_info": {"split": split, "index": i, "shape": shape},
+            }
+        )
+    return rows
+
+
+def write_video_parquet(path: str, n: int, seed: int, frames: int = 3, split: str = "train") -> str:
+    """Write :func:`make_video_rows` to a parquet file (frames as PNG bytes); returns the path."""
+    from hybridrl.data.builtin_task import write_parquet
+
+    return write_parquet(make_video_rows(n, seed, frames, split), path)
+
+
 def compute_score(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     """1.0 when the text after the last ``####`` (or the whole reply) names the colour, else 0.0."""
     text = solution_str.rsplit("####", 1)[-1].strip().lower()

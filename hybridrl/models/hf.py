@@ -211,11 +211,14 @@ def _apply_lora(model: nn.Module, model_config: ModelConfig, role: str) -> nn.Mo
     task = TaskType.CAUSAL_LM if role in ("actor", "ref") else TaskType.TOKEN_CLS
     target = model_config.target_modules
     target = list(target) if isinstance(target, (list, tuple)) else target
+    exclude = model_config.exclude_modules
+    exclude = list(exclude) if isinstance(exclude, (list, tuple)) else exclude
     lora = LoraConfig(
         task_type=task,
         r=model_config.lora_rank,
         lora_alpha=model_config.lora_alpha,
         target_modules=target,
+        exclude_modules=exclude,  # veRL's model.exclude_modules (PEFT's matching)
         bias="none",
     )
     return get_peft_model(model, lora)

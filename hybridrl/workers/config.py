@@ -174,6 +174,9 @@ class ModelConfig:
       attn_implementation: eager}).
     lora_rank: > 0 wraps the model with a PEFT LoRA adapter (lora_alpha, target_modules);
       lora_adapter_path loads a saved adapter instead (its own rank and targets).
+    exclude_modules: LoRA: modules that get no adapter (veRL's key, PEFT's `exclude_modules`): a
+      regex matched against the full module name (e.g. '.*visual.*' keeps a VLM's vision tower
+      without adapters), or a list of names matched exactly or as a name suffix; null: none.
     use_shm: accepted for veRL compatibility; loading always reads `path` directly.
     enable_activation_offload: tensors saved for backward by the training forward (actor, critic)
       live in CPU memory until backward (workers/engine/activation_offload.py; moves nothing on CPU).
@@ -203,6 +206,7 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
+    exclude_modules: Any = None  # LoRA: modules without adapters (a regex, or a list of names)
     lora_adapter_path: str | None = (
         None  # a saved PEFT adapter to start from (replaces lora_rank/alpha/targets)
     )
@@ -222,6 +226,24 @@ class ModelConfig:
                 raise ValueError(f"{key}.{name}=True is not implemented in hybridrl; set it to False")
         if self.lora_rank < 0:
             raise ValueError(f"{key}.lora_rank must be >= 0 (0 disables LoRA), got {self.lora_rank}")
+        check_exclude_modules(self, key)
+
+
+def check_exclude_modules(model: Any, key: str) -> None:
+    """`exclude_modules`: null, a regex string or a list of module names; not with a saved adapter."""
+    ex = model.exclude_modules
+    if ex is None:
+        return
+    names = [ex] if isinstance(ex, str) else list(ex) if isinstance(ex, (list, tuple)) else None
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(
+            f"{key}.exclude_modules={ex!r}: use a regex string (e.g. '.*visual.*') or a list of module names"
+        )
+    if model.lora_adapter_path:
+        raise ValueError(
+            f"{key}.exclude_modules with {key}.lora_adapter_path: the saved adapter's own targets apply; "
+            "set exclude_modules=null"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,7 +474,9 @@ class RewardRolloutConfig:
     top_p: float = 1.0
     do_sample: bool = True
     n: int = 1
-    request_timeout_s: float = 300.0  # hybridrl: a reward-model score / GenRM request not answered in time fails naming this key
+    request_timeout_s: float = (
+        300.0  # hybridrl: a reward-model score / GenRM request not answered in time fails naming this key
+    )
 
     @property
     def effective_max_model_len(self) -> int:

@@ -88,13 +88,13 @@ def test_bad_images_fail_at_construction_with_the_row(vlm, tmp_path, images, mat
         RLHFDataset(files, processor.tokenizer, RLDataConfig(max_prompt_length=48), processor=processor)
 
 
-def test_patch_size_mismatch_and_video_are_refused(vlm, tmp_path):
+def test_patch_size_mismatch_and_video_files_are_refused(vlm, tmp_path):
     _, processor = vlm
     files = visual_task.write_rl_parquet(str(tmp_path / "t.parquet"), 2, seed=0)
     with pytest.raises(ValueError, match="data.image_patch_size=16 .* patch size 14"):
         RLHFDataset(files, processor.tokenizer, RLDataConfig(image_patch_size=16), processor=processor)
     rows = [{"prompt": [{"role": "user", "content": "<video>what?"}], "videos": ["/x.mp4"]}]
-    with pytest.raises(NotImplementedError, match="video inputs"):
+    with pytest.raises(ValueError, match="row 0 video 0: .*video files need a video decoder"):
         RLHFDataset(
             _write(tmp_path, rows, "v.parquet"), processor.tokenizer, RLDataConfig(), processor=processor
         )

@@ -53,16 +53,53 @@ def test_main_ppo_two_steps_on_images(vlm_files, tmp_path, remove_padding):
     assert_finite(steps, ["actor/pg_loss", "actor/grad_norm", "critic/score/mean"])
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_main_ppo_two_steps_on_images_through_the_agent_loops(vlm_files, tmp_path):
+    """multi_turn.enable with a VLM: the tool agent's requests carry the rows' pixels (no tool is
+    configured, so every trajectory is one assistant turn); 2 GRPO steps run (a smoke test of the
+    worker path: that the pixels reach generation is tests/workers/test_vlm_agent.py's check)."""
+    rows = run(
+        _overrides(
+            vlm_files,
+            "trainer.backend=local",
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+        ),
+        tmp_path,
+    )
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    assert_finite(steps, ["actor/pg_loss", "actor/grad_norm", "num_turns/mean"])
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_main_ppo_two_steps_on_videos(vlm_files, tmp_path):
+    """A geo3k-like parquet with veRL's `videos` column (3 PNG frames a row; every other row also
+    has an image) through main_ppo: 2 GRPO steps, packed forward."""
+    model, _, _ = vlm_files
+    train = visual_task.write_video_parquet(str(tmp_path / "vtrain.parquet"), 8, seed=0, split="train")
+    val = visual_task.write_video_parquet(str(tmp_path / "vval.parquet"), 4, seed=0, split="val")
+    overrides = [o for o in _overrides(vlm_files) if not o.startswith(("data.train_files", "data.val_files"))]
+    overrides = [o.replace("data.max_prompt_length=40", "data.max_prompt_length=72") for o in overrides]
+    rows = run(
+        [*overrides, f"data.train_files={train}", f"data.val_files={val}", "data.video_key=videos",
+         "trainer.backend=local", "actor_rollout_ref.model.use_remove_padding=true"],
+        tmp_path,
+    )  # fmt: skip
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    assert_finite(steps, ["actor/pg_loss", "actor/grad_norm", "critic/score/mean"])
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [
         (["actor_rollout_ref.actor.strategy=megatron"], "strategy=megatron with a vision-language model"),
-        (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "ulysses_sequence_parallel_size"),
         (["data.return_multi_modal_inputs=false"], "return_multi_modal_inputs=False"),
         (["actor_rollout_ref.rollout.name=vllm"], "rollout.name=vllm with a vision-language model"),
         (["actor_rollout_ref.rollout.name=sglang"], "only the HF rollout"),
-        (["actor_rollout_ref.rollout.multi_turn.enable=true"], "agent loops"),
-        (["actor_rollout_ref.rollout.mode=async"], "agent loops"),
+        (["actor_rollout_ref.rollout.mode=server"], "mode=server with a vision-language model"),
     ],
 )
 def test_vlm_refusals_at_start_up(vlm_files, tmp_path, extra, match):
@@ -126,3 +163,24 @@ def test_sigkill_resume_exact_with_images_and_hf_export_with_processor(vlm_files
     processor = load_processor(str(hf))
     assert processor.image_processor.patch_size == 14
     assert AutoModelForImageTextToText.from_pretrained(str(hf)).config.vision_config.patch_size == 14
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_main_ppo_on_images_with_ulysses_sp2_on_ray(vlm_files, tmp_path):
+    """Ulysses SP=2 over the 2 Ray FSDP ranks of the actor (the workers' own SP groups) with images."""
+    rows = run(
+        _overrides(
+            vlm_files,
+            "trainer.backend=ray",
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.model.use_remove_padding=true",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+        ),
+        tmp_path,
+    )
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    assert_finite(steps, ["actor/pg_loss", "actor/grad_norm", "actor/kl_loss"])

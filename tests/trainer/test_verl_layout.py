@@ -161,7 +161,6 @@ LISTED = [
     (f"{ARR}.rollout.profiler.relocate_results", "True", None),  # rollout.profiler.enable: a real key now
     (f"{ARR}.model.mtp.enable", "False", "True"),
     (f"{ARR}.model.lora.rank", "0", "8"),
-    (f"{ARR}.model.exclude_modules", "null", "'[lm_head]'"),
     (f"{ARR}.actor.router_replay.mode", "disabled", "R3"),
     (f"{ARR}.rollout.data_parallel_size", "1", "2"),
     (f"{ARR}.rollout.expert_parallel_size", "1", "4"),

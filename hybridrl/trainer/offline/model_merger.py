@@ -9,7 +9,9 @@ from its `model/` torch.distributed.checkpoint shards (any number of ranks) in t
 without starting torch.distributed; the HF config and tokenizer come from CKPT/huggingface/ (or
 --hf_model_path). LoRA adapters (`lora_adapter/adapter_config.json` next to the shards) are
 merged into the base weights. OUT gets config.json, safetensors weights, the tokenizer and the
-generation config: a folder that `from_pretrained` and vLLM load.
+generation config: a folder that `from_pretrained` and vLLM load. A vision-language model (its
+config has a `vision_config`) is built with `AutoModelForImageTextToText`, and OUT also gets its
+processor files (image processor, chat template) from the same source folder.
 
 `test` compares the merged weights with an existing HF folder (e.g. CKPT/huggingface).
 """
@@ -143,11 +145,41 @@ def _config_source(local_dir: Path, hf_model_path: str | None) -> str:
     )
 
 
-def _build_model(config, state: dict[str, torch.Tensor], dtype: torch.dtype | None):
-    from transformers import AutoModelForCausalLM
+def _auto_class(config):
+    """AutoModelForImageTextToText for a vision-language config, else AutoModelForCausalLM."""
+    from hybridrl.models.vlm import is_vlm_config
 
+    if is_vlm_config(config):
+        from transformers import AutoModelForImageTextToText as cls
+    else:
+        from transformers import AutoModelForCausalLM as cls
+    return cls
+
+
+def _copy_processor(config, source: str, out: Path) -> None:
+    """A VLM's processor files from `source` into `out` (nothing for a text model)."""
+    from hybridrl.models.vlm import is_vlm_config, save_processor_files
+
+    if not is_vlm_config(config):
+        return
+    files = ("processor_config.json", "preprocessor_config.json")
+    if not any((Path(source) / f).exists() for f in files):  # transformers would build its defaults
+        raise MergeError(
+            f"{source} has no processor files ({' / '.join(files)}) for this vision-language model; pass "
+            "--hf_model_path <the model folder training started from>"
+        )
+    try:
+        save_processor_files(config, out, source)
+    except (OSError, ValueError, TypeError) as e:
+        raise MergeError(
+            f"{source} has no loadable processor for this vision-language model ({e}); pass --hf_model_path "
+            "<the model folder training started from> (it holds preprocessor_config.json)"
+        ) from e
+
+
+def _build_model(config, state: dict[str, torch.Tensor], dtype: torch.dtype | None):
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = _auto_class(config).from_config(config)
     expected = set(model.state_dict())
     unexpected = sorted(set(state) - expected)
     if unexpected:
@@ -200,6 +232,7 @@ def merge_checkpoint(
             f"[hybridrl model_merger] no tokenizer copied from {source} ({e}); add one to {out}",
             file=sys.stderr,
         )
+    _copy_processor(config, source, out)
     n = sum(t.numel() for t in model.state_dict().values())
     print(
         f"[hybridrl model_merger] merged {len(state)} tensors ({n / 1e6:.2f}M values) into {out}", flush=True
@@ -211,12 +244,13 @@ def compare_with_hf(
     local_dir: str, test_hf_dir: str, hf_model_path: str | None = None, atol: float = 1e-6
 ) -> None:
     """Raise MergeError unless the merged weights equal those of `test_hf_dir` (within atol)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    cls = _auto_class(AutoConfig.from_pretrained(test_hf_dir))
     with tempfile.TemporaryDirectory() as tmp:
         merge_checkpoint(local_dir, tmp, hf_model_path=hf_model_path or None)
-        merged = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).state_dict()
-    reference = AutoModelForCausalLM.from_pretrained(test_hf_dir, dtype=torch.float32).state_dict()
+        merged = cls.from_pretrained(tmp, dtype=torch.float32).state_dict()
+    reference = cls.from_pretrained(test_hf_dir, dtype=torch.float32).state_dict()
     if set(merged) != set(reference):
         raise MergeError(f"parameter names differ: {sorted(set(merged) ^ set(reference))[:5]}")
     for name, value in merged.items():

@@ -186,6 +186,13 @@ def _check_model(model: Any, key: str) -> None:
         raise ConfigError(f"{key}.lora_rank={model.lora_rank!r} must be an integer >= 0 (0: no LoRA)")
     if model.lora_rank > 0 and not (_number(model.lora_alpha) and model.lora_alpha > 0):
         raise ConfigError(f"{key}.lora_alpha={model.lora_alpha!r} must be > 0 with lora_rank>0; e.g. 16")
+    if getattr(model, "exclude_modules", None) is not None:
+        from hybridrl.workers.config import check_exclude_modules
+
+        try:
+            check_exclude_modules(model, key)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
 
 def _check_rollout(r: Any) -> None:

@@ -107,7 +107,6 @@ def _leaves() -> list[Leaf]:
         ]
     for m in MODELS:
         out += [
-            Leaf(f"{m}.exclude_modules", (None,), "LoRA adapts model.target_modules; list those instead"),
             Leaf(f"{m}.hf_config_path", (None,), "the config is read from model.path"),
         ]
     for o in OPTIMS:

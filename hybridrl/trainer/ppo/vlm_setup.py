@@ -19,9 +19,9 @@ def load_run_processor(config: Any) -> Any:
     """The processor of the run's model (None for a text model), after the VLM start-up checks.
 
     Raises:
-        ConfigError: Megatron with a VLM, `freeze_vision_tower` on a text model, Ulysses SP or the
-        prefix grouper with a VLM, `data.return_multi_modal_inputs=False`, a non-HF rollout or the
-        agent loops with a VLM.
+        ConfigError: Megatron with a VLM, `freeze_vision_tower` on a text model, the prefix grouper
+        with a VLM, `data.return_multi_modal_inputs=False`, a non-HF rollout or external agents
+        (`rollout.mode=server`) with a VLM.
     """
     from hybridrl.models.vlm import load_processor
 
@@ -59,11 +59,6 @@ def _check_vlm_keys(config: Any) -> None:
                 f"{ARR}.{role}.strategy=megatron with a vision-language model: the Megatron engine has no "
                 f"vision tower here; use {ARR}.{role}.strategy=fsdp (or fsdp2)"
             )
-    if arr.actor.ulysses_sequence_parallel_size > 1:
-        raise ConfigError(
-            f"{ARR}.actor.ulysses_sequence_parallel_size>1 with a vision-language model is not supported yet; "
-            "set it to 1"
-        )
     if arr.actor.use_prefix_grouper:
         raise ConfigError(f"{ARR}.actor.use_prefix_grouper=True does not take images yet; set it to False")
     if not config.data.return_multi_modal_inputs:
@@ -71,14 +66,10 @@ def _check_vlm_keys(config: Any) -> None:
             "data.return_multi_modal_inputs=False: the training forward needs each row's pixel inputs "
             "(regenerating them in the rollout is not supported); set it to True"
         )
-    from hybridrl.workers.agent.runner import agent_loops_configured
-
-    if agent_loops_configured(arr.rollout):
+    if arr.rollout.mode == "server":
         raise ConfigError(
-            f"agent loops ({ARR}.rollout.multi_turn.enable / rollout.mode=async / rollout.agent.*) with a "
-            "vision-language model: the agent loops pass no pixels to generation yet and tool responses "
-            "carrying images are not taken (docs/vlm.md); set multi_turn.enable=false, mode=sync and the "
-            "default agent settings, or use a text model"
+            f"{ARR}.rollout.mode=server with a vision-language model: external agents send token ids "
+            "without pixels; use mode=sync or async (the built-in agent loops take images, docs/vlm.md)"
         )
     if arr.rollout.name == "vllm":
         _refuse_vllm_images()

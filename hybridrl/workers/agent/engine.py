@@ -63,6 +63,7 @@ class _Request:
     max_new_tokens: int
     want_log_probs: bool
     future: asyncio.Future = field(repr=False, default=None)
+    multi_modal_inputs: dict[str, Any] | None = None
 
 
 class BatchingEngine:
@@ -108,8 +109,12 @@ class BatchingEngine:
         seed: int,
         max_new_tokens: int,
         want_log_probs: bool,
+        multi_modal_inputs: dict[str, Any] | None = None,
     ) -> TokenGeneration:
         """Generate up to `max_new_tokens` tokens after `prompt_ids` (queued and batched).
+
+        `multi_modal_inputs`: a VLM request's pixel inputs (pixel_values (N, D), image_grid_thw
+        (I, 3)) of the images whose tokens `prompt_ids` holds, in order.
 
         With RequestLimits: at most `max_in_flight` requests at once; a request not answered within
         `timeout_s` is dropped (its queued entry removed, or its running batch's result for it
@@ -122,7 +127,7 @@ class BatchingEngine:
         args = (list(prompt_ids), sampling, int(seed), int(max_new_tokens), bool(want_log_probs))
         async with self._slots if self._slots is not None else contextlib.nullcontext():
             for attempt in range(1, lim.max_attempts + 1):
-                future = self._submit(_Request(*args))
+                future = self._submit(_Request(*args, multi_modal_inputs=multi_modal_inputs))
                 if lim.timeout_s is None:
                     return await future
                 try:
@@ -196,6 +201,11 @@ class BatchingEngine:
             seeds=[r.seed for r in batch],
             max_new_tokens=max(r.max_new_tokens for r in batch),
             want_log_probs=batch[0].want_log_probs,
+            multi_modal_inputs=(
+                [r.multi_modal_inputs or {} for r in batch]
+                if any(r.multi_modal_inputs for r in batch)
+                else None
+            ),
         )
         result = self.rollout.generate_tokens(request)
         out = []

@@ -88,6 +88,8 @@ class AgentContext:
         want_log_probs: whether rollout log-probs are recorded (rollout.calculate_log_probs).
         interactions: the run's interactions by name (multi_turn.interaction_config_path).
         tracer: the replica's RolloutTracer (rollout.trace.*), or None.
+        vision: a vision-language model's agent/vision.VisionTurns (tool images, pixel inputs of
+            each request), or None for a text model.
     """
 
     config: Any
@@ -98,6 +100,7 @@ class AgentContext:
     want_log_probs: bool
     interactions: dict[str, Any] = field(default_factory=dict)
     tracer: Any = None
+    vision: Any = None
 
     @property
     def response_length(self) -> int:
@@ -117,13 +120,25 @@ class AgentLoopBase:
         self.kwargs = kwargs
 
     async def generate(
-        self, ids: list[int], sampling: SamplingSpec, seed: int, turn: int, max_new_tokens: int
+        self,
+        ids: list[int],
+        sampling: SamplingSpec,
+        seed: int,
+        turn: int,
+        max_new_tokens: int,
+        multi_modal_inputs: dict[str, Any] | None = None,
     ) -> TokenGeneration:
         """One assistant turn after `ids` (queued with the other trajectories' requests; a span
-        of the trajectory's trace when rollout.trace is on)."""
+        of the trajectory's trace when rollout.trace is on). A VLM's `multi_modal_inputs` hold the
+        pixel inputs of the images whose tokens `ids` holds, in order."""
         with span("generate", turn=turn, prompt_length=len(ids), max_new_tokens=max_new_tokens) as s:
             gen = await self.context.engine.generate(
-                ids, sampling, derive_seed(seed, turn, 0), max_new_tokens, self.context.want_log_probs
+                ids,
+                sampling,
+                derive_seed(seed, turn, 0),
+                max_new_tokens,
+                self.context.want_log_probs,
+                multi_modal_inputs=multi_modal_inputs,
             )
             tracer = self.context.tracer
             set_span_outputs(s, token_ids=gen.token_ids, **(tracer.text(gen.token_ids) if tracer else {}))
@@ -220,7 +235,9 @@ class SingleTurnAgentLoop(AgentLoopBase):
     async def run(
         self, sampling: SamplingSpec, *, prompt_ids: list[int], seed: int, **row: Any
     ) -> AgentLoopOutput:
-        gen = await self.generate(prompt_ids, sampling, seed, 0, self.context.response_length)
+        gen = await self.generate(
+            prompt_ids, sampling, seed, 0, self.context.response_length, row.get("multi_modal_inputs")
+        )
         n = len(gen.token_ids)
         return AgentLoopOutput(
             prompt_ids=list(prompt_ids),

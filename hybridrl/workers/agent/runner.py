@@ -18,7 +18,8 @@ once (their generation requests share the engine through the batching queue).
 
 Extra outputs: non-tensor per-row `num_turns`, `tool_calls`, `tool_errors`, `tool_timeouts`,
 `agent_truncated`, `agent_reward` (None without one), `turn_scores` (the interaction's score of
-each user turn, a list per row), and meta_info["metrics"] summaries.
+each user turn, a list per row), `multi_modal_inputs` (a VLM run: each row's prompt and tool
+images' pixel inputs, agent/vision.py), and meta_info["metrics"] summaries.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from hybridrl.workers.agent.loop import (
 )
 from hybridrl.workers.agent.tool_loading import load_tools
 from hybridrl.workers.agent.trace import RolloutTracer
+from hybridrl.workers.agent.vision import VisionTurns
 from hybridrl.workers.rollout.base import SamplingSpec, derive_seed, resolve_sampling
 
 __all__ = ["AgentLoopRunner", "agent_loops_configured", "agent_step_metrics", "uses_agent_loops"]
@@ -142,6 +144,7 @@ class AgentLoopRunner:
             want_log_probs=bool(config.calculate_log_probs),
             interactions=interactions,
             tracer=RolloutTracer(config.trace, tokenizer, config.seed) if config.trace.backend else None,
+            vision=VisionTurns.for_model(getattr(rollout, "model_path", None)),
         )
         self._loops: dict[str, Any] = {}
         self.num_calls = 0
@@ -334,6 +337,12 @@ def build_agent_output(
     for i, o in enumerate(outputs):
         turn_scores[i] = list(o.extra_fields.get("turn_scores", []))
     non_tensor["turn_scores"] = turn_scores
+    if any("multi_modal_inputs" in o.extra_fields for o in outputs):  # a VLM run: prompt + tool images
+        mm = np.empty(bsz, dtype=object)
+        prompt_mm = prompts.non_tensor_batch.get("multi_modal_inputs")
+        for i, o in enumerate(outputs):
+            mm[i] = o.extra_fields.get("multi_modal_inputs", prompt_mm[i] if prompt_mm is not None else {})
+        non_tensor["multi_modal_inputs"] = mm
     meta = dict(prompts.meta_info)
     meta["metrics"] = {**meta.get("metrics", {}), **summarize(outputs)}
     return DataProto.from_dict(tensors, non_tensor, meta)

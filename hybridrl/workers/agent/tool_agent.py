@@ -15,6 +15,11 @@ trajectory is marked truncated; the cut tokens are mask 0).
 At most `max_parallel_calls` calls of a turn run (concurrently); each response is cut to
 `max_tool_response_length` characters on `tool_response_truncate_side`.
 
+With a vision-language model (`context.vision`, agent/vision.py) a tool may return images
+(veRL's `ToolResponse.image`): they enter the tool turn as image tokens (mask 0) and their pixel
+inputs join the trajectory's, so the next assistant turn sees them; a text model's run answers
+such a response with an error text.
+
 Failures are data: a call with bad JSON, an unknown tool name, a tool that raises or takes longer
 than `multi_turn.tool_timeout_s` gets an "Error: ..." text as its response, and is counted in the
 trajectory's metrics (`tool_errors`, `tool_timeouts`). Nothing of that ends the step. Every tool
@@ -40,6 +45,7 @@ from hybridrl.workers.agent.tokenization import ToolTurnRenderer, check_tokeniza
 from hybridrl.workers.agent.tool import ToolResponse, create_arguments, schema_dict
 from hybridrl.workers.agent.tool_runner import tool_loop
 from hybridrl.workers.agent.trace import set_span_outputs, span
+from hybridrl.workers.agent.vision import merge_inputs
 from hybridrl.workers.rollout.base import SamplingSpec
 
 __all__ = ["ToolAgentLoop", "TrajectoryTools", "truncate_text"]
@@ -71,8 +77,15 @@ class TrajectoryTools:
         timeout_s: seconds one call may take.
     """
 
-    def __init__(self, tools: dict[str, Any], tools_kwargs: dict[str, Any] | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        tools: dict[str, Any],
+        tools_kwargs: dict[str, Any] | None,
+        timeout_s: float,
+        images: bool = False,
+    ) -> None:
         self.tools = tools
+        self.images = images  # a vision-language run: tool images are taken
         self.kwargs = dict(tools_kwargs or {})
         self.timeout_s = timeout_s
         self.instances: dict[str, str] = {}
@@ -90,12 +103,19 @@ class TrajectoryTools:
 
     async def call(self, call: ToolCall) -> str:
         """Run one parsed call; returns the tool response text (an error text on failure)."""
-        with span(f"tool/{call.name}", arguments=call.arguments, parse_error=call.error) as s:
-            text = await self._call(call)
-            set_span_outputs(s, response=text)
-        return text
+        return (await self.call_response(call)).text or ""
 
-    async def _call(self, call: ToolCall) -> str:
+    async def call_response(self, call: ToolCall) -> ToolResponse:
+        """Run one parsed call; returns its text (an error text on failure) and, in a
+        vision-language run, its images."""
+        with span(f"tool/{call.name}", arguments=call.arguments, parse_error=call.error) as s:
+            response = await self._call(call)
+            if isinstance(response, str):
+                response = ToolResponse(text=response)
+            set_span_outputs(s, response=response.text, images=len(response.image or []))
+        return response
+
+    async def _call(self, call: ToolCall) -> str | ToolResponse:
         self.calls += 1
         if call.error is not None:
             self.errors += 1
@@ -131,12 +151,14 @@ class TrajectoryTools:
         self.step_reward += reward
         if not isinstance(response, ToolResponse):
             return str(response)
-        if response.image or response.video:
+        if response.video or (response.image and not self.images):
             self.errors += 1
-            return (
-                f"Error: tool {call.name!r} returned images or videos; this agent loop passes text only "
-                "(multimodal tool responses need a vision-language model run)"
+            what = "videos" if response.video else "images"
+            return f"Error: tool {call.name!r} returned {what}; this agent loop passes text" + (
+                " and images only" if self.images else " only (tool images need a vision-language model run)"
             )
+        if response.image:
+            return ToolResponse(text=response.text or "", image=list(response.image))
         return response.text or ""
 
     async def finish(self) -> float | None:
@@ -181,6 +203,9 @@ class _Trajectory:
     truncated: bool = False
     interaction_turns: int = 0
     turn_scores: list[float] = field(default_factory=list)
+    mm: dict[str, Any] | None = None  # a VLM run: the pixel inputs of the prompt's and the tools' images
+    tool_images: int = 0
+    vision_stop: bool = False
 
 
 class UserSession:
@@ -264,11 +289,13 @@ class ToolAgentLoop(AgentLoopBase):
         self.parser = get_tool_parser(self.mt.format)
         self.renderer = ToolTurnRenderer(context.tokenizer)
         self.schemas = [schema_dict(t.get_openai_tool_schema()) for t in context.tools.values()]
+        self.vision = getattr(context, "vision", None)
 
-    def _prompt(self, prompt_ids: list[int], raw_prompt: Any) -> list[int]:
+    def _prompt(self, prompt_ids: list[int], raw_prompt: Any, has_images: bool = False) -> list[int]:
         """veRL: with `raw_prompt` (data.return_raw_chat) and tools, the prompt is rendered with the
-        tool schemas (`tools=`); else the dataset's prompt ids are used as they are."""
-        if raw_prompt is None or not self.schemas:
+        tool schemas (`tools=`); else (and for a prompt with images, whose ids the processor made)
+        the dataset's prompt ids are used as they are."""
+        if raw_prompt is None or not self.schemas or has_images:
             return list(prompt_ids)
         return conversation_ids(self.context.tokenizer, list(raw_prompt), True, self.schemas)
 
@@ -277,27 +304,34 @@ class ToolAgentLoop(AgentLoopBase):
     ) -> AgentLoopOutput:
         ctx, mt = self.context, self.mt
         raw_prompt = row.get("raw_prompt")
-        prompt = self._prompt(prompt_ids, raw_prompt)
+        mm = dict(row.get("multi_modal_inputs") or {}) if self.vision is not None else None
+        prompt = self._prompt(prompt_ids, raw_prompt, bool(mm))
         extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
         tools = TrajectoryTools(
-            ctx.tools, row.get("tools_kwargs") or extra.get("tools_kwargs"), mt.tool_timeout_s
+            ctx.tools,
+            row.get("tools_kwargs") or extra.get("tools_kwargs"),
+            mt.tool_timeout_s,
+            images=self.vision is not None,
         )
         user = (
             await UserSession.start(ctx.interactions, row, mt.interaction_timeout_s)
             if ctx.interactions
             else None
         )
-        st = _Trajectory(lps=[] if ctx.want_log_probs else None)
+        st = _Trajectory(lps=[] if ctx.want_log_probs else None, mm=mm)
         try:
             while await self._assistant_turn(st, prompt, sampling, seed):
                 _, calls = self.parser.parse(st.messages[-1]["content"])
                 if calls:
-                    results = await asyncio.gather(*(tools.call(c) for c in calls[: mt.max_parallel_calls]))
+                    calls = calls[: mt.max_parallel_calls]
+                    results = await asyncio.gather(*(tools.call_response(c) for c in calls))
                     texts = [
-                        truncate_text(r, mt.max_tool_response_length, mt.tool_response_truncate_side)
+                        truncate_text(
+                            r.text or "", mt.max_tool_response_length, mt.tool_response_truncate_side
+                        )
                         for r in results
                     ]
-                    more = self._env_turn(st, texts, "tool")
+                    more = self._env_turn(st, texts, "tool", [r.image or [] for r in results])
                 elif user is not None:
                     answer = await user.respond(list(raw_prompt or []) + st.messages, st)
                     if answer is None:  # the interaction timed out: the trajectory ends
@@ -322,10 +356,15 @@ class ToolAgentLoop(AgentLoopBase):
             "truncated": float(st.truncated),
             "tool_step_reward": tools.step_reward,
         }
-        metrics.update(self._sanity(prompt, st.ids, raw_prompt, st.messages, st.truncated))
+        if self.vision is not None:
+            metrics.update(tool_images=float(st.tool_images), vision_token_stops=float(st.vision_stop))
+        if not any(k.startswith("pixel_values") for k in st.mm or {}):  # its re-rendering has no pixels
+            metrics.update(self._sanity(prompt, st.ids, raw_prompt, st.messages, st.truncated))
         turns = 1 + st.turns["assistant"] + st.turns["user"]
         out = AgentLoopOutput(prompt, st.ids, st.mask, st.lps, turns, reward, metrics)
         out.extra_fields["turn_scores"] = list(st.turn_scores)
+        if self.vision is not None:
+            out.extra_fields["multi_modal_inputs"] = self.vision.row_inputs(st.mm, st.ids, st.mask)
         return out
 
     async def _assistant_turn(self, st: _Trajectory, prompt, sampling: SamplingSpec, seed: int) -> bool:
@@ -335,7 +374,7 @@ class ToolAgentLoop(AgentLoopBase):
         if budget <= 0:
             st.truncated = True
             return False
-        gen = await self.generate(prompt + st.ids, sampling, seed, st.turns["assistant"], budget)
+        gen = await self.generate(prompt + st.ids, sampling, seed, st.turns["assistant"], budget, st.mm)
         self._append(st.ids, st.mask, st.lps, gen.token_ids, 1, gen.log_probs)
         st.turns["assistant"] += 1
         text = ctx.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
@@ -343,16 +382,34 @@ class ToolAgentLoop(AgentLoopBase):
         if not self.ended_with_eos(gen.token_ids):
             st.truncated = True  # cut by the budget mid-turn
             return False
+        if self.vision is not None and self.vision.sampled_placeholder(gen.token_ids):
+            st.vision_stop = True  # fed back, a sampled <|image_pad|> would be an image without pixels
+            return False
         if mt.max_assistant_turns and st.turns["assistant"] >= mt.max_assistant_turns:
             return False
         return not (mt.max_user_turns and st.turns["user"] >= mt.max_user_turns)
 
-    def _env_turn(self, st: _Trajectory, texts: list[str], role: str) -> bool:
-        """Append tool responses / an interaction's user turn (mask 0); False when cut by the budget."""
+    def _env_turn(
+        self, st: _Trajectory, texts: list[str], role: str, images: list[list] | None = None
+    ) -> bool:
+        """Append tool responses / an interaction's user turn (mask 0); False when cut by the budget.
+
+        With tool images (a VLM run) the turn's image tokens are expanded and its pixel inputs join
+        the trajectory's; a turn with images that does not fit is left out whole (an image cut
+        short would not match its pixels; no later token would see it anyway)."""
         st.messages += [{"role": role, "content": t} for t in texts]
-        new_ids = self.renderer.ids(texts, role=role)
         st.turns["user"] += 1
         room = self.context.response_length - len(st.ids)
+        if self.vision is not None and any(images or []):
+            new_ids, new_mm = self.vision.tool_turn(self.renderer, texts, images, role)
+            if len(new_ids) >= room:
+                st.truncated = True
+                return False
+            self._append(st.ids, st.mask, st.lps, new_ids, 0, None)
+            st.mm = merge_inputs(st.mm, new_mm)
+            st.tool_images += int(new_mm["image_grid_thw"].shape[0])
+            return True
+        new_ids = self.renderer.ids(texts, role=role)
         self._append(st.ids, st.mask, st.lps, new_ids[:room], 0, None)
         if len(new_ids) >= room:
             st.truncated = True

@@ -45,7 +45,7 @@ from hybridrl.utils.torch_utils import (
 )
 from hybridrl.workers.engine.base import LogProbs
 from hybridrl.workers.engine.lm_head import linear_log_probs
-from hybridrl.workers.engine.multimodal import has_multimodal, model_inputs
+from hybridrl.workers.engine.multimodal import has_multimodal, model_inputs, text_tower_on_slice
 from hybridrl.workers.engine.prefix_group import (
     LAYOUT_KWARG,
     LayoutNotPassed,
@@ -124,12 +124,14 @@ def _run_multimodal(module, batch, use_remove_padding, packed, sp):
     """`run_model` for a vision-language batch (`engine.multimodal`): pixel inputs and 3-D rotary
     positions; the packed row attends through transformers' packed-sequence detection (the text
     positions in row 0 of the (4, 1, nnz) position ids) or the block-causal mask."""
-    if sp is not None:
-        raise NotImplementedError(
-            "Ulysses sequence parallelism with multimodal inputs is not supported yet; set "
-            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 for a vision-language model"
-        )
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    if sp is not None:  # the vision tower on the whole row, the text tower on this rank's slice
+        if not use_remove_padding:
+            raise ValueError("Ulysses sequence parallelism needs use_remove_padding=True (the packed path)")
+        packed = packed or pack_sequences(input_ids, attention_mask)
+        ids, kwargs, feed = model_inputs(module, batch, packed)
+        with feed, text_tower_on_slice(module, sp):
+            return module(input_ids=ids, use_cache=False, **kwargs), packed
     if not use_remove_padding:
         ids, kwargs, feed = model_inputs(module, batch)
         with feed:

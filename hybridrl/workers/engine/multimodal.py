@@ -15,7 +15,15 @@ text positions (1, nnz) are put in front, giving the (4, 1, nnz) layout transfor
 sequences (row 0 finds the sequence boundaries, rows 1-3 rotate).
 
 Image tokens are prompt tokens: they sit before the response, so the response slice never trains
-on them, whatever the packing.
+on them, whatever the packing. An agent loop's tool turns may carry images too: their tokens sit
+in the response, listed per row in ``multi_modal_inputs["response_vision_positions"]`` (K,)
+(indices into the response), and are fed as image tokens; any other vision token of a response
+is a sampled text token.
+
+Ulysses SP (:func:`text_tower_on_slice`): every rank of a group runs the vision tower and the
+embedding on the whole packed row (the image features are scattered into the image-token
+positions there), and the text tower on its slice of the embedded row and of the (4, 1, nnz)
+positions, padded to a multiple of the SP size.
 """
 
 from __future__ import annotations
@@ -29,7 +37,15 @@ from torch import nn
 
 MM_KEY = "multi_modal_inputs"
 
-__all__ = ["MM_KEY", "attach_multimodal", "has_multimodal", "model_inputs", "vlm_core"]
+__all__ = [
+    "FED_KEY",
+    "MM_KEY",
+    "attach_multimodal",
+    "has_multimodal",
+    "model_inputs",
+    "text_tower_on_slice",
+    "vlm_core",
+]
 
 
 def attach_multimodal(batch: Any, data: Any) -> Any:
@@ -76,25 +92,47 @@ def _vision_ids(module: nn.Module) -> list[int]:
     ]
 
 
-def _token_types(module: nn.Module, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """mm_token_type_ids (B, S): 1 at image (2 at video) tokens of the prompt, 0 elsewhere."""
+FED_KEY = "response_vision_positions"
+
+
+def fed_vision_tokens(rows: list[dict[str, Any]], responses: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the response's vision tokens a tool turn fed (each row's
+    ``multi_modal_inputs[FED_KEY]``, indices into its response); all False for a plain rollout."""
+    fed = torch.zeros(responses.shape, dtype=torch.bool, device=responses.device)
+    for i, row in enumerate(rows):
+        if row.get(FED_KEY) is not None and len(row[FED_KEY]):
+            fed[i, torch.as_tensor(row[FED_KEY], dtype=torch.long, device=responses.device)] = True
+    return fed
+
+
+def _token_types(
+    module: nn.Module, input_ids: torch.Tensor, prompt_len: int, fed: torch.Tensor
+) -> torch.Tensor:
+    """mm_token_type_ids (B, S): 1 at image (2 at video) tokens of the prompt and of the fed
+    response tokens `fed` (B, T), 0 elsewhere."""
     cfg = (module.get_base_model() if hasattr(module, "get_base_model") else module).config
     types = torch.zeros_like(input_ids, dtype=torch.int32)
     types[input_ids == cfg.image_token_id] = 1
     if getattr(cfg, "video_token_id", None) is not None:
         types[input_ids == cfg.video_token_id] = 2
-    types[:, prompt_len:] = 0  # a sampled vision token in a response is a text token
+    types[:, prompt_len:] *= fed.to(types.dtype)  # a sampled vision token in a policy turn is text
     return types
 
 
 def rope_positions(
-    module: nn.Module, input_ids, attention_mask, image_grid_thw, prompt_len: int
+    module: nn.Module, input_ids, attention_mask, grids: dict[str, torch.Tensor], prompt_len: int, fed
 ) -> torch.Tensor:
-    """(3, B, S) mrope positions of a padded batch (padding positions read 0)."""
+    """(3, B, S) mrope positions of a padded batch (padding positions read 0).
+
+    Args:
+        grids: image_grid_thw (I, 3) / video_grid_thw (V, 3) of the batch's images / videos, in order.
+        fed: (B, T) the response's vision tokens a tool turn fed (`fed_vision_tokens`).
+    """
     positions, _ = vlm_core(module).get_rope_index(
         input_ids,
-        mm_token_type_ids=_token_types(module, input_ids, prompt_len),
-        image_grid_thw=image_grid_thw,
+        mm_token_type_ids=_token_types(module, input_ids, prompt_len, fed),
+        image_grid_thw=grids.get("image_grid_thw"),
+        video_grid_thw=grids.get("video_grid_thw"),
         attention_mask=attention_mask,
     )
     return positions
@@ -134,6 +172,21 @@ def response_vision_tokens_as_text(module: nn.Module, input_ids: torch.Tensor, w
         handle.remove()
 
 
+_VISION_INPUTS = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+
+
+def _stacked_inputs(rows: list[dict[str, Any]], device, dtype) -> dict[str, torch.Tensor]:
+    """The rows' pixel inputs concatenated in row order: pixel_values (sum N_i, D) and image_grid_thw
+    (sum I_i, 3); pixel_values_videos and video_grid_thw likewise for videos."""
+    out: dict[str, torch.Tensor] = {}
+    for pix_key, grid_key in _VISION_INPUTS:
+        have = [r for r in rows if r.get(pix_key) is not None]
+        if have:
+            out[pix_key] = torch.cat([torch.as_tensor(r[pix_key]) for r in have]).to(device, dtype)
+            out[grid_key] = torch.cat([torch.as_tensor(r[grid_key]) for r in have]).to(device)
+    return out
+
+
 def model_inputs(
     module: nn.Module, batch: Any, packed: Any = None
 ) -> tuple[torch.Tensor, dict[str, Any], Any]:
@@ -141,31 +194,25 @@ def model_inputs(
 
     Args:
         batch: TensorDict with input_ids (B, S), attention_mask (B, S), responses (B, T) and
-            `multi_modal_inputs`.
+            `multi_modal_inputs` (with FED_KEY for an agent loop's tool images).
         packed: the packing of the batch (remove-padding) or None (padded forward).
 
     Returns:
         (input_ids to feed: (B, S) or packed (1, nnz), a copy; kwargs: pixel_values (sum N_i, D),
-        image_grid_thw (sum I_i, 3) when the rows hold images, position_ids (3, B, S) padded or
-        (4, 1, nnz) packed; the context manager to run the forward in, see
-        `response_vision_tokens_as_text`).
+        image_grid_thw (sum I_i, 3) when the rows hold images (pixel_values_videos /
+        video_grid_thw for videos), position_ids (3, B, S) padded or (4, 1, nnz) packed; the
+        context manager to run the forward in, see `response_vision_tokens_as_text`).
     """
     rows = _rows(batch)
     input_ids, mask = batch["input_ids"], batch["attention_mask"]
     prompt_len = input_ids.shape[1] - batch["responses"].shape[1]
     device = input_ids.device
-    pixels = [r["pixel_values"] for r in rows if r.get("pixel_values") is not None]
-    grids = [r["image_grid_thw"] for r in rows if r.get("pixel_values") is not None]
-    out: dict[str, Any] = {}
-    grid = None
-    if pixels:
-        dtype = next(module.parameters()).dtype
-        out["pixel_values"] = torch.cat([torch.as_tensor(p) for p in pixels]).to(device, dtype)
-        grid = torch.cat([torch.as_tensor(g) for g in grids]).to(device)
-        out["image_grid_thw"] = grid
-    positions = rope_positions(module, input_ids, mask, grid, prompt_len)  # (3, B, S)
+    out: dict[str, Any] = _stacked_inputs(rows, device, next(module.parameters()).dtype)
+    fed = fed_vision_tokens(rows, batch["responses"])
+    positions = rope_positions(module, input_ids, mask, out, prompt_len, fed)  # (3, B, S)
     sampled = torch.isin(input_ids, torch.tensor(_vision_ids(module), device=device))
     sampled[:, :prompt_len] = False
+    sampled[:, prompt_len:] &= ~fed
     if packed is None:
         out["position_ids"] = positions
         ids = input_ids.clone()
@@ -175,3 +222,42 @@ def model_inputs(
         ids = packed.input_ids.clone()
         sampled = sampled.reshape(-1)[packed.indices].view(1, -1)
     return ids, out, response_vision_tokens_as_text(module, ids, sampled)
+
+
+@contextlib.contextmanager
+def text_tower_on_slice(module: nn.Module, sp: Any):
+    """Ulysses SP: run the VLM's text tower on this rank's slice of the packed row.
+
+    The VLM forward embeds the whole packed row (1, nnz) and scatters the vision tower's features
+    into its image tokens (every rank of the group holds the same rows, so the counts match); a
+    pre-hook on the text tower then pads the embedded row (1, nnz, H) and its (4, 1, nnz) positions
+    to a multiple of the SP size (padding: zero embeddings at positions 0, 1, ..., a sequence of
+    its own) and keeps this rank's contiguous slice (1, L, H) / (4, 1, L), L = padded / sp. The
+    gradient reaches the vision tower through the image positions of each rank's slice.
+
+    Args:
+        sp: the rank's `ulysses.SPGroup`.
+    """
+    from hybridrl.workers.engine.ulysses import padded_length
+
+    text_tower = vlm_core(module).language_model
+
+    def hook(_mod, args, kwargs):
+        emb, pos = kwargs["inputs_embeds"], kwargs["position_ids"]
+        nnz = emb.shape[1]
+        pad = padded_length(nnz, sp) - nnz
+        length, lo = (nnz + pad) // sp.size, sp.rank * ((nnz + pad) // sp.size)
+        emb = nn.functional.pad(emb, (0, 0, 0, pad))
+        fill = torch.arange(pad, device=pos.device, dtype=pos.dtype).expand(*pos.shape[:-1], pad)
+        pos = torch.cat([pos, fill], dim=-1)
+        return args, {
+            **kwargs,
+            "inputs_embeds": emb[:, lo : lo + length],
+            "position_ids": pos[..., lo : lo + length],
+        }
+
+    handle = text_tower.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()

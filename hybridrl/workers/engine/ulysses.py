@@ -255,7 +255,10 @@ def parallelize_sp(model: nn.Module, sp: SPGroup, key: str = "actor_rollout_ref.
         raise ValueError("parallelize_sp: the model is already parallelized")
     for layer in layers:
         layer.hybridrl_sp, layer.hybridrl_inner_attn = sp, inner
-    for cfg in {id(c): c for c in (base.config, text)}.values():
+    # the text tower's configs only: a VLM's top-level config would pass the name on to its vision
+    # config (transformers sets sub-configs recursively), whose attention is not split
+    configs = [text, *(getattr(layer, "config", text) for layer in layers)]
+    for cfg in {id(c): c for c in configs}.values():
         cfg._attn_implementation = ATTN_NAME
     return model
 

@@ -173,23 +173,31 @@ class HFRollout(BaseRollout):
         return GenerationResult(tokens, log_probs)
 
     def _mm_kwargs(self, request: GenerationRequest, rows: slice, ids: torch.Tensor) -> dict[str, Any]:
-        """pixel_values (N, D), image_grid_thw (I, 3), mm_token_type_ids (b, P) of these rows' images."""
+        """pixel_values (N, D), image_grid_thw (I, 3) (pixel_values_videos / video_grid_thw for
+        videos) and mm_token_type_ids (b, P) (1 image, 2 video) of these rows' images and videos."""
         if request.multi_modal_inputs is None:
             return {}
         mms = [m or {} for m in list(request.multi_modal_inputs)[rows]]
-        pixels = [m["pixel_values"] for m in mms if m.get("pixel_values") is not None]
-        if not pixels:
+        out: dict[str, Any] = {}
+        for pix_key, grid_key in (
+            ("pixel_values", "image_grid_thw"),
+            ("pixel_values_videos", "video_grid_thw"),
+        ):
+            have = [m for m in mms if m.get(pix_key) is not None]
+            if have:
+                out[pix_key] = torch.cat([torch.as_tensor(m[pix_key]) for m in have]).to(
+                    self.device, self.dtype
+                )
+                out[grid_key] = torch.cat([torch.as_tensor(m[grid_key]) for m in have]).to(self.device)
+        if not out:
             return {}
         cfg = self.model.config
         types = torch.zeros_like(ids, dtype=torch.int32)
         types[ids == cfg.image_token_id] = 1
-        return {
-            "pixel_values": torch.cat(pixels).to(self.device, self.dtype),
-            "image_grid_thw": torch.cat(
-                [m["image_grid_thw"] for m in mms if m.get("pixel_values") is not None]
-            ).to(self.device),
-            "mm_token_type_ids": types,
-        }
+        if getattr(cfg, "video_token_id", None) is not None:
+            types[ids == cfg.video_token_id] = 2
+        out["mm_token_type_ids"] = types
+        return out
 
     @torch.no_grad()
     def _generate_micro_batch(

@@ -1,0 +1,106 @@
+"""Videos in veRL's format for Qwen2-VL: a ``videos`` column of frame lists, ``<video>`` placeholders.
+
+A video is given as veRL's dict ``{"video": [frame, frame, ...]}`` (or the bare list of frames),
+each frame anything :func:`hybridrl.data.multimodal.decode_image` reads (PIL image, PNG/JPEG
+bytes, ``{"bytes": ...}`` / ``{"path": ...}``, a path, ``file://`` paths included). A video *file*
+(``{"video": "clip.mp4"}``) is refused: decoding one needs a video reader (qwen_vl_utils /
+torchvision / decord), none of which is installed with hybridrl.
+
+Qwen2-VL's video path without transformers' video processor (which imports torchvision): each
+frame goes through the model's own image processor (the same resize, rescale and normalisation
+as an image), and the frames are grouped ``temporal_patch_size`` at a time (an odd last group
+repeats the last frame, as transformers' video processor does) into patches laid out as
+transformers' ``Qwen2VLVideoProcessor.patchify`` lays them out: rows (t, h / m, w / m, m, m),
+columns (C, temporal_patch_size, patch, patch). Returns ``pixel_values_videos`` (t * h * w, D)
+and ``video_grid_thw`` (1, 3) per video; ``<|video_pad|>`` is expanded to t * h * w / m**2 tokens.
+Frames are sized by the image processor's ``min_pixels`` / ``max_pixels`` (veRL's
+qwen_vl_utils has video-specific limits); Qwen2.5-VL gets no ``second_per_grid_ts`` (its default,
+1 s per temporal patch, is what veRL's frame lists at the default 2 fps give).
+
+Shapes: F frames, C channels, p patch size, m merge size, D = C * temporal_patch_size * p * p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["decode_video", "expand_video_tokens", "video_inputs"]
+
+
+def decode_video(video: Any, where: str) -> list[Any]:
+    """A video's frames as RGB PIL images (all of one size).
+
+    Raises:
+        ValueError: a video file, an empty or malformed entry, an unreadable frame, frames of
+            different sizes; naming `where`.
+    """
+    from hybridrl.data.multimodal import decode_image
+
+    frames = video.get("video") if isinstance(video, Mapping) else video
+    if isinstance(frames, np.ndarray):
+        frames = list(frames)
+    if isinstance(frames, (str, bytes)) or not isinstance(frames, (list, tuple)) or not frames:
+        raise ValueError(
+            f"{where}: a video must be {{'video': [frame, ...]}} (or a list of frames), got {type(frames).__name__}"
+            + (
+                "; video files need a video decoder (qwen_vl_utils / torchvision), which hybridrl does not "
+                "ship: extract the frames (e.g. with ffmpeg) and list them"
+                if isinstance(frames, (str, bytes))
+                else ""
+            )
+        )
+    out = []
+    for k, frame in enumerate(frames):
+        if isinstance(frame, str) and frame.startswith("file://"):
+            frame = frame[len("file://") :]
+        out.append(decode_image(frame, f"{where} frame {k}"))
+    sizes = {f.size for f in out}
+    if len(sizes) > 1:
+        raise ValueError(f"{where}: the frames of a video must have one size, got {sorted(sizes)}")
+    return out
+
+
+def video_inputs(image_processor: Any, frames: list[Any]) -> dict[str, torch.Tensor]:
+    """pixel_values_videos (t * h * w, D) and video_grid_thw (1, 3) of one video's frames."""
+    tps = int(getattr(image_processor, "temporal_patch_size", 2))
+    p = int(image_processor.patch_size)
+    frames = list(frames) + [frames[-1]] * (-len(frames) % tps)
+    enc = image_processor(images=frames, return_tensors="pt")
+    grid = torch.as_tensor(enc["image_grid_thw"])  # (F, 3): (1, h, w) per frame, all equal
+    n = int(grid[0].prod())
+    channels = enc["pixel_values"].shape[-1] // (tps * p * p)
+    # each frame's rows (n, C, tps, p, p) hold the frame repeated over tps: keep slice 0
+    per_frame = enc["pixel_values"].reshape(len(frames), n, channels, tps, p, p)[
+        :, :, :, 0
+    ]  # (F, n, C, p, p)
+    t = len(frames) // tps
+    grouped = per_frame.reshape(t, tps, n, channels, p, p).permute(0, 2, 3, 1, 4, 5)  # (t, n, C, tps, p, p)
+    pixels = grouped.reshape(t * n, channels * tps * p * p)
+    return {
+        "pixel_values_videos": pixels,
+        "video_grid_thw": torch.tensor([[t, int(grid[0, 1]), int(grid[0, 2])]]),
+    }
+
+
+def expand_video_tokens(ids: list[int], video_token_id: int, grids: torch.Tensor, merge: int) -> list[int]:
+    """`ids` with the k-th video token repeated t*h*w / merge**2 times for video k of `grids` (V, 3).
+
+    Raises:
+        ValueError: the ids hold a different number of video tokens than there are videos.
+    """
+    n = [int(g.prod()) // merge**2 for g in torch.as_tensor(grids)]
+    found = sum(1 for i in ids if i == video_token_id)
+    if found != len(n):
+        raise ValueError(f"the prompt renders {found} video token(s) for {len(n)} video(s)")
+    out, k = [], 0
+    for i in ids:
+        if i == video_token_id:
+            out += [i] * n[k]
+            k += 1
+        else:
+            out.append(i)
+    return out

@@ -1,0 +1,228 @@
+"""Tool responses with images in the tool agent of a tiny Qwen2-VL (real HF engine, real FSDP recompute).
+
+The model is a tiny random Qwen2-VL given a few supervised steps (`vlm_warm_start`) so that its
+turns end with EOS; it never writes tool calls itself, so a registered tool-call format (the
+public plug point, as in tests/workers/agent/test_tool_agent.py) reads a call to `draw` out of
+every assistant turn. `draw` returns a picture drawn in code. Checked: the tool turn holds the
+processor's image tokens (mask 0) and the pixels join the row's `multi_modal_inputs`; the next turn
+is generated seeing them; the rollout's log-probs equal the FSDP actor's recompute on every policy
+token, the tool image changes the second turn's log-probs (not the first's), and one PPO update
+runs on the batch.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hybridrl.data import visual_task
+from hybridrl.data.multimodal import process_row
+from hybridrl.protocol import DataProto
+from hybridrl.workers.agent.parser import ToolCall, ToolCallParser, register_tool_parser
+from hybridrl.workers.agent.runner import AgentLoopRunner
+from hybridrl.workers.agent.tool import BaseTool, ToolResponse
+from hybridrl.workers.engine.multimodal import FED_KEY
+from hybridrl.workers.rollout.config import RolloutConfig
+
+pytest.importorskip("PIL")
+TOOL_SIDE = 84  # 84 x 84 pixels: a 6 x 6 patch grid, 9 image tokens (the prompt's 56 x 56: 4)
+
+
+@register_tool_parser("test_vlm_always_draw")
+class AlwaysDraw(ToolCallParser):
+    def parse(self, text):
+        return text, [ToolCall("draw", {})]
+
+
+class DrawTool(BaseTool):
+    """A coloured square drawn in code: PNG bytes on odd calls, a PIL image on even ones."""
+
+    def __init__(self):
+        super().__init__({}, {"type": "function", "function": {"name": "draw"}})
+        self.count = 0
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        import random
+
+        from PIL import Image
+
+        self.count += 1
+        png = visual_task.draw_shape("blue", "square", random.Random(self.count), size=TOOL_SIDE)
+        image = png if self.count % 2 else Image.open(io.BytesIO(png)).convert("RGB")
+        return ToolResponse(text="see", image=[image]), 0.0, {}
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    from hybridrl.models.vlm import build_tiny_vlm, load_processor
+    from hybridrl.models.vlm_warm_start import format_warm_start
+
+    path = build_tiny_vlm(tmp_path_factory.mktemp("agent_vlm") / "model", "qwen2_vl", seed=0)
+    format_warm_start(
+        path, steps=20, batch_size=4, lr=3e-3, num_threads=1
+    )  # short "#### colour" turns ending in EOS
+    processor = load_processor(path)
+    processor.tokenizer.padding_side = "left"
+    return path, processor
+
+
+def _prompts(processor, n):
+    tok = processor.tokenizer
+    ids, mms = [], []
+    for k, row in enumerate(visual_task.make_rl_rows(n, seed=5)):
+        _, row_ids, mm = process_row(processor, row["prompt"], row["images"], f"row {k}", {}, {})
+        ids.append(row_ids)
+        mms.append(mm)
+    width = max(len(r) for r in ids)
+    input_ids = torch.full((n, width), tok.pad_token_id)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    for i, r in enumerate(ids):
+        input_ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    tensors = {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+    }
+    return DataProto.from_dict(
+        tensors, {"multi_modal_inputs": np.array(mms, dtype=object)}, {"seed_index": 1}
+    )
+
+
+def _runner(path, processor):
+    from hybridrl.workers.rollout.hf import HFRollout
+
+    cfg = RolloutConfig(name="hf", dtype="float32", load_format="auto", response_length=96, prompt_length=48,
+                        calculate_log_probs=True, temperature=1.0,
+                        multi_turn={"enable": True, "format": "test_vlm_always_draw", "max_assistant_turns": 2},
+                        agent={"default_agent_loop": "tool_agent"})  # fmt: skip
+    runner = AgentLoopRunner(HFRollout(cfg, path, processor.tokenizer), cfg, processor.tokenizer)
+    runner.tools["draw"] = DrawTool()
+    return runner
+
+
+def _actor(path, use_remove_padding):
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from fsdp_testkit import free_port, init_dist
+
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.config import (
+        ActorConfig,
+        FSDPConfig,
+        MixedPrecisionConfig,
+        ModelConfig,
+        OptimConfig,
+    )
+    from hybridrl.workers.engine.fsdp import FSDPEngine
+
+    if not dist.is_initialized():
+        init_dist(0, 1, free_port())
+    fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))
+    cfg = ActorConfig(fsdp_config=fsdp, ppo_mini_batch_size=6, ppo_micro_batch_size_per_gpu=2,
+                      optim=OptimConfig(lr=1e-3))  # fmt: skip
+    model = ModelConfig(path=path, use_remove_padding=use_remove_padding)
+    engine = FSDPEngine.build(model, fsdp, cfg.optim, load_tok=False)
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
+
+    sizes = normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=1)
+    return PPOActor(cfg, engine.module, engine.optimizer, dp_size=1, batch_sizes=sizes,
+                    use_remove_padding=use_remove_padding)  # fmt: skip
+
+
+def _tool_spans(out, image_id):
+    """Per row: [(start, end)] of the mask-0 spans of the response, and the image tokens in them."""
+    b = out.batch
+    t = b["responses"].shape[1]
+    spans = []
+    for i in range(len(out)):
+        valid = int(b["attention_mask"][i, -t:].sum())
+        mask = b["response_mask"][i, :valid].tolist()
+        ids = b["responses"][i, :valid].tolist()
+        row, start = [], None
+        for j, m in enumerate(mask + [1]):
+            if m == 0 and start is None:
+                start = j
+            elif m == 1 and start is not None:
+                row.append((start, j, sum(1 for x in ids[start:j] if x == image_id)))
+                start = None
+        spans.append(row)
+    return spans
+
+
+def test_tool_images_enter_the_next_turn_and_train(vlm):
+    path, processor = vlm
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    runner = _runner(path, processor)
+    prompts = _prompts(processor, 6)
+    out = runner.generate_sequences(prompts)
+    spans = _tool_spans(out, image_id)
+    mm = out.non_tensor_batch["multi_modal_inputs"]
+    with_tool = [i for i, s in enumerate(spans) if s]
+    assert with_tool, "no trajectory reached a tool call"
+    for i, row_spans in enumerate(spans):
+        grids = torch.as_tensor(mm[i]["image_grid_thw"])
+        # the prompt's image, then one 9-token image per tool turn, the tool turn all mask 0
+        assert grids.shape[0] == 1 + len(row_spans), (i, grids)
+        assert all(n == 9 for _, _, n in row_spans) and (grids[1:] == torch.tensor([1, 6, 6])).all()
+        assert mm[i]["pixel_values"].shape[0] == int(grids.prod(-1).sum())
+        resp = out.batch["responses"][i]
+        fed = [j for s, e, _ in row_spans for j in range(s, e) if int(resp[j]) == image_id]
+        assert torch.as_tensor(mm[i].get(FED_KEY, [])).tolist() == fed
+    assert out.meta_info["metrics"]["agent/tool_images/mean"] == pytest.approx(
+        sum(len(s) for s in spans) / len(spans)
+    )
+    second = torch.zeros_like(
+        out.batch["response_mask"], dtype=torch.bool
+    )  # policy tokens after a tool image
+    for i in with_tool:
+        second[i, spans[i][0][1] :] = True
+    mask = out.batch["response_mask"].bool()
+    assert int((second & mask).sum()) > 0, "no policy token after a tool image"
+    for use_remove_padding in (False, True):
+        actor = _actor(path, use_remove_padding)
+        lp = actor.compute_log_prob(out, micro_batch_size=2).log_probs
+        torch.testing.assert_close(out.batch["rollout_log_probs"][mask], lp[mask], atol=1e-4, rtol=0)
+    # the tool image reaches the model where its tokens are: changing it moves the later turn only
+    changed = DataProto(batch=out.batch, non_tensor_batch=dict(out.non_tensor_batch))
+    rows = []
+    for i in range(len(out)):
+        row = dict(mm[i])
+        n_prompt = int(torch.as_tensor(row["image_grid_thw"][0]).prod())
+        row["pixel_values"] = torch.cat([row["pixel_values"][:n_prompt], -row["pixel_values"][n_prompt:]])
+        rows.append(row)
+    changed.non_tensor_batch["multi_modal_inputs"] = np.array(rows, dtype=object)
+    lp2 = actor.compute_log_prob(changed, micro_batch_size=2).log_probs
+    first = mask & ~second
+    torch.testing.assert_close(lp2[first], lp[first], atol=1e-5, rtol=0)
+    assert float((lp2 - lp)[second & mask].abs().max()) > 1e-4
+    # one PPO update on the trajectories (old log-probs = the recompute, random advantages)
+    out.batch["old_log_probs"] = lp
+    out.batch["advantages"] = torch.randn(lp.shape, generator=torch.Generator().manual_seed(0)) * mask
+    metrics = actor.update_policy(out)
+    assert np.isfinite(metrics["actor/pg_loss"]).all() and np.isfinite(metrics["actor/grad_norm"]).all()
+    runner.close()
+
+
+def test_tool_images_in_a_text_run_are_an_error_text(vlm):
+    """Without a vision-language model the same tool's images are refused per call (an error the
+    policy sees), as before."""
+    import asyncio
+
+    from hybridrl.workers.agent.parser import parse_call_json
+    from hybridrl.workers.agent.tool_agent import TrajectoryTools
+
+    async def go(images):
+        tt = TrajectoryTools({"draw": DrawTool()}, None, timeout_s=5.0, images=images)
+        return tt, await tt.call_response(parse_call_json('{"name": "draw", "arguments": {}}'))
+
+    tt, resp = asyncio.run(go(False))
+    assert resp.text.startswith("Error: tool 'draw' returned images") and not resp.image and tt.errors == 1
+    tt, resp = asyncio.run(go(True))
+    assert resp.text == "see" and len(resp.image) == 1 and tt.errors == 0
