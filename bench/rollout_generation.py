@@ -15,7 +15,8 @@ workers/rollout/cpu_gemm.py). `real100m` is the shape of bench/real_model.py's m
 
 `--group N` repeats each prompt N times (GRPO's layout: batch / N distinct prompts); the engine
 label `hf-noshare` is the HF engine with `rollout.enable_prefix_caching=false` (one prefill per
-row instead of one per distinct prompt, workers/rollout/hf_prefix.py):
+row instead of one per distinct prompt, workers/rollout/hf_prefix.py), `hf-multinomial` the HF
+engine with `rollout.hf_sampler=multinomial` (torch.multinomial instead of inverse-CDF sampling):
 
     python bench/rollout_generation.py --sizes real100m --engines hf,hf-noshare --group 4 \
         --dtype float32 --threads 2 --prompt-len 53 --new-tokens 48 --repeats 3
@@ -130,6 +131,8 @@ def start_engine(label: str, path, model, prompts, args):
     extra = {"hf_decode_gemm_max_rows": 0} if label == "hf-plain" else {}
     if label == "hf-noshare":
         extra = {"enable_prefix_caching": False}
+    if label == "hf-multinomial":  # transformers' torch.multinomial sampling
+        extra = {"hf_sampler": "multinomial"}
     cfg = RolloutConfig(
         name=name,
         dtype=args.dtype,

@@ -34,6 +34,11 @@ Notes on a few keys:
   one) computes x @ W^T as (W @ x^T)^T, which MKL runs 1.1-2.8x faster there on the 2-core CPU
   machines (workers/rollout/cpu_gemm.py, bench/cpu_gemm.py); prefill, other devices and dtypes
   stay on F.linear. 0 turns it off. Same numbers up to float rounding.
+- `hf_sampler` (hybridrl, HF engine only): `auto` (default) samples by inverse CDF (one uniform per
+  row: workers/rollout/hf_sampler.py) for vocabularies of >= 4096 tokens, where torch.multinomial's
+  one exponential draw per vocabulary entry costs ~25 ms per decode step on CPU at 16 x 32k, and
+  with `multinomial` (transformers' own) below; `multinomial` / `inverse_cdf` force one. The same
+  distribution; other random numbers for the same seed.
 - `gpu_memory_utilization`: vLLM / SGLang GPU memory fraction. On vLLM's CPU backend the KV
   cache size comes from `VLLM_CPU_KVCACHE_SPACE` or `engine_kwargs.vllm.kv_cache_memory_bytes`
   (if neither is set the engine sizes it for max_num_seqs x max_model_len, within bounds).
@@ -176,6 +181,7 @@ class RolloutConfig:
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)  # trainer/ppo/profiling.py
     agent_server: AgentServerConfig = field(default_factory=AgentServerConfig)  # hybridrl: mode=server
     hf_decode_gemm_max_rows: int = 128  # hybridrl: see the module docstring; 0 = off
+    hf_sampler: str = "auto"  # hybridrl: auto | multinomial | inverse_cdf (module docstring)
 
     def __post_init__(self) -> None:
         # Plain dicts (e.g. from a Python caller) become the typed sections.
@@ -307,6 +313,12 @@ def _validate_engine_options(cfg: RolloutConfig) -> None:
         "hf_decode_gemm_max_rows",
         cfg.hf_decode_gemm_max_rows,
         "use a row count >= 0 (0 turns the CPU decode GEMM off)",
+    )
+    _check(
+        cfg.hf_sampler in ("auto", "multinomial", "inverse_cdf"),
+        "hf_sampler",
+        cfg.hf_sampler,
+        "use 'auto', 'multinomial' or 'inverse_cdf'",
     )
 
 

@@ -16,6 +16,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     GenerationConfig,
+    LogitsProcessorList,
     PretrainedConfig,
     StoppingCriteria,
     StoppingCriteriaList,
@@ -33,6 +34,7 @@ from hybridrl.workers.rollout.base import (
 from hybridrl.workers.rollout.config import RolloutConfig
 from hybridrl.workers.rollout.cpu_gemm import install_decode_gemm
 from hybridrl.workers.rollout.hf_prefix import shared_prefill
+from hybridrl.workers.rollout.hf_sampler import InverseCdfSampler, use_inverse_cdf
 
 __all__ = ["HFRollout"]
 
@@ -58,7 +60,8 @@ class HFRollout(BaseRollout):
     Args:
         config: rollout section. Uses temperature/top_k/top_p/do_sample, response_length,
             ignore_eos, dtype, load_format, calculate_log_probs, seed, hf_decode_gemm_max_rows
-            (CPU float32 only: workers/rollout/cpu_gemm.py), enable_prefix_caching (one prefill
+            (CPU float32 only: workers/rollout/cpu_gemm.py), hf_sampler (inverse-CDF sampling for
+            large vocabularies: workers/rollout/hf_sampler.py), enable_prefix_caching (one prefill
             per distinct prompt row: workers/rollout/hf_prefix.py), and the micro-batch size
             `log_prob_micro_batch_size_per_gpu` (else max_num_seqs; with log_prob_use_dynamic_bsz
             the rows per micro-batch are log_prob_max_token_len_per_gpu // (P + T)).
@@ -119,6 +122,8 @@ class HFRollout(BaseRollout):
             # decode steps (few rows per linear) as W @ x^T: the parameters stay the same objects
             install_decode_gemm(model, config.hf_decode_gemm_max_rows)
         self.model = model
+        text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        self.inverse_cdf = use_inverse_cdf(config.hf_sampler, int(text_cfg.vocab_size))
         out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
         self.tied_embeddings = out_emb is not None and out_emb.weight is in_emb.weight
         # name -> tensor to copy into (parameters and persistent buffers, HF names)
@@ -207,17 +212,23 @@ class HFRollout(BaseRollout):
         ids = request.input_ids[rows].to(self.device)
         mask = request.attention_mask[rows].to(self.device)
         prompt_len = ids.shape[1]
+        top_k = spec.top_k if spec.top_k > 0 else 0
+        # inverse-CDF sampling (hf_sampler.py): the processor draws, generate's argmax takes it
+        sampler = None
+        if not spec.greedy and self.inverse_cdf:
+            sampler = InverseCdfSampler(spec.temperature, top_k, spec.top_p, request.want_log_probs)
+        hf_sample = not spec.greedy and sampler is None
         gen_cfg = GenerationConfig(
             max_new_tokens=request.max_new_tokens,
             min_new_tokens=0,
-            do_sample=not spec.greedy,
-            temperature=spec.temperature if not spec.greedy else None,
-            top_k=(spec.top_k if spec.top_k > 0 else 0) if not spec.greedy else None,
-            top_p=spec.top_p if not spec.greedy else None,
+            do_sample=hf_sample,
+            temperature=spec.temperature if hf_sample else None,
+            top_k=top_k if hf_sample else None,
+            top_p=spec.top_p if hf_sample else None,
             pad_token_id=self.pad_token_id,
             eos_token_id=None if self.config.ignore_eos else (self.eos_token_ids or None),
             return_dict_in_generate=True,
-            output_scores=request.want_log_probs,
+            output_scores=request.want_log_probs and sampler is None,
         )
         fork_devices = [self.device.index or 0] if self.device.type == "cuda" else []
         stopping = StoppingCriteriaList([_AbortCriteria(self)]) if self.abort_requested is not None else None
@@ -233,6 +244,7 @@ class HFRollout(BaseRollout):
                 attention_mask=mask,
                 generation_config=gen_cfg,
                 stopping_criteria=stopping,
+                logits_processor=LogitsProcessorList([sampler]) if sampler is not None else None,
                 **mm,
             )
         new = out.sequences[:, prompt_len:]
@@ -240,7 +252,10 @@ class HFRollout(BaseRollout):
         if not self.config.ignore_eos:
             token_lists = [truncate_at_eos(t, self.eos_token_ids) for t in token_lists]
         lp_lists: list[list[float]] = []
-        if request.want_log_probs and new.shape[1] > 0:
+        if request.want_log_probs and new.shape[1] > 0 and sampler is not None:
+            lp = torch.stack(sampler.log_probs, dim=1)  # (b, steps): log p(token), warped
+            lp_lists = [row[: len(t)] for row, t in zip(lp.cpu().tolist(), token_lists)]
+        elif request.want_log_probs and new.shape[1] > 0:
             # scores[j] (b, V) are the processed logits step j was sampled from (after
             # temperature / top-k / top-p); their log_softmax is the sampling distribution.
             scores = torch.stack(out.scores, dim=1).float()  # (b, steps, V)
