@@ -48,6 +48,7 @@ from hybridrl.workers.engine.megatron.model import (
     transformer_config,
 )
 from hybridrl.workers.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
+from hybridrl.workers.engine.megatron.vocab_parallel_topk import topk_log_probs
 from hybridrl.workers.engine.optim import lr_factor, num_warmup_steps
 from hybridrl.workers.megatron_config import (
     MegatronConfig,
@@ -347,11 +348,6 @@ class MegatronEngine(TrainEngine):
         t = micro["responses"].shape[-1]
         if isinstance(request, ValueRequest):
             return out[:, -t - 1 : -1, 0].float()
-        if request.topk or request.topk_ids:
-            raise NotImplementedError(
-                "distillation.distillation_loss.loss_mode=forward_kl_topk is not implemented with strategy=megatron "
-                "(top-k over a vocabulary-parallel head); use loss_mode=k3 or strategy=fsdp"
-            )
         if request.sum_pi_squared:
             raise ValueError(
                 "actor.calculate_sum_pi_squared=True is not implemented with strategy=megatron (the optimal "
@@ -362,7 +358,12 @@ class MegatronEngine(TrainEngine):
         lp, ent = vocab_parallel_logprobs_entropy(
             sliced, micro["responses"], vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
         )
-        return LogProbs(lp, ent if request.calculate_entropy else None)
+        out = LogProbs(lp, ent if request.calculate_entropy else None)
+        if request.topk or request.topk_ids:  # distillation's forward_kl_topk (vocab_parallel_topk.py)
+            out = topk_log_probs(
+                sliced, micro, request, out, vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
+            )
+        return out
 
     def forward(self, micros, request: LogProbRequest | ValueRequest) -> list[Any]:
         """See TrainEngine.forward: Megatron's schedule without gradients; every stage returns them."""
