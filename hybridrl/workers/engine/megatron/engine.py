@@ -36,6 +36,7 @@ from hybridrl.workers.engine.base import (
     ValueRequest,
     register_engine,
 )
+from hybridrl.workers.engine.megatron import mtp as mtp_lib
 from hybridrl.workers.engine.megatron.convert import ArchSpec, arch_spec
 from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu, needs_cpu_shims
 from hybridrl.workers.engine.megatron.dispatch import broadcast_from_last_stage
@@ -201,6 +202,10 @@ class MegatronEngine(TrainEngine):
     lr_scheduler: Any = None
     tokenizer: Any = None
     max_grad_norm: float = 0.0
+    mtp_layers: int = (
+        0  # MTP layers built (model.mtp.enable), trained with mtp_train (engine/megatron/mtp.py)
+    )
+    mtp_train: bool = False
 
     @classmethod
     def build(
@@ -229,10 +234,16 @@ class MegatronEngine(TrainEngine):
         hf_sd, hf_config = _hf_state_dict(model_config, role, model_key, megatron_config.seed)
         spec = arch_spec(hf_config)
         _check_divisible(spec, megatron_config, key)
+        n_mtp = mtp_lib.resolve_mtp(model_config, hf_config, megatron_config, role, model_key, key)
+        if n_mtp:  # veRL's model.mtp (engine/megatron/mtp.py)
+            hf_sd.update(mtp_lib.read_mtp_tensors(model_config.path, spec.num_layers, n_mtp, model_key))
+            megatron_config = mtp_lib.with_mtp_config(
+                megatron_config, n_mtp, model_config.mtp.mtp_loss_scaling_factor
+            )
         dtype = getattr(torch, megatron_param_dtype(megatron_config, key))
         tcfg = transformer_config(spec, megatron_config, dtype, key)
-        chunks = build_model(spec, tcfg, role, megatron_config.seed)
-        load_hf_weights(chunks, hf_sd, spec, role)
+        chunks = build_model(spec, tcfg, role, megatron_config.seed, model_config.mtp if n_mtp else None)
+        load_hf_weights(chunks, hf_sd, spec, role, n_mtp)
         del hf_sd
         trained = optim_config is not None and role in ("actor", "critic")
         if trained:
@@ -261,6 +272,8 @@ class MegatronEngine(TrainEngine):
             lr_scheduler,
             tokenizer,
             max_grad_norm,
+            n_mtp,
+            bool(n_mtp and model_config.mtp.enable_train),
         )
 
     @classmethod
@@ -332,8 +345,15 @@ class MegatronEngine(TrainEngine):
                 return run_schedule(
                     self.chunks, micros, loss_fn, forward_only=True, pack_multiple=pack, seq_multiple=seq
                 )
+        extra = functools.partial(mtp_lib.mtp_inputs, n=self.mtp_layers) if self.mtp_train else None
         return run_schedule(
-            self.chunks, micros, loss_fn, forward_only=False, pack_multiple=pack, seq_multiple=seq
+            self.chunks,
+            micros,
+            loss_fn,
+            forward_only=False,
+            pack_multiple=pack,
+            seq_multiple=seq,
+            extra_inputs=extra,
         )
 
     @staticmethod
@@ -374,8 +394,13 @@ class MegatronEngine(TrainEngine):
 
     def forward_backward(self, micros, request: LogProbRequest | ValueRequest, loss_fn: LossFn) -> list[Any]:
         """See TrainEngine.forward_backward: Megatron's schedule (1F1B when pipelined)."""
+        micros = list(micros)
         results = self.run(
-            list(micros), lambda m, out: loss_fn(m, self._output(m, out, request)), forward_only=False
+            micros,
+            lambda m, out: mtp_lib.add_mtp_metrics(
+                loss_fn(m, self._output(m, out, request)), self.chunks[-1], len(micros)
+            ),
+            forward_only=False,
         )
         return broadcast_from_last_stage(results)
 
