@@ -6,7 +6,8 @@ tensors model.layers.2.* in a second safetensors file). Checked in one spawn:
 - enable + enable_train + detach_encoder: the MTP layers load from the file, the MTP loss is reported
   and falls over 5 updates on a fixed batch, the MTP weights move, and the main model's update equals
   the plain one (the MTP loss reaches neither the encoder nor the detached LM head);
-- without detach_encoder the MTP loss moves the main model too.
+- without detach_encoder the MTP loss moves the main model too;
+- the trained MTP layer comes back exactly from a dist checkpoint.
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ def _run(rank, world, plain_dir, mtp_dir, out_dir):
     out["on_loss"] = (on[0]["actor/pg_loss"][0], plain[0]["actor/pg_loss"][0])
     file_eh = load_file(os.path.join(mtp_dir, "mtp.safetensors"))["model.layers.2.eh_proj.weight"]
     out["eh_moved"] = float((_eh_proj(meg) - file_eh.chunk(2, 0)[rank]).abs().max())
+    trained_eh = _eh_proj(meg)
+    meg.save_checkpoint(
+        os.path.join(out_dir, "ckpt"), global_step=STEPS
+    )  # the MTP layer is in the dist checkpoint
     del meg
     meg, loaded, _ = _update(
         with_mtp(enable=True, enable_train=False), cfg, mcfg
@@ -110,6 +115,14 @@ def _run(rank, world, plain_dir, mtp_dir, out_dir):
     del meg
     _, _, w_enc = _update(with_mtp(enable=True, enable_train=True, detach_encoder=False), cfg, mcfg)
     out["encoder_vs_plain"] = max(_rel(w_enc[k], w_plain[k]) for k in w_plain)
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.workers.engine.megatron.engine import MegatronEngine
+
+    ps.destroy_model_parallel()
+    again = MegatronEngine.build(with_mtp(enable=True, enable_train=True), mcfg, cfg.optim, load_tok=False)
+    again.load_checkpoint(os.path.join(out_dir, "ckpt"))
+    out["resumed_exact"] = torch.equal(_eh_proj(again), trained_eh)
     torch.save(out, os.path.join(out_dir, f"mtp_rank{rank}.pt"))
 
 
@@ -125,7 +138,7 @@ def test_megatron_mtp_trains_its_layer_and_leaves_the_rest_unchanged(tmp_path):
         losses = out["mtp_losses"]
         assert all(b < a for a, b in zip(losses, losses[1:])), losses  # falls at every step
         assert losses[0] - losses[-1] > 0.05, losses
-        assert out["eh_moved"] > 1e-3 and out["loaded_exact"]
+        assert out["eh_moved"] > 1e-3 and out["loaded_exact"] and out["resumed_exact"]
         assert out["on_loss"][0] == pytest.approx(out["on_loss"][1], abs=1e-6)
         assert out["detached_vs_plain"] < 1e-5, out["detached_vs_plain"]
         assert out["encoder_vs_plain"] > 1e-4, out["encoder_vs_plain"]
