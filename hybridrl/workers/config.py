@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridrl.utils.profiler import ProfilerConfig
-from hybridrl.workers.megatron_config import MegatronConfig
+from hybridrl.workers.megatron_config import MegatronConfig, MtpConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # linear / inverse_square_root: veRL's Megatron optimizer's `lr_decay_style` values (Megatron's schedules)
@@ -212,6 +212,7 @@ class ModelConfig:
     )
     custom_chat_template: str | None = None
     torch_dtype: str | None = None
+    mtp: MtpConfig = field(default_factory=MtpConfig)  # veRL's model.mtp (Megatron actor only)
 
     def validate(self, key: str = "actor_rollout_ref.model") -> None:
         backend = self.fused_kernel_options.impl_backend

@@ -132,17 +132,13 @@ def validate_distillation(dist: DistillationConfig, rollout: Any, actor: Any) ->
 
 
 def _validate_topk_actor(loss: DistillationLossConfig, actor: Any) -> None:
-    """forward_kl_topk runs through the full logits of the HF engines (workers/engine/topk.py)."""
+    """forward_kl_topk: the full logits of the HF engines (workers/engine/topk.py), or Megatron's
+    vocabulary-parallel logits (workers/engine/megatron/vocab_parallel_topk.py)."""
     from hybridrl.algos.distillation import uses_topk
 
     if not uses_topk(loss.loss_mode) or actor is None:
         return
     key, mode = "distillation.distillation_loss.loss_mode", loss.loss_mode
-    if str(getattr(actor, "strategy", "fsdp")).startswith("megatron"):
-        raise ConfigError(
-            f"{key}={mode} with actor strategy=megatron is not implemented (top-k over a vocabulary-parallel "
-            "head); use strategy=fsdp or loss_mode=k3"
-        )
     if (
         getattr(actor, "ulysses_sequence_parallel_size", 1) > 1
         or getattr(actor, "use_prefix_grouper", False) is True

@@ -39,10 +39,12 @@ from typing import Any
 __all__ = [
     "MEGATRON_STRATEGY",
     "MegatronConfig",
+    "MtpConfig",
     "megatron_param_dtype",
     "check_colocated_megatron",
     "resolve_fused_kernels",
     "validate_megatron_config",
+    "validate_mtp",
 ]
 
 MEGATRON_STRATEGY = "megatron"
@@ -174,4 +176,71 @@ def validate_megatron_config(
         raise ValueError(
             f"{key}: tensor_model_parallel_size * pipeline_model_parallel_size = {cfg.model_parallel_size} must "
             f"divide the number of ranks ({world_size}); change the sizes or trainer.n_gpus_per_node"
+        )
+
+
+@dataclass
+class MtpConfig:
+    """veRL's `actor_rollout_ref.model.mtp` (multi-token prediction; workers/engine/megatron/mtp.py).
+
+    enable: build and load the model's MTP layers (DeepSeek-V3 layout) in the Megatron actor;
+    enable_train: also train them with the MTP loss x mtp_loss_scaling_factor (detach_encoder: the
+    MTP loss trains the MTP layers only). enable_rollout: the rollout engine decodes speculatively
+    with the model's MTP head (vLLM: speculative_config {method, num_speculative_tokens}; SGLang:
+    speculative_algorithm / _num_steps / _eagle_topk / _num_draft_tokens), see `validate_mtp`.
+    """
+
+    enable: bool = False
+    enable_train: bool = False
+    enable_rollout: bool = False
+    detach_encoder: bool = False
+    mtp_loss_scaling_factor: float = 0.1
+    speculative_algorithm: str = "EAGLE"
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int = 4
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+
+def validate_mtp(
+    mtp: MtpConfig, strategy: str, key: str = "actor_rollout_ref.model", rollout: Any = None
+) -> None:
+    """Start-up checks of `model.mtp` (nothing when enable=False: veRL then reads none of its keys).
+
+    With enable_rollout the engine settings go into `rollout.engine_kwargs` (what veRL's vLLM and
+    SGLang servers pass; a key the user already set there wins). The weight sync carries the main
+    model only, so the engine's draft head keeps the MTP weights it loaded from the model folder:
+    speculative decoding stays exact (the policy verifies every draft token), only the acceptance
+    rate can fall as the policy moves. GPU paths, untested on this CPU machine.
+    """
+    if not mtp.enable:
+        return
+    if str(strategy) != MEGATRON_STRATEGY:
+        raise ValueError(
+            f"{key}.mtp.enable=True needs actor strategy=megatron: multi-token prediction is implemented on the "
+            "Megatron engine only (as in veRL); set actor_rollout_ref.actor.strategy=megatron or mtp.enable=False"
+        )
+    if mtp.mtp_loss_scaling_factor < 0:
+        raise ValueError(f"{key}.mtp.mtp_loss_scaling_factor must be >= 0, got {mtp.mtp_loss_scaling_factor}")
+    if mtp.enable_rollout and rollout is not None:
+        _mtp_rollout_kwargs(mtp, rollout, key)
+
+
+def _mtp_rollout_kwargs(mtp: MtpConfig, rollout: Any, key: str) -> None:
+    """veRL's speculative-decoding engine arguments of `model.mtp` into rollout.engine_kwargs."""
+    name = str(rollout.name)
+    if name == "vllm":
+        user = dict(rollout.engine_kwargs.vllm)
+        spec = {"method": mtp.method, "num_speculative_tokens": int(mtp.num_speculative_tokens)}
+        spec.update(user.get("speculative_config") or {})
+        rollout.engine_kwargs.vllm = {**user, "speculative_config": spec}
+    elif name == "sglang":
+        spec = {f"speculative_{k}": getattr(mtp, f"speculative_{k}") for k in (
+            "algorithm", "num_steps", "eagle_topk", "num_draft_tokens")}  # fmt: skip
+        rollout.engine_kwargs.sglang = {**spec, **dict(rollout.engine_kwargs.sglang)}
+    else:
+        raise ValueError(
+            f"{key}.mtp.enable_rollout=True with rollout.name={name}: speculative decoding with the MTP head needs "
+            "the vllm or sglang rollout (Hugging Face generate has none); set mtp.enable_rollout=False"
         )

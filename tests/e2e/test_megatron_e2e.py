@@ -45,6 +45,27 @@ def test_megatron_actor_ref_critic_gae(tmp_path, ray_local):
     assert (tmp_path / "ckpt" / "global_step_2" / "critic" / "meta.json").exists()
 
 
+@pytest.mark.slow  # ~55 s on 2 cores; the engine-level equivalence is tests/workers/megatron/test_megatron_topk.py
+def test_megatron_self_distillation_forward_kl_topk(tmp_path, ray_local):
+    """forward_kl_topk with a TP=2 Megatron student and teacher (the teacher is a ref-strategy worker,
+    here Megatron too) through the real trainer: teacher = student, so at step 1 the top-k masses are
+    equal (engine/megatron/vocab_parallel_topk.py on both sides) and the truncated KL moves the student."""
+    args = [
+        *MEGATRON[:3], "actor_rollout_ref.ref.strategy=megatron", "trainer.backend=ray",
+        "distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=builtin:tiny",
+        "distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=16",
+        "distillation.distillation_loss.use_task_rewards=false",
+    ]  # fmt: skip
+    rows = [r for r in run(args, tmp_path) if "actor/pg_loss" in r]
+    assert len(rows) == 2
+    assert_finite(rows, ["distillation/loss", "distillation/student_mass", "distillation/teacher_mass"])
+    first = rows[0]
+    assert abs(first["distillation/student_mass"] - first["distillation/teacher_mass"]) < 1e-5
+    assert 0.5 < first["distillation/teacher_mass"] <= 1.0 + 1e-6
+    assert abs(first["distillation/loss"]) < 1e-5  # identical distributions
+    assert abs(rows[1]["distillation/student_teacher_kl"]) > 1e-7  # the student moved at step 1
+
+
 RESUME_ARGS = [*SMALL, "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1"]
 COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean"]
 GRPO_TP2 = ["trainer.n_gpus_per_node=2", *MEGATRON[1:3], "actor_rollout_ref.actor.use_kl_loss=true"]

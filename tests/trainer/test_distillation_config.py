@@ -72,8 +72,6 @@ def test_multi_teacher_drops_the_default_entry_and_routes_by_key():
         ([*ON, "distillation.distillation_loss.clip_ratio_low=1.5"], r"clip_ratio_low"),
         ([*ON, "distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=0"],
          r"topk must be >= 1"),
-        ([*ON, "distillation.distillation_loss.loss_mode=forward_kl_topk", "actor_rollout_ref.actor.strategy=megatron"],
-         r"loss_mode=forward_kl_topk with actor strategy=megatron"),
         ([*ON, "distillation.distillation_loss.loss_mode=forward_kl_topk", "actor_rollout_ref.actor.use_prefix_grouper=true"],
          r"use_prefix_grouper=true is not implemented"),
         ([*ON, "distillation.teacher_models.teacher_model.inference.max_model_len=10"], r"max_model_len=10 <"),
@@ -92,9 +90,12 @@ def test_bad_values_fail_naming_the_key(overrides, match):
         load(*overrides)
 
 
-def test_forward_kl_topk_is_accepted_with_fsdp():
+@pytest.mark.parametrize("strategy", ["fsdp", "megatron"])
+def test_forward_kl_topk_is_accepted_with_fsdp_and_megatron(strategy):
     loss = load(
-        *ON, "distillation.distillation_loss.loss_mode=forward_kl_topk"
+        *ON,
+        "distillation.distillation_loss.loss_mode=forward_kl_topk",
+        f"actor_rollout_ref.actor.strategy={strategy}",
     ).distillation.distillation_loss
     assert (loss.loss_mode, loss.topk) == ("forward_kl_topk", 32)
 

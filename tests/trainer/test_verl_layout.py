@@ -159,7 +159,7 @@ LISTED = [
     (f"{ARR}.rollout.skip_tokenizer_init", "True", "False"),
     (f"{ARR}.rollout.prometheus.enable", "False", "True"),
     (f"{ARR}.rollout.profiler.relocate_results", "True", None),  # rollout.profiler.enable: a real key now
-    (f"{ARR}.model.mtp.enable", "False", "True"),
+    ("critic.model.mtp.enable", "False", "True"),  # the actor's model.mtp is a real key (docs/megatron.md)
     (f"{ARR}.model.lora.rank", "0", "8"),
     (f"{ARR}.actor.router_replay.mode", "disabled", "R3"),
     (f"{ARR}.rollout.data_parallel_size", "1", "2"),

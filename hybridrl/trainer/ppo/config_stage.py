@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from hybridrl import algos
 from hybridrl.trainer.ppo.config import PPO_KEYS_DOC, ConfigError, PPOConfig, load_config
 from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
-from hybridrl.workers.megatron_config import resolve_fused_kernels
+from hybridrl.workers.megatron_config import resolve_fused_kernels, validate_mtp
 from hybridrl.workers.parallel_dims import ParallelDims
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
@@ -88,6 +88,7 @@ def check_startup(
         resolve_fused_kernels(
             arr.model, arr.actor.strategy, key, set_by_user(f"{key}.use_fused_kernels", explicit_keys)
         )
+        validate_mtp(arr.model.mtp, arr.actor.strategy, key, arr.rollout)
         actor_ranks = ParallelDims.for_role(world, arr.actor, "actor_rollout_ref.actor").data_ranks
         normalize_actor_batch_sizes(arr.actor, rollout_n=arr.rollout.n, dp_size=actor_ranks)
         if algos.estimator_needs_critic(config.algorithm.adv_estimator):

@@ -50,6 +50,12 @@ PROFILERS = (
 ROLLOUT = f"{ARR}.rollout"
 VLM = "multimodal data is issue 24 (vision-language RL); text data does not read it"
 NO_ENTROPY = "changes nothing here: that role computes no entropy (as in veRL)"
+MEGATRON_FSDP = (  # measured 2026-12-02 on megatron-core 0.16.1, CPU torch 2.13, 2 gloo ranks
+    "Megatron-FSDP is not implemented (Megatron uses its DDP here): megatron-core 0.16.1's FullyShardedDataParallel "
+    "is CUDA-only and cannot be tested on the CPU machines (it builds 'cuda:<device>' devices, 'Invalid device string: "
+    "cuda:cpu' at megatron_fsdp.py:184, and a device_type='cuda' DeviceMesh, 'Torch not compiled with CUDA enabled' "
+    "at param_and_grad_buffer.py:4145)"
+)
 
 
 def _leaves() -> list[Leaf]:
@@ -128,9 +134,7 @@ def _leaves() -> list[Leaf]:
                 (False, True),
                 "HF <-> Megatron weights go through hybridrl's own maps",
             ),
-            Leaf(
-                f"{m}.use_megatron_fsdp", (False,), "Megatron-FSDP is not implemented; Megatron uses DDP here"
-            ),
+            Leaf(f"{m}.use_megatron_fsdp", (False,), MEGATRON_FSDP),
         ]
     for p in PROFILERS:
         out += [
@@ -254,7 +258,7 @@ def _other_leaves() -> list[Leaf]:
 SECTIONS = (
     *(Section(f"{m}.lora", "rank", (0, None), "veRL's model.lora.* is its Megatron LoRA (Megatron-Bridge), "
           "not implemented; on FSDP use model.lora_rank / lora_alpha / target_modules") for m in MODELS),
-    *(Section(f"{m}.mtp", "enable", (False,), "multi-token prediction (MTP) is not implemented") for m in MODELS),
+    Section("critic.model.mtp", "enable", (False,), "multi-token prediction (MTP) trains the Megatron actor only"),
     *(Section(f"{m}.tiled_mlp", "enabled", (False,), "tiled MLP is not implemented") for m in MODELS),
     *(Section(f"{r}.router_replay", "mode", ("disabled",), "MoE router replay is not implemented") for r in ROLES),
     *(Section(f"{f}.qat", "enable", (False,), "quantization-aware training is not implemented") for f in FSDP),

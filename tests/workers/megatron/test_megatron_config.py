@@ -147,3 +147,62 @@ def test_use_fused_kernels_with_megatron(key):
     assert model_of(check_startup(meg_false, explicit_keys=[flag])).use_fused_kernels is False
     assert model_of(check_startup(meg_default, explicit_keys=[])).use_fused_kernels is False
     assert model_of(check_startup(fsdp, explicit_keys=[])).use_fused_kernels is True
+
+
+def _startup(name: str, *extra: str):
+    from hydra import compose, initialize_config_module
+
+    from hybridrl.trainer.ppo.config_stage import check_startup
+
+    over = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", *extra]
+    with initialize_config_module("hybridrl.trainer.config", version_base=None):
+        cfg = compose(name, overrides=over)
+    return check_startup(cfg)
+
+
+def test_mtp_keys_at_the_config_stage():
+    """model.mtp.* (veRL's keys): Megatron only; enable_rollout puts veRL's speculative-decoding
+    arguments into the vllm / sglang engine kwargs (the user's own win) and is refused with HF."""
+    from hybridrl.trainer.ppo.config import ConfigError
+
+    m = "actor_rollout_ref.model.mtp"
+    on = [f"{m}.enable=true", f"{m}.enable_train=true", f"{m}.mtp_loss_scaling_factor=0.2"]
+    cfg = _startup("ppo_megatron_trainer", *on)
+    mtp = cfg.actor_rollout_ref.model.mtp
+    assert (mtp.enable, mtp.enable_train, mtp.mtp_loss_scaling_factor, mtp.detach_encoder) == (
+        True,
+        True,
+        0.2,
+        False,
+    )
+    assert (
+        _startup(
+            "ppo_trainer", f"{m}.enable=false", f"{m}.enable_train=true"
+        ).actor_rollout_ref.model.mtp.enable
+        is False
+    )
+    with pytest.raises(ConfigError, match=r"mtp.enable=True needs actor strategy=megatron"):
+        _startup("ppo_trainer", *on)
+    with pytest.raises(ConfigError, match=r"mtp_loss_scaling_factor must be >= 0"):
+        _startup("ppo_megatron_trainer", f"{m}.enable=true", f"{m}.mtp_loss_scaling_factor=-1")
+    with pytest.raises(ConfigError, match=r"enable_rollout=True with rollout.name=hf"):
+        _startup("ppo_megatron_trainer", *on, f"{m}.enable_rollout=true", "actor_rollout_ref.rollout.name=hf")
+    rollout = "actor_rollout_ref.rollout"
+    vllm = _startup(
+        "ppo_megatron_trainer",
+        *on,
+        f"{m}.enable_rollout=true",
+        f"{rollout}.name=vllm",
+        f"{m}.num_speculative_tokens=3",
+    ).actor_rollout_ref.rollout.engine_kwargs.vllm
+    assert vllm["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    sgl = _startup(
+        "ppo_megatron_trainer", *on, f"{m}.enable_rollout=true", f"{rollout}.name=sglang",
+        f"{m}.speculative_num_steps=2", f"+{rollout}.engine_kwargs.sglang.speculative_eagle_topk=4",
+    ).actor_rollout_ref.rollout.engine_kwargs.sglang  # fmt: skip
+    assert sgl == {
+        "speculative_algorithm": "EAGLE",
+        "speculative_num_steps": 2,
+        "speculative_eagle_topk": 4,  # the user's engine_kwargs win
+        "speculative_num_draft_tokens": 4,
+    }

@@ -55,6 +55,7 @@ _SPLIT_DIMS = {
     "linear_proj.weight": 1,
     "linear_fc2.weight": 1,
     "word_embeddings.weight": 0,
+    "eh_proj.weight": 0,  # an MTP layer's projection (ColumnParallelLinear 2H -> H)
 }
 _PLAIN = {  # layer tensors with a 1:1 rename
     "input_layernorm.weight": "input_layernorm.weight",

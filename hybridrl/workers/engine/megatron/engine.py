@@ -36,6 +36,7 @@ from hybridrl.workers.engine.base import (
     ValueRequest,
     register_engine,
 )
+from hybridrl.workers.engine.megatron import mtp as mtp_lib
 from hybridrl.workers.engine.megatron.convert import ArchSpec, arch_spec
 from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu, needs_cpu_shims
 from hybridrl.workers.engine.megatron.dispatch import broadcast_from_last_stage
@@ -48,6 +49,7 @@ from hybridrl.workers.engine.megatron.model import (
     transformer_config,
 )
 from hybridrl.workers.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
+from hybridrl.workers.engine.megatron.vocab_parallel_topk import topk_log_probs
 from hybridrl.workers.engine.optim import lr_factor, num_warmup_steps
 from hybridrl.workers.megatron_config import (
     MegatronConfig,
@@ -200,6 +202,10 @@ class MegatronEngine(TrainEngine):
     lr_scheduler: Any = None
     tokenizer: Any = None
     max_grad_norm: float = 0.0
+    mtp_layers: int = (
+        0  # MTP layers built (model.mtp.enable), trained with mtp_train (engine/megatron/mtp.py)
+    )
+    mtp_train: bool = False
 
     @classmethod
     def build(
@@ -228,10 +234,16 @@ class MegatronEngine(TrainEngine):
         hf_sd, hf_config = _hf_state_dict(model_config, role, model_key, megatron_config.seed)
         spec = arch_spec(hf_config)
         _check_divisible(spec, megatron_config, key)
+        n_mtp = mtp_lib.resolve_mtp(model_config, hf_config, megatron_config, role, model_key, key)
+        if n_mtp:  # veRL's model.mtp (engine/megatron/mtp.py)
+            hf_sd.update(mtp_lib.read_mtp_tensors(model_config.path, spec.num_layers, n_mtp, model_key))
+            megatron_config = mtp_lib.with_mtp_config(
+                megatron_config, n_mtp, model_config.mtp.mtp_loss_scaling_factor
+            )
         dtype = getattr(torch, megatron_param_dtype(megatron_config, key))
         tcfg = transformer_config(spec, megatron_config, dtype, key)
-        chunks = build_model(spec, tcfg, role, megatron_config.seed)
-        load_hf_weights(chunks, hf_sd, spec, role)
+        chunks = build_model(spec, tcfg, role, megatron_config.seed, model_config.mtp if n_mtp else None)
+        load_hf_weights(chunks, hf_sd, spec, role, n_mtp)
         del hf_sd
         trained = optim_config is not None and role in ("actor", "critic")
         if trained:
@@ -260,6 +272,8 @@ class MegatronEngine(TrainEngine):
             lr_scheduler,
             tokenizer,
             max_grad_norm,
+            n_mtp,
+            bool(n_mtp and model_config.mtp.enable_train),
         )
 
     @classmethod
@@ -331,8 +345,15 @@ class MegatronEngine(TrainEngine):
                 return run_schedule(
                     self.chunks, micros, loss_fn, forward_only=True, pack_multiple=pack, seq_multiple=seq
                 )
+        extra = functools.partial(mtp_lib.mtp_inputs, n=self.mtp_layers) if self.mtp_train else None
         return run_schedule(
-            self.chunks, micros, loss_fn, forward_only=False, pack_multiple=pack, seq_multiple=seq
+            self.chunks,
+            micros,
+            loss_fn,
+            forward_only=False,
+            pack_multiple=pack,
+            seq_multiple=seq,
+            extra_inputs=extra,
         )
 
     @staticmethod
@@ -347,11 +368,6 @@ class MegatronEngine(TrainEngine):
         t = micro["responses"].shape[-1]
         if isinstance(request, ValueRequest):
             return out[:, -t - 1 : -1, 0].float()
-        if request.topk or request.topk_ids:
-            raise NotImplementedError(
-                "distillation.distillation_loss.loss_mode=forward_kl_topk is not implemented with strategy=megatron "
-                "(top-k over a vocabulary-parallel head); use loss_mode=k3 or strategy=fsdp"
-            )
         if request.sum_pi_squared:
             raise ValueError(
                 "actor.calculate_sum_pi_squared=True is not implemented with strategy=megatron (the optimal "
@@ -362,7 +378,12 @@ class MegatronEngine(TrainEngine):
         lp, ent = vocab_parallel_logprobs_entropy(
             sliced, micro["responses"], vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
         )
-        return LogProbs(lp, ent if request.calculate_entropy else None)
+        out = LogProbs(lp, ent if request.calculate_entropy else None)
+        if request.topk or request.topk_ids:  # distillation's forward_kl_topk (vocab_parallel_topk.py)
+            out = topk_log_probs(
+                sliced, micro, request, out, vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
+            )
+        return out
 
     def forward(self, micros, request: LogProbRequest | ValueRequest) -> list[Any]:
         """See TrainEngine.forward: Megatron's schedule without gradients; every stage returns them."""
@@ -373,8 +394,13 @@ class MegatronEngine(TrainEngine):
 
     def forward_backward(self, micros, request: LogProbRequest | ValueRequest, loss_fn: LossFn) -> list[Any]:
         """See TrainEngine.forward_backward: Megatron's schedule (1F1B when pipelined)."""
+        micros = list(micros)
         results = self.run(
-            list(micros), lambda m, out: loss_fn(m, self._output(m, out, request)), forward_only=False
+            micros,
+            lambda m, out: mtp_lib.add_mtp_metrics(
+                loss_fn(m, self._output(m, out, request)), self.chunks[-1], len(micros)
+            ),
+            forward_only=False,
         )
         return broadcast_from_last_stage(results)
 

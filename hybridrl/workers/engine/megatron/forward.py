@@ -134,7 +134,7 @@ def pack_micro(micro: Any, length: int) -> PackedMicro:
     return PackedMicro(ids[None], mask[None, None], valid)
 
 
-def _forward_step(loss_fn: Callable, data_iterator, model):
+def _forward_step(loss_fn: Callable, extra_inputs: Callable | None, data_iterator, model):
     micro, packed = next(data_iterator)
     if packed is not None:
         ids, mask, positions = packed.input_ids, packed.mask, packed.position_ids
@@ -143,7 +143,8 @@ def _forward_step(loss_fn: Callable, data_iterator, model):
         positions = micro["position_ids"] if "position_ids" in micro.keys() else None
     if positions is None or positions.dim() != 2:  # RoPE ignores them (module docstring)
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    out = model(input_ids=ids, position_ids=positions, attention_mask=mask)
+    extra = extra_inputs(micro, packed) if extra_inputs is not None else {}
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, **extra)
     return out, functools.partial(loss_fn, micro, packed)
 
 
@@ -155,6 +156,7 @@ def run_schedule(
     forward_only: bool,
     pack_multiple: int | None = None,
     seq_multiple: int | None = None,
+    extra_inputs: Callable[[Any, Any], dict[str, torch.Tensor]] | None = None,
 ) -> list[Any]:
     """Run forward (and backward) of `micros` through the pipeline; results of the last stage.
 
@@ -166,6 +168,8 @@ def run_schedule(
             (`model.use_remove_padding`); None feeds the padded rows.
         seq_multiple: padded rows are right-padded to a multiple of this (sequence parallelism:
             the TP size); None feeds them as they are.
+        extra_inputs: (micro, packed or padded feed or None) -> more keyword inputs of the model
+            (the MTP loss's labels / loss_mask, engine/megatron/mtp.py); None: none.
 
     Returns:
         One `result` per micro-batch on the last pipeline stage, [] on the others.
@@ -201,7 +205,7 @@ def run_schedule(
     iters = [iter(list(zip(micros, feeds))) for _ in chunks]
     with cuda_to_cpu():
         get_forward_backward_func()(
-            forward_step_func=functools.partial(_forward_step, scaled),
+            forward_step_func=functools.partial(_forward_step, scaled, extra_inputs),
             data_iterator=iters if len(chunks) > 1 else iters[0],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=n,

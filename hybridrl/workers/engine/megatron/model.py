@@ -179,8 +179,11 @@ class ValueHead(nn.Module):
         return nn.functional.linear(hidden, self.weight, self.bias), None
 
 
-def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int) -> list[nn.Module]:
-    """This rank's GPTModel chunks (one per virtual pipeline stage), randomly initialised from `seed`."""
+def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int, mtp: Any = None) -> list[nn.Module]:
+    """This rank's GPTModel chunks (one per virtual pipeline stage), randomly initialised from `seed`.
+
+    mtp: the actor's `model.mtp` when it trains MTP layers (`tcfg.mtp_num_layers` of them, on the
+    last stage: engine/megatron/mtp.py), else None."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -196,11 +199,11 @@ def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int) -> list[nn.Modu
     chunks = []
     with torch.random.fork_rng():  # seeds the init only; the worker's global RNG is left as it was
         torch.manual_seed(seed)
-        _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role)
+        _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role, mtp)
     return chunks
 
 
-def _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role) -> None:
+def _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role, mtp=None) -> None:
     """Append the GPTModel of each virtual stage of this rank to `chunks`."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -218,8 +221,16 @@ def _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role) -> None
         )
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        extra, cls = {}, GPTModel
+        if mtp is not None and post:
+            from hybridrl.workers.engine.megatron import mtp as mtp_lib
+
+            cls = mtp_lib.mtp_gpt_model_class()
+            extra["mtp_block_spec"] = mtp_lib.mtp_block_spec(
+                layer_spec, SequenceParallelRMSNorm, tcfg.mtp_num_layers
+            )
         with cuda_to_cpu():
-            model = GPTModel(
+            model = cls(
                 config=tcfg,
                 transformer_layer_spec=block,
                 vocab_size=padded_vocab_size(spec.vocab_size, tp),
@@ -231,6 +242,12 @@ def _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role) -> None
                 position_embedding_type="rope",
                 rotary_base=spec.rope_theta,
                 vp_stage=vp_stage,
+                **extra,
+            )
+        if extra:
+            model.hybridrl_vocab_size, model.hybridrl_detach_encoder = (
+                spec.vocab_size,
+                bool(mtp.detach_encoder),
             )
         if critic and post:
             model.output_layer = ValueHead(
@@ -279,13 +296,21 @@ def _global_name(local: str, chunk: nn.Module) -> str:
     return f"{_LAYER_PREFIX}{layer.layer_number - 1}.{rest}"
 
 
-def load_hf_weights(chunks: list[nn.Module], hf: dict[str, torch.Tensor], spec: ArchSpec, role: str) -> None:
-    """Copy a full HF state dict into this rank's chunks (each rank takes its TP shard / PP layers)."""
+def load_hf_weights(
+    chunks: list[nn.Module], hf: dict[str, torch.Tensor], spec: ArchSpec, role: str, mtp_layers: int = 0
+) -> None:
+    """Copy a full HF state dict into this rank's chunks (each rank takes its TP shard / PP layers).
+
+    mtp_layers: > 0: `hf` also holds that many MTP layers (DeepSeek-V3 names, engine/megatron/mtp.py)."""
     from megatron.core import parallel_state as ps
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     critic = role == "critic"
     full = _megatron_full_tensors(hf, spec, tp, critic)
+    if mtp_layers:
+        from hybridrl.workers.engine.megatron.mtp import mtp_full_tensors
+
+        full.update(mtp_full_tensors(hf, spec, tp, mtp_layers))
     with torch.no_grad():
         for chunk in chunks:
             for local, param in chunk.state_dict(keep_vars=True).items():
