@@ -370,6 +370,9 @@ class AsyncRolloutManager:
         metrics["async/rollout_idle_frac"] = min(max(1.0 - busy / span, 0.0), 1.0)
         metrics["async/rollout_busy_s"] = busy
         metrics["async/train_wait_s"] = wait_s
+        loads = self._loads.take_seconds()  # load_weights calls finished since the last batch
+        if loads:
+            metrics["async/weight_update/load_s"] = max(loads)
         if self.group_filter is not None:
             with self._lock:
                 metrics["async/filtered_groups"], self._dropped_since_batch = self._dropped_since_batch, 0
