@@ -57,7 +57,10 @@ def test_areal_seed_keys_load_into_the_async_config(capsys, monkeypatch):
         ("weight_update_mode=disk", "object_store"),
         ("actor.weight_update_mode=xccl", "collective"),
         ("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "collective"),  # veRL's spelling
-        ("actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "collective"),  # left alone: the default
+        (
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
+            "collective",
+        ),  # left alone: the default
     ],
 )
 def test_weight_update_mode_spellings(arg, mode):
