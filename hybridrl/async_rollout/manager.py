@@ -38,6 +38,9 @@ Worker contract (hybridrl.workers.engine_workers.ActorRolloutRefWorker(role='rol
 ``load_weights(payload, version) -> float`` and ``generate_sequences(prompts) -> DataProto`` whose
 rows keep the input order and non-tensor data and carry ``meta_info["policy_version"]`` and
 ``meta_info["worker_busy_s"]`` (cumulative busy seconds).
+
+Its records (groups, workers, chunks, the batch) are in records.py, the splitting of a finished
+chunk in chunks.py, the weight loads in flight in weight_loads.py.
 """
 
 from __future__ import annotations
@@ -47,87 +50,34 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from hybridrl.async_rollout.chunks import keep_groups, split_unfinished
 from hybridrl.async_rollout.padding import concat_left_padded
+from hybridrl.async_rollout.records import (
+    GEN_KEYS,
+    AsyncBatch,
+    Chunk,
+    Group,
+    RolloutWorkersLostError,
+    WorkerState,
+    hung_error,
+)
 from hybridrl.async_rollout.staleness import (
     StalenessManager,
     select_batch,
     staleness_metrics,
     token_version_metrics,
 )
+from hybridrl.async_rollout.weight_loads import WeightLoads
 from hybridrl.protocol import DataProto
 from hybridrl.utils import deadlines
-from hybridrl.workers.rollout.resume import chunk_partial_columns, unfinished_group_prefixes
+from hybridrl.workers.rollout.resume import chunk_partial_columns
 
 __all__ = ["AsyncBatch", "AsyncRolloutManager", "RolloutWorkersLostError"]
-
-GEN_KEYS = ("input_ids", "attention_mask", "position_ids")
-
-
-class RolloutWorkersLostError(RuntimeError):
-    """Every rollout worker died; generation cannot continue."""
-
-
-@dataclass
-class _Group:
-    seq: int  # commit order among all submitted groups
-    uid: str
-    prompt: DataProto  # one prompt row
-    commit_version: int = -1
-    version: int = -1  # the behaviour policy's version, set when its chunk is dispatched
-    result: DataProto | None = None  # rollout.n rows once finished
-    partial: dict[str, Any] | None = None  # partial rollout: the rows' prefixes (resume.PARTIAL_KEYS)
-
-
-def _hung(rank: int, method: str, waited_s: float) -> RuntimeError:
-    key = deadlines.STEP_KEY
-    return RuntimeError(
-        f"rollout worker {rank} is alive but {method} did not finish within {waited_s:.1f} s "
-        f"({key}={deadlines.step_timeout():g}); find what it waits on, or raise {key}"
-    )
-
-
-@dataclass
-class _Worker:
-    rank: int
-    handle: Any
-    alive: bool = True
-    busy: bool = False
-    version: int = -1  # last version sent with load_weights
-    busy_s: float = 0.0  # cumulative busy seconds the worker reported
-    busy_s_at_batch: float = 0.0
-
-
-@dataclass
-class _Chunk:
-    worker: _Worker
-    groups: list[_Group]
-    rest: DataProto  # the repeated prompt batch minus the generation inputs
-    version: int
-    started: float = field(default_factory=time.monotonic)  # dispatch time (trainer.step_timeout_s)
-
-
-@dataclass
-class AsyncBatch:
-    """One trainer batch from `wait_batch`.
-
-    Attributes:
-        data: B * rollout.n rows, whole groups, earliest deadline first; non-tensor
-            "policy_version" (int, per row) and "uid".
-        versions: the behaviour version of each group (B values).
-        staleness: batch index - version for each group.
-        metrics: async/* metrics of this batch (staleness histogram, queue depths, idle time).
-    """
-
-    data: DataProto
-    versions: list[int]
-    staleness: list[int]
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class AsyncRolloutManager:
@@ -188,16 +138,16 @@ class AsyncRolloutManager:
         self._aborts_sent = 0
         self._resumed_groups = 0  # groups sent back to the queue with a prefix
         self._postprocess_s = 0.0  # seconds spent in postprocess since the last batch
-        self._workers = [_Worker(rank, h) for rank, h in enumerate(workers)]
-        self._pending: collections.deque[_Group] = collections.deque()
-        self._input: queue.Queue[_Group] = queue.Queue(maxsize=queue_size)
-        self._retry: collections.deque[_Group] = collections.deque()  # groups of dead workers' chunks
-        self._inflight: dict[Any, _Chunk] = {}
-        self._spill: collections.deque[_Group] = collections.deque()
-        self._output: queue.Queue[_Group] = queue.Queue(maxsize=queue_size)
-        self._results: dict[int, _Group] = {}
-        self._outstanding: dict[int, _Group] = {}  # committed, not consumed
-        self._load_refs: list[tuple[_Worker, Any, int]] = []
+        self._workers = [WorkerState(rank, h) for rank, h in enumerate(workers)]
+        self._pending: collections.deque[Group] = collections.deque()
+        self._input: queue.Queue[Group] = queue.Queue(maxsize=queue_size)
+        self._retry: collections.deque[Group] = collections.deque()  # groups of dead workers' chunks
+        self._inflight: dict[Any, Chunk] = {}
+        self._spill: collections.deque[Group] = collections.deque()
+        self._output: queue.Queue[Group] = queue.Queue(maxsize=queue_size)
+        self._results: dict[int, Group] = {}
+        self._outstanding: dict[int, Group] = {}  # committed, not consumed
+        self._loads = WeightLoads()
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -239,7 +189,7 @@ class AsyncRolloutManager:
         with self._lock:
             for i in range(len(prompts)):
                 row = prompts.slice(i, i + 1)
-                self._pending.append(_Group(self._seq, str(row.non_tensor_batch["uid"][0]), row))
+                self._pending.append(Group(self._seq, str(row.non_tensor_batch["uid"][0]), row))
                 self._seq += 1
         self._wake.set()
 
@@ -308,7 +258,9 @@ class AsyncRolloutManager:
             try:
                 out = ray.get(ref, timeout=deadlines.step_timeout())
             except GetTimeoutError:
-                raise _hung(w.rank, "generate_sequences (generate_now)", deadlines.step_timeout()) from None
+                raise hung_error(
+                    w.rank, "generate_sequences (generate_now)", deadlines.step_timeout()
+                ) from None
             except RayActorError as err:
                 self._mark_dead(w, err)
                 continue
@@ -384,10 +336,10 @@ class AsyncRolloutManager:
             with self._lock:
                 self._results[g.seq] = g
 
-    def _deadline(self, g: _Group) -> int:
+    def _deadline(self, g: Group) -> int:
         return (g.version if g.version >= 0 else g.commit_version) + self.eta
 
-    def _try_select(self, k: int) -> list[_Group] | None:
+    def _try_select(self, k: int) -> list[Group] | None:
         finished = [(seq, self._deadline(g)) for seq, g in self._results.items()]
         unfinished = [self._deadline(g) for seq, g in self._outstanding.items() if seq not in self._results]
         keys = select_batch(finished, unfinished, k, self.batch_size)
@@ -399,7 +351,7 @@ class AsyncRolloutManager:
         self.staleness.on_consume(len(picked))
         return picked
 
-    def _make_batch(self, k: int, picked: list[_Group], wait_s: float) -> AsyncBatch:
+    def _make_batch(self, k: int, picked: list[Group], wait_s: float) -> AsyncBatch:
         versions = [g.version for g in picked]
         staleness = [k - v for v in versions]
         data = concat_left_padded([g.result for g in picked])
@@ -418,6 +370,9 @@ class AsyncRolloutManager:
         metrics["async/rollout_idle_frac"] = min(max(1.0 - busy / span, 0.0), 1.0)
         metrics["async/rollout_busy_s"] = busy
         metrics["async/train_wait_s"] = wait_s
+        loads = self._loads.take_seconds()  # load_weights calls finished since the last batch
+        if loads:
+            metrics["async/weight_update/load_s"] = max(loads)
         if self.group_filter is not None:
             with self._lock:
                 metrics["async/filtered_groups"], self._dropped_since_batch = self._dropped_since_batch, 0
@@ -454,8 +409,8 @@ class AsyncRolloutManager:
                 self.staleness.on_commit(1)
                 cap -= 1
 
-    def _take_chunk(self) -> list[_Group]:
-        groups: list[_Group] = []
+    def _take_chunk(self) -> list[Group]:
+        groups: list[Group] = []
         while self._retry and len(groups) < self.chunk_size:
             groups.append(self._retry.popleft())
         while len(groups) < self.chunk_size:
@@ -488,7 +443,7 @@ class AsyncRolloutManager:
                     if g.partial is None:  # a resumed group keeps the version of its oldest token
                         g.version = self._version
                 ref = w.handle.generate_sequences.remote(gen_in)
-                self._inflight[ref] = _Chunk(w, groups, batch, self._version)
+                self._inflight[ref] = Chunk(w, groups, batch, self._version)
                 w.busy = True
                 self._dispatched_chunks += 1
 
@@ -525,11 +480,11 @@ class AsyncRolloutManager:
         with self._lock:
             late = [c for r, c in self._inflight.items() if r not in ready and now - c.started >= limit]
         if late:
-            raise _hung(
+            raise hung_error(
                 late[0].worker.rank, f"generate_sequences (version {late[0].version})", now - late[0].started
             )
 
-    def _finish(self, chunk: _Chunk, out: DataProto) -> None:
+    def _finish(self, chunk: Chunk, out: DataProto) -> None:
         got = out.meta_info.get("policy_version")
         if got != chunk.version:
             raise RuntimeError(
@@ -583,7 +538,7 @@ class AsyncRolloutManager:
                     return
                 self._spill.popleft()
 
-    def _requeue(self, chunk: _Chunk) -> None:
+    def _requeue(self, chunk: Chunk) -> None:
         with self._lock:
             self._retry.extendleft(reversed(chunk.groups))
             self._requeued_groups += len(chunk.groups)
@@ -597,42 +552,21 @@ class AsyncRolloutManager:
                 chunk.worker.handle.abort_generation.remote(version, ready)
                 self._aborts_sent += 1
 
-    def _send_weights(self, w: _Worker) -> None:
-        ref = w.handle.load_weights.remote(self._weights, self._version)
-        self._load_refs.append((w, ref, self._version))
-        w.version = self._version
+    def _send_weights(self, w: WorkerState) -> None:
+        self._loads.send(w, self._weights, self._version)
 
     def _check_weight_loads(self) -> None:
-        with self._lock:
-            pending = list(self._load_refs)
-        if not pending:
-            return
-        ready, _ = ray.wait([r for _, r, _ in pending], num_returns=len(pending), timeout=0)
-        done = {r.hex() for r in ready}
-        for w, ref, version in pending:
-            if ref.hex() not in done:
-                continue
-            try:
-                ray.get(ref, timeout=0)
-            except RayActorError as err:
-                self._mark_dead(w, err)
-            except GetTimeoutError:
-                continue
-            except RayError as err:
-                raise RuntimeError(
-                    f"rollout worker {w.rank} failed to load weights of version {version}:\n{err}"
-                ) from None
-            with self._lock:
-                self._load_refs = [x for x in self._load_refs if x[1] is not ref]
+        for w, err in self._loads.poll():
+            self._mark_dead(w, err)
 
-    def _mark_dead(self, w: _Worker, err: BaseException) -> None:
+    def _mark_dead(self, w: WorkerState, err: BaseException) -> None:
         with self._lock:
             if not w.alive:
                 return
             w.alive = False
             w.busy = False
             self._worker_failures += 1
-            self._load_refs = [x for x in self._load_refs if x[0] is not w]
+            self._loads.drop(w)
             alive = sum(x.alive for x in self._workers)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(
@@ -645,51 +579,36 @@ class AsyncRolloutManager:
             )
 
     # ------------------------------------------------------------------ partial rollout
-    def _add_partial_columns(self, gen_in: DataProto, groups: list[_Group]) -> None:
+    def _add_partial_columns(self, gen_in: DataProto, groups: list[Group]) -> None:
         """The resume.PARTIAL_KEYS columns of a chunk: each group's prefixes, or empty ones."""
         gen_in.non_tensor_batch.update(chunk_partial_columns([g.partial for g in groups], self.rollout_n))
         if any(g.partial is not None for g in groups):
             gen_in.meta_info["seed_index"] = 10**9 + self._dispatched_chunks  # a fresh stream
 
-    def _split_unfinished(self, chunk: _Chunk, out: DataProto) -> tuple[_Chunk, DataProto]:
+    def _split_unfinished(self, chunk: Chunk, out: DataProto) -> tuple[Chunk, DataProto]:
         """Partial rollout: groups with an unfinished row go back to the front of the queue with
         their prefixes; returns the chunk and output rows of the finished groups."""
-        n = self.rollout_n
-        prefixes = unfinished_group_prefixes(out, n)  # pops partial_done
-        keep = [g for i, g in enumerate(chunk.groups) if i not in prefixes]
-        back = [g for i, g in enumerate(chunk.groups) if i in prefixes]
-        for i, cols in prefixes.items():
-            chunk.groups[i].partial = cols  # None: nothing generated yet, a fresh start (re-tagged)
+        chunk, out, back = split_unfinished(chunk, out, self.rollout_n)
         with self._lock:
             self._retry.extendleft(reversed(back))
             self._resumed_groups += len(back)
-        if not back:
-            return chunk, out
-        if not keep:
-            return _Chunk(chunk.worker, [], chunk.rest, chunk.version), out
-        rows = [r for i in range(len(chunk.groups)) if i not in prefixes for r in range(i * n, (i + 1) * n)]
-        return _Chunk(chunk.worker, keep, chunk.rest.select_idxs(rows), chunk.version), out.select_idxs(rows)
+        return chunk, out
 
     # ------------------------------------------------------------------ DAPO dynamic sampling
-    def _drop_filtered(self, chunk: _Chunk, full: DataProto) -> tuple[_Chunk, DataProto]:
+    def _drop_filtered(self, chunk: Chunk, full: DataProto) -> tuple[Chunk, DataProto]:
         """Drop the groups `group_filter` rejects: they finish and are un-committed (the gate then
         admits a replacement; the bound's invariant counts only groups that can still be trained)."""
         keep = [bool(x) for x in self.group_filter(full)]
-        n = self.rollout_n
-        kept = [i for i in range(len(chunk.groups)) if all(keep[i * n : (i + 1) * n])]
-        if len(kept) == len(chunk.groups):
-            return chunk, full
-        dropped = [g for i, g in enumerate(chunk.groups) if i not in set(kept)]
-        with self._lock:
-            for g in dropped:
-                self._outstanding.pop(g.seq, None)
-            self.staleness.on_finish(len(dropped))
-            self.staleness.on_drop(len(dropped))
-            self._dropped_since_batch += len(dropped)
-            self._dropped_total += len(dropped)
-        rows = [r for i in kept for r in range(i * n, (i + 1) * n)]
-        groups = [chunk.groups[i] for i in kept]
-        return _Chunk(chunk.worker, groups, chunk.rest, chunk.version), full.select_idxs(rows)
+        chunk, full, dropped = keep_groups(chunk, full, keep, self.rollout_n)
+        if dropped:
+            with self._lock:
+                for g in dropped:
+                    self._outstanding.pop(g.seq, None)
+                self.staleness.on_finish(len(dropped))
+                self.staleness.on_drop(len(dropped))
+                self._dropped_since_batch += len(dropped)
+                self._dropped_total += len(dropped)
+        return chunk, full
 
     def _check_dropped(self, k: int) -> None:
         limit = self.max_dropped_per_batch

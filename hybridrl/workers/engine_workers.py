@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridrl.async_rollout.collective_worker import CollectiveWeightsMixin
 from hybridrl.models.weight_map import to_torch_dtype
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import Worker, register
@@ -65,7 +66,7 @@ def _setup_process(num_threads: int | None, timeout_s: float | None = None) -> N
     init_process_group(timeout_s=timeout_s or _PG_TIMEOUT_S)
 
 
-class ActorRolloutRefWorker(StepProfiling, Worker):
+class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
     """Policy training, rollout generation and the frozen reference, colocated on one slot.
 
     Args:
@@ -449,17 +450,24 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_weights(self, payload: dict[str, Any], version: int) -> float:
-        """Disaggregated rollout: load what `publish_weights` returned; returns the seconds taken."""
+        """Disaggregated rollout: load what `publish_weights` returned, or (a collective payload)
+        the version the weight-update group delivered (CollectiveWeightsMixin); returns the seconds
+        taken, waiting for a collective update included."""
+        from hybridrl.async_rollout.collective import is_collective_payload
         from hybridrl.workers.rollout.weight_sync import sync_weights
 
         if self.rollout is None:
             raise RuntimeError(f"load_weights called on a worker with role={self.role!r} (no rollout)")
-        if payload is None or "weights" not in payload:
+        collective = is_collective_payload(payload)
+        if not collective and (payload is None or "weights" not in payload):
             raise ValueError(
                 "load_weights: payload must be publish_weights()'s rank-0 result {'weights': ...}"
             )
         t0 = time.perf_counter()
-        sync_weights(self.rollout, iter(payload["weights"]))
+        named = self._collective_weights(int(version)) if collective else iter(payload["weights"])
+        sync_weights(self.rollout, named)
+        if collective:
+            self._collective_loaded(int(version))
         self.policy_version = int(version)
         elapsed = time.perf_counter() - t0
         self.busy_s += elapsed

@@ -77,6 +77,8 @@ def test_without_decoupled_loss_the_actor_loss_is_left_alone(base):
         ),
         ({"algorithm.filter_groups.enable": "true", "reward_model.enable": "true"}, "reward model scores"),
         ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}, "must be 1 in asynchronous mode"),
+        ({"async_training.weight_update_mode": "nccl"}, "weight_update_mode='nccl': use one of"),
+        ({"async_training.weight_update_timeout_s": 0}, "weight_update_timeout_s=0 must be > 0"),
     ],
 )
 def test_bad_values_fail_at_start_naming_the_key(base, keys, message):

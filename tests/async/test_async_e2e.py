@@ -86,12 +86,15 @@ def test_async_grpo_respects_the_bound_and_uses_the_decoupled_loss(tmp_path):
     assert "val-core/hybridrl/arith/acc/mean@1" in rows[-1]
 
 
-@pytest.mark.parametrize("partial", [False, True])
-def test_eta0_async_equals_the_synchronous_trainer(tmp_path, partial):
+@pytest.mark.parametrize(
+    "partial, mode", [(False, "object_store"), (True, "object_store"), (False, "collective")]
+)
+def test_eta0_async_equals_the_synchronous_trainer(tmp_path, partial, mode):
     """eta = 0 is synchronous PPO: same data, same samples, same updates, step for step (one
     rollout worker, one training slot, both single-threaded like the synchronous worker). With
     partial rollout on, nothing is generating at a weight update (eta = 0), so nothing is
-    aborted and the resumable path must give the same samples."""
+    aborted and the resumable path must give the same samples. With the collective weight update the
+    rollout worker gets the same weights over a gloo group instead of the object store."""
     keys = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"]
     sync = run_sync(["actor_rollout_ref.rollout.calculate_log_probs=true"], tmp_path / "sync")
     asyn = run_async(
@@ -99,10 +102,15 @@ def test_eta0_async_equals_the_synchronous_trainer(tmp_path, partial):
             "async_training.max_head_offpolicyness=0",
             "async_training.use_decoupled_loss=false",
             f"async_training.partial_rollout={str(partial).lower()}",
+            f"async_training.weight_update_mode={mode}",
         ],
         tmp_path / "async",
     )
     assert asyn.consumed_versions == [[0] * 4, [1] * 4, [2] * 4]
+    if mode == "collective":
+        assert all(r["async/weight_update/mbytes"] > 0 for r in asyn.history)
+    loads = [r["async/weight_update/load_s"] for r in asyn.history if "async/weight_update/load_s" in r]
+    assert loads and all(s >= 0 for s in loads)
     if partial:
         assert all(r["async/token_staleness/max"] == 0.0 for r in asyn.history)
         assert all(r["async/partial/resumed_groups"] == 0.0 for r in asyn.history)

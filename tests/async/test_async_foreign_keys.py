@@ -19,7 +19,7 @@ AREAL_SEED = [  # AReaL's gsm8k GRPO config, as command-line overrides (scaled t
     "actor.recompute_logprob=true",
     "actor.use_decoupled_loss=true",
     "actor.behave_imp_weight_cap=4.0",
-    "weight_update_mode=disk",
+    "weight_update_mode=xccl",  # the seed's value: the collective path
     "gconfig.n_samples=4",
     "train_dataset.batch_size=8",
 ]
@@ -47,12 +47,34 @@ def test_areal_seed_keys_load_into_the_async_config(capsys, monkeypatch):
     assert at.behave_imp_weight_cap == 4.0 and at.rollout_n_gpus_per_node == 2
     assert c.actor_rollout_ref.rollout.n == 4 and c.trainer.n_gpus_per_node == 1
     assert c.actor_rollout_ref.actor.policy_loss.loss_mode == "decoupled"
+    assert at.weight_update_mode == "collective"
+    assert "weight_update_mode=xccl -> async_training.weight_update_mode=collective" in printed
+
+
+@pytest.mark.parametrize(
+    "arg, mode",
+    [
+        ("weight_update_mode=disk", "object_store"),
+        ("actor.weight_update_mode=xccl", "collective"),
+        ("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "collective"),  # veRL's spelling
+        (
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
+            "collective",
+        ),  # left alone: the default
+    ],
+)
+def test_weight_update_mode_spellings(arg, mode):
+    argv = translate_argv([arg], gpu=cpu)
+    c = load_async_config(
+        compose_async_config([*argv, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"])
+    )
+    assert c.async_training.weight_update_mode == mode
 
 
 @pytest.mark.parametrize(
     "arg, words",
     [
-        ("weight_update_mode=xccl", "collective weight updates"),
+        ("weight_update_mode=nvlink", "use xccl"),
         ("allocation_mode=sglang:d4p1t2+d4p1t1", "rollout tensor parallelism"),
         ("allocation_mode=sglang:d4p2t1+d4p1t1", "pipeline parallelism"),
         ("allocation_mode=d4p1t1", "needs a rollout and a training part"),

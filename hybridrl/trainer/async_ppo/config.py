@@ -23,6 +23,10 @@ and the placement of the rollout workers (their own Ray resource pool):
                                               // rollout workers (at least 1)
     partial_rollout                           abort generation at each weight update and continue
                                               each response from its prefix (HF engine)
+    weight_update_mode                        object_store (Ray object store) or collective (a
+                                              broadcast over a gloo/NCCL group of trainer rank 0 and
+                                              the rollout workers; weight_update.py)
+    weight_update_timeout_s                   deadline of that group's creation and of each broadcast
 
 The training workers use trainer.nnodes x trainer.n_gpus_per_node slots as in synchronous mode.
 
@@ -122,6 +126,7 @@ def validate_async_config(config: AsyncPPOConfig) -> None:
             f"is {mode!r}; set {KEY}.use_decoupled_loss=false to keep {mode!r}"
         )
     _validate_partial_rollout(config)
+    _validate_weight_update(config)
     if algo.filter_groups.enable and config.reward_model.enable:
         raise ConfigError(
             "algorithm.filter_groups.enable=true (DAPO dynamic sampling) with reward_model.enable=true is not "
@@ -132,6 +137,22 @@ def validate_async_config(config: AsyncPPOConfig) -> None:
         raise ConfigError(
             "actor_rollout_ref.rollout.tensor_model_parallel_size must be 1 in asynchronous mode (one engine "
             f"per rollout slot); use more slots ({KEY}.rollout_n_gpus_per_node) instead"
+        )
+
+
+def _validate_weight_update(config: AsyncPPOConfig) -> None:
+    from hybridrl.async_rollout.collective import MODES
+
+    at = config.async_training
+    if at.weight_update_mode not in MODES:
+        raise ConfigError(
+            f"{KEY}.weight_update_mode={at.weight_update_mode!r}: use one of {MODES} (object_store: through the Ray "
+            "object store; collective: a broadcast from trainer rank 0 to every rollout worker)"
+        )
+    if not at.weight_update_timeout_s > 0:
+        raise ConfigError(
+            f"{KEY}.weight_update_timeout_s={at.weight_update_timeout_s:g} must be > 0 (seconds the collective "
+            "group's creation and each broadcast may take)"
         )
 
 

@@ -96,12 +96,22 @@ def _parse_part(value: str, part: str, fix: str) -> tuple[int, int, int]:
 
 
 def _weight_update_mode(value: str) -> list[str]:
-    if value == "disk":
-        return []  # a copy through storage: hybridrl's object-store path
-    raise ConfigError(
-        f"weight_update_mode={value!r}: collective weight updates (xccl) are not implemented yet; weights go "
-        "trainer rank 0 -> Ray object store -> rollout workers. Use weight_update_mode=disk (that path)"
-    )
+    """AReaL's weight_update_mode: xccl (a collective broadcast) or disk (a copy through storage)."""
+    modes = {"xccl": "collective", "disk": "object_store"}
+    if value not in modes:
+        raise ConfigError(
+            f"weight_update_mode={value!r}: use xccl ({AT}.weight_update_mode=collective) or disk "
+            f"({AT}.weight_update_mode=object_store, the Ray object store stands in for the disk)"
+        )
+    return [f"{AT}.weight_update_mode={modes[value]}"]
+
+
+def _checkpoint_engine(value: str) -> list[str] | None:
+    """veRL's rollout.checkpoint_engine.backend on main_async: nccl is the collective path; naive
+    (and anything else) stays the rollout key it is (naive: the object-store path in async mode)."""
+    if value == "nccl":
+        return [f"{AT}.weight_update_mode=collective"]
+    return None
 
 
 def selects_v1_async(argv: list[str]) -> bool:
@@ -200,6 +210,8 @@ def _translate_one(key: str, value: str) -> list[str] | None:
         return _allocation(value)
     if key in ("weight_update_mode", "actor.weight_update_mode"):
         return _weight_update_mode(value)
+    if key == "actor_rollout_ref.rollout.checkpoint_engine.backend":
+        return _checkpoint_engine(value)
     return None
 
 
@@ -234,7 +246,7 @@ def translate_argv(argv: list[str], gpu: Callable[[], bool] = _has_gpu) -> list[
             kept.append(arg)
             continue
         kept += new
-        notes.append(f"{arg} -> {' '.join(new) or '(the Ray object-store weight path)'}")
+        notes.append(f"{arg} -> {' '.join(new)}")
     if v1:
         everything = {p[1]: p[2] for p in map(_split, kept) if p is not None}
         keys = {**everything, **v1}

@@ -7,7 +7,8 @@ The fit loop is RayPPOTrainer's, stage for stage; three stages change:
     old log-prob        recompute_logprob: the trainer's current policy gives the proximal
                         log-probs (old_log_probs); otherwise the behaviour log-probs are used
     update actor        update, then publish the new weights to the rollout workers (trainer
-                        rank 0 gathers -> object store -> every rollout worker, between chunks)
+                        rank 0 gathers -> object store or a broadcast over the weight-update
+                        group -> every rollout worker, between chunks: weight_update.py)
                         and top up the prompt queue
 
 The decoupled loss gets the behaviour log-probs from the batch key `rollout_log_probs`, which the
@@ -31,6 +32,7 @@ from hybridrl.single_controller.ray.base import (
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_workers
 from hybridrl.trainer.async_ppo.dynamic_sampling import dynamic_sampling
+from hybridrl.trainer.async_ppo.weight_update import WeightPublisher
 from hybridrl.trainer.ppo.batch_steps import attach_reward_extra
 from hybridrl.trainer.ppo.setup import prepare_run, trainer_of
 from hybridrl.trainer.ppo.teachers import start_teacher_pool, teacher_role_classes, teacher_views
@@ -264,7 +266,9 @@ class AsyncPPOTrainer(RayPPOTrainer):
             **dynamic_sampling(config),
         )
         self._manager_started = False
-        self._last_publish = None
+        self.weights = WeightPublisher(
+            workers.actor_rollout, workers.rollout, at.weight_update_mode, at.weight_update_timeout_s
+        )
         self._policy_version = 0  # optimizer steps applied = global_steps once a step completes
         self.consumed_versions: list[list[int]] = []  # behaviour version of every group, per step
 
@@ -284,21 +288,14 @@ class AsyncPPOTrainer(RayPPOTrainer):
         return self.manager
 
     def _publish(self, version: int, start: bool = True):
-        """Gather the weights of `version` on the training ranks (non-blocking); hand rank 0's
-        result to the manager. The other ranks' results of the previous publish are checked, so a
-        failure there surfaces here with its traceback."""
-        if self._last_publish is not None and len(self._last_publish.refs) > 1:
-            gather_refs(
-                self._last_publish.refs[1:],
-                group="train",
-                method="publish_weights",
-                ranks=list(range(1, len(self._last_publish.refs))),
-            )
-        self._last_publish = self.workers.actor_rollout.publish_weights(version)
-        ref = self._last_publish.refs[0]
+        """Start the update to `version` (non-blocking; weight_update.py: object store or collective)
+        and hand its payload to the manager. The previous update is checked first, so a failure
+        there surfaces here with its traceback."""
+        lost = self._manager_started and self.manager.stats()["async/worker_failures"] > 0
+        payload = self.weights.publish(version, workers_lost=lost)
         if start:
-            self.manager.publish(version, ref)
-        return ref
+            self.manager.publish(version, payload)
+        return payload
 
     def _feed(self) -> None:
         """Keep (eta + 2) batches of prompts submitted, so the staleness gate, not the queue, limits."""
@@ -348,6 +345,7 @@ class AsyncPPOTrainer(RayPPOTrainer):
         self._policy_version += 1
         with timer("publish_weights", timing):
             self._publish(self._policy_version)
+        metrics.update(self.weights.metrics)  # the previous update's (checked by this publish)
         self._feed()
         rows = batch.batch["response_mask"]
         if "rollout_log_probs" in batch.batch.keys() and "old_log_probs" in batch.batch.keys():

@@ -200,7 +200,9 @@ class TrainerConfig:
     step_timeout_s: float = 3600.0
     reward_timeout_s: float = 600.0  # one reward manager call in the driver; 0: no deadline
     log_floors: bool = False  # start-up: GEMM peak, decode bound; log perf/floor/* (utils/floors.py)
-    max_restarts: int = 0  # after a dead / hung worker: restart the workers, resume (hybridrl.trainer.ppo.restarts)
+    max_restarts: int = (
+        0  # after a dead / hung worker: restart the workers, resume (hybridrl.trainer.ppo.restarts)
+    )
 
 
 @dataclass
@@ -237,3 +239,5 @@ class AsyncTrainingConfig:
     rollout_cpus_per_worker: float = 1
     chunk_size: int | None = None
     partial_rollout: bool = False
+    weight_update_mode: str = "collective"  # or "object_store" (hybridrl/async_rollout/collective.py)
+    weight_update_timeout_s: float = 300.0

@@ -1,0 +1,372 @@
+"""Collective weight updates: trainer rank 0 broadcasts the weights to every rollout worker over a
+process group of their own (`async_training.weight_update_mode=collective`; AReaL's
+`weight_update_mode=xccl`, veRL's `checkpoint_engine.backend=nccl`).
+
+The group spans trainer rank 0 (group rank 0) and every rollout worker (group ranks 1..N), each a
+separate Ray actor. It is created *stateless*: a TCPStore hosted by trainer rank 0 and a
+ProcessGroupGloo (CPU) or ProcessGroupNCCL (GPU) built on it directly, never registered as a
+torch.distributed group, so the default group the training ranks use for FSDP is untouched and
+the rollout workers (which have no default group) need none.
+
+One update (`WeightGroup.send` / `WeightGroup.receive`)::
+
+    trainer rank 0: the gathered (hf_name, tensor) stream -> buckets of
+        rollout.update_weights_bucket_megabytes -> per bucket: its tensor table (names, dtypes,
+        shapes, byte offsets) into the store, then one broadcast of the packed bytes; then an
+        end marker
+    rollout worker: a receiver thread waits for the next update's first table, receives every
+        bucket into a fresh buffer and stages the tensors (views of it) under their version;
+        `load_weights(collective payload, v)` (queued by the manager after the current chunk,
+        as on the object-store path) takes version v and streams it into the engine
+
+The receiver runs in a thread of its own, so an update is received while the worker is still
+generating its chunk; the engine only changes between two generate calls, as before. A worker
+whose load of v comes late keeps v (and any newer version) staged meanwhile; older ones are
+dropped. For a tensor-parallel engine every TP rank is a rollout worker and a group member: each
+receives the full tensors and its engine keeps its slice (the engines' own loaders, as in the
+colocated sync).
+
+Deadlines: the group's creation (store connection and the backend's rendezvous) and every
+broadcast end after `async_training.weight_update_timeout_s`, with an error naming that key and
+the fallback (`weight_update_mode=object_store`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.workers.rollout.weight_sync import iter_buckets, tensor_nbytes
+
+__all__ = [
+    "MODES",
+    "MODE_KEY",
+    "TIMEOUT_KEY",
+    "GroupSpec",
+    "WeightGroup",
+    "WeightReceiver",
+    "collective_payload",
+    "is_collective_payload",
+    "open_store",
+    "pack_bucket",
+    "unpack_bucket",
+]
+
+MODE_KEY = "async_training.weight_update_mode"
+TIMEOUT_KEY = "async_training.weight_update_timeout_s"
+MODES = ("object_store", "collective")
+_ALIGN = 64  # byte alignment of each tensor in a packed bucket (any dtype's view is valid)
+_POLL_S = 0.5  # how often a waiting receiver checks whether it should stop
+_FALLBACK = f"or set {MODE_KEY}=object_store (weights through the Ray object store)"
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where and how the weight-update group meets.
+
+    Attributes:
+        host, port: the TCPStore hosted by trainer rank 0.
+        world_size: 1 + the number of rollout workers.
+        backend: "gloo" (CPU tensors) or "nccl" (GPU tensors).
+        timeout_s: deadline of the group's creation and of every broadcast (TIMEOUT_KEY).
+    """
+
+    host: str
+    port: int
+    world_size: int
+    backend: str
+    timeout_s: float
+
+
+def collective_payload(version: int) -> dict[str, Any]:
+    """The `load_weights` payload of the collective path: the weights are staged on the worker."""
+    return {"collective": True, "version": int(version)}
+
+
+def is_collective_payload(payload: Any) -> bool:
+    return isinstance(payload, dict) and bool(payload.get("collective"))
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (a plain process): the loopback address
+        return "127.0.0.1"
+
+
+def open_store(world_size: int, timeout_s: float) -> tuple[Any, str, int]:
+    """Host the group's TCPStore here (trainer rank 0) on a free port: (store, host, port)."""
+    host = _node_ip()
+    store = dist.TCPStore(
+        host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    return store, host, store.port
+
+
+# ---------------------------------------------------------------------------------------- buckets
+class BufferPool:
+    """Byte buffers to reuse across updates (the same bucket sizes come back every update, and
+    writing into memory that is already mapped is about twice as fast as into fresh pages)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((nbytes, str(device)))
+            if free:
+                return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def put(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault((buf.numel(), str(buf.device)), []).append(buf)
+
+
+def pack_bucket(
+    bucket: list[tuple[str, torch.Tensor]], device: torch.device, pool: BufferPool | None = None
+) -> tuple[torch.Tensor, list[tuple[str, str, tuple[int, ...], int]]]:
+    """Pack a bucket's tensors into one byte buffer.
+
+    Args:
+        bucket: `(name, tensor)` pairs (any dtypes and shapes).
+        device: where the buffer lives (the broadcast's device).
+        pool: where the buffer comes from (None: a new one).
+
+    Returns:
+        (buffer: (nbytes,) uint8, table: `(name, dtype name, shape, byte offset)` per tensor; each
+        offset is a multiple of 64 bytes).
+    """
+    table, offset = [], 0
+    for name, t in bucket:
+        table.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+        offset += -(-tensor_nbytes(t) // _ALIGN) * _ALIGN
+    buf = (
+        pool.get(offset, device)
+        if pool is not None
+        else torch.empty(offset, dtype=torch.uint8, device=device)
+    )
+    for (_, t), (_, _, _, off) in zip(bucket, table):
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        buf[off : off + flat.numel()].copy_(flat)
+    return buf, table
+
+
+def unpack_bucket(
+    buf: torch.Tensor, table: list[tuple[str, str, tuple[int, ...], int]]
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a packed bucket, as views of `buf` (no copy)."""
+    out = []
+    for name, dtype_name, shape, off in table:
+        dtype = getattr(torch, dtype_name)
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        out.append((name, buf[off : off + nbytes].view(dtype).view(shape)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- group
+def _backend(spec: GroupSpec, store: Any, rank: int) -> Any:
+    timeout = timedelta(seconds=spec.timeout_s)
+    if spec.backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
+    if spec.backend == "nccl":  # GPU path: written against torch's API, untested here
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, spec.world_size, opts)
+    raise ValueError(f"weight-update group backend {spec.backend!r}: use gloo or nccl")
+
+
+class WeightGroup:
+    """This process's member of the weight-update group (rank 0: the sender).
+
+    Args:
+        spec: the group's GroupSpec.
+        rank: this member's group rank (0 = trainer rank 0).
+        store: rank 0's own TCPStore (from `open_store`); None: connect to spec.host:spec.port.
+        who: how error messages name this member ("rollout worker 1").
+
+    Raises:
+        RuntimeError: the store or the group could not be reached within spec.timeout_s.
+    """
+
+    def __init__(self, spec: GroupSpec, rank: int, store: Any = None, who: str = "") -> None:
+        self.spec, self.rank, self.who = spec, rank, who or f"group rank {rank}"
+        self.timeout = timedelta(seconds=spec.timeout_s)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if spec.backend == "nccl"
+            else torch.device("cpu")
+        )
+        t0 = time.perf_counter()
+        try:
+            if store is None:
+                store = dist.TCPStore(
+                    spec.host, spec.port, spec.world_size, is_master=False, timeout=self.timeout
+                )
+            self.meta = dist.PrefixStore("meta/", store)
+            self.pg = _backend(spec, dist.PrefixStore("pg/", store), rank)
+        except (RuntimeError, OSError) as err:
+            raise RuntimeError(
+                f"{MODE_KEY}=collective: {self.who} could not join the weight-update group at "
+                f"{spec.host}:{spec.port} within {spec.timeout_s:g} s ({TIMEOUT_KEY}): "
+                f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}. Every rollout "
+                f"worker must reach trainer rank 0 over TCP; raise {TIMEOUT_KEY}, {_FALLBACK}"
+            ) from None
+        self.join_s = time.perf_counter() - t0
+        self._seq = 0  # updates sent / received so far
+        self._pool = BufferPool()  # the sender's packing buffers
+
+    def _broadcast(self, buf: torch.Tensor, what: str) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.timeout
+        try:
+            self.pg.broadcast([buf], opts).wait(self.timeout)
+            if buf.is_cuda:
+                torch.cuda.current_stream().synchronize()
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"{MODE_KEY}=collective: {self.who}: the broadcast of {what} failed or did not finish within "
+                f"{self.spec.timeout_s:g} s ({TIMEOUT_KEY}); a member of the group died or hangs "
+                f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}). "
+                f"Raise {TIMEOUT_KEY}, {_FALLBACK}"
+            ) from None
+
+    def send(
+        self, named: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int
+    ) -> dict[str, float]:
+        """Rank 0: broadcast the stream bucket by bucket. Returns bytes, buckets and seconds."""
+        if self.rank != 0:
+            raise RuntimeError("WeightGroup.send runs on group rank 0 (trainer rank 0) only")
+        seq, self._seq = self._seq, self._seq + 1
+        nbytes, i, t0 = 0, 0, time.perf_counter()
+        for bucket in iter_buckets(named, bucket_bytes):
+            buf, table = pack_bucket([(n, t.to(self.device)) for n, t in bucket], self.device, self._pool)
+            bucket.clear()
+            self.meta.set(
+                f"{seq}/{i}", pickle.dumps({"version": int(version), "table": table, "nbytes": buf.numel()})
+            )
+            self._broadcast(buf, f"bucket {i} of version {version} ({buf.numel() / 2**20:.1f} MiB)")
+            nbytes += buf.numel()
+            self._pool.put(buf)  # the broadcast is done with it
+            i += 1
+        self.meta.set(f"{seq}/{i}", pickle.dumps(None))  # end of this update
+        return {"bytes": float(nbytes), "buckets": float(i), "send_s": time.perf_counter() - t0}
+
+    def _next_table(self, key: str, stop: threading.Event | None) -> Any:
+        """The table under `key`, waiting for it (forever, in _POLL_S rounds, until `stop`)."""
+        while stop is None or not stop.is_set():
+            try:
+                self.meta.wait([key], timedelta(seconds=_POLL_S))
+            except dist.DistStoreError as err:  # a timeout: nothing published yet
+                if "timeout" not in str(err).lower():
+                    raise
+                continue
+            return pickle.loads(self.meta.get(key))
+        return None
+
+    def receive(
+        self, stop: threading.Event | None = None, pool: BufferPool | None = None
+    ) -> tuple[int, list[tuple[str, torch.Tensor]], list[torch.Tensor]] | None:
+        """Ranks >= 1: the next update's (version, [(name, tensor)], the buffers the tensors view);
+        None if `stop` was set first. Buffers come from `pool` when given."""
+        seq = self._seq
+        meta = self._next_table(f"{seq}/0", stop)
+        if meta is None:
+            return None
+        self._seq += 1
+        version, named, bufs = meta["version"], [], []
+        while meta is not None:
+            n = meta["nbytes"]
+            buf = (
+                pool.get(n, self.device)
+                if pool is not None
+                else torch.empty(n, dtype=torch.uint8, device=self.device)
+            )
+            self._broadcast(buf, f"bucket {len(bufs)} of version {version}")
+            named.extend(unpack_bucket(buf, meta["table"]))
+            bufs.append(buf)
+            meta = pickle.loads(self.meta.get(f"{seq}/{len(bufs)}"))  # set before the broadcast it precedes
+        return version, named, bufs
+
+
+class WeightReceiver:
+    """A rollout worker's receiver thread: stages every update the group delivers, by version.
+
+    Args:
+        group: this worker's WeightGroup (rank >= 1).
+    """
+
+    def __init__(self, group: WeightGroup) -> None:
+        self.group = group
+        self._staged: dict[int, tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]] = {}
+        self._loaned: dict[int, list[torch.Tensor]] = {}  # buffers of versions being loaded
+        self._pool = BufferPool()
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hybridrl-weight-receiver", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                got = self.group.receive(self._stop, self._pool)
+                if got is None:
+                    return
+                with self._cond:
+                    self._staged[got[0]] = (got[1], got[2])
+                    self._cond.notify_all()
+        except BaseException as err:  # raised by the next `take`
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+
+    def take(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Wait for `version` (at most the group's timeout), drop older ones, return its tensors
+        (views of staging buffers: call `recycle(version)` once the engine has copied them)."""
+        limit = self.group.spec.timeout_s
+        deadline = time.monotonic() + limit
+        with self._cond:
+            while version not in self._staged:
+                if self._error is not None:
+                    raise RuntimeError(
+                        f"{MODE_KEY}=collective: {self.group.who}: receiving version {version} failed: {self._error}"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"{MODE_KEY}=collective: {self.group.who} did not receive version {version} within {limit:g} s "
+                        f"({TIMEOUT_KEY}); trainer rank 0 is hung or the update was lost. Raise {TIMEOUT_KEY}, {_FALLBACK}"
+                    )
+                self._cond.wait(min(left, _POLL_S))
+            named, self._loaned[version] = self._staged.pop(version)
+            for v in [v for v in self._staged if v < version]:
+                for buf in self._staged.pop(v)[1]:
+                    self._pool.put(buf)
+        return iter(named)
+
+    def recycle(self, version: int) -> None:
+        """The engine has loaded `version`: its staging buffers may take a later update."""
+        with self._cond:
+            bufs = self._loaned.pop(version, [])
+        for buf in bufs:
+            self._pool.put(buf)
+
+    def close(self) -> None:
+        """Stop the thread (it notices within _POLL_S when idle)."""
+        self._stop.set()
+        self._thread.join(timeout=4 * _POLL_S)
