@@ -1,7 +1,7 @@
 """Videos in veRL's format for Qwen2-VL: a ``videos`` column of frame lists, ``<video>`` placeholders.
 
 A video is given as veRL's dict ``{"video": [frame, frame, ...]}`` (or the bare list of frames),
-each frame anything :func:`hybridrl.data.multimodal.decode_image` reads (PIL image, PNG/JPEG
+each frame anything :func:`hybridrl.data.image_decode.decode_image` reads (PIL image, PNG/JPEG
 bytes, ``{"bytes": ...}`` / ``{"path": ...}``, a path, ``file://`` paths included). A video *file*
 (``{"video": "clip.mp4"}``) is refused: decoding one needs a video reader (qwen_vl_utils /
 torchvision / decord), none of which is installed with hybridrl.
@@ -38,7 +38,7 @@ def decode_video(video: Any, where: str) -> list[Any]:
         ValueError: a video file, an empty or malformed entry, an unreadable frame, frames of
             different sizes; naming `where`.
     """
-    from hybridrl.data.multimodal import decode_image
+    from hybridrl.data.image_decode import decode_image
 
     frames = video.get("video") if isinstance(video, Mapping) else video
     if isinstance(frames, np.ndarray):

@@ -236,8 +236,12 @@ def _mtp_rollout_kwargs(mtp: MtpConfig, rollout: Any, key: str) -> None:
         spec.update(user.get("speculative_config") or {})
         rollout.engine_kwargs.vllm = {**user, "speculative_config": spec}
     elif name == "sglang":
-        spec = {f"speculative_{k}": getattr(mtp, f"speculative_{k}") for k in (
-            "algorithm", "num_steps", "eagle_topk", "num_draft_tokens")}  # fmt: skip
+        spec = {
+            "speculative_algorithm": mtp.speculative_algorithm,
+            "speculative_num_steps": mtp.speculative_num_steps,
+            "speculative_eagle_topk": mtp.speculative_eagle_topk,
+            "speculative_num_draft_tokens": mtp.speculative_num_draft_tokens,
+        }
         rollout.engine_kwargs.sglang = {**spec, **dict(rollout.engine_kwargs.sglang)}
     else:
         raise ValueError(

@@ -9,6 +9,7 @@ import pytest
 
 from hybridrl.trainer.ppo.launch import run_ppo_config
 from hybridrl.utils import checkpointing
+from hybridrl.utils.config_loader import ConfigError
 from tests.e2e.ppo_runs import compose_config, run
 
 
@@ -16,7 +17,8 @@ def test_missing_prompt_column_names_file_and_column(tmp_path):
     bad = tmp_path / "bad.parquet"
     pd.DataFrame({"question": ["1+1="], "data_source": ["hybridrl/arith"]}).to_parquet(bad)
     config = compose_config([f"data.train_files={bad}", f"data.val_files={bad}"], tmp_path)
-    with pytest.raises(KeyError, match=r"prompt.*bad\.parquet|bad\.parquet.*prompt"):
+    # checked before Ray starts (trainer/ppo/data_checks.py): a ConfigError naming the file and column
+    with pytest.raises(ConfigError, match=r"prompt.*bad\.parquet|bad\.parquet.*prompt"):
         run_ppo_config(config)
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from hybridrl.trainer.offline.evaluation import run_eval
 from hybridrl.trainer.offline.generation import load_generation_config, run_generation
-from hybridrl.trainer.sft.checks import check_sft_inputs
 from hybridrl.trainer.sft.config import load_sft_config
+from hybridrl.trainer.sft.input_checks import check_sft_inputs
 from hybridrl.utils.config_loader import ConfigError
 
 

@@ -9,7 +9,7 @@ import inspect
 import os
 from typing import Any
 
-from hybridrl.trainer.ppo.startup_checks import _at_least_one, read_model_json
+from hybridrl.trainer.ppo.startup_checks import at_least_one, read_model_json
 from hybridrl.utils.config_loader import ConfigError
 
 __all__ = ["check_eval_inputs", "check_generation_values", "check_model_folder", "check_output_path"]
@@ -26,11 +26,11 @@ def check_generation_values(config: Any) -> None:
         raise ConfigError(f"rollout.top_p={r.top_p!r} must be in (0, 1]")
     if r.dtype not in GEN_DTYPES:
         raise ConfigError(f"rollout.dtype={r.dtype!r} is not one of {list(GEN_DTYPES)}")
-    _at_least_one(
+    at_least_one(
         "rollout.tensor_model_parallel_size", r.tensor_model_parallel_size, "vLLM tensor-parallel ranks"
     )
-    _at_least_one("rollout.max_num_seqs", r.max_num_seqs, "sequences per vLLM step")
-    _at_least_one("rollout.max_num_batched_tokens", r.max_num_batched_tokens, "tokens per vLLM step")
+    at_least_one("rollout.max_num_seqs", r.max_num_seqs, "sequences per vLLM step")
+    at_least_one("rollout.max_num_batched_tokens", r.max_num_batched_tokens, "tokens per vLLM step")
     if not (isinstance(r.gpu_memory_utilization, (int, float)) and 0 < r.gpu_memory_utilization <= 1):
         raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization!r} must be in (0, 1]")
     if (

@@ -21,10 +21,13 @@ from hybridrl.utils.config_loader import ConfigError
 from hybridrl.workers.config import LR_SCHEDULER_TYPES
 
 __all__ = [
+    "at_least_one",
     "check_data_lengths",
+    "check_dtypes",
     "check_first_rows",
     "check_model_inputs",
     "check_startup_values",
+    "in_range",
     "read_model_config",
     "read_model_json",
 ]
@@ -37,12 +40,12 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _at_least_one(key: str, value: Any, what: str) -> None:
+def at_least_one(key: str, value: Any, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{key}={value!r} must be an integer >= 1 ({what}); e.g. {key}=1")
 
 
-def _in_range(
+def in_range(
     key: str, value: Any, lo: float | None, hi: float | None, what: str, *, allow_none=False
 ) -> None:
     """ConfigError unless lo <= value <= hi (either bound None: open)."""
@@ -66,19 +69,19 @@ def _choice(key: str, value: Any, choices, what: str = "") -> None:
 
 def _optional_count(key: str, value: Any, what: str) -> None:
     if value is not None:
-        _at_least_one(key, value, what)
+        at_least_one(key, value, what)
 
 
 def check_data_lengths(d: Any) -> None:
     """data.max_prompt_length / max_response_length / train_batch_size >= 1 (before the rollout's
     lengths are derived from them, so the error names the key the user typed)."""
-    _at_least_one("data.max_prompt_length", d.max_prompt_length, "prompt tokens")
-    _at_least_one("data.max_response_length", d.max_response_length, "response tokens")
-    _at_least_one("data.train_batch_size", d.train_batch_size, "prompts per step")
+    at_least_one("data.max_prompt_length", d.max_prompt_length, "prompt tokens")
+    at_least_one("data.max_response_length", d.max_response_length, "response tokens")
+    at_least_one("data.train_batch_size", d.train_batch_size, "prompts per step")
 
 
 def _check_batches(section: Any, key: str) -> None:
-    _at_least_one(f"{key}.ppo_mini_batch_size", section.ppo_mini_batch_size, "prompts per optimizer step")
+    at_least_one(f"{key}.ppo_mini_batch_size", section.ppo_mini_batch_size, "prompts per optimizer step")
     _optional_count(
         f"{key}.ppo_micro_batch_size_per_gpu", section.ppo_micro_batch_size_per_gpu, "rows per forward"
     )
@@ -89,15 +92,15 @@ def check_startup_values(config: Any) -> None:
     arr = config.actor_rollout_ref
     check_data_lengths(config.data)
     _check_batches(arr.actor, "actor_rollout_ref.actor")
-    _at_least_one(
+    at_least_one(
         "actor_rollout_ref.actor.ppo_epochs", arr.actor.ppo_epochs, "passes over each batch per step"
     )
     critic = algos.estimator_needs_critic(config.algorithm.adv_estimator)
     if critic:
-        _at_least_one("critic.ppo_epochs", config.critic.ppo_epochs, "passes over each batch per step")
+        at_least_one("critic.ppo_epochs", config.critic.ppo_epochs, "passes over each batch per step")
     steps = config.trainer.total_training_steps
     if steps is None:
-        _at_least_one("trainer.total_epochs", config.trainer.total_epochs, "passes over the training data")
+        at_least_one("trainer.total_epochs", config.trainer.total_epochs, "passes over the training data")
     elif isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(
             f"trainer.total_training_steps={steps!r} must be an integer >= 1; set it to null to train "
@@ -107,9 +110,9 @@ def check_startup_values(config: Any) -> None:
     if critic:
         _check_batches(config.critic, "critic")
         _check_optim(config.critic.optim, "critic.optim")
-        _in_range("critic.cliprange_value", config.critic.cliprange_value, 0, None, "value clip range")
-        _in_range("critic.grad_clip", config.critic.grad_clip, 0, None, "gradient norm clip", allow_none=True)
-        _check_dtypes(config.critic.model.fsdp_config, "critic.model.fsdp_config")
+        in_range("critic.cliprange_value", config.critic.cliprange_value, 0, None, "value clip range")
+        in_range("critic.grad_clip", config.critic.grad_clip, 0, None, "gradient norm clip", allow_none=True)
+        check_dtypes(config.critic.model.fsdp_config, "critic.model.fsdp_config")
     _optional_count(
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
         arr.ref.log_prob_micro_batch_size_per_gpu,
@@ -124,14 +127,14 @@ def check_startup_values(config: Any) -> None:
 
 
 def _check_optim(optim: Any, key: str) -> None:
-    _in_range(f"{key}.lr", optim.lr, 0, None, "learning rate")
-    _in_range(f"{key}.weight_decay", optim.weight_decay, 0, None, "AdamW weight decay")
-    _in_range(f"{key}.lr_warmup_steps_ratio", optim.lr_warmup_steps_ratio, 0, 1, "fraction of the steps")
-    _in_range(
+    in_range(f"{key}.lr", optim.lr, 0, None, "learning rate")
+    in_range(f"{key}.weight_decay", optim.weight_decay, 0, None, "AdamW weight decay")
+    in_range(f"{key}.lr_warmup_steps_ratio", optim.lr_warmup_steps_ratio, 0, 1, "fraction of the steps")
+    in_range(
         f"{key}.min_lr_ratio", optim.min_lr_ratio, 0, 1, "floor of the cosine schedule", allow_none=True
     )
-    _in_range(f"{key}.eps", optim.eps, 0, None, "AdamW epsilon")
-    _in_range(f"{key}.clip_grad", optim.clip_grad, 0, None, "gradient norm clip")
+    in_range(f"{key}.eps", optim.eps, 0, None, "AdamW epsilon")
+    in_range(f"{key}.clip_grad", optim.clip_grad, 0, None, "gradient norm clip")
     warm = optim.lr_warmup_steps
     if isinstance(warm, bool) or not isinstance(warm, int) or warm < -1:
         raise ConfigError(
@@ -145,7 +148,7 @@ def _check_optim(optim: Any, key: str) -> None:
     _choice(f"{key}.lr_scheduler_type (or warmup_style)", optim.scheduler_type, LR_SCHEDULER_TYPES)
 
 
-def _check_dtypes(fsdp: Any, key: str) -> None:
+def check_dtypes(fsdp: Any, key: str) -> None:
     mp = fsdp.mixed_precision
     for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
         _choice(f"{key}.mixed_precision.{name}", getattr(mp, name), _DTYPES, "a torch dtype")
@@ -155,11 +158,11 @@ def _check_dtypes(fsdp: Any, key: str) -> None:
 
 def _check_actor(actor: Any, key: str) -> None:
     _check_optim(actor.optim, f"{key}.optim")
-    _in_range(f"{key}.grad_clip", actor.grad_clip, 0, None, "gradient norm clip", allow_none=True)
+    in_range(f"{key}.grad_clip", actor.grad_clip, 0, None, "gradient norm clip", allow_none=True)
     if actor.policy_loss.loss_mode not in ("dppo_tv", "dppo_kl"):  # those check them as divergence bounds
-        _in_range(f"{key}.clip_ratio", actor.clip_ratio, 0, None, "PPO clip range")
-        _in_range(f"{key}.clip_ratio_low", actor.clip_ratio_low, 0, None, "lower PPO clip", allow_none=True)
-        _in_range(f"{key}.clip_ratio_high", actor.clip_ratio_high, 0, None, "upper PPO clip", allow_none=True)
+        in_range(f"{key}.clip_ratio", actor.clip_ratio, 0, None, "PPO clip range")
+        in_range(f"{key}.clip_ratio_low", actor.clip_ratio_low, 0, None, "lower PPO clip", allow_none=True)
+        in_range(f"{key}.clip_ratio_high", actor.clip_ratio_high, 0, None, "upper PPO clip", allow_none=True)
     if not (_number(actor.clip_ratio_c) and actor.clip_ratio_c > 1):
         raise ConfigError(
             f"{key}.clip_ratio_c={actor.clip_ratio_c!r} must be > 1 (the dual-clip bound of negative "
@@ -168,12 +171,12 @@ def _check_actor(actor: Any, key: str) -> None:
     _choice(f"{key}.loss_agg_mode", actor.loss_agg_mode, algos.list_loss_agg_modes())
     if actor.use_kl_loss:
         _choice(f"{key}.kl_loss_type", actor.kl_loss_type, algos.list_kl_estimators(), "the KL estimator")
-        _in_range(f"{key}.kl_loss_coef", actor.kl_loss_coef, 0, None, "weight of the KL loss")
+        in_range(f"{key}.kl_loss_coef", actor.kl_loss_coef, 0, None, "weight of the KL loss")
     if actor.use_dynamic_bsz:
-        _at_least_one(
+        at_least_one(
             f"{key}.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu, "tokens per micro-batch"
         )
-    _check_dtypes(actor.fsdp_config, f"{key}.fsdp_config")
+    check_dtypes(actor.fsdp_config, f"{key}.fsdp_config")
     ck = actor.checkpoint
     for name in ("save_contents", "load_contents"):
         bad = [c for c in getattr(ck, name) if c not in _CKPT_CONTENTS]
@@ -207,22 +210,22 @@ def _check_rollout(r: Any) -> None:
     if not (isinstance(r.top_k, int) and r.top_k >= -1):
         raise ConfigError(f"{key}.top_k={r.top_k!r} must be an integer >= 1, or -1 / 0 for no top-k")
     vk = r.val_kwargs
-    _in_range(f"{key}.val_kwargs.temperature", vk.temperature, 0, None, "sampling temperature")
+    in_range(f"{key}.val_kwargs.temperature", vk.temperature, 0, None, "sampling temperature")
     if not (_number(vk.top_p) and 0 < vk.top_p <= 1):
         raise ConfigError(f"{key}.val_kwargs.top_p={vk.top_p!r} must be in (0, 1]")
-    _at_least_one(f"{key}.val_kwargs.n", vk.n, "responses per validation prompt")
+    at_least_one(f"{key}.val_kwargs.n", vk.n, "responses per validation prompt")
 
 
 def _check_algorithm(a: Any) -> None:
-    _in_range("algorithm.gamma", a.gamma, 0, 1, "discount factor")
-    _in_range("algorithm.lam", a.lam, 0, 1, "GAE lambda")
+    in_range("algorithm.gamma", a.gamma, 0, 1, "discount factor")
+    in_range("algorithm.lam", a.lam, 0, 1, "GAE lambda")
     if a.use_kl_in_reward:
         _choice("algorithm.kl_penalty", a.kl_penalty, algos.list_kl_estimators(), "the KL estimator")
         _choice("algorithm.kl_ctrl.type", a.kl_ctrl.type, ("fixed", "adaptive"))
-        _in_range("algorithm.kl_ctrl.kl_coef", a.kl_ctrl.kl_coef, 0, None, "weight of the KL penalty")
+        in_range("algorithm.kl_ctrl.kl_coef", a.kl_ctrl.kl_coef, 0, None, "weight of the KL penalty")
         if a.kl_ctrl.type == "adaptive":
-            _at_least_one("algorithm.kl_ctrl.horizon", a.kl_ctrl.horizon, "steps of the adaptive controller")
-            _in_range("algorithm.kl_ctrl.target_kl", a.kl_ctrl.target_kl, 0, None, "target KL")
+            at_least_one("algorithm.kl_ctrl.horizon", a.kl_ctrl.horizon, "steps of the adaptive controller")
+            in_range("algorithm.kl_ctrl.target_kl", a.kl_ctrl.target_kl, 0, None, "target KL")
     fg = a.filter_groups
     if fg.enable:
         _choice(
@@ -231,14 +234,14 @@ def _check_algorithm(a: Any) -> None:
 
 
 def _check_trainer(tr: Any) -> None:
-    _at_least_one("trainer.log_freq", tr.log_freq, "steps between console lines")
+    at_least_one("trainer.log_freq", tr.log_freq, "steps between console lines")
     for name in ("save_freq", "test_freq"):
         value = getattr(tr, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < -1:
             raise ConfigError(
                 f"trainer.{name}={value!r} must be an integer: N > 0 (every N steps) or -1 (never)"
             )
-    _in_range("trainer.save_freq_secs", tr.save_freq_secs, 0, None, "seconds between saves, 0: off")
+    in_range("trainer.save_freq_secs", tr.save_freq_secs, 0, None, "seconds between saves, 0: off")
     for name in ("critic_warmup", "log_val_generations"):
         value = getattr(tr, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -274,7 +277,7 @@ def _check_reward(config: Any) -> None:
             "reward_model.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu, "rows per forward"
         )
         if rm.use_reward_loop:
-            _in_range(
+            in_range(
                 "reward_model.rollout.request_timeout_s", rm.rollout.request_timeout_s, 1e-9, None, "seconds"
             )
     sf = rm.sandbox_fusion
@@ -284,7 +287,7 @@ def _check_reward(config: Any) -> None:
                 f"reward_model.sandbox_fusion.url={sf.url!r} must be an http:// or https:// URL of the "
                 "SandboxFusion run_code endpoint (e.g. http://localhost:8080/run_code)"
             )
-        _at_least_one("reward_model.sandbox_fusion.max_concurrent", sf.max_concurrent, "requests in flight")
+        at_least_one("reward_model.sandbox_fusion.max_concurrent", sf.max_concurrent, "requests in flight")
 
 
 def read_model_config(config: Any) -> dict | None:

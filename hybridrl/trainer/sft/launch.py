@@ -7,8 +7,8 @@ import socket
 
 from omegaconf import DictConfig
 
-from hybridrl.trainer.sft.checks import check_sft_inputs
 from hybridrl.trainer.sft.config import SFTConfig, load_sft_config
+from hybridrl.trainer.sft.input_checks import check_sft_inputs
 from hybridrl.trainer.sft.trainer import SFTTrainer
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.device import init_process_group, is_cuda_available
