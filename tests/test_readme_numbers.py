@@ -79,7 +79,7 @@ def test_compare_reads_the_metrics_and_the_warm_start(rn, tmp_path):
     (tmp_path / "agent" / "warm_start").mkdir()
     (tmp_path / "agent" / "warm_start" / "warm_start.json").write_text(json.dumps({"stop_step": 350}))
     table = {(k, s): (q, m) for _, k, s, q, m, _ in rn.compare(agent, tmp_path)}
-    assert table[(acc, 10)] == (0.865, 0.99) and table[(acc, 15)] == (0.895, 1.0)
+    assert table[(acc, 10)] == (0.905, 0.99) and table[(acc, 15)] == (0.91, 1.0)
     assert table[("warm_start/stop_step", "last")] == (424, 350)
 
 
@@ -93,3 +93,17 @@ def test_list_and_only():
         assert re.search(rf"^{name}\s", listed.stdout, re.M), name
     bad = run("--only", "sft,nope")
     assert bad.returncode != 0 and "unknown part(s) ['nope']" in bad.stderr and "quickstart" in bad.stderr
+
+
+def test_agent_parts_read_the_metrics_where_their_recipe_writes_them(rn, tmp_path):
+    # recipes/agent/run.sh logs to $AGENT_OUT/logs/<trainer>/, recipes/agent_server/run.sh to $AGENT_OUT/logs/
+    for part in rn.parts(tmp_path):
+        if "AGENT_OUT" not in part.env:
+            continue
+        logs = Path(part.env["AGENT_OUT"]) / "logs"
+        if "recipes/agent/run.sh" in part.cmd:
+            logs = logs / part.env.get("AGENT_TRAINER", "main_ppo")
+        where = (tmp_path / part.name / part.metrics).resolve()
+        assert where == (logs / "metrics.jsonl").resolve(), (
+            f"{part.name} reads {where}, its recipe writes {logs}"
+        )
