@@ -148,3 +148,63 @@ def test_command_line_check_knows_the_veomni_keys():
     assert layout_knows(f"{A}.veomni.param_offload")
     assert layout_knows("critic.veomni.router_replay.mode")
     assert not layout_knows(f"{A}.veomnix.param_offload")
+
+
+_NOT_COMPARED = ("timing_s/", "perf/", "timing_per_token_ms/")
+_TIMES = ("_per_s", "seconds", "_s/")  # wall-clock quantities differ between any two runs
+
+
+def _compared(rows: list[dict]) -> list[dict]:
+    return [
+        {
+            k: v
+            for k, v in r.items()
+            if not k.startswith(_NOT_COMPARED)
+            and not any(t in k for t in _TIMES)
+            and isinstance(v, (int, float))
+        }
+        for r in rows
+        if "actor/pg_loss" in r
+    ]
+
+
+def test_a_main_ppo_step_with_model_engine_veomni_equals_the_fsdp_spelling(tmp_path):
+    """One GRPO step on the built-in tiny model (in-process backend, FSDP2, HF rollout), spelled
+    with veRL's VeOmni keys and with the FSDP keys: the same metrics."""
+    import math
+
+    from tests.e2e.ppo_runs import run
+
+    common = [
+        "trainer.backend=local",
+        "trainer.total_training_steps=1",
+        f"{R}.log_prob_micro_batch_size_per_gpu=8",
+    ]
+    veomni = run(
+        [
+            *common,
+            "model_engine=veomni",
+            f"++{A}.veomni.param_offload=True",
+            f"++{A}.veomni.optimizer_offload=True",
+            f"++{A}.veomni.entropy_checkpointing=True",
+            f"++{A}.veomni.expert_parallel_size=1",
+            f"++{A}.veomni.attn_implementation=flash_attention_2",
+            f"++{R}.veomni.param_offload=True",
+        ],
+        tmp_path / "veomni",
+    )
+    fsdp = run(
+        [
+            *common,
+            "model_engine=dp",
+            f"{A}.fsdp_config.param_offload=True",
+            f"{A}.fsdp_config.optimizer_offload=True",
+            f"{A}.entropy_checkpointing=True",
+            f"{R}.fsdp_config.param_offload=True",
+        ],
+        tmp_path / "fsdp",
+    )
+    a, b = _compared(veomni), _compared(fsdp)
+    assert len(a) == len(b) == 1 and a[0] and set(a[0]) == set(b[0])
+    for key in a[0]:
+        assert math.isclose(a[0][key], b[0][key], rel_tol=1e-5, abs_tol=1e-7), (key, a[0][key], b[0][key])
