@@ -132,6 +132,11 @@ def test_unknown_veomni_key_and_disagreement_are_refused():
 
 
 def test_model_engine_veomni_equals_the_fsdp_spelling_and_prints_once(capsys):
+    optim = [
+        f"{o}.optim.{k}={v}"
+        for o in (A, "critic")
+        for k, v in (("lr", 1e-3), ("lr_scheduler_type", "cosine"))
+    ]
     veomni = _check(
         ["model_engine=veomni", f"{A}.veomni.param_offload=True", f"{A}.veomni.ulysses_parallel_size=2"]
     )
@@ -139,9 +144,37 @@ def test_model_engine_veomni_equals_the_fsdp_spelling_and_prints_once(capsys):
     assert out.count("VeOmni is veRL's FSDP2-based engine") == 1
     assert "ulysses_parallel_size" in out
     fsdp = _check(
-        ["model_engine=dp", f"{A}.fsdp_config.param_offload=True", f"{A}.ulysses_sequence_parallel_size=2"]
+        [
+            "model_engine=dp",
+            f"{A}.fsdp_config.param_offload=True",
+            f"{A}.ulysses_sequence_parallel_size=2",
+            *optim,
+        ]
     )
     assert dataclasses.asdict(veomni) == dataclasses.asdict(fsdp)
+
+
+def test_veomni_optimizer_defaults_and_keys():
+    """veRL's optim/veomni.yaml: cosine decay (and lr 1e-3) unless set; lr_min is the floor; lr_start
+    and lr_decay_ratio only at their defaults."""
+    config = _check(["model_engine=veomni"])
+    assert config.actor_rollout_ref.actor.optim.lr_scheduler_type == "cosine"
+    assert config.actor_rollout_ref.actor.optim.lr == 1e-3
+    assert config.critic.optim.lr_scheduler_type == "cosine"
+    config = _check(
+        [
+            "model_engine=veomni",
+            f"{A}.optim.lr=1e-6",
+            f"{A}.optim.lr_scheduler_type=constant",
+            f"{A}.optim.lr_min=1e-7",
+        ]
+    )
+    optim = config.actor_rollout_ref.actor.optim
+    assert (optim.lr, optim.lr_scheduler_type) == (1e-6, "constant")
+    assert abs(optim.min_lr_ratio - 0.1) < 1e-9
+    assert _check([]).actor_rollout_ref.actor.optim.lr_scheduler_type == "constant"  # FSDP: unchanged
+    with pytest.raises(ConfigError, match=rf"{A}\.optim\.lr_start=0\.1.*warmup"):
+        _check(["model_engine=veomni", f"{A}.optim.lr_start=0.1"])
 
 
 def test_command_line_check_knows_the_veomni_keys():
@@ -201,6 +234,7 @@ def test_a_main_ppo_step_with_model_engine_veomni_equals_the_fsdp_spelling(tmp_p
             f"{A}.fsdp_config.optimizer_offload=True",
             f"{A}.entropy_checkpointing=True",
             f"{R}.fsdp_config.param_offload=True",
+            f"{A}.optim.lr_scheduler_type=cosine",  # veRL's optim/veomni.yaml default
         ],
         tmp_path / "fsdp",
     )

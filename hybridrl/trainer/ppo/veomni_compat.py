@@ -177,6 +177,41 @@ def _translate_role(
     return lines
 
 
+# veRL's optim/veomni.yaml defaults that differ from its FSDP optimizer's (the schema's defaults here)
+OPTIM_DEFAULTS = {"lr": 1e-3, "lr_scheduler_type": "cosine"}
+# {veomni optimizer key: (accepted values, why)}; lr_min becomes the FSDP spelling's min_lr
+OPTIM_ACCEPTED = {
+    "lr_start": ((0.0, 0), "the warmup starts from 0 here"),
+    "lr_decay_ratio": ((1.0, 1), "the schedule decays over all training steps here"),
+}
+_OPTIMS = {f"{ARR}.actor": f"{ARR}.actor.optim", "critic": "critic.optim"}
+
+
+def _veomni_optim(
+    node: DictConfig, role: str, explicit_keys: set[str] | None, defaults: DictConfig
+) -> list[str]:
+    """The optimizer of a VeOmni role: veRL's optim/veomni.yaml defaults where the user set none,
+    `lr_min` -> `min_lr` (verl_layout turns it into min_lr_ratio), the rest accepted or refused."""
+    optim, lines = _OPTIMS[role], []
+    for name, value in OPTIM_DEFAULTS.items():
+        if not _set_by_user(f"{optim}.{name}", explicit_keys, node, defaults):
+            OmegaConf.update(node, f"{optim}.{name}", value, force_add=True)
+            lines.append(f"{optim}.{name}={value} (veRL's optim/veomni.yaml default)")
+    if _given(node, f"{optim}.lr_min") != "__absent__":
+        value = _given(node, f"{optim}.lr_min")
+        drop_key(node, f"{optim}.lr_min")
+        OmegaConf.update(node, f"{optim}.min_lr", value, force_add=True)
+        lines.append(f"{optim}.lr_min -> {optim}.min_lr")
+    for name, (ok, why) in OPTIM_ACCEPTED.items():
+        value = _given(node, f"{optim}.{name}")
+        if value == "__absent__":
+            continue
+        if value not in ok:
+            raise ConfigError(f"{optim}.{name}={value!r} is not supported: {why}")
+        drop_key(node, f"{optim}.{name}")
+    return lines
+
+
 def apply_veomni(node: DictConfig, explicit_keys: set[str] | None, defaults: DictConfig) -> set[str]:
     """Translate `model_engine=veomni`, `<role>.strategy=veomni` and `<role>.veomni.*` in `node`
     (mutated) onto hybridrl's FSDP2 engine; returns the keys it set.
@@ -195,6 +230,11 @@ def apply_veomni(node: DictConfig, explicit_keys: set[str] | None, defaults: Dic
         for line in _translate_role(node, role, explicit_keys, defaults):
             lines.append(line)
             set_here.add(line.split(" -> ")[1])
+    for role in _OPTIMS:
+        if _uses_veomni(node, role):
+            optim_lines = _veomni_optim(node, role, explicit_keys, defaults)
+            lines += optim_lines
+            set_here |= {line.split("=")[0] for line in optim_lines if " -> " not in line}
     for role in ROLES:
         if _given(node, f"{role}.strategy") == "veomni":
             OmegaConf.update(node, f"{role}.strategy", "fsdp", force_add=True)
