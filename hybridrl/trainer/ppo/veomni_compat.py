@@ -12,7 +12,9 @@ VeOmni is veRL's FSDP2-based training engine (verl/trainer/config/engine/veomni.
 3. or refused with a one-line reason naming the key (expert parallelism, kernel backends other
    than `eager`, routing replay, ...).
 
-A `veomni.*` key without `model_engine=veomni` (or that role's `strategy=veomni`) is refused.
+A `veomni.*` key without `model_engine=veomni` (or that role's `strategy=veomni`) is refused. The
+optimizer of a VeOmni role takes veRL's optim/veomni.yaml defaults where the user set none (cosine
+schedule, lr 1e-3: they differ from veRL's FSDP optimizer); its `lr_min` becomes `min_lr`.
 `apply_veomni` runs first in `verl_layout.apply_verl_layout`, on the composed config.
 """
 
