@@ -204,8 +204,11 @@ def layout_knows(key: str) -> bool:
     """Whether the config stage takes `key` although the yaml lacks it: a key veRL moved (MOVED, or
     below a moved subtree), or one of `verl_layout_refusals`' accepted leaves and sections (which
     take or refuse its value with a reason). The command line's unknown-key check asks this."""
+    from hybridrl.trainer.ppo.veomni_compat import veomni_knows
+
     return (
-        any(_under(key, new) for new in MOVED)
+        veomni_knows(key)
+        or any(_under(key, new) for new in MOVED)
         or any(key == leaf.key for leaf in LEAVES)
         or any(_under(key, s.prefix) for s in SECTIONS)
     )
@@ -216,7 +219,12 @@ def apply_verl_layout(
 ) -> set[str] | None:
     """Map veRL's newest layout onto hybridrl's keys in `node` (mutated); returns the explicit
     keys with the renamed ones added (None stays None: every key counts as set)."""
-    set_here = apply_moved(node, explicit_keys, defaults) | apply_min_lr(node, explicit_keys, defaults)
+    from hybridrl.trainer.ppo.veomni_compat import apply_veomni  # model_engine=veomni, *.veomni.*
+
+    veomni = apply_veomni(node, explicit_keys, defaults)  # first: it lands on veRL's FSDP spellings
+    set_here = (
+        veomni | apply_moved(node, explicit_keys, defaults) | apply_min_lr(node, explicit_keys, defaults)
+    )
     check_accepted(node)
     if explicit_keys is None:
         return None
