@@ -24,6 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from hybridrl.trainer.ppo.user_keys import key_given
 from hybridrl.trainer.ppo.verl_layout_refusals import ANY, drop_key
 from hybridrl.utils.config_loader import ConfigError
 
@@ -132,9 +133,7 @@ def _given(node: DictConfig, key: str) -> Any:
 
 
 def _set_by_user(key: str, explicit_keys: set[str] | None, node: DictConfig, defaults: DictConfig) -> bool:
-    from hybridrl.trainer.ppo.verl_layout import _given as given  # the layout's notion of "set"
-
-    return given(key, explicit_keys, node, defaults)
+    return key_given(key, explicit_keys, node, defaults)  # the layout's notion of "set"
 
 
 def _uses_veomni(node: DictConfig, role: str) -> bool:

@@ -21,6 +21,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from hybridrl.trainer.ppo.user_keys import key_given as _given
+from hybridrl.trainer.ppo.user_keys import node_value as _old_value
 from hybridrl.trainer.ppo.verl_layout_refusals import LEAVES, SECTIONS, check_accepted, drop_key
 from hybridrl.utils.config_loader import ConfigError
 
@@ -113,19 +115,6 @@ def _pop(node: DictConfig, key: str) -> Any:
     value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     drop_key(node, key)
     return value
-
-
-def _given(key: str, explicit_keys: set[str] | None, node: DictConfig, defaults: DictConfig) -> bool:
-    """Whether the user set hybridrl's `key` (or a key under it); explicit_keys None (a composed
-    config, every key counts as set): whether its value differs from the schema's default."""
-    if explicit_keys is None:
-        return _old_value(node, key) != _old_value(defaults, key)
-    return any(e == key or e.startswith(key + ".") for e in explicit_keys)
-
-
-def _old_value(node: DictConfig, key: str) -> Any:
-    value = OmegaConf.select(node, key, default=None)
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _new_leaves(node: DictConfig) -> dict[str, tuple[str, Any]]:
