@@ -94,3 +94,22 @@ def test_rows_are_routed_by_teacher_key():
         route_rows(_batch(["a", "c"]), ["a", "b"], "data_source")
     with pytest.raises(KeyError, match="teacher_key='task' is not a field"):
         route_rows(_batch(["a"]), ["a", "b"], "task")
+
+
+@pytest.mark.slow
+def test_distillation_sigkill_resume_matches_uninterrupted(tmp_path):
+    """SIGKILL after the step-2 checkpoint, resume: steps 3 and 4 (teacher log-probs, distillation
+    loss and KL included) equal the uninterrupted run's. The teacher is not checkpointed: it is
+    rebuilt from its path, so a resume that loaded the wrong teacher or lost the student's state
+    shows in the distillation metrics. Task rewards on, so the student moves away from the teacher
+    and the loss is not zero."""
+    from tests.e2e.ppo_runs import SMALL
+    from tests.e2e.test_resume import COMPARED, check_sigkill_resume
+
+    args = [
+        *SMALL, "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1",
+        "distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=builtin:tiny",
+        "distillation.distillation_loss.use_task_rewards=true",
+    ]  # fmt: skip
+    keys = [*COMPARED, "distillation/loss", "distillation/student_teacher_kl"]
+    check_sigkill_resume(tmp_path, args, keys)
