@@ -52,7 +52,8 @@ def step(model, batch, mode: str) -> float:
 
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    lp, ent = forward_log_probs(model, batch, calculate_entropy=True, **MODES[mode])
+    out = forward_log_probs(model, batch, calculate_entropy=True, **MODES[mode])
+    lp, ent = out.log_probs, out.entropy
     ((lp + 0.01 * ent) * batch["response_mask"]).sum().backward()
     return time.perf_counter() - t0
 

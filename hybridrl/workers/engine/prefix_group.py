@@ -75,20 +75,78 @@ class PrefixGroupLayout:
     pred: torch.Tensor
     flat: torch.Tensor
     num_groups: int
-    _masks: dict = field(default_factory=dict, repr=False)
+    _plans: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.lengths)
 
-    def response_mask(self, length: int, prompt: int, device: torch.device) -> torch.Tensor:
-        """(length, prompt + length) bool: a response token sees the prompt and its own past."""
-        key = (length, prompt, str(device))
-        if key not in self._masks:
-            self._masks[key] = torch.ones(length, prompt + length, dtype=torch.bool, device=device).tril(
-                prompt
-            )
-        return self._masks[key]
+    def plan(self, device: torch.device) -> AttentionPlan:
+        """The batched attention plan of this layout on `device` (built once, shared by every layer)."""
+        key = str(device)
+        if key not in self._plans:
+            self._plans[key] = _build_plan(self.lengths, self.prompt_of, device)
+        return self._plans[key]
+
+
+@dataclass
+class AttentionPlan:
+    """Index tensors that turn the packed row's segments into two padded attention batches.
+
+    Prompts (G of them, every segment with prompt_of == -1): p_idx (G, Pm) packed positions
+    (clamped where padded), p_valid (G, Pm). Responses (R segments): r_idx / r_valid (R, Tm),
+    r_group (R,) the prompt batch row each attends to, r_mask (R, 1, Tm, Pm + Tm) bool: the
+    valid prompt keys, then causal within the response. order (N,): where each packed token's
+    output sits in cat(prompt outputs[p_valid], response outputs[r_valid]).
+    """
+
+    p_idx: torch.Tensor
+    p_valid: torch.Tensor
+    r_idx: torch.Tensor | None
+    r_valid: torch.Tensor | None
+    r_group: torch.Tensor | None
+    r_mask: torch.Tensor | None
+    order: torch.Tensor
+
+
+def _padded_index(
+    starts: list[int], lengths: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, Lm) packed positions of S segments padded to the longest (Lm >= 1), and their validity."""
+    lm = max(max(lengths, default=1), 1)
+    ar = torch.arange(lm, device=device)
+    start = torch.tensor(starts, dtype=torch.long, device=device)[:, None]
+    n = torch.tensor(lengths, dtype=torch.long, device=device)[:, None]
+    valid = ar[None] < n
+    return torch.where(valid, start + ar[None], 0), valid  # padded slots read token 0 (dropped later)
+
+
+def _build_plan(lengths: list[int], prompt_of: list[int], device: torch.device) -> AttentionPlan:
+    starts, cursor = [], 0
+    for n in lengths:
+        starts.append(cursor)
+        cursor += n
+    prompts = [i for i, p in enumerate(prompt_of) if p < 0]
+    row_of = {seg: g for g, seg in enumerate(prompts)}
+    responses = [i for i, p in enumerate(prompt_of) if p >= 0]
+    p_idx, p_valid = _padded_index([starts[i] for i in prompts], [lengths[i] for i in prompts], device)
+    out_pos = [p_idx[p_valid]]
+    r_idx = r_valid = r_group = r_mask = None
+    if responses:
+        r_idx, r_valid = _padded_index(
+            [starts[i] for i in responses], [lengths[i] for i in responses], device
+        )
+        r_group = torch.tensor([row_of[prompt_of[i]] for i in responses], dtype=torch.long, device=device)
+        tm, pm = r_idx.shape[1], p_idx.shape[1]
+        causal = torch.ones(tm, tm, dtype=torch.bool, device=device).tril()
+        r_mask = torch.cat(
+            [p_valid[r_group][:, None, :].expand(-1, tm, pm), causal.expand(len(responses), tm, tm)], dim=-1
+        )[:, None]
+        out_pos.append(r_idx[r_valid])
+    order = torch.empty(cursor, dtype=torch.long, device=device)
+    pos = torch.cat(out_pos)
+    order[pos] = torch.arange(pos.numel(), device=device)
+    return AttentionPlan(p_idx, p_valid, r_idx, r_valid, r_group, r_mask, order)
 
 
 def build_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, t: int) -> PrefixGroupLayout:
@@ -166,18 +224,18 @@ def sequence_layout(seq_lens: torch.Tensor) -> PrefixGroupLayout:
 
 
 def _attend(q, k, v, mask, dropout: float, scale: float | None, eager: bool) -> torch.Tensor:
-    """softmax(q k^T * scale) v for q (H, Lq, D), k/v (KV, Lk, D): causal when `mask` is None,
-    else the boolean (Lq, Lk) mask; `eager` spells it out (the model's own choice, e.g. bf16 on
-    CPU, where PyTorch's SDPA backward is slow), else torch's scaled_dot_product_attention."""
+    """softmax(q k^T * scale) v for q (S, H, Lq, D), k/v (S, KV, Lk, D): causal when `mask` is None,
+    else the boolean (S, 1, Lq, Lk) mask; `eager` spells it out (the model's own choice, e.g. bf16
+    on CPU, where PyTorch's SDPA backward is slow), else torch's scaled_dot_product_attention."""
     if not eager:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=scale, enable_gqa=True
         )
-    if k.shape[0] != q.shape[0]:  # grouped-query attention: one K/V head per group of query heads
-        rep = q.shape[0] // k.shape[0]
-        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+    if k.shape[-3] != q.shape[-3]:  # grouped-query attention: one K/V head per group of query heads
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     if mask is None:
-        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = F.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p=dropout, training=dropout > 0)
@@ -187,8 +245,9 @@ def _attend(q, k, v, mask, dropout: float, scale: float | None, eager: bool) -> 
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Registered as ``ATTN_NAME``: q (1, H, N, D), k/v (1, KV, N, D) of the packed row ->
     (1, N, H, D); the layout comes in ``kwargs[LAYOUT_KWARG]`` (the model's forward passes its
-    extra keyword arguments down to attention). Segments are views of the row (`split`), so the
-    backward is one concatenation, with no scatter."""
+    extra keyword arguments down to attention). Two batched attention calls per layer, whatever
+    the number of segments: the G prompts padded to Pm (causal; padded queries are dropped), and
+    the R responses padded to Tm with keys [their prompt | themselves] (`AttentionPlan`)."""
     layout: PrefixGroupLayout | None = kwargs.get(LAYOUT_KWARG)
     if layout is None:
         raise LayoutNotPassed(
@@ -201,19 +260,21 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         )
     drop = dropout if module.training else 0.0
     eager = getattr(getattr(module, "config", None), INNER_ATTR, "sdpa") == "eager"
-    qs, ks, vs = (x[0].split(layout.lengths, dim=1) for x in (query, key, value))
-    outs = []
-    for i, (q, k, v) in enumerate(zip(qs, ks, vs)):
-        p = layout.prompt_of[i]
-        if q.shape[1] == 0:
-            outs.append(q)
-        elif p < 0:  # a prompt (or a whole sequence): causal within itself
-            outs.append(_attend(q, k, v, None, drop, scaling, eager))
-        else:  # a response: its group's prompt, then causal within itself
-            mask = layout.response_mask(q.shape[1], ks[p].shape[1], q.device)
-            kk, vv = torch.cat([ks[p], k], dim=1), torch.cat([vs[p], v], dim=1)
-            outs.append(_attend(q, kk, vv, mask, drop, scaling, eager))
-    return torch.cat(outs, dim=1).transpose(0, 1)[None], None
+    plan = layout.plan(query.device)
+    q, k, v = query[0], key[0], value[0]  # (H, N, D), (KV, N, D)
+
+    def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # (heads, N, D) -> (S, heads, L, D)
+        return x[:, idx].transpose(0, 1)
+
+    kp, vp = gather(k, plan.p_idx), gather(v, plan.p_idx)
+    out_p = _attend(gather(q, plan.p_idx), kp, vp, None, drop, scaling, eager)  # (G, H, Pm, D)
+    outs = [out_p.transpose(1, 2)[plan.p_valid]]  # (prompt tokens, H, D)
+    if plan.r_idx is not None:
+        kk = torch.cat([kp[plan.r_group], gather(k, plan.r_idx)], dim=2)  # (R, KV, Pm + Tm, D)
+        vv = torch.cat([vp[plan.r_group], gather(v, plan.r_idx)], dim=2)
+        out_r = _attend(gather(q, plan.r_idx), kk, vv, plan.r_mask, drop, scaling, eager)  # (R, H, Tm, D)
+        outs.append(out_r.transpose(1, 2)[plan.r_valid])
+    return torch.cat(outs)[plan.order][None], None
 
 
 def model_refusal(hf_config: Any) -> str | None:
