@@ -56,6 +56,17 @@ class LayoutNotPassed(RuntimeError):
     """The model's forward did not pass the layout down to its attention function."""
 
 
+class _PlanCache:
+    """The layout's attention plans by device. Not a dict on purpose: FSDP2 rebuilds dataclass
+    arguments before each wrapped layer (`dataclasses.replace` over its fields, dicts copied), and
+    an opaque object is passed through as it is, so every layer's copy shares one cache."""
+
+    __slots__ = ("by_device",)
+
+    def __init__(self) -> None:
+        self.by_device: dict[str, AttentionPlan] = {}
+
+
 @dataclass
 class PrefixGroupLayout:
     """Where each token of a micro-batch sits in the shared-prompt packed row.
@@ -75,7 +86,7 @@ class PrefixGroupLayout:
     pred: torch.Tensor
     flat: torch.Tensor
     num_groups: int
-    _plans: dict = field(default_factory=dict, repr=False)
+    _plans: _PlanCache = field(default_factory=lambda: _PlanCache(), repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -83,10 +94,10 @@ class PrefixGroupLayout:
 
     def plan(self, device: torch.device) -> AttentionPlan:
         """The batched attention plan of this layout on `device` (built once, shared by every layer)."""
-        key = str(device)
-        if key not in self._plans:
-            self._plans[key] = _build_plan(self.lengths, self.prompt_of, device)
-        return self._plans[key]
+        plans, key = self._plans.by_device, str(device)
+        if key not in plans:
+            plans[key] = _build_plan(self.lengths, self.prompt_of, device)
+        return plans[key]
 
 
 @dataclass
