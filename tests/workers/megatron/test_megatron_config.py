@@ -19,7 +19,9 @@ KEY = "actor_rollout_ref.actor.megatron"
 @pytest.mark.parametrize(
     "kwargs,on_gpu,match",
     [
-        ({"context_parallel_size": 2}, False, "context_parallel_size"),
+        ({"context_parallel_size": 2, "pipeline_model_parallel_size": 2}, False, "context parallelism"),
+        ({"context_parallel_size": 4}, False, "divide the number of ranks"),
+        ({"context_parallel_size": 0}, False, "context_parallel_size"),
         ({"expert_model_parallel_size": 2}, False, "expert"),
         ({"expert_tensor_parallel_size": 2}, False, "expert"),
         ({"virtual_pipeline_model_parallel_size": 2}, False, "pipeline_model_parallel_size >= 2"),
@@ -46,6 +48,7 @@ def test_accepted_and_no_ops():
         {"param_offload": True, "grad_offload": True},
         {"use_mbridge": True},
         {"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+        {"context_parallel_size": 2},  # honoured: test_megatron_engine.py
     ):
         validate_megatron_config(MegatronConfig(**kwargs), KEY, world_size=2, on_gpu=False)
     from hybridrl.workers.config import ActorConfig
