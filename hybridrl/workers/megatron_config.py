@@ -5,8 +5,11 @@ Every key is honoured or refused at start-up by `validate_megatron_config`:
     tensor_model_parallel_size / pipeline_model_parallel_size   honoured (TP, PP with 1F1B)
     virtual_pipeline_model_parallel_size                        honoured (interleaved 1F1B); each batch
                                                                 must split into a multiple of PP micro-batches
-    context_parallel_size, expert_model_parallel_size,          only 1 (None for ETP): refused
-    expert_tensor_parallel_size                                 otherwise (no CP / MoE support)
+    context_parallel_size                                       honoured (engine/megatron/context_parallel.py:
+                                                                load-balanced chunks, K/V all-gathered over
+                                                                CP); PP > 1 and model.mtp refused with it
+    expert_model_parallel_size, expert_tensor_parallel_size     only 1 (None for ETP): refused
+                                                                otherwise (no MoE support)
     sequence_parallel                                           ignored at TP=1 (as in Megatron);
                                                                 honoured at TP>1 (sequence-parallel
                                                                 norms in the local layer spec,
@@ -74,7 +77,10 @@ class MegatronConfig:
 
     @property
     def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        """Ranks of one model replica: TP x PP x CP (the CP ranks share the rows, each its chunks)."""
+        return (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        )
 
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
@@ -113,7 +119,7 @@ def resolve_fused_kernels(model: Any, strategy: str, model_key: str, explicit: b
 
 def check_colocated_megatron(roles: dict[str, tuple[str, MegatronConfig]]) -> None:
     """Colocated Megatron roles (one process per slot) share Megatron's process groups: refuse
-    different (tp, pp, vpp) sizes at start-up. `roles`: config key -> (strategy, megatron config)."""
+    different (tp, pp, vpp, cp) sizes at start-up. `roles`: config key -> (strategy, megatron config)."""
     seen: dict[tuple, str] = {}
     for key, (strategy, cfg) in roles.items():
         if strategy != MEGATRON_STRATEGY:
@@ -122,11 +128,12 @@ def check_colocated_megatron(roles: dict[str, tuple[str, MegatronConfig]]) -> No
             cfg.tensor_model_parallel_size,
             cfg.pipeline_model_parallel_size,
             cfg.virtual_pipeline_model_parallel_size,
+            cfg.context_parallel_size,
         )
         if seen and sizes not in seen:
             other = next(iter(seen.values()))
             raise ValueError(
-                f"{key}.megatron (tp, pp, vpp)={sizes} differs from {other}.megatron's {next(iter(seen))}: colocated "
+                f"{key}.megatron (tp, pp, vpp, cp)={sizes} differs from {other}.megatron's {next(iter(seen))}: colocated "
                 "Megatron roles share one set of process groups; give them the same parallel sizes"
             )
         seen.setdefault(sizes, key)
@@ -145,12 +152,14 @@ def validate_megatron_config(
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
         "virtual_pipeline_model_parallel_size",
+        "context_parallel_size",
     ):
         _positive(key, name, getattr(cfg, name))
-    if cfg.context_parallel_size != 1:
+    if cfg.context_parallel_size > 1 and cfg.pipeline_model_parallel_size > 1:
         raise ValueError(
-            f"{key}.context_parallel_size={cfg.context_parallel_size}: context parallelism is not supported by "
-            "hybridrl's Megatron engine; set it to 1"
+            f"{key}.context_parallel_size={cfg.context_parallel_size} with pipeline_model_parallel_size="
+            f"{cfg.pipeline_model_parallel_size}: context parallelism is implemented and tested without pipeline "
+            "parallelism only; set one of them to 1"
         )
     if cfg.expert_model_parallel_size != 1 or cfg.expert_tensor_parallel_size not in (None, 1):
         raise ValueError(
@@ -174,8 +183,9 @@ def validate_megatron_config(
         )
     if world_size is not None and world_size % cfg.model_parallel_size:
         raise ValueError(
-            f"{key}: tensor_model_parallel_size * pipeline_model_parallel_size = {cfg.model_parallel_size} must "
-            f"divide the number of ranks ({world_size}); change the sizes or trainer.n_gpus_per_node"
+            f"{key}: tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size = "
+            f"{cfg.model_parallel_size} must divide the number of ranks ({world_size}); change the sizes or "
+            "trainer.n_gpus_per_node"
         )
 
 

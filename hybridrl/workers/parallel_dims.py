@@ -5,18 +5,19 @@ driver's batch-size derivation and the workers' dispatch meshes come from the sa
 
     world        ranks of the worker group (trainer.nnodes * trainer.n_gpus_per_node)
     tp, pp, vpp  Megatron's tensor / pipeline / virtual pipeline sizes (1 on the HF engines)
+    cp           Megatron's context parallelism (`megatron.context_parallel_size`; its ranks share rows)
     sp           Ulysses sequence parallelism (`*.ulysses_sequence_parallel_size`, HF engines)
     fsdp         FSDP2's shard-group size (`fsdp_config.fsdp_size`; -1: every rank)
     rollout_tp   the rollout engine's tensor parallelism (`rollout.tensor_model_parallel_size`)
 
-Derived: `data_ranks` = world / (tp * pp), the ranks that hold distinct data before Ulysses
+Derived: `data_ranks` = world / (tp * pp * cp), the ranks that hold distinct data before Ulysses
 splits sequences (what the per-rank batch sizes divide by; with SP they divide again by sp);
 `dp` = data_ranks / sp, the groups that see distinct rows.
 
 Meshes (single_controller/mesh.MeshLayout; the batch is split over the dp dims, results
 collected from one rank of each dp group):
-    train_mesh    Megatron: pp x dp x tp (Megatron's rank order tp-cp-ep-dp-pp, TP innermost),
-                  collected from the last stage's tp rank 0; Ulysses: dp x sp (sp rank 0);
+    train_mesh    Megatron: pp x dp x cp x tp (Megatron's rank order tp-cp-ep-dp-pp, TP innermost),
+                  collected from the last stage's cp / tp rank 0; Ulysses: dp x sp (sp rank 0);
                   else replicate x shard (`ddp` x `fsdp`), every rank data-parallel
     rollout_mesh  dp x tp (tp innermost: ranks [k*tp, (k+1)*tp) form engine k)
 """
@@ -47,6 +48,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
+    cp: int = 1
     sp: int = 1
     fsdp: int = -1
     rollout_tp: int = 1
@@ -60,16 +62,18 @@ class ParallelDims:
         for name, size in (
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),
+            ("context_parallel_size", self.cp),
         ):
             if size < 1:
                 raise ValueError(f"{k}.megatron.{name}={size}: use an integer >= 1")
-        if not self.model_parallel and (self.tp, self.pp) != (1, 1):
+        if not self.model_parallel and (self.tp, self.pp, self.cp) != (1, 1, 1):
             raise ValueError(
-                f"{k}: tp={self.tp}, pp={self.pp} need a model-parallel engine (strategy=megatron)"
+                f"{k}: tp={self.tp}, pp={self.pp}, cp={self.cp} need a model-parallel engine (strategy=megatron)"
             )
-        if self.world % (self.tp * self.pp):
+        if self.world % (self.tp * self.pp * self.cp):
             raise ValueError(
-                f"{k}.megatron: tensor_model_parallel_size * pipeline_model_parallel_size = {self.tp * self.pp} "
+                f"{k}.megatron: tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size "
+                f"= {self.tp * self.pp * self.cp} "
                 f"must divide the {self.world} ranks (trainer.nnodes * trainer.n_gpus_per_node); use sizes "
                 f"whose product is one of {_divisors(self.world)}"
             )
@@ -92,12 +96,12 @@ class ParallelDims:
     # -- sizes ---------------------------------------------------------------------------------
     @property
     def data_ranks(self) -> int:
-        """Ranks that hold distinct data before Ulysses splits sequences: world / (tp * pp)."""
-        return self.world // (self.tp * self.pp)
+        """Ranks that hold distinct data before Ulysses splits sequences: world / (tp * pp * cp)."""
+        return self.world // (self.tp * self.pp * self.cp)
 
     @property
     def dp(self) -> int:
-        """Data-parallel groups (distinct rows): world / (tp * pp * sp)."""
+        """Data-parallel groups (distinct rows): world / (tp * pp * cp * sp)."""
         return self.data_ranks // self.sp
 
     # -- meshes --------------------------------------------------------------------------------
@@ -106,9 +110,9 @@ class ParallelDims:
         if self.model_parallel:
             return MeshLayout.create(
                 self.world,
-                {"pp": self.pp, "dp": -1, "tp": self.tp},
+                {"pp": self.pp, "dp": -1, "cp": self.cp, "tp": self.tp},
                 dp_dims=("dp",),
-                collect={"pp": -1, "tp": 0},
+                collect={"pp": -1, "cp": 0, "tp": 0},
             )
         if self.sp > 1:
             return MeshLayout.create(self.world, {"dp": -1, "sp": self.sp})
@@ -142,6 +146,7 @@ class ParallelDims:
                 tp=m.tensor_model_parallel_size,
                 pp=m.pipeline_model_parallel_size,
                 vpp=m.virtual_pipeline_model_parallel_size,
+                cp=m.context_parallel_size,
             )
         return cls(
             world=world,

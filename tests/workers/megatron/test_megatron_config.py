@@ -19,7 +19,9 @@ KEY = "actor_rollout_ref.actor.megatron"
 @pytest.mark.parametrize(
     "kwargs,on_gpu,match",
     [
-        ({"context_parallel_size": 2}, False, "context_parallel_size"),
+        ({"context_parallel_size": 2, "pipeline_model_parallel_size": 2}, False, "context parallelism"),
+        ({"context_parallel_size": 4}, False, "divide the number of ranks"),
+        ({"context_parallel_size": 0}, False, "context_parallel_size"),
         ({"expert_model_parallel_size": 2}, False, "expert"),
         ({"expert_tensor_parallel_size": 2}, False, "expert"),
         ({"virtual_pipeline_model_parallel_size": 2}, False, "pipeline_model_parallel_size >= 2"),
@@ -46,6 +48,7 @@ def test_accepted_and_no_ops():
         {"param_offload": True, "grad_offload": True},
         {"use_mbridge": True},
         {"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+        {"context_parallel_size": 2},  # honoured: test_megatron_engine.py
     ):
         validate_megatron_config(MegatronConfig(**kwargs), KEY, world_size=2, on_gpu=False)
     from hybridrl.workers.config import ActorConfig
@@ -55,6 +58,26 @@ def test_accepted_and_no_ops():
     meg = ActorConfig(strategy="megatron", megatron=mcfg)
     assert ParallelDims.for_role(4, meg, "actor_rollout_ref.actor").data_ranks == 2
     assert ParallelDims.for_role(4, ActorConfig(megatron=mcfg), "actor_rollout_ref.actor").data_ranks == 4
+
+
+def test_context_parallel_dims_and_mesh():
+    """CP ranks share the rows: data ranks = world / (tp * cp); the batch is split over dp only and each
+    dp group's result is collected from its cp rank 0 / tp rank 0 (Megatron's rank order tp-cp-dp)."""
+    from hybridrl.workers.config import ActorConfig
+    from hybridrl.workers.parallel_dims import ParallelDims
+
+    mcfg = MegatronConfig(tensor_model_parallel_size=2, context_parallel_size=2)
+    dims = ParallelDims.for_role(
+        8, ActorConfig(strategy="megatron", megatron=mcfg), "actor_rollout_ref.actor"
+    )
+    assert (dims.data_ranks, dims.dp) == (2, 2)
+    mesh = dims.train_mesh()
+    assert mesh.dp_size == 2
+    # ranks 0-3 (tp x cp of replica 0) get dp shard 0, ranks 4-7 shard 1; collected from ranks 0 and 4
+    assert [mesh.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [r for r in range(8) if mesh.is_collector(r)] == [0, 4]
+    with pytest.raises(ValueError, match="context_parallel_size"):
+        ParallelDims.for_role(6, ActorConfig(strategy="megatron", megatron=mcfg), "actor_rollout_ref.actor")
 
 
 def test_colocated_roles_need_the_same_sizes():

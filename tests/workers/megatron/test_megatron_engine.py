@@ -39,7 +39,13 @@ def _batch(seed: int = 5):
 
 
 def _configs(
-    model_dir: str, tp: int, pp: int, vpp: int | None = None, packed: bool = False, sp: bool = False
+    model_dir: str,
+    tp: int,
+    pp: int,
+    vpp: int | None = None,
+    packed: bool = False,
+    sp: bool = False,
+    cp: int = 1,
 ):
     from hybridrl.workers.config import (
         ActorConfig,
@@ -76,6 +82,7 @@ def _configs(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         sequence_parallel=sp,
+        context_parallel_size=cp,
         dtype="float32",
     )
     return model, actor, critic, mcfg
@@ -85,7 +92,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-def _check_actor(rank, model_dir, tp, pp, out, vpp=None, packed=False, sp=False):
+def _check_actor(rank, model_dir, tp, pp, out, vpp=None, packed=False, sp=False, cp=1):
     import torch.distributed as dist
 
     from hybridrl.workers.actor import PPOActor
@@ -93,7 +100,7 @@ def _check_actor(rank, model_dir, tp, pp, out, vpp=None, packed=False, sp=False)
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
 
-    model, cfg, _, mcfg = _configs(model_dir, tp, pp, vpp, packed, sp)
+    model, cfg, _, mcfg = _configs(model_dir, tp, pp, vpp, packed, sp, cp)
     data = _batch()
     mine = data.chunk(2)[rank]
     fsdp = FSDPEngine.build(model, cfg.fsdp_config, cfg.optim, load_tok=False)
@@ -107,6 +114,9 @@ def _check_actor(rank, model_dir, tp, pp, out, vpp=None, packed=False, sp=False)
     )
     meg = MegatronEngine.build(model, mcfg, cfg.optim, max_grad_norm=cfg.max_grad_norm, load_tok=False)
     assert meg.dp_size == 1
+    out["cp_attention"] = {
+        type(c.module.decoder.layers[0].self_attention.core_attention).__name__ for c in meg.chunks
+    }
     m_actor = PPOActor(cfg, meg, batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=1))
 
     _res = f_actor.compute_log_prob(mine, calculate_entropy=True, micro_batch_size=2)
@@ -141,13 +151,13 @@ def _initial(model_dir):
     return dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
 
 
-def _check_critic(rank, model_dir, tp, pp, out, vpp=None, packed=False, sp=False):
+def _check_critic(rank, model_dir, tp, pp, out, vpp=None, packed=False, sp=False, cp=1):
     from hybridrl.workers.batch_sizes import normalize_critic_batch_sizes
     from hybridrl.workers.critic import PPOCritic
     from hybridrl.workers.engine.fsdp import FSDPEngine
     from hybridrl.workers.engine.megatron.engine import MegatronEngine
 
-    _, _, cfg, mcfg = _configs(model_dir, tp, pp, vpp, packed, sp)
+    _, _, cfg, mcfg = _configs(model_dir, tp, pp, vpp, packed, sp, cp)
     data = _batch()
     mine = data.chunk(2)[rank]
     # The fresh value head: Megatron's is initialised under megatron.seed (whatever the global RNG, here
@@ -194,10 +204,10 @@ def _check_critic(rank, model_dir, tp, pp, out, vpp=None, packed=False, sp=False
     out["critic_weight_rel"] = max(_rel(m_w[k], f_w[k]) for k in f_w)
 
 
-def _run(rank, world, model_dir, tp, pp, vpp, packed, sp, result_dir):
+def _run(rank, world, model_dir, tp, pp, vpp, packed, sp, cp, result_dir):
     out: dict = {}
-    _check_actor(rank, model_dir, tp, pp, out, vpp, packed, sp)
-    _check_critic(rank, model_dir, tp, pp, out, vpp, packed, sp)
+    _check_actor(rank, model_dir, tp, pp, out, vpp, packed, sp, cp)
+    _check_critic(rank, model_dir, tp, pp, out, vpp, packed, sp, cp)
     torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
 
 
@@ -214,24 +224,28 @@ def _four_layer_model(path: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "tp,pp,vpp,packed,sp",
+    "tp,pp,vpp,packed,sp,cp",
     [
-        (2, 1, None, False, False),
-        (1, 2, None, False, False),
-        (1, 2, 2, False, False),
-        (2, 1, None, True, False),
-        (1, 2, 2, True, False),
-        (2, 1, None, False, True),
-        (2, 1, None, True, True),
+        (2, 1, None, False, False, 1),
+        (1, 2, None, False, False, 1),
+        (1, 2, 2, False, False, 1),
+        (2, 1, None, True, False, 1),
+        (1, 2, 2, True, False, 1),
+        (2, 1, None, False, True, 1),
+        (2, 1, None, True, True, 1),
+        (1, 1, None, False, False, 2),
+        (1, 1, None, True, False, 2),
     ],
 )
-def test_megatron_matches_fsdp(tmp_path, tp, pp, vpp, packed, sp):
+def test_megatron_matches_fsdp(tmp_path, tp, pp, vpp, packed, sp, cp):
     """packed: model.use_remove_padding=True on both engines (Megatron packs each micro-batch into
     one row with a block-diagonal causal mask; FSDP into varlen sequences). sp: Megatron's
-    sequence parallelism at TP=2 (the batch's 11 tokens per row: the padded path pads to 12)."""
+    sequence parallelism at TP=2 (the batch's 11 tokens per row: the padded path pads to 12).
+    cp: Megatron's context parallelism on the 2 ranks (one replica, DP=1, each rank two of the
+    four load-balanced chunks of every row: the padded path pads the 11 tokens to 12)."""
     path = str(tmp_path / "model")
     model_dir = make_tiny_model_dir(path) if vpp is None else _four_layer_model(path)
-    spawn(_run, 2, tmp_path, model_dir, tp, pp, vpp, packed, sp, str(tmp_path))
+    spawn(_run, 2, tmp_path, model_dir, tp, pp, vpp, packed, sp, cp, str(tmp_path))
     for rank in range(2):
         out = torch.load(tmp_path / f"rank{rank}.pt")
         print(rank, out)
@@ -244,6 +258,7 @@ def test_megatron_matches_fsdp(tmp_path, tp, pp, vpp, packed, sp):
         assert out["critic_weight_rel"] < TOL
         assert out["value_diff"] < TOL
         assert out["head_seeded"]
+        assert out["cp_attention"] == {"ContextParallelAttention" if cp > 1 else "DotProductAttention"}
 
 
 def _run_bf16(rank, world, model_dir, result_dir):

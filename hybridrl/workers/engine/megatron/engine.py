@@ -37,6 +37,7 @@ from hybridrl.workers.engine.base import (
     register_engine,
 )
 from hybridrl.workers.engine.megatron import mtp as mtp_lib
+from hybridrl.workers.engine.megatron.context_parallel import cp_group_info
 from hybridrl.workers.engine.megatron.convert import ArchSpec, arch_spec
 from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu, needs_cpu_shims
 from hybridrl.workers.engine.megatron.dispatch import broadcast_from_last_stage
@@ -328,12 +329,13 @@ class MegatronEngine(TrainEngine):
         return ps.get_tensor_model_parallel_rank(), (ps.get_tensor_model_parallel_group() if tp > 1 else None)
 
     # -- compute ----------------------------------------------------------------------------
-    def run(self, micros: list[Any], loss_fn, *, forward_only: bool) -> list[Any]:
+    def run(self, micros: list[Any], loss_fn, *, forward_only: bool, position_fn=None) -> list[Any]:
         """`run_schedule` in eval mode (forward_only) or train mode; last-stage results.
 
         With `model.use_remove_padding` each micro-batch is packed into one row (a multiple of the
         tensor-parallel size long, for sequence parallelism); with `megatron.sequence_parallel`
         padded rows are right-padded to such a multiple: see engine/megatron/forward.py.
+        position_fn: the per-position results under context parallelism (`_position_fn`).
         """
         for chunk in self.chunks:
             chunk.train(not forward_only)
@@ -343,7 +345,13 @@ class MegatronEngine(TrainEngine):
         if forward_only:
             with torch.no_grad():
                 return run_schedule(
-                    self.chunks, micros, loss_fn, forward_only=True, pack_multiple=pack, seq_multiple=seq
+                    self.chunks,
+                    micros,
+                    loss_fn,
+                    forward_only=True,
+                    pack_multiple=pack,
+                    seq_multiple=seq,
+                    position_fn=position_fn,
                 )
         extra = functools.partial(mtp_lib.mtp_inputs, n=self.mtp_layers) if self.mtp_train else None
         return run_schedule(
@@ -354,6 +362,7 @@ class MegatronEngine(TrainEngine):
             pack_multiple=pack,
             seq_multiple=seq,
             extra_inputs=extra,
+            position_fn=position_fn,
         )
 
     @staticmethod
@@ -363,11 +372,43 @@ class MegatronEngine(TrainEngine):
 
         return ps.get_tensor_model_parallel_world_size()
 
+    def _position_fn(self, request: LogProbRequest | ValueRequest):
+        """With context parallelism: this CP rank's logits (b, L / CP, V / TP) and next-token ids
+        (b, L / CP) -> (b, L / CP, 2) [log-prob, entropy] (engine/megatron/context_parallel.py);
+        the critic's values pass as they are (None)."""
+        if isinstance(request, ValueRequest) or cp_group_info()[0] == 1:
+            return None
+        if request.sum_pi_squared or request.topk or request.topk_ids:
+            raise ValueError(
+                "megatron.context_parallel_size > 1 computes log-probs and entropy per context-parallel rank; "
+                "actor.calculate_sum_pi_squared and distillation's forward_kl_topk need the logits of whole rows "
+                "there: set context_parallel_size=1 for them"
+            )
+        tp_rank, group = self.tp_info()
+
+        def per_position(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            lp, ent = vocab_parallel_logprobs_entropy(
+                logits.float() / request.temperature,
+                targets,
+                vocab_size=self.spec.vocab_size,
+                tp_rank=tp_rank,
+                group=group,
+            )
+            return torch.stack([lp, ent], dim=-1)
+
+        return per_position
+
     def _output(self, micro: Any, out: torch.Tensor, request: LogProbRequest | ValueRequest) -> Any:
-        """The requested result from the last stage's logits (or values) of one micro-batch."""
+        """The requested result from the last stage's logits (or values) of one micro-batch.
+
+        With context parallelism `out` holds (b, S, 2) [log-prob, entropy] per position (`_position_fn`)."""
         t = micro["responses"].shape[-1]
         if isinstance(request, ValueRequest):
             return out[:, -t - 1 : -1, 0].float()
+        if cp_group_info()[0] > 1:
+            return LogProbs(
+                out[:, -t - 1 : -1, 0], out[:, -t - 1 : -1, 1] if request.calculate_entropy else None
+            )
         if request.sum_pi_squared:
             raise ValueError(
                 "actor.calculate_sum_pi_squared=True is not implemented with strategy=megatron (the optimal "
@@ -388,7 +429,10 @@ class MegatronEngine(TrainEngine):
     def forward(self, micros, request: LogProbRequest | ValueRequest) -> list[Any]:
         """See TrainEngine.forward: Megatron's schedule without gradients; every stage returns them."""
         results = self.run(
-            list(micros), lambda m, out: (torch.zeros(()), self._output(m, out, request)), forward_only=True
+            list(micros),
+            lambda m, out: (torch.zeros(()), self._output(m, out, request)),
+            forward_only=True,
+            position_fn=self._position_fn(request),
         )
         return broadcast_from_last_stage(results)
 
@@ -401,6 +445,7 @@ class MegatronEngine(TrainEngine):
                 loss_fn(m, self._output(m, out, request)), self.chunks[-1], len(micros)
             ),
             forward_only=False,
+            position_fn=self._position_fn(request),
         )
         return broadcast_from_last_stage(results)
 

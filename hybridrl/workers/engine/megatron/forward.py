@@ -25,17 +25,27 @@ Sequence parallelism (`megatron.sequence_parallel` at TP > 1) splits the sequenc
 the tensor-parallel ranks between the linear layers, so every fed row must be a multiple of TP
 long: packed rows already are; padded micro-batches get right padding (masked keys) up to the next
 multiple (`seq_multiple`), cropped off the outputs before the loss.
+
+Context parallelism (`megatron.context_parallel_size` > 1, engine/megatron/context_parallel.py):
+every fed row (padded or packed) is a multiple of 2 * CP long; each CP rank feeds its two
+load-balanced chunks of the tokens and the matching rows of the mask. `position_fn` turns this
+rank's outputs into small per-position results (log-prob and entropy, or values) against the next
+token of each position, those are gathered over CP into the whole row, unpacked, and handed to
+`loss_fn`; Megatron's schedule multiplies the loss by CP (its DDP averages the gradients over
+DP x CP, and each CP rank's gradient is the part from its own positions).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from hybridrl.workers.engine.megatron.context_parallel import cp_group_info, cp_positions, gather_positions
 from hybridrl.workers.engine.megatron.cpu_shims import cuda_to_cpu
 
 __all__ = ["PackedMicro", "PaddedMicro", "attention_mask_4d", "pack_micro", "pad_micro", "run_schedule"]
@@ -134,8 +144,26 @@ def pack_micro(micro: Any, length: int) -> PackedMicro:
     return PackedMicro(ids[None], mask[None, None], valid)
 
 
-def _forward_step(loss_fn: Callable, extra_inputs: Callable | None, data_iterator, model):
-    micro, packed = next(data_iterator)
+def next_token_targets(micro: Any, packed: Any) -> torch.Tensor:
+    """(rows, L) the id after each fed position (the id a position's logits are scored against).
+
+    In the padded (b, S) layout position i is scored against input_ids[i + 1] (the prompt's last
+    position against the first response token, ...); the last position against 0. Mapped to the
+    fed layout: packed rows take the valid positions' targets, padded feeds add right padding."""
+    ids = micro["input_ids"]
+    targets = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)
+    if isinstance(packed, PackedMicro):
+        flat = targets[packed.valid]
+        return torch.cat([flat, flat.new_zeros(packed.input_ids.shape[1] - flat.shape[0])])[None]
+    if isinstance(packed, PaddedMicro):
+        return torch.cat(
+            [targets, targets.new_zeros(ids.shape[0], packed.input_ids.shape[1] - ids.shape[1])], 1
+        )
+    return targets
+
+
+def _model_inputs(micro: Any, packed: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids (rows, L), mask (rows, 1, L, L), position ids (rows, L)) of one fed micro-batch."""
     if packed is not None:
         ids, mask, positions = packed.input_ids, packed.mask, packed.position_ids
     else:
@@ -143,9 +171,23 @@ def _forward_step(loss_fn: Callable, extra_inputs: Callable | None, data_iterato
         positions = micro["position_ids"] if "position_ids" in micro.keys() else None
     if positions is None or positions.dim() != 2:  # RoPE ignores them (module docstring)
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return ids, mask, positions
+
+
+def _forward_step(loss_fn: Callable, extra_inputs: Callable | None, data_iterator, model):
+    micro, packed = next(data_iterator)
+    ids, mask, positions = _model_inputs(micro, packed)
+    cp, cp_rank, _ = cp_group_info()
+    if cp > 1:  # this rank's two chunks of the tokens, its query rows of the mask (context_parallel.py)
+        mine = cp_positions(ids.shape[1], cp, cp_rank, ids.device)
+        ids, positions, mask = ids[:, mine], positions[:, mine], mask[:, :, mine]
     extra = extra_inputs(micro, packed) if extra_inputs is not None else {}
     out = model(input_ids=ids, position_ids=positions, attention_mask=mask, **extra)
     return out, functools.partial(loss_fn, micro, packed)
+
+
+def _lcm(a: int | None, b: int) -> int:
+    return math.lcm(a or 1, b)
 
 
 def run_schedule(
@@ -157,6 +199,7 @@ def run_schedule(
     pack_multiple: int | None = None,
     seq_multiple: int | None = None,
     extra_inputs: Callable[[Any, Any], dict[str, torch.Tensor]] | None = None,
+    position_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[Any]:
     """Run forward (and backward) of `micros` through the pipeline; results of the last stage.
 
@@ -170,6 +213,10 @@ def run_schedule(
             the TP size); None feeds them as they are.
         extra_inputs: (micro, packed or padded feed or None) -> more keyword inputs of the model
             (the MTP loss's labels / loss_mask, engine/megatron/mtp.py); None: none.
+        position_fn: with context parallelism, (this rank's outputs (rows, L / CP, ...), their
+            next-token ids (rows, L / CP)) -> per-position results (rows, L / CP, k), gathered
+            over CP before `loss_fn` sees them; None passes the outputs themselves (the critic's
+            values). Unused without CP.
 
     Returns:
         One `result` per micro-batch on the last pipeline stage, [] on the others.
@@ -189,11 +236,22 @@ def run_schedule(
             )
     results: list[Any] = []
 
+    cp, cp_rank, _ = cp_group_info()
+
     def scaled(micro, packed, output):
+        if cp > 1:
+            if position_fn is not None:
+                targets = next_token_targets(micro, packed)
+                output = position_fn(output, targets[:, cp_positions(targets.shape[1], cp, cp_rank)])
+            output = gather_positions(output)
         loss, result = loss_fn(micro, output if packed is None else packed.unpack(output))
         results.append(result)
+        # (Megatron's schedule multiplies the loss by CP itself: its DDP averages the grads over DP x CP)
         return loss * n, {}
 
+    if cp > 1:  # every fed row a multiple of 2 CP (and of TP for sequence parallelism)
+        pack_multiple = None if pack_multiple is None else _lcm(pack_multiple, 2 * cp)
+        seq_multiple = _lcm(seq_multiple, 2 * cp)
     feeds = [None] * n
     if pack_multiple is not None:
         length = packed_length(micros, pack_multiple)

@@ -56,16 +56,18 @@ def init_parallel(cfg: MegatronConfig, key: str) -> None:
         cfg.tensor_model_parallel_size,
         cfg.pipeline_model_parallel_size,
         cfg.virtual_pipeline_model_parallel_size,
+        cfg.context_parallel_size,
     )
     if ps.model_parallel_is_initialized():
         have = (
             ps.get_tensor_model_parallel_world_size(),
             ps.get_pipeline_model_parallel_world_size(),
             ps.get_virtual_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
         )
         if have != sizes:
             raise ValueError(
-                f"{key}: (tp, pp, vpp)={sizes} differs from {have} already used by another role in this process; "
+                f"{key}: (tp, pp, vpp, cp)={sizes} differs from {have} already used by another role in this process; "
                 "colocated Megatron roles must use the same parallel sizes"
             )
         return
@@ -74,6 +76,7 @@ def init_parallel(cfg: MegatronConfig, key: str) -> None:
             tensor_model_parallel_size=sizes[0],
             pipeline_model_parallel_size=sizes[1],
             virtual_pipeline_model_parallel_size=sizes[2],
+            context_parallel_size=sizes[3],
             # Megatron's groups get the worker's timeout (actor_rollout_ref.nccl_timeout), not its 30 min
             distributed_timeout_minutes=max(1, math.ceil(process_group_timeout_s() / 60)),
         )
@@ -109,6 +112,7 @@ def transformer_config(spec: ArchSpec, cfg: MegatronConfig, dtype: torch.dtype, 
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
         # Batched p2p posts the sends and receives of both directions in one list; at PP=2 the previous
         # and next stage are the same peer, so an activation and a gradient of the same shape can be
         # matched crosswise (gloo matches by order): the interleaved update was wrong. Per-direction
@@ -193,6 +197,11 @@ def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int, mtp: Any = None
         input_layernorm=SequenceParallelRMSNorm,
         pre_mlp_layernorm=SequenceParallelRMSNorm,
     )
+    if tcfg.context_parallel_size > 1:  # the local DotProductAttention refuses CP (context_parallel.py)
+        from hybridrl.workers.engine.megatron.context_parallel import ContextParallelAttention
+
+        attn = layer_spec.submodules.self_attention
+        attn.submodules = dataclasses.replace(attn.submodules, core_attention=ContextParallelAttention)
     tp = ps.get_tensor_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     critic = role == "critic"

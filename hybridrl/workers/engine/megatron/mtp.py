@@ -224,6 +224,12 @@ def resolve_mtp(model_config: Any, hf_config: Any, mcfg: Any, role: str, model_k
             f"{model_key}.mtp.enable=True with {key}.pipeline_model_parallel_size > 1 is not implemented (the MTP "
             "layers and a second copy of the embedding on the last stage); set it to 1"
         )
+    if mcfg.context_parallel_size > 1:
+        raise ValueError(
+            f"{model_key}.mtp.enable=True with {key}.context_parallel_size={mcfg.context_parallel_size} is not "
+            "implemented (the MTP layers shift tokens and labels by one position per depth, across the chunk "
+            "boundaries that other context-parallel ranks hold); set context_parallel_size=1 or mtp.enable=False"
+        )
     return n
 
 
