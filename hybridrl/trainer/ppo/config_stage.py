@@ -88,7 +88,7 @@ def check_startup(
         resolve_fused_kernels(
             arr.model, arr.actor.strategy, key, set_by_user(f"{key}.use_fused_kernels", explicit_keys)
         )
-        validate_mtp(arr.model.mtp, arr.actor.strategy, key, arr.rollout)
+        validate_mtp(arr.model.mtp, arr.actor.strategy, key, arr.rollout, arr.actor.megatron)
         actor_ranks = ParallelDims.for_role(world, arr.actor, "actor_rollout_ref.actor").data_ranks
         normalize_actor_batch_sizes(arr.actor, rollout_n=arr.rollout.n, dp_size=actor_ranks)
         if algos.estimator_needs_critic(config.algorithm.adv_estimator):
