@@ -156,7 +156,16 @@ def main() -> None:
                     f"round {r + 1} {n} (load avg {load:.2f}): "
                     + ", ".join(f"{k} {v:.2f}" for k, v in t.items())
                 )
-    keys = [*PHASES, "after_imports", "cpu_imports", "cpu_config", "cpu_prepare_run", "cpu_peak_flops", "cpu_workers", "cpu_after_imports"]
+    keys = [
+        *PHASES,
+        "after_imports",
+        "cpu_imports",
+        "cpu_config",
+        "cpu_prepare_run",
+        "cpu_peak_flops",
+        "cpu_workers",
+        "cpu_after_imports",
+    ]
     med = {n: {k: C.median([t[k] for t in runs[n]]) for k in keys} for n in names}
     rows = [
         [

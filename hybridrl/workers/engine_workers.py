@@ -7,7 +7,8 @@
   before each generation, streams the gathered weights into its rollout engine on the same device
   (vLLM, SGLang or plain HF generate). `disaggregated=True` gives the asynchronous trainer's two
   modes: role="rollout", a rollout engine alone on its slot with versioned weights
-  (`load_weights`), no process group; an actor role without a rollout engine, whose weights go
+  (`load_weights`), no process group (with rollout TP > 1 the rollout group's own, for the TP
+  engines); an actor role without a rollout engine, whose weights go
   out through `publish_weights`.
 * `CriticWorker(config)` — value model, on the engine of `critic.strategy`.
 * `RewardModelWorker(config)` — learned reward model (sequence classification).
@@ -135,7 +136,9 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         self.model_config.validate()
         model_path = resolve_model_path(self.model_config.path, key="actor_rollout_ref.model.path")
         if self.disaggregated and self.role == "rollout":
-            if self.num_threads:  # no process group: rollout workers never run collectives
+            if self.rollout_config.tensor_model_parallel_size > 1:  # the TP engines' own group (vLLM's world)
+                _setup_process(self.num_threads, self.pg_timeout_s)
+            elif self.num_threads:  # TP = 1: no process group, rollout workers run no collectives
                 torch.set_num_threads(self.num_threads)
             self._build_rollout(model_path)
             return

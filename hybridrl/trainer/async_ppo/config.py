@@ -17,10 +17,12 @@ prompts:
 
 and the placement of the rollout workers (their own Ray resource pool):
 
-    rollout_nnodes, rollout_n_gpus_per_node   rollout slots (one worker each; CPU slots on CPU)
+    rollout_nnodes, rollout_n_gpus_per_node   rollout slots (one worker process each; CPU slots on
+                                              CPU); with rollout.tensor_model_parallel_size = N,
+                                              every N slots of a node form one engine
     rollout_cpus_per_worker                   CPU cores per rollout slot
     chunk_size                                groups per generate call; null -> consumer_batch_size
-                                              // rollout workers (at least 1)
+                                              // rollout engines (at least 1)
     partial_rollout                           abort generation at each weight update and continue
                                               each response from its prefix (HF engine)
     weight_update_mode                        object_store (Ray object store) or collective (a
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from hybridrl.trainer.async_ppo.rollout_tp import validate_rollout_tp
 from hybridrl.trainer.ppo.config import PPO_KEYS_DOC, PPOConfig
 from hybridrl.trainer.ppo.sections import AsyncTrainingConfig
 from hybridrl.utils.config_loader import ConfigError
@@ -50,6 +53,7 @@ __all__ = [
     "async_stage",
     "derive_async_config",
     "load_async_config",
+    "n_rollout_engines",
     "n_rollout_workers",
     "validate_async_config",
 ]
@@ -62,8 +66,14 @@ AsyncPPOConfig = PPOConfig
 
 
 def n_rollout_workers(config: AsyncPPOConfig) -> int:
+    """Rollout processes (slots): rollout_nnodes x rollout_n_gpus_per_node."""
     at = config.async_training
     return at.rollout_nnodes * at.rollout_n_gpus_per_node
+
+
+def n_rollout_engines(config: AsyncPPOConfig) -> int:
+    """Rollout engines: the slots / rollout TP (each engine's TP ranks are slots of one node)."""
+    return n_rollout_workers(config) // config.actor_rollout_ref.rollout.tensor_model_parallel_size
 
 
 def load_async_config(cfg: DictConfig | dict | list[str] | None = None, explicit_keys=None) -> AsyncPPOConfig:
@@ -77,14 +87,16 @@ def load_async_config(cfg: DictConfig | dict | list[str] | None = None, explicit
     )
 
 
-def async_stage(config: AsyncPPOConfig) -> None:
-    """The async section's checks of the user's own values, then its derived values."""
+def async_stage(config: AsyncPPOConfig) -> int:
+    """The async section's checks of the user's own values, then its derived values. Returns the
+    ranks the whole-tree check divides rollout TP into (one node's rollout slots)."""
     if config.trainer.log_floors:  # generation overlaps the update here: no per-phase floor to compare with
         raise ConfigError(
             "trainer.log_floors=true is not supported by main_async yet; use main_ppo or set it false"
         )
     validate_async_config(config)
     derive_async_config(config)
+    return config.async_training.rollout_n_gpus_per_node
 
 
 def validate_async_config(config: AsyncPPOConfig) -> None:
@@ -133,11 +145,7 @@ def validate_async_config(config: AsyncPPOConfig) -> None:
             "supported in asynchronous mode: groups are filtered as chunks finish, and a reward model scores "
             "on the trainer's path; use a rule-based reward or python -m hybridrl.trainer.main_ppo"
         )
-    if arr.rollout.tensor_model_parallel_size != 1:
-        raise ConfigError(
-            "actor_rollout_ref.rollout.tensor_model_parallel_size must be 1 in asynchronous mode (one engine "
-            f"per rollout slot); use more slots ({KEY}.rollout_n_gpus_per_node) instead"
-        )
+    validate_rollout_tp(config)
 
 
 def _validate_weight_update(config: AsyncPPOConfig) -> None:
@@ -190,7 +198,7 @@ def derive_async_config(config: AsyncPPOConfig) -> None:
     if at.queue_size is None:
         at.queue_size = at.max_concurrent_rollouts * 16
     if at.chunk_size is None:
-        at.chunk_size = max(1, b // n_rollout_workers(config))
+        at.chunk_size = max(1, b // n_rollout_engines(config))
     if at.use_decoupled_loss:
         arr.actor.policy_loss.loss_mode = "decoupled"
         arr.actor.policy_loss.behave_imp_weight_cap = at.behave_imp_weight_cap

@@ -22,6 +22,7 @@ from typing import Any
 
 from hybridrl import algos
 from hybridrl.async_rollout.manager import AsyncRolloutManager
+from hybridrl.async_rollout.tp_engine import EngineHandle, engine_handles
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller.ray.base import (
     RayClassWithInitArgs,
@@ -30,7 +31,7 @@ from hybridrl.single_controller.ray.base import (
     gather_refs,
 )
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
-from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_workers
+from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_engines, n_rollout_workers
 from hybridrl.trainer.async_ppo.dynamic_sampling import dynamic_sampling
 from hybridrl.trainer.async_ppo.weight_update import WeightPublisher
 from hybridrl.trainer.ppo.batch_steps import attach_reward_extra
@@ -251,8 +252,12 @@ class AsyncPPOTrainer(RayPPOTrainer):
             config, tokenizer, groups, train_loader, val_loader, reward_fn, val_reward_fn, tracker
         )
         at = self.async_config
+        # one handle per rollout engine (its TP ranks behind one, async_rollout/tp_engine.py)
+        self._engines = engine_handles(
+            workers.rollout.workers, config.actor_rollout_ref.rollout.tensor_model_parallel_size
+        )
         self.manager = AsyncRolloutManager(
-            workers.rollout.workers,
+            self._engines,
             rollout_n=config.actor_rollout_ref.rollout.n,
             consumer_batch_size=at.consumer_batch_size,
             max_head_offpolicyness=at.max_head_offpolicyness,
@@ -277,6 +282,9 @@ class AsyncPPOTrainer(RayPPOTrainer):
             return super().fit()
         finally:
             self.manager.stop()
+            for engine in self._engines:
+                if isinstance(engine, EngineHandle):
+                    engine.close()
 
     # ------------------------------------------------------------------ manager
     def _started_manager(self) -> AsyncRolloutManager:
@@ -363,6 +371,6 @@ def build_async_trainer(config: AsyncPPOConfig) -> AsyncPPOTrainer:
     )  # scores chunks as they finish
     print(
         f"[hybridrl.async] {workers.actor_rollout.world_size} training slot(s), {n_rollout_workers(config)} "
-        f"rollout slot(s), max_head_offpolicyness={config.async_training.max_head_offpolicyness}"
+        f"rollout slot(s) in {n_rollout_engines(config)} engine(s), max_head_offpolicyness={config.async_training.max_head_offpolicyness}"
     )
     return trainer_of(AsyncPPOTrainer, config, run, workers)

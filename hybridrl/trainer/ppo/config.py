@@ -64,7 +64,9 @@ class PPOConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
-    distillation: DistillationConfig = field(default_factory=DistillationConfig)  # veRL's on-policy distillation
+    distillation: DistillationConfig = field(
+        default_factory=DistillationConfig
+    )  # veRL's on-policy distillation
     # veRL's newest engine switch for actor, ref and critic ("dp" / "fsdp", "megatron"); see ppo/model_engine.py
     model_engine: str | None = None
 
@@ -75,7 +77,7 @@ PPO_KEYS_DOC = "hybridrl/trainer/config/ppo_trainer.yaml"
 def load_config(
     cfg: DictConfig | dict | list[str] | None = None,
     explicit_keys=None,
-    mode_stage: Callable[[PPOConfig], None] | None = None,
+    mode_stage: Callable[[PPOConfig], int | None] | None = None,
     keys_doc: str = PPO_KEYS_DOC,
 ) -> PPOConfig:
     """Merge `cfg` onto the schema, resolve it and run `run_config_stage`; returns a typed `PPOConfig`.
@@ -102,18 +104,19 @@ def load_config(
 
 
 def run_config_stage(
-    config: PPOConfig, explicit_keys=None, mode_stage: Callable[[PPOConfig], None] | None = None
+    config: PPOConfig, explicit_keys=None, mode_stage: Callable[[PPOConfig], int | None] | None = None
 ) -> None:
     """The config stage main_ppo and main_async share (mutates `config`): derived values, veRL's
     spellings (refused keys, deprecated micro-batch keys, small-batch defaults), veRL's algorithm
     keys, then the trainer mode's own derivations (`mode_stage`, e.g. main_async's
-    async_training.*), then the whole-tree validation."""
+    async_training.*), then the whole-tree validation. A mode stage that returns an int names
+    the ranks the rollout's tensor parallelism is checked against (main_async: one node's rollout
+    slots); None: the training slots, as main_ppo's colocated engines."""
     derive_config(config, explicit_keys)
     apply_verl_compat(config, explicit_keys)
     apply_verl_misc(config, explicit_keys)
-    if mode_stage is not None:
-        mode_stage(config)
-    validate_config(config)
+    rollout_world = mode_stage(config) if mode_stage is not None else None
+    validate_config(config, rollout_world)
 
 
 def derive_config(config: PPOConfig, explicit_keys=None) -> None:
@@ -164,8 +167,9 @@ def n_slots(config: PPOConfig) -> int:
     return config.trainer.nnodes * config.trainer.n_gpus_per_node
 
 
-def validate_config(config: PPOConfig) -> None:
-    """Check the config as a whole; raise ConfigError naming the key and the fix."""
+def validate_config(config: PPOConfig, rollout_world: int | None = None) -> None:
+    """Check the config as a whole; raise ConfigError naming the key and the fix (rollout_world:
+    the ranks rollout TP must divide; None: the training slots)."""
     arr, algo = config.actor_rollout_ref, config.algorithm
     world = n_slots(config)
     if world < 1:
@@ -189,7 +193,7 @@ def validate_config(config: PPOConfig) -> None:
         print(
             "[hybridrl] warning: both algorithm.use_kl_in_reward and actor.use_kl_loss are on (KL counted twice)"
         )
-    _validate_rollout_parallel(config, world)
+    _validate_rollout_parallel(config, world if rollout_world is None else rollout_world)
     _validate_paths(config)
     validate_distillation(config.distillation, arr.rollout, arr.actor)
     if config.reward_model.enable and not config.reward_model.model.path:

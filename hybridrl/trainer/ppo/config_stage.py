@@ -63,7 +63,7 @@ def set_by_user(key: str, explicit_keys: set[str] | None) -> bool:
 def check_startup(
     cfg,
     explicit_keys: Iterable[str] | None = None,
-    mode_stage: Callable[[PPOConfig], None] | None = None,
+    mode_stage: Callable[[PPOConfig], int | None] | None = None,
     keys_doc: str = PPO_KEYS_DOC,
 ) -> PPOConfig:
     """Load and validate `cfg` and derive the per-rank batch sizes; raises ConfigError.

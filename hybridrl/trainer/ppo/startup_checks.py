@@ -130,9 +130,7 @@ def _check_optim(optim: Any, key: str) -> None:
     in_range(f"{key}.lr", optim.lr, 0, None, "learning rate")
     in_range(f"{key}.weight_decay", optim.weight_decay, 0, None, "AdamW weight decay")
     in_range(f"{key}.lr_warmup_steps_ratio", optim.lr_warmup_steps_ratio, 0, 1, "fraction of the steps")
-    in_range(
-        f"{key}.min_lr_ratio", optim.min_lr_ratio, 0, 1, "floor of the cosine schedule", allow_none=True
-    )
+    in_range(f"{key}.min_lr_ratio", optim.min_lr_ratio, 0, 1, "floor of the cosine schedule", allow_none=True)
     in_range(f"{key}.eps", optim.eps, 0, None, "AdamW epsilon")
     in_range(f"{key}.clip_grad", optim.clip_grad, 0, None, "gradient norm clip")
     warm = optim.lr_warmup_steps
