@@ -252,6 +252,13 @@ def _validate_megatron_model(m: SFTModelSection) -> None:
                 f"model.fsdp_config.{name}=True applies to the FSDP engine only; with model.strategy=megatron "
                 "set it to false (model.megatron.param_offload / optimizer_offload are the Megatron keys)"
             )
+    if (
+        m.megatron.context_parallel_size != 1
+    ):  # the RL workers have it (docs/megatron.md); SFT's loop does not
+        raise ConfigError(
+            f"model.megatron.context_parallel_size={m.megatron.context_parallel_size}: context parallelism is "
+            "built for the RL trainers' Megatron workers, not yet for main_sft's data split; set it to 1"
+        )
     try:
         validate_megatron_config(m.megatron, "model.megatron")
     except ValueError as e:
