@@ -75,6 +75,8 @@ class RLDataConfig:
         truncation: what to do with a prompt longer than P: "error", "left" (keep the tail),
             "right" (keep the head) or "middle" (keep head and tail halves).
         filter_overlong_prompts: drop prompts longer than P when the dataset is built.
+        filter_overlong_prompts_workers: processes measuring the prompts for that (veRL's
+            `datasets.filter(num_proc=...)`; hybridrl.data.overlong); 1 measures in this process.
         return_raw_chat: add the message list as `raw_prompt` to each item.
         return_full_prompt: add the rendered prompt text as `full_prompts` to each item.
         max_samples: if > 0 keep only the first `max_samples` rows (applied before filtering).
@@ -92,6 +94,7 @@ class RLDataConfig:
     max_prompt_length: int = 512
     truncation: str = "error"
     filter_overlong_prompts: bool = False
+    filter_overlong_prompts_workers: int = 1
     return_raw_chat: bool = False
     return_full_prompt: bool = False
     max_samples: int = -1
@@ -112,6 +115,14 @@ class RLDataConfig:
         if not isinstance(self.max_prompt_length, int) or self.max_prompt_length < 1:
             raise ValueError(
                 f"data.max_prompt_length must be a positive int, got {self.max_prompt_length!r}."
+            )
+        if (
+            not isinstance(self.filter_overlong_prompts_workers, int)
+            or self.filter_overlong_prompts_workers < 1
+        ):
+            raise ValueError(
+                "data.filter_overlong_prompts_workers must be an int >= 1 (processes measuring prompt lengths), "
+                f"got {self.filter_overlong_prompts_workers!r}."
             )
         if not isinstance(self.max_samples, int):
             raise ValueError(f"data.max_samples must be an int (-1 for all rows), got {self.max_samples!r}.")
@@ -412,11 +423,16 @@ class RLHFDataset(Dataset):
         text = self._prompt_text(row)
         return text, self._encode([text])[0], None
 
-    def _drop_overlong(self, keep: list[int]) -> list[int]:
+    def prompt_lengths(self, rows: list[int]) -> list[int]:
+        """Tokens of each row's prompt as the model sees it (image tokens expanded with a processor)."""
         if self.processor is not None:
-            lengths = [len(self._row_ids(r)[1]) for r in keep]
-        else:
-            lengths = [len(ids) for ids in self._encode([self._prompt_text(r) for r in keep])]
+            return [len(self._row_ids(r)[1]) for r in rows]
+        return [len(ids) for ids in self._encode([self._prompt_text(r) for r in rows])]
+
+    def _drop_overlong(self, keep: list[int]) -> list[int]:
+        from hybridrl.data.overlong import parallel_prompt_lengths
+
+        lengths = parallel_prompt_lengths(self, keep, self.config.filter_overlong_prompts_workers)
         kept = [r for r, n in zip(keep, lengths) if n <= self.config.max_prompt_length]
         dropped = len(keep) - len(kept)
         logger.info(

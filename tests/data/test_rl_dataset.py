@@ -243,3 +243,26 @@ def test_create_rl_dataset_custom_class(tmp_path, tokenizer):
         create_rl_dataset("x", tokenizer, cfg, custom_cls_path=str(module))
     path = write_parquet(tmp_path / "a.parquet", [{"prompt": "a"}])
     assert isinstance(create_rl_dataset(path, tokenizer, cfg), RLHFDataset)
+
+
+def test_filter_overlong_prompts_workers_keep_the_same_rows(tmp_path, tokenizer):
+    """data.filter_overlong_prompts_workers=2 measures the prompts in two spawned processes; the rows
+    kept (and their order) equal the in-process filter's."""
+    rows = [{"prompt": "abcdefgh"[: 1 + (i * 5) % 8]} for i in range(12)]  # lengths 1..8, some > 4
+    path = write_parquet(tmp_path / "a.parquet", rows)
+
+    def kept(workers):
+        ds = RLHFDataset(
+            path,
+            tokenizer,
+            RLDataConfig(
+                max_prompt_length=4, filter_overlong_prompts=True, filter_overlong_prompts_workers=workers
+            ),
+        )
+        return [ds[i]["index"] for i in range(len(ds))]
+
+    one = kept(1)
+    assert one == [i for i in range(12) if 1 + (i * 5) % 8 <= 4] and 0 < len(one) < 12
+    assert kept(2) == one
+    with pytest.raises(ValueError, match="filter_overlong_prompts_workers must be an int >= 1"):
+        RLDataConfig(filter_overlong_prompts_workers=0)

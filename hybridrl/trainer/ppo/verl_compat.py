@@ -159,7 +159,6 @@ REFUSED: tuple[Refused, ...] = (
         "the RL dataset does not return raw input ids; the reward model "
         "re-tokenizes the decoded text with its own tokenizer, which covers what they are used for in veRL",
     ),
-    Refused("data.filter_overlong_prompts_workers", 1, "prompts are filtered in the driver process"),
     Refused("reward_model.strategy", "fsdp", "the reward model always runs on the FSDP engine"),
     Refused(
         "reward_model.use_dynamic_bsz", False, "the reward model uses reward_model.micro_batch_size_per_gpu"
