@@ -252,6 +252,8 @@ class VLLMRollout(BaseRollout):
         finally:
             renderer_log.removeFilter(mute)
             self._remove_shm_segments()
+        if self._shm_ident is not None and dist.get_world_size() > 1:
+            dist.barrier()  # every rank has unlinked its segments before any rank uses its engine
         if not hasattr(self.llm.llm_engine, "model_executor"):
             raise RuntimeError(
                 "VLLMRollout needs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
