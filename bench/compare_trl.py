@@ -273,6 +273,28 @@ def max_prompt_tokens(model_path: str, train_path: str) -> int:
 
 
 # ------------------------------------------------------------------------------------ summary
+def best_floors(before: dict, after: dict) -> dict:
+    """The floors probed before and after the runs, combined: the higher GEMM peak and the higher
+    decode bound (the shorter decode step). A probe on a shared machine reads low when something else
+    runs for a moment (102.6 vs 134 GFLOP/s seen on one machine), which would flatter every fraction."""
+    best = dict(before)
+    best["gemm_peak_flops"] = max(before["gemm_peak_flops"], after["gemm_peak_flops"])
+    if after["decode_bound_tokens_per_s"] > before["decode_bound_tokens_per_s"]:
+        for k in ("decode_step_s", "decode_form", "decode_bound_tokens_per_s"):
+            best[k] = after[k]
+    best["probes"] = [
+        {k: f[k] for k in ("gemm_peak_flops", "decode_bound_tokens_per_s")} for f in (before, after)
+    ]
+    print(
+        "   floors after the runs: GEMM peak "
+        + " / ".join(f"{f['gemm_peak_flops'] / 1e9:.1f}" for f in (before, after))
+        + " GFLOP/s, decode bound "
+        + " / ".join(f"{f['decode_bound_tokens_per_s']:.0f}" for f in (before, after))
+        + " tokens/s (before / after); the fractions use the higher of each"
+    )
+    return best
+
+
 def summarize(run: dict, floors: dict | None = None) -> dict:
     """Per-run numbers; the first step (warm-up: allocator, lazy imports) is left out of rates.
 
@@ -556,6 +578,8 @@ def main() -> None:
                     flush=True,
                 )
                 runs[name].append(res)
+    if args.floors:  # measured again after the runs: the floor is the best the machine did in either probe
+        w["floors"] = best_floors(w["floors"], F.measure(w["model_path"], w["prompts"] * w["n"], w["threads"]))
     if args.only:
         per = {name: [summarize(x) for x in rs] for name, rs in runs.items()}
         print(json.dumps(per, indent=1, default=float))
