@@ -54,11 +54,19 @@ def _leaves(seed, n=37, h=16, v=50):
     return hidden, weight, bias, labels, w_lp, w_ent
 
 
+@pytest.mark.parametrize("keep", [0, 2**30], ids=["recompute", "keep_logits"])
 @pytest.mark.parametrize("chunk_rows", [5, 37, 1000])
-def test_linear_log_probs_matches_log_softmax(chunk_rows):
+def test_linear_log_probs_matches_log_softmax(chunk_rows, keep):
     hidden, weight, bias, labels, w_lp, w_ent = _leaves(0)
     lp, ent = linear_log_probs(
-        hidden, weight, labels, bias=bias, temperature=0.7, calculate_entropy=True, chunk_rows=chunk_rows
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        temperature=0.7,
+        calculate_entropy=True,
+        chunk_rows=chunk_rows,
+        keep_logits_bytes=keep,
     )
     grads = torch.autograd.grad((lp * w_lp).sum() + (ent * w_ent).sum(), (hidden, weight, bias))
     lp_ref, ent_ref = _plain(hidden, weight, bias, labels, 0.7)
@@ -303,3 +311,34 @@ def test_actor_use_torch_compile_runs_the_compiled_kernels(model_dir, fused, mon
     for name in ("log_probs", "entropy"):
         a, b = getattr(out[True], name), getattr(out[False], name)
         torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_kept_logits_give_the_recomputed_gradients_bit_for_bit():
+    """Keeping the logits for the backward (within `keep_logits_bytes`) skips a matmul, not a bit of
+    the result; beyond the budget, and without a gradient, nothing is kept."""
+    from hybridrl.workers.engine import lm_head
+
+    hidden, weight, bias, labels, w_lp, w_ent = _leaves(0)
+    outs = {}
+    for keep in (0, 2**30):
+        lp, ent = linear_log_probs(hidden, weight, labels, bias=bias, calculate_entropy=True, chunk_rows=7,
+                                   keep_logits_bytes=keep)  # fmt: skip
+        outs[keep] = (
+            lp,
+            ent,
+            *torch.autograd.grad((lp * w_lp).sum() + (ent * w_ent).sum(), (hidden, weight, bias)),
+        )
+    for a, b in zip(outs[0], outs[2**30]):
+        assert torch.equal(a, b)
+    kept = []
+    real = lm_head._ChunkedLinearLogProbs.apply
+    try:
+        lm_head._ChunkedLinearLogProbs.apply = lambda *a: kept.append(a[-1]) or real(*a)
+        n_bytes = hidden.shape[0] * weight.shape[0] * 4
+        linear_log_probs(hidden, weight, labels, keep_logits_bytes=n_bytes)
+        linear_log_probs(hidden, weight, labels, keep_logits_bytes=n_bytes - 1)
+        with torch.no_grad():
+            linear_log_probs(hidden, weight, labels, keep_logits_bytes=n_bytes)
+    finally:
+        lm_head._ChunkedLinearLogProbs.apply = real
+    assert kept == [True, False, False]
