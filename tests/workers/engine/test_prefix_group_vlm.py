@@ -171,8 +171,18 @@ def test_pixels_keep_groups_apart_and_run_once_per_group(vlm):
     assert tool > 0 and sum(seen) == sum(pixel_rows) + tool < plain
 
 
-def test_model_refusal_takes_the_qwen2_vl_families_only():
+def test_model_refusal_takes_the_qwen2_vl_families_only(tmp_path):
     from transformers import LlavaConfig, Qwen2_5_VLConfig, Qwen2VLConfig
+
+    from hybridrl.trainer.ppo.vlm_setup import _check_grouper
+    from hybridrl.utils.config_loader import ConfigError
 
     assert model_refusal(Qwen2VLConfig()) is None and model_refusal(Qwen2_5_VLConfig()) is None
     assert "vision-language model of model_type='llava'" in model_refusal(LlavaConfig())
+    LlavaConfig().save_pretrained(tmp_path)  # use_prefix_grouper=true with it fails at start-up
+    with pytest.raises(
+        ConfigError, match=r"use_prefix_grouper=True: a vision-language model of model_type='llava'"
+    ):
+        _check_grouper(str(tmp_path), trust_remote_code=False)
+    Qwen2VLConfig().save_pretrained(tmp_path)
+    _check_grouper(str(tmp_path), trust_remote_code=False)  # taken
