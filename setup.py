@@ -32,6 +32,9 @@ EXTRAS = {
     # aiohttp, which ray[default] brings
     "agent-server": ["openai"],
     "bench": ["trl>=1.16,<1.17", "datasets"],
+    # video files in a VLM dataset ({"video": "clip.mp4"}; hybridrl/data/video_file.py): PyAV bundles
+    # FFmpeg and pulls in no torch build
+    "video": ["av>=12"],
 }
 
 setup(

@@ -69,7 +69,7 @@ def validate_row_images(
     Raises:
         ValueError: naming the row (`where`) and the problem.
     """
-    from hybridrl.data.video import decode_video
+    from hybridrl.data.video import check_video
 
     images, videos = as_media_list(row.get(image_key)), as_media_list(row.get(video_key))
     n_img, n_vid = count_placeholders(messages)
@@ -79,7 +79,7 @@ def validate_row_images(
             f"{len(videos)} video(s); they must match (set data.video_key to the videos column)"
         )
     for k, video in enumerate(videos):
-        decode_video(video, f"{where} video {k}")
+        check_video(video, f"{where} video {k}")
     if n_img != len(images):
         raise ValueError(
             f"{where}: the prompt has {n_img} <image> placeholder(s) but column {image_key!r} holds "

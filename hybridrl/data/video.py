@@ -2,9 +2,10 @@
 
 A video is given as veRL's dict ``{"video": [frame, frame, ...]}`` (or the bare list of frames),
 each frame anything :func:`hybridrl.data.image_decode.decode_image` reads (PIL image, PNG/JPEG
-bytes, ``{"bytes": ...}`` / ``{"path": ...}``, a path, ``file://`` paths included). A video *file*
-(``{"video": "clip.mp4"}``) is refused: decoding one needs a video reader (qwen_vl_utils /
-torchvision / decord), none of which is installed with hybridrl.
+bytes, ``{"bytes": ...}`` / ``{"path": ...}``, a path, ``file://`` paths included), or as a video
+*file* (``{"video": "clip.mp4", "fps": 2.0, ...}`` or the bare path), whose frames are sampled as
+qwen_vl_utils samples them (`hybridrl.data.video_file`, PyAV: ``pip install hybridrl[video]``;
+without it a file is refused with that command).
 
 Qwen2-VL's video path without transformers' video processor (which imports torchvision): each
 frame goes through the model's own image processor (the same resize, rescale and normalisation
@@ -28,30 +29,30 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["decode_video", "expand_video_tokens", "video_inputs"]
+__all__ = ["check_video", "decode_video", "expand_video_tokens", "video_inputs"]
 
 
 def decode_video(video: Any, where: str) -> list[Any]:
     """A video's frames as RGB PIL images (all of one size).
 
     Raises:
-        ValueError: a video file, an empty or malformed entry, an unreadable frame, frames of
-            different sizes; naming `where`.
+        ValueError: an empty or malformed entry, an unreadable frame or file (or a file without
+            PyAV), frames of different sizes; naming `where`.
     """
     from hybridrl.data.image_decode import decode_image
 
     frames = video.get("video") if isinstance(video, Mapping) else video
     if isinstance(frames, np.ndarray):
         frames = list(frames)
-    if isinstance(frames, (str, bytes)) or not isinstance(frames, (list, tuple)) or not frames:
+    if isinstance(frames, str):  # a video file (hybridrl.data.video_file, PyAV)
+        from hybridrl.data.video_file import read_video_file
+
+        return read_video_file(video, where)
+    if not isinstance(frames, (list, tuple)) or not frames:
         raise ValueError(
-            f"{where}: a video must be {{'video': [frame, ...]}} (or a list of frames), got {type(frames).__name__}"
-            + (
-                "; video files need a video decoder (qwen_vl_utils / torchvision), which hybridrl does not "
-                "ship: extract the frames (e.g. with ffmpeg) and list them"
-                if isinstance(frames, (str, bytes))
-                else ""
-            )
+            f"{where}: a video must be {{'video': [frame, ...]}}, {{'video': 'path/to/clip.mp4'}} (or a list "
+            f"of frames, or a path), got {type(frames).__name__}"
+            + ("; a video file is given by its path, not its bytes" if isinstance(frames, bytes) else "")
         )
     out = []
     for k, frame in enumerate(frames):
@@ -62,6 +63,22 @@ def decode_video(video: Any, where: str) -> list[Any]:
     if len(sizes) > 1:
         raise ValueError(f"{where}: the frames of a video must have one size, got {sorted(sizes)}")
     return out
+
+
+def check_video(video: Any, where: str) -> None:
+    """The start-up check of a video entry: a file is opened and its sampling checked (its
+    pictures are decoded when the row is read), a frame list is decoded.
+
+    Raises:
+        ValueError: as `decode_video`.
+    """
+    frames = video.get("video") if isinstance(video, Mapping) else video
+    if isinstance(frames, str):
+        from hybridrl.data.video_file import probe_video_file
+
+        probe_video_file(video, where)
+        return
+    decode_video(video, where)
 
 
 def video_inputs(image_processor: Any, frames: list[Any]) -> dict[str, torch.Tensor]:

@@ -12,7 +12,9 @@ from transformers import (
     BloomConfig,
     Gemma2Config,
     LlamaConfig,
+    LlavaConfig,
     MistralConfig,
+    Qwen2_5_VLConfig,
     Qwen2Config,
     Qwen2VLConfig,
 )
@@ -115,7 +117,7 @@ def test_auto_is_off_with_the_reason_outside_its_case(overrides, reason, capsys)
         (Qwen2Config(use_sliding_window=True, num_hidden_layers=2, max_window_layers=0), "sliding_attention"),
         (Gemma2Config(), "sliding_attention"),
         (BloomConfig(), "BloomForCausalLM's forward does not pass extra keyword arguments"),
-        (Qwen2VLConfig(), "vision-language"),
+        (LlavaConfig(), "a vision-language model of model_type='llava'"),  # Qwen2-VL families only
         (None, "cannot be read here"),
     ],
 )
@@ -128,9 +130,21 @@ def test_auto_is_off_for_a_model_the_grouper_refuses(hf_config, reason):
     assert c.actor_rollout_ref.actor.use_prefix_grouper is False
 
 
-@pytest.mark.parametrize("hf_config", [LlamaConfig(), Qwen2Config(), MistralConfig(sliding_window=None)])
+@pytest.mark.parametrize(
+    "hf_config",
+    [LlamaConfig(), Qwen2Config(), MistralConfig(sliding_window=None), Qwen2VLConfig(), Qwen2_5_VLConfig()],
+)
 def test_supported_models_have_no_refusal(hf_config):
     assert model_refusal(hf_config) is None
+
+
+def test_auto_is_on_for_a_qwen2_vl_grpo_run():
+    """The shared-prompt forward takes images (tests/workers/engine/test_prefix_group_vlm.py)."""
+    c = copy.deepcopy(_defaults())
+    c.actor_rollout_ref.actor.use_prefix_grouper = "auto"
+    c.actor_rollout_ref.rollout.n, c.algorithm.adv_estimator = 4, "grpo"
+    on, why = auto_decision(c, Qwen2VLConfig())
+    assert on is True, why
 
 
 def test_unreadable_model_path_turns_auto_off(capsys):

@@ -94,15 +94,15 @@ def _prompts(processor, n):
     )
 
 
-def _runner(path, processor):
+def _runner(path, processor, fmt="test_vlm_always_draw", name="draw", tool=None):
     from hybridrl.workers.rollout.hf import HFRollout
 
     cfg = RolloutConfig(name="hf", dtype="float32", load_format="auto", response_length=96, prompt_length=48,
                         calculate_log_probs=True, temperature=1.0,
-                        multi_turn={"enable": True, "format": "test_vlm_always_draw", "max_assistant_turns": 2},
+                        multi_turn={"enable": True, "format": fmt, "max_assistant_turns": 2},
                         agent={"default_agent_loop": "tool_agent"})  # fmt: skip
     runner = AgentLoopRunner(HFRollout(cfg, path, processor.tokenizer), cfg, processor.tokenizer)
-    runner.tools["draw"] = DrawTool()
+    runner.tools[name] = tool if tool is not None else DrawTool()
     return runner
 
 
@@ -226,3 +226,125 @@ def test_tool_images_in_a_text_run_are_an_error_text(vlm):
     assert resp.text.startswith("Error: tool 'draw' returned images") and not resp.image and tt.errors == 1
     tt, resp = asyncio.run(go(True))
     assert resp.text == "see" and len(resp.image) == 1 and tt.errors == 0
+
+
+# ---- tool videos (ToolResponse.video) ------------------------------------------------------------
+@register_tool_parser("test_vlm_always_film")
+class AlwaysFilm(ToolCallParser):
+    def parse(self, text):
+        return text, [ToolCall("film", {})]
+
+
+class FilmTool(BaseTool):
+    """A 3-frame clip of a moving square drawn in code (t = 2 temporal patches of 4 x 4: 8 video
+    tokens): veRL's ``{"video": [frames]}`` on odd calls, a bare list of PNG frames plus an 84 x 84
+    picture (9 image tokens) on even ones."""
+
+    def __init__(self):
+        super().__init__({}, {"type": "function", "function": {"name": "film"}})
+        self.count = 0
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        import random
+
+        self.count += 1
+        rng = random.Random(self.count)
+        frames = [visual_task.draw_shape("green", "disc", rng, size=56) for _ in range(3)]
+        if self.count % 2:
+            return ToolResponse(text="film", video=[{"video": frames}]), 0.0, {}
+        picture = visual_task.draw_shape("blue", "square", rng, size=TOOL_SIDE)
+        return ToolResponse(text="film", image=[picture], video=[frames]), 0.0, {}
+
+
+def test_tool_videos_enter_the_next_turn_and_train(vlm):
+    """As the tool-image test, for a tool returning videos (and once in two an image too): the tool
+    turn holds the video's tokens (mask 0), its pixels join `pixel_values_videos` after the
+    prompt's, the rollout's log-probs equal the FSDP recompute, the video moves the later turn only."""
+    path, processor = vlm
+    tok = processor.tokenizer
+    video_id = tok.convert_tokens_to_ids("<|video_pad|>")
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    runner = _runner(path, processor, "test_vlm_always_film", "film", FilmTool())
+    out = runner.generate_sequences(_prompts(processor, 6))
+    spans = _tool_spans(out, video_id)
+    mm = out.non_tensor_batch["multi_modal_inputs"]
+    assert any(spans), "no trajectory reached a tool call"
+    for i, row_spans in enumerate(spans):
+        assert all(n == 8 for _, _, n in row_spans)  # 3 frames of 56 x 56: t=2, 4 x 4 patches / 2**2
+        if not row_spans:
+            assert "pixel_values_videos" not in mm[i]
+            continue
+        grids = torch.as_tensor(mm[i]["video_grid_thw"])
+        assert grids.tolist() == [[2, 4, 4]] * len(row_spans)
+        assert mm[i]["pixel_values_videos"].shape[0] == int(grids.prod(-1).sum())
+        resp = out.batch["responses"][i]
+        fed = [j for s, e, _ in row_spans for j in range(s, e) if int(resp[j]) in (video_id, image_id)]
+        assert torch.as_tensor(mm[i][FED_KEY]).tolist() == fed
+        images = int((resp[torch.as_tensor(fed)] == image_id).sum())
+        assert images == 9 * (torch.as_tensor(mm[i]["image_grid_thw"]).shape[0] - 1)  # tool pictures
+    assert out.meta_info["metrics"]["agent/tool_videos/mean"] == pytest.approx(
+        sum(len(s) for s in spans) / len(spans)
+    )
+    second = torch.zeros_like(out.batch["response_mask"], dtype=torch.bool)
+    for i, row_spans in enumerate(spans):
+        if row_spans:
+            second[i, row_spans[0][1] :] = True
+    mask = out.batch["response_mask"].bool()
+    assert int((second & mask).sum()) > 0, "no policy token after a tool video"
+    for use_remove_padding in (False, True):
+        actor = _actor(path, use_remove_padding)
+        lp = actor.compute_log_prob(out, micro_batch_size=2).log_probs
+        torch.testing.assert_close(out.batch["rollout_log_probs"][mask], lp[mask], atol=1e-4, rtol=0)
+    _grouped_equals_plain(path, out)
+    changed = DataProto(batch=out.batch, non_tensor_batch=dict(out.non_tensor_batch))
+    rows = []
+    for i in range(len(out)):
+        row = dict(mm[i])
+        if "pixel_values_videos" in row:
+            row["pixel_values_videos"] = -row["pixel_values_videos"]
+        rows.append(row)
+    changed.non_tensor_batch["multi_modal_inputs"] = np.array(rows, dtype=object)
+    lp2 = actor.compute_log_prob(changed, micro_batch_size=2).log_probs
+    torch.testing.assert_close(lp2[mask & ~second], lp[mask & ~second], atol=1e-5, rtol=0)
+    assert float((lp2 - lp)[second & mask].abs().max()) > 1e-4
+    out.batch["old_log_probs"] = lp
+    out.batch["advantages"] = torch.randn(lp.shape, generator=torch.Generator().manual_seed(0)) * mask
+    metrics = actor.update_policy(out)
+    assert np.isfinite(metrics["actor/pg_loss"]).all() and np.isfinite(metrics["actor/grad_norm"]).all()
+    runner.close()
+
+
+def _grouped_equals_plain(path, out):
+    """The shared-prompt forward on the trajectories (each row twice: groups of 2 whose responses
+    hold tool videos and pictures) == the plain packed forward (fp32)."""
+    from transformers import AutoModelForImageTextToText
+
+    from hybridrl.workers.engine.forward import forward_log_probs
+    from hybridrl.workers.engine.multimodal import attach_multimodal
+
+    twice = DataProto.concat([out, out])
+    batch = attach_multimodal(
+        twice.batch.select("input_ids", "attention_mask", "position_ids", "responses").clone(), twice
+    )
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    mask = twice.batch["response_mask"].bool()
+    with torch.no_grad():
+        plain = forward_log_probs(model, batch, use_remove_padding=True).log_probs
+        grouped = forward_log_probs(model, batch, use_remove_padding=True, prefix_group=True).log_probs
+    torch.testing.assert_close(grouped[mask], plain[mask], atol=1e-5, rtol=0)
+
+
+def test_tool_videos_in_a_text_run_are_an_error_text():
+    import asyncio
+
+    from hybridrl.workers.agent.parser import parse_call_json
+    from hybridrl.workers.agent.tool_agent import TrajectoryTools
+
+    async def go(images):
+        tt = TrajectoryTools({"film": FilmTool()}, None, timeout_s=5.0, images=images)
+        return tt, await tt.call_response(parse_call_json('{"name": "film", "arguments": {}}'))
+
+    tt, resp = asyncio.run(go(False))
+    assert resp.text.startswith("Error: tool 'film' returned videos") and not resp.video and tt.errors == 1
+    tt, resp = asyncio.run(go(True))
+    assert resp.text == "film" and len(resp.video) == 1 and tt.errors == 0

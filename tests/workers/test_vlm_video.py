@@ -84,7 +84,8 @@ def test_bad_videos_fail_with_the_row(setup, tmp_path):
     for row in rows:  # (parquet cannot mix a file name and frame lists in one column)
         row["videos"] = [{"video": "clip.mp4"}]
     path = write_parquet(rows, str(tmp_path / "bad.parquet"))
-    with pytest.raises(ValueError, match=r"row 0 video 0: .*video files need a video decoder"):
+    missing = r"row 0 video 0: the video file 'clip.mp4' (does not exist|needs a video reader: pip install hybridrl\[video\])"
+    with pytest.raises(ValueError, match=missing):
         RLHFDataset(path, processor.tokenizer, RLDataConfig(max_prompt_length=P), processor=processor)
     rows = visual_task.make_video_rows(2, seed=0)
     rows[0]["videos"] = []

@@ -4,8 +4,9 @@
 (`workers/engine/prefix_group.py`) on when it can only help: the run samples several responses
 per prompt (`rollout.n > 1`) for an estimator that compares the responses of one prompt
 (`algos.estimator_groups_by_prompt`: grpo, rloo, grpo_passk, opo, gpg, gdpo, ...), on the FSDP
-engine, without Ulysses SP, on a text model the grouper supports (`prefix_group.model_refusal`:
-no sliding-window attention, a forward that passes the layout down to attention). Otherwise it
+engine, without Ulysses SP, on a model the grouper supports (`prefix_group.model_refusal`:
+no sliding-window attention, a forward that passes the layout down to attention; of the
+vision-language models, Qwen2-VL and Qwen2.5-VL). Otherwise it
 is off. The decision and its reason are printed once; the config then holds a plain bool, so the
 workers see what the driver decided. Measured gain: docs/performance.md, docs/config.md.
 """
@@ -60,8 +61,6 @@ def auto_decision(config: Any, hf_config: Any) -> tuple[bool, str]:
         )
     if hf_config is None:
         return False, f"the model config of {arr.model.path!r} cannot be read here to check the model"
-    if getattr(hf_config, "vision_config", None) is not None:
-        return False, "a vision-language model (multimodal inputs)"
     from hybridrl.workers.engine.prefix_group import model_refusal
 
     refusal = model_refusal(hf_config)

@@ -20,7 +20,7 @@ def load_run_processor(config: Any) -> Any:
 
     Raises:
         ConfigError: Megatron with a VLM, `freeze_vision_tower` on a text model, the prefix grouper
-        with a VLM, `data.return_multi_modal_inputs=False`, a non-HF rollout or external agents
+        with a VLM it cannot take, `data.return_multi_modal_inputs=False`, a non-HF rollout or external agents
         (`rollout.mode=server`) with a VLM.
     """
     from hybridrl.models.vlm import load_processor
@@ -41,7 +41,7 @@ def load_run_processor(config: Any) -> Any:
                 f"set {ARR}.actor.freeze_vision_tower=False"
             )
         return None
-    _check_vlm_keys(config)
+    _check_vlm_keys(config, path)
     return processor
 
 
@@ -51,7 +51,19 @@ def _is_local(path: str) -> bool:
     return os.path.exists(path)
 
 
-def _check_vlm_keys(config: Any) -> None:
+def _check_grouper(path: str, trust_remote_code: bool) -> None:
+    """`actor.use_prefix_grouper=True` with a VLM the shared-prompt forward cannot take (outside
+    Qwen2-VL / Qwen2.5-VL, `prefix_group.model_refusal`) fails here, naming the reason."""
+    from transformers import AutoConfig
+
+    from hybridrl.workers.engine.prefix_group import model_refusal
+
+    refusal = model_refusal(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+    if refusal is not None:
+        raise ConfigError(f"{ARR}.actor.use_prefix_grouper=True: {refusal}; set it to False (or auto)")
+
+
+def _check_vlm_keys(config: Any, path: str) -> None:
     arr = config.actor_rollout_ref
     for role in ("actor", "ref"):
         if getattr(arr, role).strategy == "megatron":
@@ -59,8 +71,8 @@ def _check_vlm_keys(config: Any) -> None:
                 f"{ARR}.{role}.strategy=megatron with a vision-language model: the Megatron engine has no "
                 f"vision tower here; use {ARR}.{role}.strategy=fsdp (or fsdp2)"
             )
-    if arr.actor.use_prefix_grouper:
-        raise ConfigError(f"{ARR}.actor.use_prefix_grouper=True does not take images yet; set it to False")
+    if arr.actor.use_prefix_grouper is True:
+        _check_grouper(path, arr.model.trust_remote_code)
     if not config.data.return_multi_modal_inputs:
         raise ConfigError(
             "data.return_multi_modal_inputs=False: the training forward needs each row's pixel inputs "

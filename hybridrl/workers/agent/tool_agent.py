@@ -15,10 +15,10 @@ trajectory is marked truncated; the cut tokens are mask 0).
 At most `max_parallel_calls` calls of a turn run (concurrently); each response is cut to
 `max_tool_response_length` characters on `tool_response_truncate_side`.
 
-With a vision-language model (`context.vision`, agent/vision.py) a tool may return images
-(veRL's `ToolResponse.image`): they enter the tool turn as image tokens (mask 0) and their pixel
-inputs join the trajectory's, so the next assistant turn sees them; a text model's run answers
-such a response with an error text.
+With a vision-language model (`context.vision`, agent/vision.py) a tool may return images and
+videos (veRL's `ToolResponse.image` / `.video`): they enter the tool turn as image / video tokens
+(mask 0) and their pixel inputs join the trajectory's, so the next assistant turn sees them; a
+text model's run answers such a response with an error text.
 
 Failures are data: a call with bad JSON, an unknown tool name, a tool that raises or takes longer
 than `multi_turn.tool_timeout_s` gets an "Error: ..." text as its response, and is counted in the
@@ -151,14 +151,17 @@ class TrajectoryTools:
         self.step_reward += reward
         if not isinstance(response, ToolResponse):
             return str(response)
-        if response.video or (response.image and not self.images):
+        if (response.image or response.video) and not self.images:
             self.errors += 1
             what = "videos" if response.video else "images"
-            return f"Error: tool {call.name!r} returned {what}; this agent loop passes text" + (
-                " and images only" if self.images else " only (tool images need a vision-language model run)"
+            return (
+                f"Error: tool {call.name!r} returned {what}; this agent loop passes text only (tool "
+                f"{what} need a vision-language model run)"
             )
-        if response.image:
-            return ToolResponse(text=response.text or "", image=list(response.image))
+        if response.image or response.video:
+            return ToolResponse(
+                text=response.text or "", image=list(response.image or []), video=list(response.video or [])
+            )
         return response.text or ""
 
     async def finish(self) -> float | None:
@@ -205,6 +208,7 @@ class _Trajectory:
     turn_scores: list[float] = field(default_factory=list)
     mm: dict[str, Any] | None = None  # a VLM run: the pixel inputs of the prompt's and the tools' images
     tool_images: int = 0
+    tool_videos: int = 0
     vision_stop: bool = False
 
 
@@ -331,7 +335,8 @@ class ToolAgentLoop(AgentLoopBase):
                         )
                         for r in results
                     ]
-                    more = self._env_turn(st, texts, "tool", [r.image or [] for r in results])
+                    media = [(r.image or [], r.video or []) for r in results]
+                    more = self._env_turn(st, texts, "tool", media)
                 elif user is not None:
                     answer = await user.respond(list(raw_prompt or []) + st.messages, st)
                     if answer is None:  # the interaction timed out: the trajectory ends
@@ -357,7 +362,11 @@ class ToolAgentLoop(AgentLoopBase):
             "tool_step_reward": tools.step_reward,
         }
         if self.vision is not None:
-            metrics.update(tool_images=float(st.tool_images), vision_token_stops=float(st.vision_stop))
+            metrics.update(
+                tool_images=float(st.tool_images),
+                tool_videos=float(st.tool_videos),
+                vision_token_stops=float(st.vision_stop),
+            )
         if not any(k.startswith("pixel_values") for k in st.mm or {}):  # its re-rendering has no pixels
             metrics.update(self._sanity(prompt, st.ids, raw_prompt, st.messages, st.truncated))
         turns = 1 + st.turns["assistant"] + st.turns["user"]
@@ -390,24 +399,27 @@ class ToolAgentLoop(AgentLoopBase):
         return not (mt.max_user_turns and st.turns["user"] >= mt.max_user_turns)
 
     def _env_turn(
-        self, st: _Trajectory, texts: list[str], role: str, images: list[list] | None = None
+        self, st: _Trajectory, texts: list[str], role: str, media: list[tuple[list, list]] | None = None
     ) -> bool:
         """Append tool responses / an interaction's user turn (mask 0); False when cut by the budget.
 
-        With tool images (a VLM run) the turn's image tokens are expanded and its pixel inputs join
-        the trajectory's; a turn with images that does not fit is left out whole (an image cut
-        short would not match its pixels; no later token would see it anyway)."""
+        `media`: each response's (images, videos). With tool images or videos (a VLM run) the
+        turn's vision tokens are expanded and its pixel inputs join the trajectory's; a turn with
+        them that does not fit is left out whole (an image cut short would not match its pixels; no
+        later token would see it anyway)."""
         st.messages += [{"role": role, "content": t} for t in texts]
         st.turns["user"] += 1
         room = self.context.response_length - len(st.ids)
-        if self.vision is not None and any(images or []):
-            new_ids, new_mm = self.vision.tool_turn(self.renderer, texts, images, role)
+        if self.vision is not None and any(ims or vids for ims, vids in media or []):
+            images, videos = [list(m[0]) for m in media], [list(m[1]) for m in media]
+            new_ids, new_mm = self.vision.tool_turn(self.renderer, texts, images, role, videos)
             if len(new_ids) >= room:
                 st.truncated = True
                 return False
             self._append(st.ids, st.mask, st.lps, new_ids, 0, None)
             st.mm = merge_inputs(st.mm, new_mm)
-            st.tool_images += int(new_mm["image_grid_thw"].shape[0])
+            st.tool_images += sum(len(i) for i in images)
+            st.tool_videos += sum(len(v) for v in videos)
             return True
         new_ids = self.renderer.ids(texts, role=role)
         self._append(st.ids, st.mask, st.lps, new_ids[:room], 0, None)

@@ -45,7 +45,13 @@ from hybridrl.utils.torch_utils import (
 )
 from hybridrl.workers.engine.base import LogProbs
 from hybridrl.workers.engine.lm_head import linear_log_probs
-from hybridrl.workers.engine.multimodal import has_multimodal, model_inputs, text_tower_on_slice
+from hybridrl.workers.engine.multimodal import (
+    grouped_model_inputs,
+    has_multimodal,
+    model_inputs,
+    prompt_media_keys,
+    text_tower_on_slice,
+)
 from hybridrl.workers.engine.prefix_group import (
     LAYOUT_KWARG,
     LayoutNotPassed,
@@ -348,20 +354,20 @@ def _grouped_log_probs(
     can be swapped (`head`), else full logits there."""
     t = batch["responses"].shape[-1]
     b = batch["responses"].shape[0]
-    layout = build_prefix_layout(batch["input_ids"], batch["attention_mask"], t)
+    mm = has_multimodal(batch)
+    keys = prompt_media_keys(module, batch) if mm else None  # equal prompts need equal pixels too
+    layout = build_prefix_layout(batch["input_ids"], batch["attention_mask"], t, row_keys=keys)
     labels = batch["responses"].reshape(-1)[layout.flat]
 
     def scatter(v: torch.Tensor) -> torch.Tensor:
         return v.new_zeros((b * t, *v.shape[1:])).index_put((layout.flat,), v).view(b, t, *v.shape[1:])
 
     def run():
-        with prefix_grouped(module):
-            return module(
-                input_ids=layout.input_ids,
-                position_ids=layout.position_ids,
-                use_cache=False,
-                **{LAYOUT_KWARG: layout},
-            )
+        ids, kwargs, feed = layout.input_ids, {"position_ids": layout.position_ids}, contextlib.nullcontext()
+        if mm:  # each group's pixels once, 3-D positions (engine.multimodal)
+            ids, kwargs, feed = grouped_model_inputs(module, batch, layout)
+        with feed, prefix_grouped(module):
+            return module(input_ids=ids, use_cache=False, **kwargs, **{LAYOUT_KWARG: layout})
 
     if head is not None:
         columns = _head_columns(head, labels, temperature, calculate_entropy, entropy_grad, sps, compiled)
@@ -428,10 +434,6 @@ def forward_log_probs(
             return compiled_entropy_from_logits(x) if compile_kernels else entropy_from_logits(x)
 
     if prefix_group:
-        if has_multimodal(batch):
-            raise NotImplementedError(
-                "use_prefix_grouper does not take multimodal inputs yet; set it to False"
-            )
         if sp is not None:
             raise ValueError("use_prefix_grouper does not combine with Ulysses sequence parallelism")
         lp, ent, sps = _grouped_log_probs(

@@ -41,8 +41,10 @@ __all__ = [
     "FED_KEY",
     "MM_KEY",
     "attach_multimodal",
+    "grouped_model_inputs",
     "has_multimodal",
     "model_inputs",
+    "prompt_media_keys",
     "text_tower_on_slice",
     "vlm_core",
 ]
@@ -187,6 +189,14 @@ def _stacked_inputs(rows: list[dict[str, Any]], device, dtype) -> dict[str, torc
     return out
 
 
+def _sampled_vision(module: nn.Module, input_ids: torch.Tensor, prompt_len: int, fed: torch.Tensor):
+    """(B, S) bool: the vision tokens a response sampled (fed as text), not the tool-fed ones `fed` (B, T)."""
+    sampled = torch.isin(input_ids, torch.tensor(_vision_ids(module), device=input_ids.device))
+    sampled[:, :prompt_len] = False
+    sampled[:, prompt_len:] &= ~fed
+    return sampled
+
+
 def model_inputs(
     module: nn.Module, batch: Any, packed: Any = None
 ) -> tuple[torch.Tensor, dict[str, Any], Any]:
@@ -210,9 +220,7 @@ def model_inputs(
     out: dict[str, Any] = _stacked_inputs(rows, device, next(module.parameters()).dtype)
     fed = fed_vision_tokens(rows, batch["responses"])
     positions = rope_positions(module, input_ids, mask, out, prompt_len, fed)  # (3, B, S)
-    sampled = torch.isin(input_ids, torch.tensor(_vision_ids(module), device=device))
-    sampled[:, :prompt_len] = False
-    sampled[:, prompt_len:] &= ~fed
+    sampled = _sampled_vision(module, input_ids, prompt_len, fed)
     if packed is None:
         out["position_ids"] = positions
         ids = input_ids.clone()
@@ -221,6 +229,110 @@ def model_inputs(
         out["position_ids"] = torch.cat([packed.position_ids.view(1, -1), flat]).unsqueeze(1)
         ids = packed.input_ids.clone()
         sampled = sampled.reshape(-1)[packed.indices].view(1, -1)
+    return ids, out, response_vision_tokens_as_text(module, ids, sampled)
+
+
+# ----------------------------------------------------------------------------------------------
+# the shared-prompt forward (`engine.prefix_group`): each group's prompt and its pixels once
+# ----------------------------------------------------------------------------------------------
+def _token_ids(module: nn.Module) -> dict[str, int | None]:
+    cfg = (module.get_base_model() if hasattr(module, "get_base_model") else module).config
+    return {"pixel_values": cfg.image_token_id, "pixel_values_videos": getattr(cfg, "video_token_id", None)}
+
+
+def _merge_size(module: nn.Module) -> int:
+    cfg = (module.get_base_model() if hasattr(module, "get_base_model") else module).config
+    return int(getattr(cfg.vision_config, "spatial_merge_size", 2))
+
+
+def _split_media(row: dict[str, Any], prompt_tokens: dict[str, int], merge: int) -> tuple[dict, dict]:
+    """A row's pixel inputs cut into (its prompt's, its response's): the first images (videos)
+    whose tokens (t*h*w / merge**2 each) fill the prompt's `prompt_tokens[pixel key]`, then the
+    rest (an agent loop's tool images, listed after the prompt's).
+
+    Raises:
+        ValueError: the prompt's vision tokens do not end at an image boundary.
+    """
+    prompt: dict[str, torch.Tensor] = {}
+    response: dict[str, torch.Tensor] = {}
+    for pix_key, grid_key in _VISION_INPUTS:
+        if row.get(pix_key) is None:
+            continue
+        pix, grids = torch.as_tensor(row[pix_key]), torch.as_tensor(row[grid_key]).reshape(-1, 3)
+        ends = (grids.prod(-1) // merge**2).cumsum(0)
+        want = prompt_tokens[pix_key]
+        k = int((ends <= want).sum())
+        if want != (int(ends[k - 1]) if k else 0):
+            raise ValueError(
+                f"the prompt holds {want} {grid_key[:5]} tokens, which end inside an image of {grid_key} "
+                f"{grids.tolist()}; the row's pixel inputs do not match its ids"
+            )
+        cut = int(grids[:k].prod(-1).sum())  # patch rows of the prompt's images
+        for part, sl, gs in ((prompt, slice(0, cut), grids[:k]), (response, slice(cut, None), grids[k:])):
+            if len(gs):
+                part[pix_key], part[grid_key] = pix[sl], gs
+    return prompt, response
+
+
+def _prompt_splits(module: nn.Module, batch: Any) -> list[tuple[dict, dict]]:
+    """Each row's (prompt, response) pixel inputs (`_split_media`)."""
+    input_ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    p = input_ids.shape[1] - batch["responses"].shape[1]
+    ids, merge = _token_ids(module), _merge_size(module)
+    out = []
+    for b, row in enumerate(_rows(batch)):
+        valid = input_ids[b, :p][mask[b, :p]]
+        counts = {k: int((valid == i).sum()) if i is not None else 0 for k, i in ids.items()}
+        out.append(_split_media(row, counts, merge))
+    return out
+
+
+def prompt_media_keys(module: nn.Module, batch: Any) -> list[bytes]:
+    """Per row, a digest of its prompt's pixel inputs: two rows share a prompt in the grouped
+    forward only when these are equal too (equal image tokens may hold different pictures)."""
+    import hashlib
+
+    keys = []
+    for prompt, _ in _prompt_splits(module, batch):
+        h = hashlib.blake2b(digest_size=16)
+        for name in sorted(prompt):
+            value = prompt[name].detach().cpu().contiguous()
+            h.update(name.encode() + str(tuple(value.shape)).encode() + str(value.dtype).encode())
+            h.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+        keys.append(h.digest())
+    return keys
+
+
+def grouped_model_inputs(module: nn.Module, batch: Any, layout: Any) -> tuple[torch.Tensor, dict, Any]:
+    """Ids and forward kwargs of the shared-prompt packed row of a multimodal micro-batch.
+
+    The pixel inputs follow the row's segments: each group's prompt images (videos) once (from
+    its first row), then each response's tool images, in the order their tokens appear, so the
+    model scatters each image's features into its own tokens. The 3-D rotary positions are each
+    row's own (`rope_positions` on the padded batch) gathered at the packed tokens
+    (`layout.source`), with the per-segment text positions in front: (4, 1, N).
+
+    Args:
+        batch: as `model_inputs`.
+        layout: the micro-batch's `prefix_group.PrefixGroupLayout` (built with `prompt_media_keys`).
+
+    Returns:
+        as `model_inputs`: ids (1, N) (a copy), kwargs, the feed context.
+    """
+    rows = _rows(batch)
+    input_ids, mask = batch["input_ids"], batch["attention_mask"]
+    prompt_len = input_ids.shape[1] - batch["responses"].shape[1]
+    dtype = next(module.parameters()).dtype
+    fed = fed_vision_tokens(rows, batch["responses"])
+    grids = {k: v for k, v in _stacked_inputs(rows, input_ids.device, dtype).items() if k.endswith("_thw")}
+    positions = rope_positions(module, input_ids, mask, grids, prompt_len, fed)  # (3, B, S)
+    splits = _prompt_splits(module, batch)
+    parts = [splits[r][0 if of < 0 else 1] for r, of in zip(layout.rows, layout.prompt_of)]
+    out: dict[str, Any] = _stacked_inputs(parts, input_ids.device, dtype)
+    text = layout.position_ids.to(positions.dtype)  # (1, N): each segment's own text positions
+    out["position_ids"] = torch.cat([text, positions.reshape(3, -1)[:, layout.source]])[:, None]  # (4, 1, N)
+    ids = layout.input_ids.clone()
+    sampled = _sampled_vision(module, input_ids, prompt_len, fed).reshape(-1)[layout.source].view(1, -1)
     return ids, out, response_vision_tokens_as_text(module, ids, sampled)
 
 

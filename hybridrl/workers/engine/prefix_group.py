@@ -17,6 +17,13 @@ one, so log-probs, entropies and gradients equal the plain forward's (float roun
 the gradient of a shared prompt token is the sum of what its n rows send it, as in the plain
 forward where each copy receives its row's share and the copies share the weights.
 
+Vision-language models (Qwen2-VL, Qwen2.5-VL; `engine.multimodal.grouped_model_inputs`): rows
+share a prompt only when its pixels are equal too (`build_prefix_layout(row_keys=...)`: equal
+image tokens can hold different pictures); the vision tower runs on each group's prompt images
+and videos once (plus any tool images of the responses), the 3-D rotary positions of every packed
+token are its row's own (`PrefixGroupLayout.source`), and only the text tower's attention is
+grouped (the vision tower's patches keep attending per image).
+
 Savings: linear layers (most of the FLOPs) process N = sum_g Lp_g + sum_b L_b tokens instead of
 sum_b (Lp_b + L_b); with n = 4, 60-token prompts and 48-token responses that is 40% fewer tokens.
 
@@ -39,6 +46,7 @@ from torch import nn
 ATTN_NAME = "hybridrl_prefix_group"
 LAYOUT_KWARG = "hybridrl_prefix_layout"
 INNER_ATTR = "_hybridrl_inner_attn"  # set on the model's configs: the implementation it had
+GROUPED_VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # vision-language models the grouper takes
 
 __all__ = [
     "ATTN_NAME",
@@ -76,7 +84,10 @@ class PrefixGroupLayout:
     own). lengths: the tokens of each segment, in row order (they sum to N). prompt_of: for each
     segment, -1 for a prompt, else the index of its group's prompt segment. pred / flat (K,):
     packed positions predicting the valid response tokens and their indices in the flattened
-    (B, T) response layout (as `forward.response_positions`). num_groups: G.
+    (B, T) response layout (as `forward.response_positions`). num_groups: G. rows: for each
+    segment, the batch row it was read from (a prompt: its group's first row). source (N,): where
+    each packed token was read from, as an index into the flattened (B, S) batch (per-token
+    inputs such as a VLM's 3-D rotary positions are gathered with it).
     """
 
     input_ids: torch.Tensor
@@ -86,6 +97,8 @@ class PrefixGroupLayout:
     pred: torch.Tensor
     flat: torch.Tensor
     num_groups: int
+    rows: list[int] = field(default_factory=list)
+    source: torch.Tensor | None = None
     _plans: _PlanCache = field(default_factory=lambda: _PlanCache(), repr=False)
 
     @property
@@ -160,16 +173,20 @@ def _build_plan(lengths: list[int], prompt_of: list[int], device: torch.device) 
     return AttentionPlan(p_idx, p_valid, r_idx, r_valid, r_group, r_mask, order)
 
 
-def build_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, t: int) -> PrefixGroupLayout:
+def build_prefix_layout(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, t: int, row_keys: list[Any] | None = None
+) -> PrefixGroupLayout:
     """Group the rows of a micro-batch by identical prompt and lay them out in one packed row.
 
     Args:
         input_ids: (B, S) [prompt | response], prompts left-padded.
         attention_mask: (B, S) 0/1.
         t: response length T (the prompt is the first S - T columns).
+        row_keys: B hashables that must be equal too for two rows to share their prompt (a
+            VLM's digest of the prompt's pixels: equal image tokens can hold different images).
 
-    Rows are grouped when their prompt columns (tokens and mask) are equal; groups keep the
-    order of their first row, rows keep their order within a group.
+    Rows are grouped when their prompt columns (tokens and mask) and their `row_keys` are equal;
+    groups keep the order of their first row, rows keep their order within a group.
     """
     b, s = input_ids.shape
     p = s - t
@@ -179,15 +196,17 @@ def build_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, t
         raise ValueError("a row has an empty prompt (attention_mask all 0 over the prompt); drop it first")
     prompt_key = torch.where(mask[:, :p], input_ids[:, :p], -1)
     _, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
-    groups: dict[int, list[int]] = {}
+    groups: dict[Any, list[int]] = {}
     for row, key in enumerate(inverse.tolist()):
+        key = key if row_keys is None else (key, row_keys[row])
         groups.setdefault(key, []).append(row)  # dicts keep the order of first appearance
 
     where = torch.full((b, s), -1, dtype=torch.long, device=dev)  # (row, column) -> packed index
-    ids, pos, lengths, prompt_of = [], [], [], []
+    ids, pos, lengths, prompt_of, seg_rows, source = [], [], [], [], [], []
     cursor = 0
     for rows in groups.values():
         cols = mask[rows[0], :p].nonzero().squeeze(-1)
+        source.append(rows[0] * s + cols)
         lp = cols.numel()
         where[torch.tensor(rows, device=dev)[:, None], cols[None]] = torch.arange(
             cursor, cursor + lp, device=dev
@@ -197,6 +216,7 @@ def build_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, t
         prompt_seg = len(lengths)
         lengths.append(lp)
         prompt_of.append(-1)
+        seg_rows.append(rows[0])
         cursor += lp
         for row in rows:
             rcols = mask[row, p:].nonzero().squeeze(-1)
@@ -206,6 +226,8 @@ def build_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, t
             pos.append(lp + torch.arange(n, device=dev))
             lengths.append(n)
             prompt_of.append(prompt_seg)
+            seg_rows.append(row)
+            source.append(row * s + p + rcols)
             cursor += n
     pred = where[:, -t - 1 : -1]
     valid = mask[:, -t:] & (pred >= 0)
@@ -218,6 +240,8 @@ def build_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, t
         pred=pred.reshape(-1)[flat],
         flat=flat,
         num_groups=len(groups),
+        rows=seg_rows,
+        source=torch.cat(source),
     )
 
 
@@ -291,18 +315,30 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 def model_refusal(hf_config: Any) -> str | None:
     """Why a model cannot take the shared-prompt forward, read from its config (None: it can).
 
-    The two refusals of `grouped_attention`, decided before any weight is loaded: a model class
+    The refusals of `grouped_attention`, decided before any weight is loaded: a vision-language
+    model outside `GROUPED_VLM_FAMILIES` (`engine.multimodal.grouped_model_inputs` lays out
+    Qwen2-VL's pixels and 3-D positions), a model class
     whose forward does not pass extra keyword arguments down to its attention function
     (transformers marks the ones that do with `_supports_attention_backend`; a class it cannot
     name from the config counts as not passing them), and sliding-window attention (a layer type
     'sliding_attention' / 'chunked_attention', or a `sliding_window` without `use_sliding_window=False`).
     """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
 
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     kind = getattr(hf_config, "model_type", type(hf_config).__name__)
+    vlm = getattr(hf_config, "vision_config", None) is not None
+    if vlm and kind not in GROUPED_VLM_FAMILIES:
+        return (
+            f"a vision-language model of model_type={kind!r}: the shared-prompt forward with images is "
+            f"built for {'/'.join(GROUPED_VLM_FAMILIES)} (3-D rotary positions, pixels once per group)"
+        )
+    mapping = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if vlm else MODEL_FOR_CAUSAL_LM_MAPPING
     try:
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+        cls = mapping[type(hf_config)]
     except KeyError:
         return (
             f"transformers has no causal-LM class for model_type={kind!r} to check that it passes the layout"
@@ -320,13 +356,19 @@ def model_refusal(hf_config: Any) -> str | None:
 
 
 def _configs(module: nn.Module) -> list[Any]:
+    """The configs whose attention implementation the grouped forward switches: the model's and
+    its text tower's. A vision-language model's vision tower keeps its own attention (its patches
+    attend per image, without the layout), so its config is left alone, and so is the composite
+    top-level config, whose setter would pass the name on to the vision config."""
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
-    found = {id(base.config): base.config}
-    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-    found[id(text)] = text
+    top = base.config
+    text = top.get_text_config() if hasattr(top, "get_text_config") else top
+    vision = getattr(top, "vision_config", None)
+    skip = {id(top), id(vision)} if vision is not None else set()
+    found = {id(text): text} if skip else {id(top): top, id(text): text}
     for m in base.modules():
         cfg = getattr(m, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+        if cfg is not None and hasattr(cfg, "_attn_implementation") and id(cfg) not in skip:
             found[id(cfg)] = cfg
     return list(found.values())
 
