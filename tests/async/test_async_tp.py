@@ -227,6 +227,9 @@ def test_eta0_tp2_rollout_equals_tp1_step_for_step(tmp_path):
         for key in keys:
             assert math.isclose(a[key], s[key], rel_tol=1e-4, abs_tol=1e-6), (key, a[key], s[key])
     print({k: [r[k] for r in two.history] for k in keys})
+    print(
+        "max |TP2 - TP1|:", {k: max(abs(a[k] - s[k]) for s, a in zip(one.history, two.history)) for k in keys}
+    )
 
 
 @pytest.mark.slow
