@@ -8,7 +8,8 @@ Default run (real vLLM-CPU TP engines in the disaggregated rollout workers, no t
   the engine's chunk on the surviving worker and the batch completes, every group once; the
   engine is named by the rank that died.
 Slow (whole main_async runs): eta = 0 with TP=2 equals TP=1 step for step; a dead TP rank of the
-only engine ends the run at once with RolloutWorkersLostError naming that rank.
+only engine ends the run at once with RolloutWorkersLostError naming that rank; with a second TP=2
+engine left the run finishes.
 """
 
 from __future__ import annotations
