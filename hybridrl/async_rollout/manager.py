@@ -53,7 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayError
 
 from hybridrl.async_rollout.chunks import keep_groups, split_unfinished
 from hybridrl.async_rollout.padding import concat_left_padded
@@ -72,6 +72,7 @@ from hybridrl.async_rollout.staleness import (
     staleness_metrics,
     token_version_metrics,
 )
+from hybridrl.async_rollout.tp_engine import EngineHandle, call_failure, worker_label
 from hybridrl.async_rollout.weight_loads import WeightLoads
 from hybridrl.protocol import DataProto
 from hybridrl.utils import deadlines
@@ -261,11 +262,14 @@ class AsyncRolloutManager:
                 raise hung_error(
                     w.rank, "generate_sequences (generate_now)", deadlines.step_timeout()
                 ) from None
-            except RayActorError as err:
-                self._mark_dead(w, err)
-                continue
             except RayError as err:
-                raise RuntimeError(f"rollout worker {w.rank} failed in generate_now: {err}") from None
+                dead, why = call_failure(w.handle, err)
+                if dead:
+                    self._mark_dead(w, why)
+                    continue
+                raise RuntimeError(
+                    f"{worker_label(w.handle, w.rank)} failed in generate_now: {why}"
+                ) from None
             out.meta_info.pop("worker_busy_s", None)
             return out
 
@@ -464,13 +468,15 @@ class AsyncRolloutManager:
                 chunk.worker.busy = False
             try:
                 out = ray.get(ref)  # ready (ray.wait above): does not wait
-            except RayActorError as err:
-                self._requeue(chunk)
-                self._mark_dead(chunk.worker, err)
-                continue
-            except RayError as err:
+            except RayError as err:  # a TP engine's failure is its first failing rank's (tp_engine.py)
+                dead, why = call_failure(chunk.worker.handle, err)
+                if dead:
+                    self._requeue(chunk)
+                    self._mark_dead(chunk.worker, why)
+                    continue
                 raise RuntimeError(
-                    f"rollout worker {chunk.worker.rank} raised in generate_sequences (version {chunk.version}):\n{err}"
+                    f"{worker_label(chunk.worker.handle, chunk.worker.rank)} raised in generate_sequences "
+                    f"(version {chunk.version}):\n{why}"
                 ) from None
             self._finish(chunk, out)
 
@@ -559,7 +565,7 @@ class AsyncRolloutManager:
         for w, err in self._loads.poll():
             self._mark_dead(w, err)
 
-    def _mark_dead(self, w: WorkerState, err: BaseException) -> None:
+    def _mark_dead(self, w: WorkerState, err: BaseException | str) -> None:
         with self._lock:
             if not w.alive:
                 return
@@ -569,12 +575,14 @@ class AsyncRolloutManager:
             self._loads.drop(w)
             alive = sum(x.alive for x in self._workers)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(
-            f"[hybridrl.async] rollout worker {w.rank} died ({first}); {alive} left, its chunk is re-queued"
+        who, what = (
+            worker_label(w.handle, w.rank),
+            "engines" if isinstance(w.handle, EngineHandle) else "workers",
         )
+        print(f"[hybridrl.async] {who} died ({first}); {alive} left, its chunk is re-queued")
         if alive == 0:
             self._error = RolloutWorkersLostError(
-                f"all {len(self._workers)} rollout workers died (last: worker {w.rank}: {first}). Finished groups "
+                f"all {len(self._workers)} rollout {what} died (last: {who}: {first}). Finished groups "
                 "were kept but no generation is possible; restart the run (it resumes from the last checkpoint)."
             )
 

@@ -11,9 +11,11 @@ dropped).
 
 A TP rank that dies leaves its peers blocked in the engine's collectives. A watcher thread per
 engine therefore ends the whole engine (`ray.kill` of every rank) as soon as any rank's call
-fails with a dead actor or raises: rank 0's pending call then fails with RayActorError and the
-manager treats the engine as one dead worker (its chunk goes back to the queue, the surviving
-engines take it; docs/async.md "Failures").
+fails with a dead actor or raises, and records which rank failed and how. The manager asks
+`call_failure(handle, err)` what a failed call means: an engine with a dead rank is one dead
+worker (its chunk goes back to the queue, the surviving engines take it; docs/async.md
+"Failures"), named by the rank that died; an engine one of whose ranks *raised* stops the run with
+that rank's error, as a TP = 1 worker that raises does.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError
 
-__all__ = ["EngineHandle", "engine_handles"]
+__all__ = ["EngineHandle", "call_failure", "engine_handles", "worker_label"]
 
 _WATCH_S = 0.2  # how often the watcher looks at the calls in flight
+_SETTLE_S = 10.0  # how long a failed call waits for the watcher to say which rank failed and how
+_GRACE_S = 5.0  # how long a rank's error waits for a peer's call to fail as a dead actor
 
 
 def engine_handles(actors: Sequence[Any], tp: int) -> list[Any]:
@@ -65,8 +69,17 @@ class EngineHandle:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.failure: str | None = None  # why the watcher ended the engine
+        self.failed_rank: int | None = None  # the TP rank whose call failed first
+        self.rank_died: bool | None = None  # True: that rank's process died; False: it raised
+        self.error_text = ""  # that rank's error in full (its remote traceback when it raised)
+        self._failed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"hybridrl-tp-engine-{index}", daemon=True)
         self._watcher.start()
+
+    @property
+    def label(self) -> str:
+        """How messages name this engine."""
+        return f"rollout engine {self.index} (rollout workers {self.first_worker}..{self.first_worker + len(self.actors) - 1})"
 
     @property
     def generate_sequences(self) -> _FanOut:
@@ -96,36 +109,81 @@ class EngineHandle:
             done = {r.hex() for r in ready}
             for rank, method, ref in inflight:
                 if ref.hex() in done:
-                    self._check(rank, method, ref)
+                    self._check(rank, method, ref, inflight)
             with self._lock:
                 self._inflight = [x for x in self._inflight if x[2].hex() not in done]
 
-    def _check(self, rank: int, method: str, ref: ray.ObjectRef) -> None:
+    def _check(self, rank: int, method: str, ref: ray.ObjectRef, inflight: list) -> None:
         try:
             ray.get(ref, timeout=0)
         except RayActorError as err:
             self._end(rank, method, "died", err)
         except RayError as err:
-            self._end(rank, method, "raised", err)
+            self._end(*self._blame(rank, method, err, inflight))
+
+    def _blame(self, rank: int, method: str, err: BaseException, inflight: list) -> tuple:
+        """A rank raised: when a peer died, the raise is most likely its consequence (a collective
+        with a dead peer fails with gloo's error before Ray has declared the peer dead), so the
+        peers' calls in flight get up to _GRACE_S to fail as dead actors; the first dead one is
+        blamed, else the rank that raised."""
+        peers = [(r, m, x) for r, m, x in inflight if r != rank]
+        if peers:
+            ray.wait([x for _, _, x in peers], num_returns=len(peers), timeout=_GRACE_S)
+        for r, m, x in peers:
+            try:
+                ray.get(x, timeout=0)
+            except RayActorError as peer_err:
+                return r, m, "died", peer_err
+            except RayError:
+                continue
+        return rank, method, "raised", err
 
     def _end(self, rank: int, method: str, what: str, err: BaseException) -> None:
         """A rank failed: end every rank of the engine, so none is left blocked in a collective."""
         if self.failure is not None:
             return
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        self.failed_rank, self.rank_died = rank, what == "died"
         self.failure = (
             f"rollout engine {self.index}: TP rank {rank} (rollout worker {self.first_worker + rank}) {what} in "
             f"{method} ({first})"
         )
+        self.error_text = str(err)
         print(f"[hybridrl.async] {self.failure}; ending the engine's {len(self.actors)} TP ranks")
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
             except (RayError, ValueError):
                 pass
+        self._failed.set()
         self._stop.set()
+
+    def wait_failure(self, timeout_s: float) -> bool:
+        """Block until the watcher has ended the engine (True) or `timeout_s` passed (False)."""
+        return self._failed.wait(timeout_s)
 
     def close(self) -> None:
         """Stop the watcher thread."""
         self._stop.set()
         self._watcher.join(timeout=4 * _WATCH_S)
+
+
+def worker_label(handle: Any, rank: int) -> str:
+    """How the manager's messages name worker `rank`: "rollout worker r", or the engine's label."""
+    return handle.label if isinstance(handle, EngineHandle) else f"rollout worker {rank}"
+
+
+def call_failure(handle: Any, err: BaseException, settle_s: float = _SETTLE_S) -> tuple[bool, str]:
+    """What a failed call on a manager worker handle means: (dead, message).
+
+    A plain actor: dead when the error is a RayActorError. An engine: its first failing TP rank
+    decides (dead if that rank's process died, not dead if it raised: then the message carries its
+    remote traceback); the call's own error may come before the watcher has decided (rank 0 blocked
+    in a collective with a dead peer fails with gloo's error, or is killed by the watcher), so this
+    waits up to `settle_s` for the watcher.
+    """
+    if isinstance(handle, EngineHandle) and handle.wait_failure(settle_s):
+        if handle.rank_died:
+            return True, str(handle.failure)
+        return False, f"{handle.failure}:\n{handle.error_text}"
+    return isinstance(err, RayActorError), str(err)

@@ -11,9 +11,10 @@ import threading
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayError
 
 from hybridrl.async_rollout.records import WorkerState
+from hybridrl.async_rollout.tp_engine import call_failure, worker_label
 
 __all__ = ["WeightLoads"]
 
@@ -38,7 +39,7 @@ class WeightLoads:
         with self._lock:
             self._pending = [x for x in self._pending if x[0] is not w]
 
-    def poll(self) -> list[tuple[WorkerState, BaseException]]:
+    def poll(self) -> list[tuple[WorkerState, BaseException | str]]:
         """Check the finished loads without waiting; returns the (worker, error) of dead workers.
 
         Raises:
@@ -56,14 +57,15 @@ class WeightLoads:
                 continue
             try:
                 seconds = ray.get(ref, timeout=0)
-            except RayActorError as err:
-                dead.append((w, err))
             except GetTimeoutError:
                 continue
-            except RayError as err:
-                raise RuntimeError(
-                    f"rollout worker {w.rank} failed to load weights of version {version}:\n{err}"
-                ) from None
+            except RayError as err:  # a TP engine's failure is its first failing rank's (tp_engine.py)
+                died, why = call_failure(w.handle, err)
+                if not died:
+                    raise RuntimeError(
+                        f"{worker_label(w.handle, w.rank)} failed to load weights of version {version}:\n{why}"
+                    ) from None
+                dead.append((w, why))
             else:
                 if isinstance(seconds, (int, float)):
                     self._seconds.append(float(seconds))

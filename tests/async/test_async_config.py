@@ -53,6 +53,21 @@ def test_explicit_values_and_two_rollout_workers(base):
     assert c.actor_rollout_ref.actor.policy_loss.behave_imp_weight_cap is None
 
 
+def test_rollout_tp_groups_the_rollout_slots_into_engines(base):
+    from hybridrl.trainer.async_ppo.config import n_rollout_engines, n_rollout_workers
+
+    c = load(
+        base,
+        **{
+            "actor_rollout_ref.rollout.name": "vllm",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+            "async_training.rollout_n_gpus_per_node": 4,
+        },
+    )
+    assert (n_rollout_workers(c), n_rollout_engines(c)) == (4, 2)
+    assert c.async_training.chunk_size == 4  # B / engines, not B / slots
+
+
 def test_without_decoupled_loss_the_actor_loss_is_left_alone(base):
     c = load(base, **{"async_training.use_decoupled_loss": "false"})
     assert c.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
@@ -85,7 +100,23 @@ def test_without_decoupled_loss_the_actor_loss_is_left_alone(base):
                 "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
                 "async_training.rollout_n_gpus_per_node": 2,
             },
-            "not yet checked end to end",
+            "tensor_model_parallel_size=2 with actor_rollout_ref.rollout.name=hf.*use rollout.name=vllm",
+        ),
+        (
+            {
+                "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+                "async_training.rollout_n_gpus_per_node": 2,
+                "actor_rollout_ref.rollout.name": "sglang",
+            },
+            "name=sglang in asynchronous mode.*use rollout.name=vllm",
+        ),
+        (
+            {
+                "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+                "async_training.rollout_n_gpus_per_node": 2,
+                "async_training.partial_rollout": "true",
+            },
+            "partial_rollout=true with actor_rollout_ref.rollout.tensor_model_parallel_size=2: interrupting",
         ),
         ({"async_training.weight_update_mode": "nccl"}, "weight_update_mode='nccl': use one of"),
         ({"async_training.weight_update_timeout_s": 0}, "weight_update_timeout_s=0 must be > 0"),

@@ -87,6 +87,27 @@ def test_areal_values_hybridrl_cannot_honour_are_refused(arg, words):
         translate_argv([arg], gpu=cpu)
 
 
+@pytest.mark.parametrize(
+    "mode, slots, engines",
+    [("vllm:d1p1t2+d1p1t1", 2, 1), ("vllm:d2p1t2+d1p1t1", 4, 2), ("vllm:d2p1t1+d1p1t1", 2, 2)],
+)
+def test_areal_rollout_tensor_parallelism_becomes_rollout_tp(mode, slots, engines):
+    """AReaL's d<D>t<T> rollout part is D engines of T TP ranks: D x T rollout slots, rollout TP = T."""
+    from hybridrl.trainer.async_ppo.config import n_rollout_engines, n_rollout_workers
+
+    argv = translate_argv([f"allocation_mode={mode}"], gpu=cpu)
+    tp = slots // engines
+    assert f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}" in argv
+    assert f"async_training.rollout_n_gpus_per_node={slots}" in argv
+    c = load_async_config(
+        compose_async_config([*argv, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"])
+    )
+    assert c.actor_rollout_ref.rollout.name == "vllm"
+    assert c.actor_rollout_ref.rollout.tensor_model_parallel_size == tp
+    assert (n_rollout_workers(c), n_rollout_engines(c)) == (slots, engines)
+    assert c.trainer.n_gpus_per_node == 1
+
+
 def test_verl_v1_separate_async_selects_partial_rollout_on_its_own_rollout_pool():
     argv = [
         "trainer.use_v1=True",

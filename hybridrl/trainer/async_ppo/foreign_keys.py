@@ -61,8 +61,12 @@ def _bool(key: str, value: str) -> bool:
 
 
 def _allocation(value: str) -> list[str]:
-    """AReaL's `allocation_mode` (`<engine>:d{D}p{P}t{T}+d{D}p{P}t{T}`, rollout first) as hybridrl keys."""
-    fix = "write it as <sglang|vllm>:d<D>p1t1+d<D>p1t1 (rollout devices + training devices)"
+    """AReaL's `allocation_mode` (`<engine>:d{D}p{P}t{T}+d{D}p{P}t{T}`, rollout first) as hybridrl keys.
+
+    The rollout part is D engines of T TP ranks each: D x T rollout slots (one worker per TP rank)
+    and rollout.tensor_model_parallel_size = T (vLLM only; rollout_tp.py says why not SGLang).
+    """
+    fix = "write it as <sglang|vllm>:d<D>p1t<T>+d<D>p1t1 (rollout engines x TP + training devices)"
     engine, _, parts = value.partition(":") if ":" in value else value.partition(".")
     halves = parts.split("+")
     if engine not in ("sglang", "vllm") or len(halves) != 2:
@@ -70,10 +74,11 @@ def _allocation(value: str) -> list[str]:
     (rd, rp, rt), (td, tp, tt) = (_parse_part(value, h, fix) for h in halves)
     if rp != 1 or tp != 1:
         raise ConfigError(f"allocation_mode={value!r}: pipeline parallelism (p > 1) is not translated; {fix}")
-    if rt != 1:
+    if rt != 1 and engine != "vllm":
         raise ConfigError(
-            f"allocation_mode={value!r}: rollout tensor parallelism (t > 1) is not supported in asynchronous "
-            f"mode (the object-store weight path loads whole models); {fix}"
+            f"allocation_mode={value!r}: rollout tensor parallelism (t > 1) in asynchronous mode is checked with "
+            f"vllm only (SGLang's TP engine is one process driving t devices; untested); write vllm:d{rd}p1t{rt}+... "
+            f"or {fix}"
         )
     if tt != 1:
         raise ConfigError(
@@ -83,7 +88,8 @@ def _allocation(value: str) -> list[str]:
         )
     return [
         f"actor_rollout_ref.rollout.name={engine}",
-        f"{AT}.rollout_n_gpus_per_node={rd}",
+        f"{AT}.rollout_n_gpus_per_node={rd * rt}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={rt}",
         f"trainer.n_gpus_per_node={td}",
     ]
 

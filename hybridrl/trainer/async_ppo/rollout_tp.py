@@ -9,7 +9,10 @@ on GPUs, shared memory on CPU). AReaL's `allocation_mode=vllm:d2t2+...` is 2 eng
 
 The engine itself is checked as in main_ppo (workers/rollout/parallel.py: an engine with TP
 support, N divides the model's attention and KV heads) by the whole-tree validation, against one
-node's rollout slots.
+node's rollout slots. In asynchronous mode the TP path (async_rollout/tp_engine.py) is checked
+end to end with vLLM (tests/async/test_async_tp.py); SGLang with N > 1 is refused here (its TP
+engine is one process driving N devices from the engine's first rank, a path not checked in
+asynchronous mode; SGLang is CUDA only). Partial rollout with N > 1 is refused too.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ __all__ = ["validate_rollout_tp"]
 
 KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 SLOTS_KEY = "async_training.rollout_n_gpus_per_node"
-_TP_ENABLED = False  # the TP path (tp_engine.py) stays refused until its equivalence test runs
 
 
 def _divisors(n: int) -> list[int]:
@@ -32,8 +34,9 @@ def _divisors(n: int) -> list[int]:
 def validate_rollout_tp(config: Any) -> None:
     """Raise ConfigError (with the numbers and the fix) when rollout TP cannot be placed.
 
-    Checks: N >= 1; N divides rollout_n_gpus_per_node; partial rollout is off with N > 1 (an abort
-    would have to reach every TP rank of an engine at once; not built).
+    Checks: N >= 1; N divides rollout_n_gpus_per_node; the engine is vLLM with N > 1; partial
+    rollout is off with N > 1 (an abort would have to reach every TP rank of an engine at once; not
+    built).
     """
     at = config.async_training
     tp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
@@ -49,10 +52,13 @@ def validate_rollout_tp(config: Any) -> None:
             f"to a multiple of {tp} (e.g. {tp * max(1, slots // tp)} or {tp * (slots // tp + 1)}) or {KEY} to one "
             f"of {_divisors(slots)}"
         )
-    if not _TP_ENABLED:
+    name = config.actor_rollout_ref.rollout.name
+    if name == "sglang":
         raise ConfigError(
-            f"{KEY}={tp}: tensor-parallel rollout engines in asynchronous mode are built but not yet checked "
-            f"end to end (issue 26); use {KEY}=1 with more rollout slots ({SLOTS_KEY}) instead"
+            f"{KEY}={tp} with actor_rollout_ref.rollout.name=sglang in asynchronous mode: SGLang's TP engine is one "
+            f"process driving {tp} devices from the engine's first rank, a path not checked in asynchronous mode "
+            f"(SGLang is CUDA only, untested); use rollout.name=vllm (one rollout worker per TP rank, checked), or "
+            f"{KEY}=1 with more rollout slots ({SLOTS_KEY})"
         )
     if at.partial_rollout:
         raise ConfigError(
