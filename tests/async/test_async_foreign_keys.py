@@ -164,9 +164,19 @@ def test_verl_v1_colocate_async_on_cpu_and_refusals():
 def test_partial_rollout_is_checked_at_start_up():
     ok = load_async_config(compose_async_config(["async_training.partial_rollout=true"]))
     assert ok.async_training.partial_rollout and ok.actor_rollout_ref.rollout.name == "hf"
-    with pytest.raises(ConfigError, match="rollout.name=hf"):
+    vllm = load_async_config(
+        compose_async_config(["async_training.partial_rollout=true", "actor_rollout_ref.rollout.name=vllm"])
+    )
+    assert vllm.async_training.partial_rollout and vllm.actor_rollout_ref.rollout.name == "vllm"
+    with pytest.raises(ConfigError, match=r"rollout.name=hf or vllm \(got 'sglang'\)"):
         load_async_config(
             compose_async_config(
-                ["async_training.partial_rollout=true", "actor_rollout_ref.rollout.name=vllm"]
+                ["async_training.partial_rollout=true", "actor_rollout_ref.rollout.name=sglang"]
+            )
+        )
+    with pytest.raises(ConfigError, match="unknown rollout engine"):
+        load_async_config(
+            compose_async_config(
+                ["async_training.partial_rollout=true", "actor_rollout_ref.rollout.name=nope"]
             )
         )

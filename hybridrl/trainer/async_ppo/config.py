@@ -166,14 +166,21 @@ def _validate_weight_update(config: AsyncPPOConfig) -> None:
 
 def _validate_partial_rollout(config: AsyncPPOConfig) -> None:
     from hybridrl.workers.agent.runner import agent_loops_configured
+    from hybridrl.workers.rollout import get_rollout_class, list_rollouts
 
     rollout = config.actor_rollout_ref.rollout
     if not config.async_training.partial_rollout:
         return
-    if rollout.name != "hf":
+    try:
+        engine = get_rollout_class(rollout.name)
+    except ValueError as err:  # an unknown name: the registry's message names the known ones
+        raise ConfigError(str(err)) from None
+    if not engine.interruptible:
+        able = [n for n in list_rollouts() if get_rollout_class(n).interruptible]
         raise ConfigError(
-            f"{KEY}.partial_rollout=true needs actor_rollout_ref.rollout.name=hf (got {rollout.name!r}): only the "
-            f"HF engine can be interrupted between decode steps so far; set {KEY}.partial_rollout=false"
+            f"{KEY}.partial_rollout=true needs an engine that can be interrupted between decode steps: "
+            f"actor_rollout_ref.rollout.name={' or '.join(able)} (got {rollout.name!r}); "
+            f"or set {KEY}.partial_rollout=false"
         )
     if agent_loops_configured(rollout):
         raise ConfigError(

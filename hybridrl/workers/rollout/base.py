@@ -356,6 +356,13 @@ class BaseRollout(ABC):
     """
 
     name: str = "base"
+    # Interruptible generation (partial rollout, resume.py): an engine whose `interruptible` is
+    # True asks `abort_requested()` (when set) between decode steps; once it returns True the call
+    # stops, returns every row's tokens so far and sets `last_generate_aborted`. Others ignore it,
+    # so the asynchronous trainer refuses partial rollout with them at start-up.
+    interruptible: bool = False
+    abort_requested: Callable[[], bool] | None = None
+    last_generate_aborted: bool = False
 
     def __init__(self, config: RolloutConfig, model_path: str, tokenizer: Any) -> None:
         self.config = config

@@ -8,7 +8,7 @@ This is the reference engine: simple and exact, slower than vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -78,8 +78,7 @@ class HFRollout(BaseRollout):
     the tokens generated so far (later micro-batches: none) and sets `last_generate_aborted`.
     """
 
-    abort_requested: Callable[[], bool] | None = None
-    last_generate_aborted: bool = False
+    interruptible = True
 
     def __init__(
         self,

@@ -111,8 +111,8 @@ def generate_resumable(rollout: Any, prompts: DataProto, version: int) -> DataPr
     """Generate (or continue) one response per row with the engine's current weights.
 
     Args:
-        rollout: a BaseRollout; an engine that can be interrupted sets `last_generate_aborted`
-            (HFRollout, when its `abort_requested` callback fires).
+        rollout: a BaseRollout; an interruptible engine (HFRollout, VLLMRollout) sets
+            `last_generate_aborted` when its `abort_requested` callback fires.
         prompts: B rows: input_ids / attention_mask / position_ids (B, P), left-padded, and the
             partial columns of the module docstring.
         version: the policy version of the engine's weights (tags the new tokens).

