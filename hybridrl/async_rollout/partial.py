@@ -45,8 +45,13 @@ class PartialRolloutWorker(ActorRolloutRefWorker):
     def _rollout_generate(self, prompts: DataProto) -> DataProto:
         if "partial_done" not in prompts.non_tensor_batch:
             return super()._rollout_generate(prompts)
+        # the abort callback is set for this call only: validation (`generate_now`) and the ReMax
+        # baseline run on the same engine and must never be cut short by a pending abort
         self.rollout.abort_requested = self._abort_pending
-        out = generate_resumable(self.rollout, prompts, self.policy_version)
+        try:
+            out = generate_resumable(self.rollout, prompts, self.policy_version)
+        finally:
+            self.rollout.abort_requested = None
         if getattr(self.rollout, "last_generate_aborted", False):
             self.aborts += 1
         out.meta_info["worker_aborts"] = self.aborts
