@@ -168,3 +168,75 @@ def test_mtp_targets_and_masks_by_hand():
     packed = mtp_inputs(micro, pack_micro(micro, 6), 1)  # valid tokens a b c d, then 2 padding
     assert packed["labels"].tolist() == [[[13, 14, 0, 0, 0, 0]]]
     assert packed["loss_mask"].tolist() == [[[1.0, 1.0, 0.0, 0.0, 0.0, 0.0]]]
+
+
+def _mtp_weights(meg) -> dict[str, torch.Tensor]:
+    """The MTP block's parameters, full and in the HF layout (TP shards gathered along convert.shard_dim,
+    the transformer layer mapped with megatron_layer_to_hf: fused QKV / gate-up are TP-interleaved)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.workers.engine.megatron.convert import megatron_layer_to_hf, shard_dim
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    full, layer = {}, "transformer_layer."
+    for name, p in meg.chunks[-1].module.mtp.layers[0].named_parameters():
+        t, dim = p.detach().clone(), shard_dim(name)
+        if tp > 1 and dim is not None:
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+            t = torch.cat(parts, dim=dim)
+        full[name] = t
+    out = {k: v for k, v in full.items() if not k.startswith(layer)}
+    inner = {k[len(layer) :]: v for k, v in full.items() if k.startswith(layer)}
+    out.update(megatron_layer_to_hf(inner, meg.spec, tp))
+    return out
+
+
+def _run_cp(rank, world, mtp_dir, packed, out_dir):
+    """The same MTP training at TP=2 (reference) and at CP=2 (each rank two of the four chunks of every row)."""
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.workers.megatron_config import MtpConfig
+
+    out = {}
+    for name, tp, cp in (("tp2", 2, 1), ("cp2", 1, 2)):
+        model, cfg, _, mcfg = _configs(mtp_dir, tp, 1, packed=packed, cp=cp)
+        cfg = dataclasses.replace(
+            cfg, optim=dataclasses.replace(cfg.optim, clip_grad=0.0, lr=1e-2), grad_clip=None
+        )
+        # detach_encoder=False: the MTP loss reaches the main model too, so its weights check the MTP gradient
+        model = dataclasses.replace(
+            model, mtp=MtpConfig(enable=True, enable_train=True, mtp_loss_scaling_factor=0.5)
+        )
+        meg, metrics, _ = _update(model, cfg, mcfg, steps=3)
+        out[name] = {
+            "mtp": [m["actor/mtp_losses/mtp_1_loss"][0] for m in metrics],
+            "pg": [m["actor/pg_loss"][0] for m in metrics],
+            "grad_norm": [m["actor/grad_norm"][0] for m in metrics],
+            "main": dict(meg.iter_full_params()),
+            "mtp_w": _mtp_weights(meg),
+        }
+        del meg
+        ps.destroy_model_parallel()
+    torch.save(out, os.path.join(out_dir, f"mtp_cp_rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_megatron_mtp_cp2_matches_cp1(tmp_path, packed):
+    """MTP training with context parallelism (CP=2 on 2 ranks) == the same at CP=1 (TP=2) over 3 updates:
+    the MTP loss of each step (the later ones after updated MTP layers), the PPO loss, the grad norm, and
+    every main and MTP weight. The MTP layers roll the tokens across the CP chunk boundaries
+    (megatron-core's roll_tensor) and the loss is normalised over the whole micro-batch (mtp._mtp_loss)."""
+    mtp_dir = _mtp_model_dir(str(tmp_path / "mtp"))
+    spawn(_run_cp, 2, tmp_path, mtp_dir, packed, str(tmp_path))
+    for rank in range(2):
+        out = torch.load(tmp_path / f"mtp_cp_rank{rank}.pt")
+        ref, cp = out["tp2"], out["cp2"]
+        rel = {w: max(_rel(cp[w][k], ref[w][k]) for k in ref[w]) for w in ("main", "mtp_w")}
+        print(rank, {k: (ref[k], cp[k]) for k in ("mtp", "pg", "grad_norm")}, rel)
+        assert ref["mtp"][0] - ref["mtp"][-1] > 0.01, ref["mtp"]  # it trains
+        for key in ("mtp", "pg", "grad_norm"):
+            assert cp[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
+        assert set(cp["mtp_w"]) == set(ref["mtp_w"]) and "eh_proj.weight" in ref["mtp_w"]
+        assert rel["main"] < 1e-5 and rel["mtp_w"] < 1e-5, rel
