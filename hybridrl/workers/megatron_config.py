@@ -230,13 +230,6 @@ def validate_mtp(
             f"{key}.mtp.enable=True needs actor strategy=megatron: multi-token prediction is implemented on the "
             "Megatron engine only (as in veRL); set actor_rollout_ref.actor.strategy=megatron or mtp.enable=False"
         )
-    pp = getattr(megatron, "pipeline_model_parallel_size", 1)
-    if pp > 1:  # the engine refuses it too (mtp.resolve_mtp); said here before any worker starts
-        raise ValueError(
-            f"{key}.mtp.enable=True with actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp} is not "
-            "implemented (the MTP layers and a second copy of the embedding on the last stage); set "
-            "pipeline_model_parallel_size=1 or mtp.enable=False"
-        )
     if mtp.mtp_loss_scaling_factor < 0:
         raise ValueError(f"{key}.mtp.mtp_loss_scaling_factor must be >= 0, got {mtp.mtp_loss_scaling_factor}")
     if mtp.enable_rollout and rollout is not None:

@@ -246,15 +246,10 @@ def test_mtp_keys_at_the_config_stage():
         _startup("ppo_trainer", *on)
     with pytest.raises(ConfigError, match=r"mtp_loss_scaling_factor must be >= 0"):
         _startup("ppo_megatron_trainer", f"{m}.enable=true", f"{m}.mtp_loss_scaling_factor=-1")
-    cp2 = "actor_rollout_ref.actor.megatron.context_parallel_size=2"  # honoured: test_megatron_mtp.py
-    assert _startup("ppo_megatron_trainer", *on, cp2).actor_rollout_ref.model.mtp.enable
-    with pytest.raises(
-        ConfigError,
-        match=r"mtp.enable=True with actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-    ):
-        _startup(
-            "ppo_megatron_trainer", *on, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"
-        )
+    # with CP and with PP: honoured (test_megatron_mtp.py)
+    for layout in ("context_parallel_size=2", "pipeline_model_parallel_size=2"):
+        cfg = _startup("ppo_megatron_trainer", *on, f"actor_rollout_ref.actor.megatron.{layout}")
+        assert cfg.actor_rollout_ref.model.mtp.enable
     with pytest.raises(ConfigError, match=r"enable_rollout=True with rollout.name=hf"):
         _startup("ppo_megatron_trainer", *on, f"{m}.enable_rollout=true", "actor_rollout_ref.rollout.name=hf")
     rollout = "actor_rollout_ref.rollout"

@@ -18,6 +18,11 @@ backward through megatron-core's `MTPLossAutoScaler` (gradient scale 1 / number 
 micro-batches, set by Megatron's schedule), so the PPO loss and its logits are unchanged.
 The MTP block runs only when targets are given (the update's forward); log-prob passes skip it.
 
+Pipeline parallelism: the MTP block sits on the last stage, which then holds a copy of the word
+embedding (megatron-core's layout: GPTModel builds it where `mtp_process`, starts it from the first
+stage's by an all-reduce, and sums the two copies' gradients over the embedding group in
+finalize_model_grads); the HF weights load into both copies, the export takes the first stage's.
+
 Context parallelism: the labels and loss mask are built for the whole fed row and each CP rank
 takes its positions (engine/megatron/forward.py); the MTP layers' one-position roll of the tokens
 per depth crosses chunk boundaries, which megatron-core's `roll_tensor` handles (it exchanges the
@@ -42,6 +47,7 @@ from hybridrl.workers.engine.megatron.vocab_parallel import vocab_parallel_logpr
 
 __all__ = [
     "add_mtp_metrics",
+    "drop_unused_output_weight",
     "mtp_block_spec",
     "mtp_full_tensors",
     "mtp_inputs",
@@ -222,6 +228,15 @@ def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_po
     return logits.transpose(0, 1).contiguous()
 
 
+def drop_unused_output_weight(model: Any) -> None:
+    """With tied embeddings, a last PP stage holding the MTP block scores with its embedding copy
+    (`shared_embedding_or_output_weight`), so megatron-core 0.16.1's separately allocated output_layer
+    weight there is never used, and its sharded_state_dict asserts that this weight does not exist
+    (checkpoints failed). Remove it, as megatron-core's own comment says the layout intends."""
+    if model.share_embeddings_and_output_weights and model.mtp_process and not model.pre_process:
+        model.output_layer.weight = None
+
+
 @functools.cache
 def mtp_gpt_model_class() -> type:
     """megatron-core's GPTModel with `_postprocess` replaced by the one above (MTP loss, logits out)."""
@@ -243,11 +258,6 @@ def resolve_mtp(model_config: Any, hf_config: Any, mcfg: Any, role: str, model_k
         raise ValueError(
             f"{model_key}.mtp.enable=True but the model at {model_config.path} has no MTP layers (config "
             f"num_nextn_predict_layers / mtp_num_hidden_layers); use a model with MTP layers or set mtp.enable=False"
-        )
-    if mcfg.pipeline_model_parallel_size > 1:
-        raise ValueError(
-            f"{model_key}.mtp.enable=True with {key}.pipeline_model_parallel_size > 1 is not implemented (the MTP "
-            "layers and a second copy of the embedding on the last stage); set it to 1"
         )
     return n
 
