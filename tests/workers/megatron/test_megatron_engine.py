@@ -355,11 +355,7 @@ def test_megatron_bf16_close_to_fsdp_bf16(tmp_path):
 
 @pytest.mark.parametrize(
     "packed,vpp",
-    [
-        (False, None),
-        pytest.param(True, None, marks=pytest.mark.slow),
-        pytest.param(False, 2, marks=pytest.mark.slow),
-    ],
+    [(False, None), (True, None), (False, 2)],
 )
 def test_megatron_pp2_cp2_matches_fsdp(tmp_path, packed, vpp):
     """PP=2 x CP=2 on 4 gloo ranks (one replica: stage 0 on ranks 0-1, stage 1 on ranks 2-3, each
@@ -367,7 +363,7 @@ def test_megatron_pp2_cp2_matches_fsdp(tmp_path, packed, vpp):
     ranks: log-probs, entropy, losses, grad norm, updated weights, the critic's values and update.
     Megatron's schedules send (L / CP, b, hidden) activations between the stages (get_tensor_shapes
     divides the fed length L by CP). Padded: 11 tokens padded to 12. vpp=2: interleaved 1F1B on the
-    4-layer model. 20-35 s each on 2 cores: packed and VPP are in the slow run."""
+    4-layer model. 3.5-4.5 s each (the spawn) on 2 shared cores."""
     path = str(tmp_path / "model")
     model_dir = make_tiny_model_dir(path) if vpp is None else _four_layer_model(path)
     spawn(_run, 4, tmp_path, model_dir, 1, 2, vpp, packed, False, 2, str(tmp_path))
