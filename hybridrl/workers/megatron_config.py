@@ -7,7 +7,8 @@ Every key is honoured or refused at start-up by `validate_megatron_config`:
                                                                 must split into a multiple of PP micro-batches
     context_parallel_size                                       honoured (engine/megatron/context_parallel.py:
                                                                 load-balanced chunks, K/V all-gathered over
-                                                                CP); PP > 1 and model.mtp refused with it
+                                                                CP), with PP (and VPP) too: each stage's CP
+                                                                ranks pass (L / CP)-long activations
     expert_model_parallel_size, expert_tensor_parallel_size     only 1 (None for ETP): refused
                                                                 otherwise (no MoE support)
     sequence_parallel                                           ignored at TP=1 (as in Megatron);
@@ -155,12 +156,6 @@ def validate_megatron_config(
         "context_parallel_size",
     ):
         _positive(key, name, getattr(cfg, name))
-    if cfg.context_parallel_size > 1 and cfg.pipeline_model_parallel_size > 1:
-        raise ValueError(
-            f"{key}.context_parallel_size={cfg.context_parallel_size} with pipeline_model_parallel_size="
-            f"{cfg.pipeline_model_parallel_size}: context parallelism is implemented and tested without pipeline "
-            "parallelism only; set one of them to 1"
-        )
     if cfg.expert_model_parallel_size != 1 or cfg.expert_tensor_parallel_size not in (None, 1):
         raise ValueError(
             f"{key}.expert_model_parallel_size / expert_tensor_parallel_size: expert parallelism (MoE) is not "
@@ -234,13 +229,6 @@ def validate_mtp(
         raise ValueError(
             f"{key}.mtp.enable=True needs actor strategy=megatron: multi-token prediction is implemented on the "
             "Megatron engine only (as in veRL); set actor_rollout_ref.actor.strategy=megatron or mtp.enable=False"
-        )
-    cp = getattr(megatron, "context_parallel_size", 1)
-    if cp > 1:  # the engine refuses it too (mtp.resolve_mtp); said here before any worker starts
-        raise ValueError(
-            f"{key}.mtp.enable=True with actor_rollout_ref.actor.megatron.context_parallel_size={cp} is not "
-            "implemented (the MTP layers shift tokens and labels by one position per depth, across the chunk "
-            "boundaries that other context-parallel ranks hold); set context_parallel_size=1 or mtp.enable=False"
         )
     if mtp.mtp_loss_scaling_factor < 0:
         raise ValueError(f"{key}.mtp.mtp_loss_scaling_factor must be >= 0, got {mtp.mtp_loss_scaling_factor}")

@@ -19,7 +19,11 @@ KEY = "actor_rollout_ref.actor.megatron"
 @pytest.mark.parametrize(
     "kwargs,on_gpu,match",
     [
-        ({"context_parallel_size": 2, "pipeline_model_parallel_size": 2}, False, "context parallelism"),
+        (
+            {"context_parallel_size": 2, "pipeline_model_parallel_size": 2},
+            False,
+            "divide the number of ranks",
+        ),
         ({"context_parallel_size": 4}, False, "divide the number of ranks"),
         ({"context_parallel_size": 0}, False, "context_parallel_size"),
         ({"expert_model_parallel_size": 2}, False, "expert"),
@@ -51,6 +55,12 @@ def test_accepted_and_no_ops():
         {"context_parallel_size": 2},  # honoured: test_megatron_engine.py
     ):
         validate_megatron_config(MegatronConfig(**kwargs), KEY, world_size=2, on_gpu=False)
+    # CP with PP (and VPP): honoured, test_megatron_pp2_cp2_matches_fsdp
+    for vpp in (None, 2):
+        pp_cp = MegatronConfig(
+            pipeline_model_parallel_size=2, context_parallel_size=2, virtual_pipeline_model_parallel_size=vpp
+        )
+        validate_megatron_config(pp_cp, KEY, world_size=4, on_gpu=False)
     from hybridrl.workers.config import ActorConfig
     from hybridrl.workers.parallel_dims import ParallelDims
 
@@ -78,6 +88,34 @@ def test_context_parallel_dims_and_mesh():
     assert [r for r in range(8) if mesh.is_collector(r)] == [0, 4]
     with pytest.raises(ValueError, match="context_parallel_size"):
         ParallelDims.for_role(6, ActorConfig(strategy="megatron", megatron=mcfg), "actor_rollout_ref.actor")
+
+
+def test_pp_cp_mesh_matches_megatron_rank_order():
+    """pp x dp x cp x tp (PP=2, CP=2, TP=2 on 16 ranks: DP=2): every rank's dp / cp / pp / tp group of the
+    dispatch mesh is Megatron's own (its RankGenerator, order tp-cp-ep-dp-pp); rows go to the dp groups and
+    each is collected once, from the last stage's cp / tp rank 0."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.parallel_state import RankGenerator
+
+    from hybridrl.workers.config import ActorConfig
+    from hybridrl.workers.parallel_dims import ParallelDims
+
+    mcfg = MegatronConfig(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2
+    )
+    dims = ParallelDims.for_role(
+        16, ActorConfig(strategy="megatron", megatron=mcfg), "actor_rollout_ref.actor"
+    )
+    assert (dims.data_ranks, dims.dp) == (2, 2)
+    mesh = dims.train_mesh()
+    gen = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=2, order="tp-cp-ep-dp-pp")
+    for name in ("tp", "cp", "dp", "pp"):
+        assert sorted(mesh.groups([name])) == sorted(gen.get_ranks(name)), name
+    collectors = [r for r in range(16) if mesh.is_collector(r)]
+    assert sorted(mesh.dp_rank(r) for r in collectors) == [0, 1]
+    firsts = {name: {g[0] for g in gen.get_ranks(name)} for name in ("tp", "cp")}
+    last_stage = {g[-1] for g in gen.get_ranks("pp")}
+    assert all(r in last_stage and r in firsts["tp"] and r in firsts["cp"] for r in collectors), collectors
 
 
 def test_colocated_roles_need_the_same_sizes():
@@ -208,10 +246,10 @@ def test_mtp_keys_at_the_config_stage():
         _startup("ppo_trainer", *on)
     with pytest.raises(ConfigError, match=r"mtp_loss_scaling_factor must be >= 0"):
         _startup("ppo_megatron_trainer", f"{m}.enable=true", f"{m}.mtp_loss_scaling_factor=-1")
-    with pytest.raises(
-        ConfigError, match=r"mtp.enable=True with actor_rollout_ref.actor.megatron.context_parallel_size=2"
-    ):
-        _startup("ppo_megatron_trainer", *on, "actor_rollout_ref.actor.megatron.context_parallel_size=2")
+    # with CP and with PP: honoured (test_megatron_mtp.py)
+    for layout in ("context_parallel_size=2", "pipeline_model_parallel_size=2"):
+        cfg = _startup("ppo_megatron_trainer", *on, f"actor_rollout_ref.actor.megatron.{layout}")
+        assert cfg.actor_rollout_ref.model.mtp.enable
     with pytest.raises(ConfigError, match=r"enable_rollout=True with rollout.name=hf"):
         _startup("ppo_megatron_trainer", *on, f"{m}.enable_rollout=true", "actor_rollout_ref.rollout.name=hf")
     rollout = "actor_rollout_ref.rollout"

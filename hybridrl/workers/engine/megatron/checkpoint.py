@@ -51,11 +51,20 @@ def _inner(chunk):
     return getattr(chunk, "module", chunk)  # DDP's own sharded_state_dict adds a 'module.' prefix
 
 
+def _chunk_sharded(chunk) -> dict[str, Any]:
+    """A chunk's sharded state dict. The metadata is megatron-core's default, spelt out: GPTModel reads
+    metadata['dp_cp_group'] itself for the last stage's embedding copy of an MTP model under PP."""
+    from megatron.core import parallel_state as ps
+
+    meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    return _inner(chunk).sharded_state_dict(metadata=meta)
+
+
 def _model_sharded(engine) -> dict[str, Any]:
     chunks = engine.chunks
     if len(chunks) == 1:
-        return {"model": _inner(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": _inner(c).sharded_state_dict() for i, c in enumerate(chunks)}
+        return {"model": _chunk_sharded(chunks[0])}
+    return {f"model{i}": _chunk_sharded(c) for i, c in enumerate(chunks)}
 
 
 def _sharded(engine, with_optimizer: bool, is_loading: bool) -> dict[str, Any]:
@@ -227,7 +236,7 @@ def load_dist_weights(chunks: list[Any], path: str) -> None:
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"megatron.dist_checkpointing_path={path!r}: no such folder")
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    sd = {k: _inner(c).sharded_state_dict() for k, c in zip(keys, chunks)}
+    sd = {k: _chunk_sharded(c) for k, c in zip(keys, chunks)}
     with cuda_to_cpu(), torch.no_grad():
         loaded = dist_checkpointing.load(sd, folder)
         for k, c in zip(keys, chunks):

@@ -177,11 +177,12 @@ def _model_inputs(micro: Any, packed: Any) -> tuple[torch.Tensor, torch.Tensor, 
 def _forward_step(loss_fn: Callable, extra_inputs: Callable | None, data_iterator, model):
     micro, packed = next(data_iterator)
     ids, mask, positions = _model_inputs(micro, packed)
+    extra = extra_inputs(micro, packed) if extra_inputs is not None else {}
     cp, cp_rank, _ = cp_group_info()
     if cp > 1:  # this rank's two chunks of the tokens, its query rows of the mask (context_parallel.py)
         mine = cp_positions(ids.shape[1], cp, cp_rank, ids.device)
         ids, positions, mask = ids[:, mine], positions[:, mine], mask[:, :, mine]
-    extra = extra_inputs(micro, packed) if extra_inputs is not None else {}
+        extra = {k: v[..., mine] for k, v in extra.items()}  # per-position inputs: the MTP labels and mask
     out = model(input_ids=ids, position_ids=positions, attention_mask=mask, **extra)
     return out, functools.partial(loss_fn, micro, packed)
 
@@ -212,7 +213,8 @@ def run_schedule(
         seq_multiple: padded rows are right-padded to a multiple of this (sequence parallelism:
             the TP size); None feeds them as they are.
         extra_inputs: (micro, packed or padded feed or None) -> more keyword inputs of the model
-            (the MTP loss's labels / loss_mask, engine/megatron/mtp.py); None: none.
+            (the MTP loss's labels / loss_mask, engine/megatron/mtp.py), per position of the fed row
+            along their last dim (with context parallelism each CP rank gets its positions); None: none.
         position_fn: with context parallelism, (this rank's outputs (rows, L / CP, ...), their
             next-token ids (rows, L / CP)) -> per-position results (rows, L / CP, k), gathered
             over CP before `loss_fn` sees them; None passes the outputs themselves (the critic's

@@ -258,6 +258,7 @@ def _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role, mtp=Non
                 spec.vocab_size,
                 bool(mtp.detach_encoder),
             )
+            mtp_lib.drop_unused_output_weight(model)
         if critic and post:
             model.output_layer = ValueHead(
                 spec.hidden_size, spec.initializer_range, tcfg.params_dtype, tcfg.sequence_parallel

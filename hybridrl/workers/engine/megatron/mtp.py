@@ -18,6 +18,17 @@ backward through megatron-core's `MTPLossAutoScaler` (gradient scale 1 / number 
 micro-batches, set by Megatron's schedule), so the PPO loss and its logits are unchanged.
 The MTP block runs only when targets are given (the update's forward); log-prob passes skip it.
 
+Pipeline parallelism: the MTP block sits on the last stage, which then holds a copy of the word
+embedding (megatron-core's layout: GPTModel builds it where `mtp_process`, starts it from the first
+stage's by an all-reduce, and sums the two copies' gradients over the embedding group in
+finalize_model_grads); the HF weights load into both copies, the export takes the first stage's.
+
+Context parallelism: the labels and loss mask are built for the whole fed row and each CP rank
+takes its positions (engine/megatron/forward.py); the MTP layers' one-position roll of the tokens
+per depth crosses chunk boundaries, which megatron-core's `roll_tensor` handles (it exchanges the
+boundary tokens with the neighbouring CP ranks, for the same load-balanced 2 x CP chunks); the
+loss is normalised over the whole micro-batch (`_mtp_loss`).
+
 Shapes: b rows, S (padded) or L (packed) positions, D MTP layers, V_local vocabulary slice.
 """
 
@@ -36,6 +47,7 @@ from hybridrl.workers.engine.megatron.vocab_parallel import vocab_parallel_logpr
 
 __all__ = [
     "add_mtp_metrics",
+    "drop_unused_output_weight",
     "mtp_block_spec",
     "mtp_full_tensors",
     "mtp_inputs",
@@ -150,12 +162,31 @@ def mtp_inputs(micro: Any, packed: Any, n: int) -> dict[str, torch.Tensor]:
     return {"labels": flat_l[:, None], "loss_mask": flat_m[:, None]}
 
 
+def _cp_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """`t` summed over the context-parallel group (a detached copy; `t` itself when group is None)."""
+    if group is None:
+        return t
+    t = t.detach().clone()
+    torch.distributed.all_reduce(t, group=group)
+    return t
+
+
 def _mtp_loss(model: Any, hidden: list[torch.Tensor], labels, loss_mask, weight) -> torch.Tensor:
-    """L_MTP (0-d) from the MTP layers' hidden states [(S, b, H)] x D (module docstring)."""
+    """L_MTP (0-d) from the MTP layers' hidden states [(S, b, H)] x D (module docstring).
+
+    With context parallelism each CP rank holds some positions of every row (their labels and mask
+    sliced alike, engine/megatron/forward.py): it returns CP x (its positions' CE sum) / (the micro-
+    batch's mask count over all CP ranks), so the CP ranks' losses sum to CP x the CP=1 mean; Megatron's DDP averages
+    the gradients over DP x CP and MTPLossAutoScaler scales by 1 / micro-batches only, which makes
+    the gradient the CP=1 one. The reported losses are the whole rows' means (summed over CP).
+    """
     from megatron.core import parallel_state as ps
+
+    from hybridrl.workers.engine.megatron.context_parallel import cp_group_info
 
     tp = ps.get_tensor_model_parallel_world_size()
     group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    cp, _, cp_group = cp_group_info()
     cfg, losses = model.config, []
     for d, h in enumerate(hidden):
         logits, _ = model.output_layer(h, weight=weight.detach())  # W detached (module docstring)
@@ -164,9 +195,9 @@ def _mtp_loss(model: Any, hidden: list[torch.Tensor], labels, loss_mask, weight)
             tp_rank=ps.get_tensor_model_parallel_rank(), group=group,
         )  # fmt: skip
         mask = loss_mask[d]
-        losses.append(-(lp * mask).sum() / mask.sum().clamp(min=1))
-    model.hybridrl_mtp_losses = [float(x.detach()) for x in losses]
-    return cfg.mtp_loss_scaling_factor / len(hidden) * torch.stack(losses).sum()
+        losses.append(-(lp * mask).sum() / _cp_sum(mask.sum(), cp_group).clamp(min=1))
+    model.hybridrl_mtp_losses = [float(x) for x in _cp_sum(torch.stack(losses).detach(), cp_group)]
+    return cfg.mtp_loss_scaling_factor / len(hidden) * torch.stack(losses).sum() * cp
 
 
 def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
@@ -197,6 +228,15 @@ def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_po
     return logits.transpose(0, 1).contiguous()
 
 
+def drop_unused_output_weight(model: Any) -> None:
+    """With tied embeddings, a last PP stage holding the MTP block scores with its embedding copy
+    (`shared_embedding_or_output_weight`), so megatron-core 0.16.1's separately allocated output_layer
+    weight there is never used, and its sharded_state_dict asserts that this weight does not exist
+    (checkpoints failed). Remove it, as megatron-core's own comment says the layout intends."""
+    if model.share_embeddings_and_output_weights and model.mtp_process and not model.pre_process:
+        model.output_layer.weight = None
+
+
 @functools.cache
 def mtp_gpt_model_class() -> type:
     """megatron-core's GPTModel with `_postprocess` replaced by the one above (MTP loss, logits out)."""
@@ -218,17 +258,6 @@ def resolve_mtp(model_config: Any, hf_config: Any, mcfg: Any, role: str, model_k
         raise ValueError(
             f"{model_key}.mtp.enable=True but the model at {model_config.path} has no MTP layers (config "
             f"num_nextn_predict_layers / mtp_num_hidden_layers); use a model with MTP layers or set mtp.enable=False"
-        )
-    if mcfg.pipeline_model_parallel_size > 1:
-        raise ValueError(
-            f"{model_key}.mtp.enable=True with {key}.pipeline_model_parallel_size > 1 is not implemented (the MTP "
-            "layers and a second copy of the embedding on the last stage); set it to 1"
-        )
-    if mcfg.context_parallel_size > 1:
-        raise ValueError(
-            f"{model_key}.mtp.enable=True with {key}.context_parallel_size={mcfg.context_parallel_size} is not "
-            "implemented (the MTP layers shift tokens and labels by one position per depth, across the chunk "
-            "boundaries that other context-parallel ranks hold); set context_parallel_size=1 or mtp.enable=False"
         )
     return n
 
