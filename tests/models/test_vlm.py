@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hybridrl.models.vlm import (
+    PATCH_SIZE,
     VLM_FAMILIES,
     build_tiny_vlm,
     build_vlm_config,
@@ -29,9 +30,12 @@ def test_folder_loads_with_auto_classes_and_runs(vlm_dir):
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
     text = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     enc = processor(text=[text], images=[PIL.new("RGB", (56, 112), (255, 0, 0))], return_tensors="pt")
-    # width 56 x height 112 pixels = 8 x 4 (h x w) patches of 14 = 32 patch rows; merge 2 x 2 -> 8 image tokens
+    # width 56 x height 112 pixels = 8 x 4 (h x w) patches of 14 = 32 patch rows; merge 2 x 2 -> 8 image
+    # tokens (Qwen3-VL, patch 16: resized to 64 x 128, again 8 x 4 patches)
+    patch = PATCH_SIZE[family]
+    assert processor.image_processor.patch_size == model.config.vision_config.patch_size == patch
     assert enc["image_grid_thw"].tolist() == [[1, 8, 4]]
-    assert enc["pixel_values"].shape == (32, 3 * 2 * 14 * 14)
+    assert enc["pixel_values"].shape == (32, 3 * 2 * patch * patch)
     assert int((enc["input_ids"] == model.config.image_token_id).sum()) == 8
     out = model(**enc)
     assert out.logits.shape == (1, enc["input_ids"].shape[1], model.config.text_config.vocab_size)

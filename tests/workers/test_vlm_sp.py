@@ -1,8 +1,9 @@
 """Ulysses SP=2 with a vision-language model on 2 real FSDP2 ranks (gloo): SP=2 == packed == padded.
 
-Tiny random Qwen2-VL and Qwen2.5-VL from configs. Every rank of the SP group runs the vision
+Tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL from configs. Every rank of the SP group runs the vision
 tower and the embedding on the whole packed row; the text tower runs on each rank's slice of the
-embedded row and of the (4, 1, nnz) 3-D rotary positions (`multimodal.text_tower_on_slice`). The
+embedded row and of the (4, 1, nnz) 3-D rotary positions (`multimodal.text_tower_on_slice`; for
+Qwen3-VL also of its deepstack image-token mask and features). The
 rows: two images of different sizes (so the image tokens straddle the slice boundary), a text-only
 row, and a response that sampled an image token (fed as text). Checked: log-probs and entropy
 (fp32, 1e-5) against the padded and the packed forward, and the gradient of one mini-batch (every
@@ -132,7 +133,7 @@ def _checks(rank, world, model_dir):
     dist.barrier()
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_ulysses_sp2_equals_packed_equals_padded_with_images(tmp_path, family):
     from hybridrl.models.vlm import build_tiny_vlm
 

@@ -6,7 +6,7 @@ per prompt (`rollout.n > 1`) for an estimator that compares the responses of one
 (`algos.estimator_groups_by_prompt`: grpo, rloo, grpo_passk, opo, gpg, gdpo, ...), on the FSDP
 engine, without Ulysses SP, on a model the grouper supports (`prefix_group.model_refusal`:
 no sliding-window attention, a forward that passes the layout down to attention; of the
-vision-language models, Qwen2-VL and Qwen2.5-VL). Otherwise it
+vision-language models, Qwen2-VL, Qwen2.5-VL and Qwen3-VL). Otherwise it
 is off. The decision and its reason are printed once; the config then holds a plain bool, so the
 workers see what the driver decided. Measured gain: docs/performance.md, docs/config.md.
 """

@@ -53,7 +53,7 @@ def _is_local(path: str) -> bool:
 
 def _check_grouper(path: str, trust_remote_code: bool) -> None:
     """`actor.use_prefix_grouper=True` with a VLM the shared-prompt forward cannot take (outside
-    Qwen2-VL / Qwen2.5-VL, `prefix_group.model_refusal`) fails here, naming the reason."""
+    Qwen2-VL / Qwen2.5-VL / Qwen3-VL, `prefix_group.model_refusal`) fails here, naming the reason."""
     from transformers import AutoConfig
 
     from hybridrl.workers.engine.prefix_group import model_refusal

@@ -93,7 +93,9 @@ class VisionTurns:
             ValueError: a video that does not decode (or a file without PyAV), naming `where`.
         """
         from hybridrl.data.video import decode_video, video_inputs
+        from hybridrl.models.vlm import refuse_qwen3_vl_videos
 
+        refuse_qwen3_vl_videos(self.processor, where)
         per = [
             video_inputs(self.processor.image_processor, decode_video(v, f"{where} video {k}"))
             for k, v in enumerate(videos)

@@ -24,6 +24,11 @@ Ulysses SP (:func:`text_tower_on_slice`): every rank of a group runs the vision 
 embedding on the whole packed row (the image features are scattered into the image-token
 positions there), and the text tower on its slice of the embedded row and of the (4, 1, nnz)
 positions, padded to a multiple of the SP size.
+
+Qwen3-VL: the same ``get_rope_index`` signature (interleaved mrope is inside its rotary embedding);
+its deepstack inputs (image-token mask, per-layer vision features) are built by its own forward
+from the ids fed, so the padded, packed and grouped paths need nothing more; Ulysses SP cuts them
+to the rank's slice (`_deepstack_slice`). Videos are refused with it (`NO_VIDEO_FAMILIES`).
 """
 
 from __future__ import annotations
@@ -80,8 +85,8 @@ def vlm_core(module: nn.Module) -> nn.Module:
         if candidate is not None and hasattr(candidate, "get_rope_index"):
             return candidate
     raise ValueError(
-        f"{type(base).__name__} has no get_rope_index: multimodal inputs need a Qwen2-VL-family model "
-        "(Qwen2-VL, Qwen2.5-VL)"
+        f"{type(base).__name__} has no get_rope_index: multimodal inputs need a Qwen-VL-family model "
+        "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL)"
     )
 
 
@@ -95,6 +100,12 @@ def _vision_ids(module: nn.Module) -> list[int]:
 
 
 FED_KEY = "response_vision_positions"
+NO_VIDEO_FAMILIES = ("qwen3_vl",)  # as hybridrl.models.vlm.NO_VIDEO_FAMILIES
+
+
+def _model_type(module: nn.Module) -> str:
+    cfg = (module.get_base_model() if hasattr(module, "get_base_model") else module).config
+    return getattr(cfg, "model_type", "")
 
 
 def fed_vision_tokens(rows: list[dict[str, Any]], responses: torch.Tensor) -> torch.Tensor:
@@ -130,6 +141,10 @@ def rope_positions(
         grids: image_grid_thw (I, 3) / video_grid_thw (V, 3) of the batch's images / videos, in order.
         fed: (B, T) the response's vision tokens a tool turn fed (`fed_vision_tokens`).
     """
+    if grids.get("video_grid_thw") is not None and _model_type(module) in NO_VIDEO_FAMILIES:
+        from hybridrl.models.vlm import qwen3_vl_video_refusal
+
+        raise ValueError(qwen3_vl_video_refusal("the training forward"))
     positions, _ = vlm_core(module).get_rope_index(
         input_ids,
         mm_token_type_ids=_token_types(module, input_ids, prompt_len, fed),
@@ -336,6 +351,21 @@ def grouped_model_inputs(module: nn.Module, batch: Any, layout: Any) -> tuple[to
     return ids, out, response_vision_tokens_as_text(module, ids, sampled)
 
 
+def _deepstack_slice(kwargs: dict[str, Any], pad: int, lo: int, length: int) -> dict[str, Any]:
+    """Qwen3-VL's deepstack text-tower inputs cut to this rank's slice [lo, lo + length) of the
+    padded packed row: ``visual_pos_masks`` (1, nnz) -> (1, length) and each layer's features at the
+    vision tokens (n_vision, H) -> the rows of the vision tokens inside the slice ({} for a model
+    without deepstack, or a micro-batch without images)."""
+    mask, embeds = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
+    if mask is None or embeds is None:
+        return {}
+    mask = nn.functional.pad(mask, (0, pad), value=False)
+    before = int(mask[:, :lo].sum())
+    local = mask[:, lo : lo + length]
+    n = int(local.sum())
+    return {"visual_pos_masks": local, "deepstack_visual_embeds": [e[before : before + n] for e in embeds]}
+
+
 @contextlib.contextmanager
 def text_tower_on_slice(module: nn.Module, sp: Any):
     """Ulysses SP: run the VLM's text tower on this rank's slice of the packed row.
@@ -345,7 +375,8 @@ def text_tower_on_slice(module: nn.Module, sp: Any):
     pre-hook on the text tower then pads the embedded row (1, nnz, H) and its (4, 1, nnz) positions
     to a multiple of the SP size (padding: zero embeddings at positions 0, 1, ..., a sequence of
     its own) and keeps this rank's contiguous slice (1, L, H) / (4, 1, L), L = padded / sp. The
-    gradient reaches the vision tower through the image positions of each rank's slice.
+    gradient reaches the vision tower through the image positions of each rank's slice. Qwen3-VL's
+    deepstack inputs (image-token mask and per-layer features) are cut to the same slice.
 
     Args:
         sp: the rank's `ulysses.SPGroup`.
@@ -366,6 +397,7 @@ def text_tower_on_slice(module: nn.Module, sp: Any):
             **kwargs,
             "inputs_embeds": emb[:, lo : lo + length],
             "position_ids": pos[..., lo : lo + length],
+            **_deepstack_slice(kwargs, pad, lo, length),
         }
 
     handle = text_tower.register_forward_pre_hook(hook, with_kwargs=True)

@@ -46,7 +46,7 @@ from torch import nn
 ATTN_NAME = "hybridrl_prefix_group"
 LAYOUT_KWARG = "hybridrl_prefix_layout"
 INNER_ATTR = "_hybridrl_inner_attn"  # set on the model's configs: the implementation it had
-GROUPED_VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # vision-language models the grouper takes
+GROUPED_VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # vision-language models the grouper takes
 
 __all__ = [
     "ATTN_NAME",
@@ -317,7 +317,7 @@ def model_refusal(hf_config: Any) -> str | None:
 
     The refusals of `grouped_attention`, decided before any weight is loaded: a vision-language
     model outside `GROUPED_VLM_FAMILIES` (`engine.multimodal.grouped_model_inputs` lays out
-    Qwen2-VL's pixels and 3-D positions), a model class
+    Qwen2-VL's pixels and 3-D positions; Qwen3-VL's deepstack features follow its image tokens), a model class
     whose forward does not pass extra keyword arguments down to its attention function
     (transformers marks the ones that do with `_supports_attention_backend`; a class it cannot
     name from the config counts as not passing them), and sliding-window attention (a layer type

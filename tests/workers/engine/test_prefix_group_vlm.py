@@ -1,4 +1,4 @@
-"""`actor.use_prefix_grouper` with a vision-language model (Qwen2-VL, Qwen2.5-VL).
+"""`actor.use_prefix_grouper` with a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
 
 The shared prompt holds image / video tokens and 3-D (mrope) positions: the grouped forward
 computes each group's prompt, and its pixels, once, and must still give what the plain forward
@@ -6,7 +6,8 @@ gives row by row: log-probs, entropy and the gradient of every parameter, vision
 (fp32). The batch mixes groups with an image, the same text with another picture (equal token
 ids, so the pixels must keep the groups apart), a text-only prompt, a two-image prompt, a video
 prompt, a response that samples an image token (fed as text) and a response with a tool image
-(an agent loop's fed image tokens).
+(an agent loop's fed image tokens). Qwen3-VL refuses videos (hybridrl.models.vlm.NO_VIDEO_FAMILIES):
+its fifth prompt holds a third picture size instead of the video, and the refusal is tested.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from hybridrl.data.multimodal import process_row
-from hybridrl.models.vlm import VLM_FAMILIES, build_tiny_vlm, load_processor
+from hybridrl.models.vlm import NO_VIDEO_FAMILIES, VLM_FAMILIES, build_tiny_vlm, load_processor
 from hybridrl.workers.engine.forward import forward_log_probs
 from hybridrl.workers.engine.multimodal import FED_KEY, MM_KEY, prompt_media_keys
 from hybridrl.workers.engine.prefix_group import build_prefix_layout, model_refusal
@@ -57,6 +58,12 @@ def _prompts(processor):
     out.append(process_row(processor, two, [_picture(GREEN, (84, 56)), _picture(RED)], "row", {}, {})[1:])
     vid = [{"role": "user", "content": "<video>Where does it go?"}]
     clip = {"video": [_picture(c, (56, 84)) for c in (RED, GREEN, BLUE)]}
+    if processor.hybridrl_model_type in NO_VIDEO_FAMILIES:  # videos refused: a third picture size
+        with pytest.raises(ValueError, match="videos with a Qwen3-VL model are not supported yet"):
+            process_row(processor, vid, [], "row", {}, {}, videos=[clip])
+        pic = [{"role": "user", "content": "<image>Where does it go?"}]
+        out.append(process_row(processor, pic, [_picture(BLUE, (56, 84))], "row", {}, {})[1:])
+        return out
     out.append(process_row(processor, vid, [], "row", {}, {}, videos=[clip])[1:])
     return out
 
@@ -171,13 +178,14 @@ def test_pixels_keep_groups_apart_and_run_once_per_group(vlm):
     assert tool > 0 and sum(seen) == sum(pixel_rows) + tool < plain
 
 
-def test_model_refusal_takes_the_qwen2_vl_families_only(tmp_path):
-    from transformers import LlavaConfig, Qwen2_5_VLConfig, Qwen2VLConfig
+def test_model_refusal_takes_the_qwen_vl_families_only(tmp_path):
+    from transformers import LlavaConfig, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
     from hybridrl.trainer.ppo.vlm_setup import _check_grouper
     from hybridrl.utils.config_loader import ConfigError
 
     assert model_refusal(Qwen2VLConfig()) is None and model_refusal(Qwen2_5_VLConfig()) is None
+    assert model_refusal(Qwen3VLConfig()) is None
     assert "vision-language model of model_type='llava'" in model_refusal(LlavaConfig())
     LlavaConfig().save_pretrained(tmp_path)  # use_prefix_grouper=true with it fails at start-up
     with pytest.raises(

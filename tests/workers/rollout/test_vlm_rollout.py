@@ -1,4 +1,5 @@
-"""HFRollout with a tiny Qwen2-VL: pixel inputs reach generate; rollout log-probs == the trainer's recompute."""
+"""HFRollout with a tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL: pixel inputs reach generate; rollout
+log-probs == the trainer's recompute."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from hybridrl.data import visual_task
 from hybridrl.data.rl_dataset import RLDataConfig, RLHFDataset, collate_fn
-from hybridrl.models.vlm import build_tiny_vlm, load_processor
+from hybridrl.models.vlm import PATCH_SIZE, VLM_FAMILIES, build_tiny_vlm, load_processor
 from hybridrl.protocol import DataProto
 from hybridrl.workers.engine.forward import forward_log_probs
 from hybridrl.workers.engine.multimodal import MM_KEY, attach_multimodal
@@ -18,13 +19,14 @@ pytest.importorskip("PIL")
 P, T = 40, 8
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+@pytest.fixture(scope="module", params=VLM_FAMILIES)
+def setup(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vlm_rollout")
-    path = build_tiny_vlm(tmp / "model", "qwen2_vl", seed=2)
+    path = build_tiny_vlm(tmp / "model", request.param, seed=2)
     processor = load_processor(path)
     files = visual_task.write_rl_parquet(str(tmp / "train.parquet"), 4, seed=5)
-    ds = RLHFDataset(files, processor.tokenizer, RLDataConfig(max_prompt_length=P), processor=processor)
+    cfg = RLDataConfig(max_prompt_length=P, image_patch_size=PATCH_SIZE[request.param])  # Qwen3-VL: 16
+    ds = RLHFDataset(files, processor.tokenizer, cfg, processor=processor)
     prompts = DataProto.from_single_dict(collate_fn([ds[i] for i in range(4)]))
     cfg = RolloutConfig(name="hf", dtype="float32", prompt_length=P, response_length=T, calculate_log_probs=True,
                         temperature=1.0, ignore_eos=True)  # fmt: skip
