@@ -1,4 +1,5 @@
-"""A geo3k-format parquet (images as PNG bytes) through main_ppo with a tiny Qwen2-VL; VLM start-up checks."""
+"""A geo3k-format parquet (images as PNG bytes) through main_ppo with a tiny Qwen2-VL (and Qwen3-VL);
+VLM start-up checks."""
 
 from __future__ import annotations
 
@@ -85,6 +86,22 @@ def test_main_ppo_two_steps_on_videos(vlm_files, tmp_path):
     rows = run(
         [*overrides, f"data.train_files={train}", f"data.val_files={val}", "data.video_key=videos",
          "trainer.backend=local", "actor_rollout_ref.model.use_remove_padding=true"],
+        tmp_path,
+    )  # fmt: skip
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    assert_finite(steps, ["actor/pg_loss", "actor/grad_norm", "critic/score/mean"])
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_main_ppo_two_steps_on_images_with_qwen3_vl(vlm_files, tmp_path):
+    """The same geo3k-format parquet through main_ppo with a tiny Qwen3-VL (patch 16, so
+    `data.image_patch_size=16` as in veRL's Qwen3-VL scripts): 2 GRPO steps, packed forward."""
+    _, train, val = vlm_files
+    model = build_tiny_vlm(tmp_path / "qwen3_vl", "qwen3_vl", seed=0)
+    rows = run(
+        [*_overrides((model, train, val)), "data.image_patch_size=16", "trainer.backend=local",
+         "actor_rollout_ref.model.use_remove_padding=true"],
         tmp_path,
     )  # fmt: skip
     steps = [r for r in rows if "actor/pg_loss" in r]

@@ -1,4 +1,5 @@
-"""One GRPO update of a tiny Qwen2-VL on 2 FSDP2 ranks (gloo, real processes) == on 1 rank, with images.
+"""One GRPO update of a tiny Qwen2-VL / Qwen3-VL on 2 FSDP2 ranks (gloo, real processes) == on 1 rank,
+with images.
 
 The rows' pixel inputs ride in the batch's non-tensor part, are split with their rows over the
 ranks, and reach the vision tower on each rank: log-probs (padded) and the updated weights (packed
@@ -30,7 +31,8 @@ def _batch(model_dir):
 
     processor = load_processor(model_dir)
     files = visual_task.write_rl_parquet(os.path.join(model_dir, "rows.parquet"), ROWS, seed=3)
-    ds = RLHFDataset(files, processor.tokenizer, RLDataConfig(max_prompt_length=P), processor=processor)
+    cfg = RLDataConfig(max_prompt_length=P, image_patch_size=None)  # the processor's (Qwen3-VL: 16)
+    ds = RLHFDataset(files, processor.tokenizer, cfg, processor=processor)
     prompts = collate_fn([ds[i] for i in range(ROWS)])
     g = torch.Generator().manual_seed(4)
     responses = torch.randint(10, 40, (ROWS, T), generator=g)  # text tokens of the character vocab
@@ -118,8 +120,9 @@ def _checks(rank, world, model_dir):
     dist.barrier()
 
 
-def test_grpo_update_two_ranks_equals_one_rank_with_images(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_grpo_update_two_ranks_equals_one_rank_with_images(tmp_path, family):
     from hybridrl.models.vlm import build_tiny_vlm
 
-    model_dir = build_tiny_vlm(tmp_path / "model", "qwen2_vl", seed=1)
+    model_dir = build_tiny_vlm(tmp_path / "model", family, seed=1)
     spawn(_checks, 2, tmp_path, model_dir)
