@@ -30,7 +30,8 @@ from hybridrl.workers.engine.multimodal import FED_KEY
 from hybridrl.workers.rollout.config import RolloutConfig
 
 pytest.importorskip("PIL")
-TOOL_SIDE = 84  # 84 x 84 pixels: a 6 x 6 patch grid, 9 image tokens (the prompt's 56 x 56: 4)
+TOOL_SIDE = 84  # 84 x 84 pixels: a 6 x 6 patch grid, 9 image tokens (the prompt's 56 x 56: 4); Qwen3-VL
+# (patch 16) resizes it to 96 x 96: again 6 x 6
 
 
 @register_tool_parser("test_vlm_always_draw")
@@ -57,12 +58,13 @@ class DrawTool(BaseTool):
         return ToolResponse(text="see", image=[image]), 0.0, {}
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_vl"])
+def vlm(request, tmp_path_factory):
+    """The warm-started tiny VLM (Qwen2-VL; a test parametrises `vlm` indirectly for others)."""
     from hybridrl.models.vlm import build_tiny_vlm, load_processor
     from hybridrl.models.vlm_warm_start import format_warm_start
 
-    path = build_tiny_vlm(tmp_path_factory.mktemp("agent_vlm") / "model", "qwen2_vl", seed=0)
+    path = build_tiny_vlm(tmp_path_factory.mktemp("agent_vlm") / "model", request.param, seed=0)
     format_warm_start(
         path, steps=20, batch_size=4, lr=3e-3, num_threads=1
     )  # short "#### colour" turns ending in EOS
@@ -156,6 +158,7 @@ def _tool_spans(out, image_id):
     return spans
 
 
+@pytest.mark.parametrize("vlm", ["qwen2_vl", "qwen3_vl"], indirect=True)
 def test_tool_images_enter_the_next_turn_and_train(vlm):
     path, processor = vlm
     image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
