@@ -17,12 +17,12 @@ def _adapted(model) -> set[str]:
     return {n for n, m in model.named_modules() if hasattr(m, "lora_A") and len(m.lora_A)}
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])
+def vlm_dir(request, tmp_path_factory):
     pytest.importorskip("PIL")
     from hybridrl.models.vlm import build_tiny_vlm
 
-    return build_tiny_vlm(tmp_path_factory.mktemp("lora_vlm") / "model", "qwen2_vl", seed=0)
+    return build_tiny_vlm(tmp_path_factory.mktemp("lora_vlm") / "model", request.param, seed=0)
 
 
 def test_exclude_the_vision_tower_of_a_vlm(vlm_dir):

@@ -21,14 +21,15 @@ def _logits(model, processor):
         return model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(), **mm).logits
 
 
-def test_merge_writes_the_processor_files(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_merge_writes_the_processor_files(tmp_path, family):
     from transformers import AutoModelForImageTextToText
 
     from hybridrl.models.vlm import build_tiny_vlm, load_processor
     from hybridrl.trainer.offline.model_merger import MergeError, merge_checkpoint
     from hybridrl.workers.engine.checkpoint import save_checkpoint
 
-    src = build_tiny_vlm(tmp_path / "model", "qwen2_vl", seed=0)
+    src = build_tiny_vlm(tmp_path / "model", family, seed=0)
     processor = load_processor(src)
     model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():  # "trained" weights, vision tower included: the merge must take these
@@ -44,6 +45,7 @@ def test_merge_writes_the_processor_files(tmp_path):
     merged = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
     reloaded = load_processor(out)
     assert type(reloaded.image_processor).__name__ == type(processor.image_processor).__name__
+    assert reloaded.image_processor.patch_size == processor.image_processor.patch_size  # Qwen3-VL: 16
     torch.testing.assert_close(_logits(merged, reloaded), trained, atol=1e-5, rtol=0)
     assert not torch.allclose(_logits(AutoModelForImageTextToText.from_pretrained(src), processor), trained)
     # a source folder without the processor files: refused, with the fix
