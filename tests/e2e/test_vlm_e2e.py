@@ -201,3 +201,45 @@ def test_main_ppo_on_images_with_ulysses_sp2_on_ray(vlm_files, tmp_path):
     steps = [r for r in rows if "actor/pg_loss" in r]
     assert len(steps) == 2
     assert_finite(steps, ["actor/pg_loss", "actor/grad_norm", "actor/kl_loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_main_ppo_qwen3_vl_with_ulysses_sp2_on_ray(vlm_files, tmp_path):
+    """Qwen3-VL (deepstack cut to each SP rank's slice) with Ulysses SP=2 over 2 Ray FSDP ranks."""
+    _, train, val = vlm_files
+    model = build_tiny_vlm(tmp_path / "qwen3_vl", "qwen3_vl", seed=0)
+    rows = run(
+        [*_overrides((model, train, val)), "data.image_patch_size=16", "trainer.backend=ray",
+         "trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=true",
+         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+         "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true"],
+        tmp_path,
+    )  # fmt: skip
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    assert_finite(steps, ["actor/pg_loss", "actor/grad_norm", "actor/kl_loss"])
+
+
+@pytest.mark.slow
+def test_sigkill_resume_exact_with_qwen3_vl(vlm_files, tmp_path):
+    """The SIGKILL + resume check (tests/e2e/test_resume.py) on a tiny Qwen3-VL, packed: the resumed
+    steps 3 and 4 log the uninterrupted run's metrics; the HF export keeps patch 16."""
+    from hybridrl.models.vlm import load_processor
+    from tests.e2e.ppo_runs import SMALL
+    from tests.e2e.test_resume import check_sigkill_resume
+
+    _, train, val = vlm_files
+    model = build_tiny_vlm(tmp_path / "qwen3_vl", "qwen3_vl", seed=0)
+    args = [
+        *SMALL,
+        *_overrides((model, train, val), "actor_rollout_ref.model.use_remove_padding=true"),
+        "data.image_patch_size=16",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+        "trainer.test_freq=-1",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+    ]
+    check_sigkill_resume(tmp_path, args)
+    hf = tmp_path / "b_ckpt" / "global_step_4" / "actor" / "huggingface"
+    assert load_processor(str(hf)).image_processor.patch_size == 16
