@@ -351,3 +351,16 @@ def test_tool_videos_in_a_text_run_are_an_error_text():
     assert resp.text.startswith("Error: tool 'film' returned videos") and not resp.video and tt.errors == 1
     tt, resp = asyncio.run(go(True))
     assert resp.text == "film" and len(resp.video) == 1 and tt.errors == 0
+
+
+@pytest.mark.parametrize("vlm", ["qwen3_vl"], indirect=True)
+def test_tool_videos_with_qwen3_vl_are_refused(vlm):
+    """A tool returning videos to a Qwen3-VL run stops the rollout with the refusal (its frame
+    timestamps are not written; hybridrl.models.vlm.qwen3_vl_video_refusal), not a wrong layout."""
+    path, processor = vlm
+    runner = _runner(path, processor, "test_vlm_always_film", "film", FilmTool())
+    try:
+        with pytest.raises(ValueError, match="videos with a Qwen3-VL model are not supported yet"):
+            runner.generate_sequences(_prompts(processor, 6))
+    finally:
+        runner.close()
