@@ -22,9 +22,15 @@ One update (`WeightGroup.send` / `WeightGroup.receive`)::
 The receiver runs in a thread of its own, so an update is received while the worker is still
 generating its chunk; the engine only changes between two generate calls, as before. A worker
 whose load of v comes late keeps v (and any newer version) staged meanwhile; older ones are
-dropped. For a tensor-parallel engine every TP rank is a rollout worker and a group member: each
-receives the full tensors and its engine keeps its slice (the engines' own loaders, as in the
-colocated sync).
+dropped.
+
+Tensor-parallel engines: every TP rank is a rollout worker and a group member (rollout worker w is
+group rank 1 + w and TP rank w % TP). For the model families tp_shards.py knows, trainer rank 0
+sends each TP rank only the slice its vLLM loaders keep: per TP rank its own buckets and tables
+(keys `{update}/{tp rank}/{bucket}`), each bucket sent point to point to the workers of that TP
+rank; the receiver hands vLLM a full-shape tensor holding its slice (`tp_shards.unshard`). Any
+other model (or `tp_shards=False`) takes the full broadcast and the engines' loaders slice, as in
+the colocated sync. Each update starts with a header `{update}/head` that says which.
 
 Deadlines: the group's creation (store connection and the backend's rendezvous) and every
 broadcast end after `async_training.weight_update_timeout_s`, with an error naming that key and
@@ -44,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.async_rollout.tp_shards import Shard, TPLayout, shard_of, unshard
 from hybridrl.workers.rollout.weight_sync import iter_buckets, tensor_nbytes
 
 __all__ = [
@@ -53,8 +60,10 @@ __all__ = [
     "GroupSpec",
     "WeightGroup",
     "WeightReceiver",
+    "Received",
     "collective_payload",
     "is_collective_payload",
+    "materialize",
     "open_store",
     "pack_bucket",
     "unpack_bucket",
@@ -157,9 +166,8 @@ def pack_bucket(
         if pool is not None
         else torch.empty(offset, dtype=torch.uint8, device=device)
     )
-    for (_, t), (_, _, _, off) in zip(bucket, table):
-        flat = t.detach().reshape(-1).view(torch.uint8)
-        buf[off : off + flat.numel()].copy_(flat)
+    for (_, t), (_, _, shape, off) in zip(bucket, table):
+        buf[off : off + tensor_nbytes(t)].view(t.dtype).view(shape).copy_(t.detach())
     return buf, table
 
 
@@ -176,6 +184,35 @@ def unpack_bucket(
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         out.append((name, buf[off : off + nbytes].view(dtype).view(shape)))
     return out
+
+
+@dataclass
+class Received:
+    """One update as a receiver got it.
+
+    Attributes:
+        version: the policy version.
+        named: (name, tensor, place): the tensor views a staging buffer; place is None for a full
+            tensor, else (full shape, dim, start) of a TP slice (`materialize` gives vLLM's input).
+        buffers: the staging buffers the tensors view.
+        nbytes: bytes received.
+    """
+
+    version: int
+    named: list[tuple[str, torch.Tensor, tuple | None]]
+    buffers: list[torch.Tensor]
+    nbytes: int
+
+
+def materialize(named: list[tuple[str, torch.Tensor, tuple | None]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) stream the engine loads: a TP slice becomes a full-shape tensor holding
+    it (tp_shards.unshard), built lazily, one at a time."""
+    for name, t, place in named:
+        if place is None:
+            yield name, t
+        else:
+            full, dim, start = place
+            yield name, unshard(t, full, Shard(dim, start, t.shape[dim]))
 
 
 # ---------------------------------------------------------------------------------------- group
@@ -198,13 +235,17 @@ class WeightGroup:
         rank: this member's group rank (0 = trainer rank 0).
         store: rank 0's own TCPStore (from `open_store`); None: connect to spec.host:spec.port.
         who: how error messages name this member ("rollout worker 1").
+        tp_rank, tp_size: a receiver's place in its rollout engine (rollout worker w: w % TP, TP).
 
     Raises:
         RuntimeError: the store or the group could not be reached within spec.timeout_s.
     """
 
-    def __init__(self, spec: GroupSpec, rank: int, store: Any = None, who: str = "") -> None:
+    def __init__(
+        self, spec: GroupSpec, rank: int, store: Any = None, who: str = "", tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         self.spec, self.rank, self.who = spec, rank, who or f"group rank {rank}"
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeout = timedelta(seconds=spec.timeout_s)
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -230,41 +271,129 @@ class WeightGroup:
         self._seq = 0  # updates sent / received so far
         self._pool = BufferPool()  # the sender's packing buffers
 
-    def _broadcast(self, buf: torch.Tensor, what: str) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.timeout
+    def _wait(self, work: Any, what: str) -> None:
         try:
-            self.pg.broadcast([buf], opts).wait(self.timeout)
-            if buf.is_cuda:
+            work.wait(self.timeout)
+            if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
         except RuntimeError as err:
             raise RuntimeError(
-                f"{MODE_KEY}=collective: {self.who}: the broadcast of {what} failed or did not finish within "
+                f"{MODE_KEY}=collective: {self.who}: the transfer of {what} failed or did not finish within "
                 f"{self.spec.timeout_s:g} s ({TIMEOUT_KEY}); a member of the group died or hangs "
                 f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}). "
                 f"Raise {TIMEOUT_KEY}, {_FALLBACK}"
             ) from None
 
+    def _broadcast(self, buf: torch.Tensor, what: str) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.timeout
+        self._wait(self.pg.broadcast([buf], opts), what)
+
     def send(
-        self, named: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        bucket_bytes: int,
+        layout: TPLayout | None = None,
     ) -> dict[str, float]:
-        """Rank 0: broadcast the stream bucket by bucket. Returns bytes, buckets and seconds."""
+        """Rank 0: send one update; returns bytes (all the buckets packed), rank_bytes (what one
+        receiver gets, the most over TP ranks), buckets and seconds.
+
+        layout None: broadcast the full tensors to every member. A TPLayout: each TP rank gets its
+        slices (tp_shards.shard_of) in buckets of its own, sent to the workers of that TP rank.
+        """
         if self.rank != 0:
             raise RuntimeError("WeightGroup.send runs on group rank 0 (trainer rank 0) only")
         seq, self._seq = self._seq, self._seq + 1
-        nbytes, i, t0 = 0, 0, time.perf_counter()
+        t0 = time.perf_counter()
+        tp = 1 if layout is None else layout.tp
+        self.meta.set(
+            f"{seq}/head", pickle.dumps({"version": int(version), "tp": tp, "sharded": layout is not None})
+        )
+        if layout is None:
+            nbytes, buckets = self._send_full(named, seq, version, bucket_bytes)
+            rank_bytes = nbytes
+        else:
+            per_rank, buckets = self._send_sharded(named, seq, version, bucket_bytes, layout)
+            nbytes, rank_bytes = sum(per_rank), max(per_rank)
+        return {
+            "bytes": float(nbytes),
+            "rank_bytes": float(rank_bytes),
+            "buckets": float(buckets),
+            "send_s": time.perf_counter() - t0,
+        }
+
+    def _send_full(
+        self, named: Iterable[tuple[str, torch.Tensor]], seq: int, version: int, bucket_bytes: int
+    ) -> tuple[int, int]:
+        """Broadcast the stream bucket by bucket to every member: (bytes, buckets)."""
+        nbytes, i = 0, 0
         for bucket in iter_buckets(named, bucket_bytes):
             buf, table = pack_bucket([(n, t.to(self.device)) for n, t in bucket], self.device, self._pool)
             bucket.clear()
-            self.meta.set(
-                f"{seq}/{i}", pickle.dumps({"version": int(version), "table": table, "nbytes": buf.numel()})
-            )
+            self.meta.set(f"{seq}/{i}", pickle.dumps({"table": table, "nbytes": buf.numel()}))
             self._broadcast(buf, f"bucket {i} of version {version} ({buf.numel() / 2**20:.1f} MiB)")
             nbytes += buf.numel()
             self._pool.put(buf)  # the broadcast is done with it
             i += 1
         self.meta.set(f"{seq}/{i}", pickle.dumps(None))  # end of this update
-        return {"bytes": float(nbytes), "buckets": float(i), "send_s": time.perf_counter() - t0}
+        return nbytes, i
+
+    def _tp_members(self, tp: int) -> list[list[int]]:
+        """Group ranks of the rollout workers of each TP rank (worker w: group rank 1 + w, TP rank w % tp)."""
+        workers = self.spec.world_size - 1
+        if workers % tp:
+            raise ValueError(f"{workers} rollout workers do not split into engines of {tp} TP ranks")
+        return [[1 + w for w in range(r, workers, tp)] for r in range(tp)]
+
+    def _send_sharded(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        seq: int,
+        version: int,
+        bucket_bytes: int,
+        layout: TPLayout,
+    ) -> tuple[list[int], int]:
+        """Each TP rank's slices in its own buckets, each bucket sent to that rank's workers as it
+        fills: (bytes per TP rank, buckets in all)."""
+        members = self._tp_members(layout.tp)
+        pending: list[list[tuple[str, torch.Tensor, Shard | None, tuple[int, ...]]]] = [[] for _ in members]
+        sizes, counts, sent = [0] * len(members), [0] * len(members), [0] * len(members)
+
+        def flush(r: int) -> None:
+            bucket, pending[r], sizes[r] = pending[r], [], 0
+            buf, table = pack_bucket(
+                [(n, p.to(self.device)) for n, p, _, _ in bucket], self.device, self._pool
+            )
+            places = {j: (full, s.dim, s.start) for j, (_, _, s, full) in enumerate(bucket) if s is not None}
+            self.meta.set(
+                f"{seq}/{r}/{counts[r]}",
+                pickle.dumps({"table": table, "nbytes": buf.numel(), "places": places}),
+            )
+            what = f"bucket {counts[r]} of TP rank {r}, version {version} ({buf.numel() / 2**20:.1f} MiB)"
+            if buf.numel():
+                works = [self.pg.send([buf], dst, 0) for dst in members[r]]
+                for work in works:
+                    self._wait(work, what)
+            sent[r] += buf.numel()
+            counts[r] += 1
+            self._pool.put(buf)
+
+        for name, tensor in named:
+            full = tuple(tensor.shape)
+            for r in range(len(members)):
+                s = shard_of(name, full, layout, r)
+                piece = tensor if s is None else tensor.narrow(s.dim, s.start, s.length)
+                n = tensor_nbytes(piece)
+                if pending[r] and sizes[r] + n > bucket_bytes:
+                    flush(r)
+                pending[r].append((name, piece, s, full))
+                sizes[r] += n
+        for r in range(len(members)):
+            if pending[r]:
+                flush(r)
+            self.meta.set(f"{seq}/{r}/{counts[r]}", pickle.dumps(None))  # end of this rank's update
+        return sent, sum(counts)
 
     def _next_table(self, key: str, stop: threading.Event | None) -> Any:
         """The table under `key`, waiting for it (forever, in _POLL_S rounds, until `stop`)."""
@@ -278,17 +407,24 @@ class WeightGroup:
             return pickle.loads(self.meta.get(key))
         return None
 
-    def receive(
-        self, stop: threading.Event | None = None, pool: BufferPool | None = None
-    ) -> tuple[int, list[tuple[str, torch.Tensor]], list[torch.Tensor]] | None:
-        """Ranks >= 1: the next update's (version, [(name, tensor)], the buffers the tensors view);
-        None if `stop` was set first. Buffers come from `pool` when given."""
+    def receive(self, stop: threading.Event | None = None, pool: BufferPool | None = None) -> Received | None:
+        """Ranks >= 1: the next update (Received); None if `stop` was set first. Buffers come from
+        `pool` when given."""
         seq = self._seq
-        meta = self._next_table(f"{seq}/0", stop)
-        if meta is None:
+        head = self._next_table(f"{seq}/head", stop)
+        if head is None:
             return None
         self._seq += 1
-        version, named, bufs = meta["version"], [], []
+        version = head["version"]
+        if head["sharded"] and head["tp"] != self.tp_size:
+            raise RuntimeError(
+                f"{MODE_KEY}=collective: {self.who} is TP rank {self.tp_rank} of {self.tp_size}, but trainer rank 0 "
+                f"sliced version {version} for TP {head['tp']}: the trainer and the rollout workers must share "
+                "actor_rollout_ref.rollout.tensor_model_parallel_size"
+            )
+        prefix = f"{seq}/{self.tp_rank}/" if head["sharded"] else f"{seq}/"
+        got = Received(version, [], [], 0)
+        meta = pickle.loads(self.meta.get(f"{prefix}0"))  # set before the update's first transfer
         while meta is not None:
             n = meta["nbytes"]
             buf = (
@@ -296,11 +432,20 @@ class WeightGroup:
                 if pool is not None
                 else torch.empty(n, dtype=torch.uint8, device=self.device)
             )
-            self._broadcast(buf, f"bucket {len(bufs)} of version {version}")
-            named.extend(unpack_bucket(buf, meta["table"]))
-            bufs.append(buf)
-            meta = pickle.loads(self.meta.get(f"{seq}/{len(bufs)}"))  # set before the broadcast it precedes
-        return version, named, bufs
+            what = f"bucket {len(got.buffers)} of version {version}"
+            if not head["sharded"]:
+                self._broadcast(buf, what)
+            elif n:
+                self._wait(self.pg.recv([buf], 0, 0), what)
+            places = meta.get("places", {})
+            got.named.extend(
+                (name, t, places.get(j)) for j, (name, t) in enumerate(unpack_bucket(buf, meta["table"]))
+            )
+            got.buffers.append(buf)
+            got.nbytes += n
+            # the next table was set before the transfer it precedes
+            meta = pickle.loads(self.meta.get(f"{prefix}{len(got.buffers)}"))
+        return got
 
 
 class WeightReceiver:
@@ -312,7 +457,8 @@ class WeightReceiver:
 
     def __init__(self, group: WeightGroup) -> None:
         self.group = group
-        self._staged: dict[int, tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]] = {}
+        self._staged: dict[int, Received] = {}
+        self.received_bytes: dict[int, int] = {}  # bytes of every version received, by version
         self._loaned: dict[int, list[torch.Tensor]] = {}  # buffers of versions being loaded
         self._pool = BufferPool()
         self._cond = threading.Condition()
@@ -328,7 +474,8 @@ class WeightReceiver:
                 if got is None:
                     return
                 with self._cond:
-                    self._staged[got[0]] = (got[1], got[2])
+                    self._staged[got.version] = got
+                    self.received_bytes[got.version] = got.nbytes
                     self._cond.notify_all()
         except BaseException as err:  # raised by the next `take`
             with self._cond:
@@ -353,11 +500,12 @@ class WeightReceiver:
                         f"({TIMEOUT_KEY}); trainer rank 0 is hung or the update was lost. Raise {TIMEOUT_KEY}, {_FALLBACK}"
                     )
                 self._cond.wait(min(left, _POLL_S))
-            named, self._loaned[version] = self._staged.pop(version)
+            got = self._staged.pop(version)
+            self._loaned[version] = got.buffers
             for v in [v for v in self._staged if v < version]:
-                for buf in self._staged.pop(v)[1]:
+                for buf in self._staged.pop(v).buffers:
                     self._pool.put(buf)
-        return iter(named)
+        return materialize(got.named)
 
     def recycle(self, version: int) -> None:
         """The engine has loaded `version`: its staging buffers may take a later update."""

@@ -33,10 +33,10 @@ T = 12  # new tokens
 TEXTS = ["12+34=", "7+1=", "45+45=", "9+90=", "3+3=", "60+7=", "88+11=", "5+52="]
 
 
-def _rollout_group(name: str, model_path: str, tp: int, engine: str = "vllm"):
+def _rollout_group(name: str, model_path: str, tp: int, engine: str = "vllm", **rollout_keys):
     """A disaggregated rollout group as main_async builds it (role="rollout"): `tp` slots of half a
-    CPU, one vLLM engine of `tp` TP ranks (each rank pinned to its own core). Returns (pool, group,
-    the refs of its init_model calls)."""
+    CPU, one vLLM engine of `tp` TP ranks (each rank pinned to its own core); `rollout_keys` are
+    further RolloutConfig fields. Returns (pool, group, the refs of its init_model calls)."""
     from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from hybridrl.workers.config import ModelConfig
     from hybridrl.workers.engine_workers import ActorRolloutRefWorker
@@ -52,6 +52,7 @@ def _rollout_group(name: str, model_path: str, tp: int, engine: str = "vllm"):
         free_cache_engine=False,
         max_num_seqs=16,
         seed=3,
+        **rollout_keys,
     )
     pool = RayResourcePool([tp], use_gpu=False, cpus_per_slot=0.5, name_prefix=name)
     cls = RayClassWithInitArgs(

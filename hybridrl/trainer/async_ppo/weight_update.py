@@ -5,7 +5,8 @@
   its object store; each rollout worker's `load_weights(ref, v)` fetches and loads them.
 * `collective`: a process group of trainer rank 0 and every rollout worker
   (hybridrl/async_rollout/collective.py), built once before the first update; every training rank
-  gathers and rank 0 broadcasts the buckets; each worker's receiver thread stages them and its
+  gathers and rank 0 sends the buckets (to TP > 1 engines each TP rank only its slices, where
+  async_rollout/tp_shards.py knows the model); each worker's receiver thread stages them and its
   `load_weights(collective_payload(v), v)` loads them.
 
 Both are non-blocking for the driver: `publish(v)` starts the gather and returns the payload the
@@ -86,6 +87,7 @@ class WeightPublisher:
             "async/weight_update/send_s": got["send_s"],
             "async/weight_update/gather_send_s": got["total_s"],
             "async/weight_update/mbytes": got["bytes"] / 2**20,
+            "async/weight_update/mbytes_per_rollout_worker": got["rank_bytes"] / 2**20,
         }
 
     def join(self) -> None:
