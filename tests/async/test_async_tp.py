@@ -219,12 +219,19 @@ def _tp(n: int) -> list[str]:
 @pytest.mark.timeout(900)
 def test_eta0_tp2_rollout_equals_tp1_step_for_step(tmp_path):
     """Same data, same seeds, eta = 0: one TP=2 engine gives the samples and updates of one TP=1
-    engine (the weights reach each TP rank over the collective weight-update group, the default)."""
+    engine (the weights reach each TP rank over the collective weight-update group, the default,
+    each TP rank receiving only its slices)."""
     keys = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"]
     one = E2E.run_async([*TP_RUN, *_tp(1)], tmp_path / "tp1")
     two = E2E.run_async([*TP_RUN, *_tp(2)], tmp_path / "tp2")
     assert one.consumed_versions == two.consumed_versions == [[0] * 4, [1] * 4, [2] * 4]
     assert all(r["async/weight_update/mbytes"] > 0 for r in two.history)
+    # each TP rank received only its slices (async_rollout/tp_shards.py): about half the model
+    sliced = [
+        r["async/weight_update/mbytes_per_rollout_worker"] / r["async/weight_update/mbytes"]
+        for r in two.history
+    ]
+    assert all(0.45 < x < 0.55 for x in sliced), sliced
     for s, a in zip(one.history, two.history, strict=True):
         for key in keys:
             assert math.isclose(a[key], s[key], rel_tol=1e-4, abs_tol=1e-6), (key, a[key], s[key])
