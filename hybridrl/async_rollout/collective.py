@@ -204,15 +204,30 @@ class Received:
     nbytes: int
 
 
-def materialize(named: list[tuple[str, torch.Tensor, tuple | None]]) -> Iterator[tuple[str, torch.Tensor]]:
+def materialize(
+    named: list[tuple[str, torch.Tensor, tuple | None]],
+    pool: BufferPool | None = None,
+    loaned: list[torch.Tensor] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, tensor) stream the engine loads: a TP slice becomes a full-shape tensor holding
-    it (tp_shards.unshard), built lazily, one at a time."""
+    it (tp_shards.unshard), built lazily, one at a time; its memory comes from `pool` (mapped
+    pages of an earlier update, not fresh ones) and is appended to `loaned` for the caller to
+    give back once the engine has copied it."""
     for name, t, place in named:
         if place is None:
             yield name, t
-        else:
-            full, dim, start = place
-            yield name, unshard(t, full, Shard(dim, start, t.shape[dim]))
+            continue
+        full, dim, start = place
+        out = None
+        if pool is not None:
+            numel = 1
+            for d in full:
+                numel *= d
+            buf = pool.get(numel * t.element_size(), t.device)
+            if loaned is not None:
+                loaned.append(buf)
+            out = buf.view(t.dtype).view(full)
+        yield name, unshard(t, full, Shard(dim, start, t.shape[dim]), out=out)
 
 
 # ---------------------------------------------------------------------------------------- group
@@ -359,6 +374,7 @@ class WeightGroup:
         members = self._tp_members(layout.tp)
         pending: list[list[tuple[str, torch.Tensor, Shard | None, tuple[int, ...]]]] = [[] for _ in members]
         sizes, counts, sent = [0] * len(members), [0] * len(members), [0] * len(members)
+        inflight: list[tuple[list[Any], torch.Tensor, str]] = []  # (sends, buffer, what) not yet waited for
 
         def flush(r: int) -> None:
             bucket, pending[r], sizes[r] = pending[r], [], 0
@@ -371,12 +387,17 @@ class WeightGroup:
                 pickle.dumps({"table": table, "nbytes": buf.numel(), "places": places}),
             )
             what = f"bucket {counts[r]} of TP rank {r}, version {version} ({buf.numel() / 2**20:.1f} MiB)"
-            if buf.numel():
-                works = [self.pg.send([buf], dst, 0) for dst in members[r]]
-                for work in works:
-                    self._wait(work, what)
+            works = [self.pg.send([buf], dst, 0) for dst in members[r]] if buf.numel() else []
+            inflight.append((works, buf, what))
+            if len(inflight) > len(members):  # one bucket in flight per TP rank: they go out side by side
+                done()
             sent[r] += buf.numel()
             counts[r] += 1
+
+        def done() -> None:
+            works, buf, what = inflight.pop(0)
+            for work in works:
+                self._wait(work, what)
             self._pool.put(buf)
 
         for name, tensor in named:
@@ -393,6 +414,8 @@ class WeightGroup:
             if pending[r]:
                 flush(r)
             self.meta.set(f"{seq}/{r}/{counts[r]}", pickle.dumps(None))  # end of this rank's update
+        while inflight:
+            done()
         return sent, sum(counts)
 
     def _next_table(self, key: str, stop: threading.Event | None) -> Any:
@@ -501,11 +524,11 @@ class WeightReceiver:
                     )
                 self._cond.wait(min(left, _POLL_S))
             got = self._staged.pop(version)
-            self._loaned[version] = got.buffers
+            self._loaned[version] = got.buffers  # the full-shape tensors of TP slices join them
             for v in [v for v in self._staged if v < version]:
                 for buf in self._staged.pop(v).buffers:
                     self._pool.put(buf)
-        return materialize(got.named)
+        return materialize(got.named, self._pool, got.buffers)
 
     def recycle(self, version: int) -> None:
         """The engine has loaded `version`: its staging buffers may take a later update."""

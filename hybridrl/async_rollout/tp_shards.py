@@ -119,9 +119,11 @@ def shard_of(name: str, shape: tuple[int, ...], layout: TPLayout, rank: int) -> 
     return None
 
 
-def unshard(piece: torch.Tensor, full_shape: tuple[int, ...], shard: Shard) -> torch.Tensor:
-    """A tensor of `full_shape` whose `narrow(shard.dim, shard.start, shard.length)` is `piece`;
-    the rest is uninitialised memory (never written, so untouched pages are not even mapped)."""
-    full = torch.empty(full_shape, dtype=piece.dtype, device=piece.device)
+def unshard(
+    piece: torch.Tensor, full_shape: tuple[int, ...], shard: Shard, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A tensor of `full_shape` (`out` when given, else a new one) whose `narrow(shard.dim,
+    shard.start, shard.length)` is `piece`; the rest is left as it was (never read by vLLM)."""
+    full = torch.empty(full_shape, dtype=piece.dtype, device=piece.device) if out is None else out
     full.narrow(shard.dim, shard.start, shard.length).copy_(piece)
     return full
