@@ -13,6 +13,12 @@ of one more chunk matmul in the backward). The matmul runs in the dtype of `hidd
 mixed precision) and everything after it in float32, exactly as the plain path does; the weight
 gradient is accumulated over chunks in float32 and cast to the weight's dtype once.
 
+The eager per-chunk kernels (`stats_inplace`, `grad_inplace`) work in place: the chunk's logits
+become log p in the forward and the gradient in the backward, with one reused (c, V) scratch
+buffer, and the matmuls write into their outputs (`out=`, `addmm_`). At 16 x 256 response tokens
+of a 32k vocabulary this took the head's forward + backward from 14.7 to 6.2 s (2 threads;
+`chunk_stats` / `chunk_grad` are the out-of-place reference, and what `compiled` compiles).
+
 Shapes: N positions (only the response-predicting ones: the caller slices them before the head),
 H hidden size, V vocabulary.
 """
@@ -24,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# Budget of one chunk's float32 logits; the backward holds ~3 tensors of this size at once.
+# Budget of one chunk's float32 logits; the forward and the backward hold 2 buffers of this size.
 CHUNK_BYTES = 64 * 2**20
 # When all N x V float32 logits fit in this, the forward keeps them and the backward skips its
 # recompute matmul (2 N H V FLOPs, a quarter of the head's forward + backward; the gradients are
@@ -39,9 +45,32 @@ def default_chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(16, chunk_bytes // (4 * max(1, vocab_size)))
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
-    """(c, H) hidden -> (c, V) float32 logits / temperature (the matmul in the inputs' dtype)."""
-    return F.linear(h, weight, bias).float() / temperature
+def _chunk_logits(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(c, H) hidden -> (c, V) float32 logits / temperature (the matmul in the inputs' dtype),
+    written into `out` (c, V) float32 when given (the matmul's own output when it is float32)."""
+    if (
+        out is not None
+        and h.dtype == weight.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
+    ):
+        if bias is None:
+            torch.mm(h, weight.t(), out=out)
+        else:
+            torch.addmm(bias, h, weight.t(), out=out)
+    else:
+        z = F.linear(h, weight, bias).float()
+        if out is None:
+            return z / temperature if temperature != 1.0 else z
+        out.copy_(z)
+    if temperature != 1.0:
+        out.div_(temperature)
+    return out
 
 
 def chunk_stats(z: torch.Tensor, labels: torch.Tensor, with_entropy: bool, with_sps: bool):
@@ -74,15 +103,82 @@ def chunk_grad(z, lse, labels, g_logp, g_ent, entropy, temperature: float) -> to
     return gz / temperature
 
 
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_v a[i, v] * b[i, v] for each row i of two (c, V) tensors, without a (c, V) temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def stats_inplace(
+    z: torch.Tensor,
+    labels: torch.Tensor,
+    with_entropy: bool,
+    with_sps: bool,
+    scratch: torch.Tensor | None = None,
+):
+    """`chunk_stats` with fewer passes over the (c, V) chunk, which it overwrites with log p.
+
+    With m = max_v z and e = exp(z - m), s = sum_v e:  log p = (z - m) - log s,
+    H = log s - sum_v e (z - m) / s,  sum_v p^2 = sum_v e^2 / s^2. One (c, V) temporary (e);
+    z is shifted in place twice, the row sums are batched dot products.
+
+    `scratch`: a float32 buffer of at least z's size for e (mapped pages of the previous chunk).
+    Returns (log p(label), (m, log s), entropy or None, sum p^2 or None), each (c,); the pair
+    (m, log s) turns a recomputed chunk of logits into the same log p bits (`grad_inplace`).
+    """
+    m = z.amax(dim=-1)
+    z.sub_(m[:, None])
+    e = torch.exp(z) if scratch is None else torch.exp(z, out=scratch[: z.numel()].view(z.shape))
+    s = e.sum(dim=-1)
+    log_s = torch.log(s)
+    entropy = log_s - _rowdot(e, z) / s if with_entropy else None
+    sum_pi_sq = _rowdot(e, e) / (s * s) if with_sps else None
+    del e
+    z.sub_(log_s[:, None])
+    return z.gather(1, labels[:, None])[:, 0], (m, log_s), entropy, sum_pi_sq
+
+
+def grad_inplace(
+    logp, shift, labels, g_logp, g_ent, entropy, temperature: float, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`chunk_grad` computed in the (c, V) buffer `logp`, which it overwrites and returns.
+
+    `logp` holds log p (a kept chunk) or, with `shift` = (m, log s), the chunk's logits z, shifted
+    here into log p. d/dz of g_logp * log p(label) + g_ent * H, divided by the temperature:
+    -p (g_logp + g_ent (log p + H)) + onehot(label) g_logp, as two in-place row scalings
+    (one without the entropy term) and one scatter; `scratch` as in `stats_inplace` (for p).
+    """
+    if shift is not None:
+        logp.sub_(shift[0][:, None]).sub_(shift[1][:, None])
+    g_logp = None if g_logp is None else g_logp / temperature
+    if g_ent is None:
+        if g_logp is None:
+            return logp.zero_()
+        logp.exp_().mul_(-g_logp[:, None])
+    else:
+        g_ent = g_ent / temperature
+        p = (
+            torch.exp(logp)
+            if scratch is None
+            else torch.exp(logp, out=scratch[: logp.numel()].view(logp.shape))
+        )
+        b = g_ent * entropy if g_logp is None else g_logp + g_ent * entropy
+        logp.mul_(g_ent[:, None]).add_(b[:, None]).mul_(p).neg_()
+        del p
+    if g_logp is not None:
+        logp.scatter_add_(1, labels[:, None], g_logp[:, None])
+    return logp
+
+
 _COMPILED: dict[str, Any] = {}
 
 
 def _kernels(compiled: bool):
-    """(chunk_stats, chunk_grad), eager or through torch.compile (built once per process; the
-    actor's `use_torch_compile`, as veRL compiles its entropy/log-prob kernels): inductor fuses the
-    exp / sum / gather passes over each (c, V) chunk into one loop."""
+    """The per-chunk (statistics, gradient) kernels: eager, the in-place `stats_inplace` /
+    `grad_inplace`; compiled, `chunk_stats` / `chunk_grad` through torch.compile (built once per
+    process; the actor's `use_torch_compile`, as veRL compiles its entropy/log-prob kernels):
+    inductor fuses the exp / sum / gather passes over each (c, V) chunk into one loop."""
     if not compiled:
-        return chunk_stats, chunk_grad
+        return stats_inplace, grad_inplace
     if not _COMPILED:
         _COMPILED["stats"] = torch.compile(chunk_stats, dynamic=True)
         _COMPILED["grad"] = torch.compile(chunk_grad, dynamic=True)
@@ -108,26 +204,39 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         keep_logits,
     ):
         n = hidden.shape[0]
-        kept = torch.empty(0, dtype=torch.float32, device=hidden.device)
+        dev = hidden.device
+        kept = torch.empty(0, dtype=torch.float32, device=dev)
         if keep_logits:
-            kept = torch.empty(n, weight.shape[0], dtype=torch.float32, device=hidden.device)
-        log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
-        sum_pi_sq = torch.empty(n if with_sps else 0, dtype=torch.float32, device=hidden.device)
-        chunk_stats, _ = _kernels(compiled)
+            kept = torch.empty(n, weight.shape[0], dtype=torch.float32, device=dev)
+        log_probs = torch.empty(n, dtype=torch.float32, device=dev)
+        # eager: the row max and log of the exp-sum of each position (log p = z - m - log s);
+        # compiled: the log-sum-exp in shift[0], shift[1] = 0
+        shift = torch.zeros(2, n, dtype=torch.float32, device=dev)
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=dev)
+        sum_pi_sq = torch.empty(n if with_sps else 0, dtype=torch.float32, device=dev)
+        stats, _ = _kernels(compiled)
+        rows = min(n, chunk_rows)
+        extra = {} if compiled else {"scratch": torch.empty(rows * weight.shape[0], device=dev)}
+        zbuf = None if keep_logits or compiled else torch.empty(rows, weight.shape[0], device=dev)
         for lo in range(0, n, chunk_rows):
             hi = min(n, lo + chunk_rows)
-            z = _chunk_logits(hidden[lo:hi], weight, bias, temperature)
-            if keep_logits:
-                kept[lo:hi] = z
-            lp_c, lse_c, ent_c, sps_c = chunk_stats(z, labels[lo:hi], with_entropy, with_sps)
-            log_probs[lo:hi], lse[lo:hi] = lp_c, lse_c
+            out = kept[lo:hi] if keep_logits else (None if zbuf is None else zbuf[: hi - lo])
+            z = _chunk_logits(hidden[lo:hi], weight, bias, temperature, out)
+            lp_c, sh_c, ent_c, sps_c = stats(z, labels[lo:hi], with_entropy, with_sps, **extra)
+            log_probs[lo:hi] = lp_c
+            if compiled:
+                shift[0, lo:hi] = sh_c
+            else:
+                shift[0, lo:hi], shift[1, lo:hi] = sh_c
             if with_entropy:
                 entropy[lo:hi] = ent_c
             if with_sps:
                 sum_pi_sq[lo:hi] = sps_c
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy, kept)
+        ctx.save_for_backward(hidden, weight, bias, labels, shift, entropy)
+        # Kept logits: log p (eager kernels, in place) or z (compiled). Not a saved tensor: the eager
+        # backward overwrites it with its gradient and drops it; a second backward through this
+        # graph (retain_graph) recomputes the logits instead.
+        ctx.kept = kept if keep_logits else None
         ctx.temperature, ctx.chunk_rows, ctx.compiled = temperature, chunk_rows, compiled
         ctx.keep_logits = keep_logits
         ctx.entropy_grad = with_entropy and entropy_grad
@@ -138,7 +247,7 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, _g_sps):
-        hidden, weight, bias, labels, lse, entropy, kept = ctx.saved_tensors
+        hidden, weight, bias, labels, shift, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if not ctx.entropy_grad:
             g_ent = None
@@ -148,24 +257,49 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         t, n = ctx.temperature, hidden.shape[0]
-        _, chunk_grad = _kernels(ctx.compiled)
+        _, grad_kernel = _kernels(ctx.compiled)
+        kept = ctx.kept
+        kept_ok = kept is not None
+        if not ctx.compiled:
+            ctx.kept = None  # becomes this backward's gradient buffer
+        rows = min(n, ctx.chunk_rows)
+        # the eager kernel's buffers, reused chunk after chunk: p, and the recomputed logits
+        scratch = (
+            None
+            if ctx.compiled or g_ent is None
+            else torch.empty(rows * weight.shape[0], device=hidden.device)
+        )
+        zbuf = None if ctx.compiled or kept_ok else torch.empty(rows, weight.shape[0], device=hidden.device)
         for lo in range(0, n, ctx.chunk_rows):
             hi = min(n, lo + ctx.chunk_rows)
             h = hidden[lo:hi]
-            z = kept[lo:hi] if ctx.keep_logits else _chunk_logits(h, weight, bias, t)
-            gz = chunk_grad(
-                z,
-                lse[lo:hi],
+            if kept_ok:
+                z = kept[lo:hi]
+            else:
+                z = _chunk_logits(h, weight, bias, t, None if zbuf is None else zbuf[: hi - lo])
+            args = (
                 labels[lo:hi],
                 None if g_logp is None else g_logp[lo:hi].float(),
                 None if g_ent is None else g_ent[lo:hi].float(),
                 entropy[lo:hi] if g_ent is not None else None,
                 t,
-            ).to(weight.dtype)
+            )
+            if ctx.compiled:
+                gz = grad_kernel(z, shift[0, lo:hi], *args)
+            else:
+                sh = None if kept_ok else (shift[0, lo:hi], shift[1, lo:hi])
+                gz = grad_kernel(z, sh, *args, scratch=scratch)
+            gz = gz.to(weight.dtype)
             if need_h:
-                grad_h[lo:hi] = gz @ weight
+                if grad_h.dtype == gz.dtype:
+                    torch.mm(gz, weight, out=grad_h[lo:hi])
+                else:
+                    grad_h[lo:hi] = gz @ weight
             if need_w:
-                grad_w += (gz.t() @ h).float()
+                if h.dtype == torch.float32 and gz.dtype == torch.float32:
+                    grad_w.addmm_(gz.t(), h)
+                else:
+                    grad_w += (gz.t() @ h).float()
             if need_b:
                 grad_b += gz.float().sum(dim=0)
         grad_w = grad_w.to(weight.dtype) if need_w else None

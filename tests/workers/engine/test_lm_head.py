@@ -342,3 +342,25 @@ def test_kept_logits_give_the_recomputed_gradients_bit_for_bit():
     finally:
         lm_head._ChunkedLinearLogProbs.apply = real
     assert kept == [True, False, False]
+
+
+@pytest.mark.parametrize("keep", [0, 2**30], ids=["recompute", "keep_logits"])
+@pytest.mark.parametrize("terms", ["logp", "entropy", "both"])
+def test_a_second_backward_gives_the_same_gradients(keep, terms):
+    """The eager kernels turn the kept chunk into its gradient in place: a second backward through
+    the same graph (retain_graph) recomputes the logits and gets the first one's gradients, for each
+    mix of loss terms (log-prob only, entropy only, both), at a temperature != 1."""
+    hidden, weight, bias, labels, w_lp, w_ent = _leaves(5)
+    lp, ent = linear_log_probs(hidden, weight, labels, bias=bias, temperature=0.7, calculate_entropy=True,
+                               chunk_rows=9, keep_logits_bytes=keep)  # fmt: skip
+    loss = {"logp": (lp * w_lp).sum(), "entropy": (ent * w_ent).sum()}
+    loss = loss[terms] if terms != "both" else loss["logp"] + loss["entropy"]
+    first = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
+    second = torch.autograd.grad(loss, (hidden, weight, bias))
+    lp_p, ent_p = _plain(hidden, weight, bias, labels, 0.7)
+    ref = {"logp": (lp_p * w_lp).sum(), "entropy": (ent_p * w_ent).sum()}
+    ref = ref[terms] if terms != "both" else ref["logp"] + ref["entropy"]
+    plain = torch.autograd.grad(ref, (hidden, weight, bias))
+    for a, b, c in zip(first, second, plain):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+        torch.testing.assert_close(a, c, **TOL)
