@@ -88,6 +88,21 @@ def test_areal_values_hybridrl_cannot_honour_are_refused(arg, words):
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["allocation_mode=vllm:d2p1t1+d1p1t1", "allocation_mode=sglang:d1p1t1+d1p1t1"],
+        ["weight_update_mode=disk", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
+    ],
+)
+def test_foreign_keys_that_disagree_are_refused(argv):
+    """A translation sets several hybridrl keys, so a second, different value would only partly
+    replace the first: refused, naming both; the same argument twice is harmless."""
+    with pytest.raises(ConfigError, match="disagree"):
+        translate_argv(argv, gpu=cpu)
+    assert translate_argv([argv[0], argv[0]], gpu=cpu) == translate_argv([argv[0]], gpu=cpu) * 2
+
+
+@pytest.mark.parametrize(
     "mode, slots, engines",
     [("vllm:d1p1t2+d1p1t1", 2, 1), ("vllm:d2p1t2+d1p1t1", 4, 2), ("vllm:d2p1t1+d1p1t1", 2, 2)],
 )

@@ -353,6 +353,57 @@ def test_tool_videos_in_a_text_run_are_an_error_text():
     assert resp.text == "film" and len(resp.video) == 1 and tt.errors == 0
 
 
+def _png(w: int, h: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 30, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class BrokenMediaTool(BaseTool):
+    """Returns the media it is built with (bytes that are no image, a missing file, frames of two
+    sizes, ...)."""
+
+    def __init__(self, image=(), video=()):
+        super().__init__({}, {"type": "function", "function": {"name": "broken"}})
+        self.image, self.video = list(image), list(video)
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return ToolResponse(text="here", image=self.image, video=self.video), 0.0, {}
+
+
+@pytest.mark.parametrize(
+    "media, says",
+    [
+        ({"image": [b"not a picture"]}, "image 0"),
+        ({"image": ["/nonexistent/plot.png"]}, "image file not found"),
+        ({"video": [{"video": []}]}, "video 0"),
+        ({"video": [[_png(8, 8), _png(16, 16)]]}, "one size"),
+    ],
+)
+def test_tool_media_that_does_not_decode_is_an_error_text(media, says):
+    """A tool image or video that does not decode is an error text the policy sees (counted in
+    tool_errors), not an exception out of the rollout; good media still pass, decoded."""
+    import asyncio
+
+    from PIL import Image
+
+    from hybridrl.workers.agent.parser import parse_call_json
+    from hybridrl.workers.agent.tool_agent import TrajectoryTools
+
+    async def go(tool):
+        tt = TrajectoryTools({"broken": tool}, None, timeout_s=5.0, images=True)
+        return tt, await tt.call_response(parse_call_json('{"name": "broken", "arguments": {}}'))
+
+    tt, resp = asyncio.run(go(BrokenMediaTool(**media)))
+    assert resp.text.startswith("Error: tool 'broken' returned media that does not decode: tool 'broken'")
+    assert says in resp.text and not resp.image and not resp.video and tt.errors == 1
+    tt, resp = asyncio.run(go(BrokenMediaTool(image=[_png(8, 8)], video=[[_png(8, 8), _png(8, 8)]])))
+    assert resp.text == "here" and tt.errors == 0
+    assert isinstance(resp.image[0], Image.Image) and [f.size for f in resp.video[0]] == [(8, 8), (8, 8)]
+
+
 @pytest.mark.parametrize("vlm", ["qwen3_vl"], indirect=True)
 def test_tool_videos_with_qwen3_vl_are_refused(vlm):
     """A tool returning videos to a Qwen3-VL run stops the rollout with the refusal (its frame

@@ -221,6 +221,21 @@ def _translate_one(key: str, value: str) -> list[str] | None:
     return None
 
 
+def _refuse_conflicts(arg: str, new: list[str], produced: dict[str, tuple[str, str]]) -> None:
+    """Refuse a foreign argument whose translation sets a hybridrl key an earlier foreign argument
+    set to another value (`allocation_mode` twice, `weight_update_mode` beside veRL's
+    `checkpoint_engine.backend`, ...): a translation sets several keys, so "the last one wins"
+    would mix the two."""
+    for item in new:
+        _, key, value = _split(item) or ("", item, "")
+        if key in produced and produced[key][1] != value and produced[key][0] != arg:
+            raise ConfigError(
+                f"{produced[key][0]} and {arg} disagree ({key}={produced[key][1]} vs {value}); "
+                "give one of them"
+            )
+        produced[key] = (arg, value)
+
+
 def translate_argv(argv: list[str], gpu: Callable[[], bool] = _has_gpu) -> list[str]:
     """main_async's command line with AReaL's and veRL v1's keys turned into hybridrl keys.
 
@@ -238,6 +253,7 @@ def translate_argv(argv: list[str], gpu: Callable[[], bool] = _has_gpu) -> list[
     kept: list[str] = []
     notes: list[str] = []
     v1: dict[str, str] = {}
+    produced: dict[str, tuple[str, str]] = {}  # hybridrl key -> (the foreign argument, its value)
     for arg in argv:
         parts = _split(arg)
         if parts is None:
@@ -251,6 +267,7 @@ def translate_argv(argv: list[str], gpu: Callable[[], bool] = _has_gpu) -> list[
         if new is None:
             kept.append(arg)
             continue
+        _refuse_conflicts(arg, new, produced)
         kept += new
         notes.append(f"{arg} -> {' '.join(new)}")
     if v1:

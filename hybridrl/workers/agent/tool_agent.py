@@ -67,6 +67,23 @@ def truncate_text(text: str, max_len: int, side: str) -> str:
     return text[:half] + "...(truncated)..." + text[len(text) - (max_len - half) :]
 
 
+def decode_media(name: str, images: list[Any], videos: list[Any]) -> tuple[list[Any], list[Any]]:
+    """A tool's images as RGB PIL images and its videos as frame lists (any form a dataset's
+    `images` / `videos` column takes).
+
+    Raises:
+        ValueError: an image or video that does not decode, naming the tool and the item.
+    """
+    from hybridrl.data.image_decode import decode_image
+    from hybridrl.data.video import decode_video
+
+    where = f"tool {name!r} response"
+    return (
+        [decode_image(im, f"{where} image {k}") for k, im in enumerate(images)],
+        [decode_video(v, f"{where} video {k}") for k, v in enumerate(videos)],
+    )
+
+
 class TrajectoryTools:
     """The tools of one trajectory: created on first use, released at the end, with counters.
 
@@ -159,9 +176,12 @@ class TrajectoryTools:
                 f"{what} need a vision-language model run)"
             )
         if response.image or response.video:
-            return ToolResponse(
-                text=response.text or "", image=list(response.image or []), video=list(response.video or [])
-            )
+            try:  # decoded here, so a broken image is the model's data, not a crash of the step
+                images, videos = decode_media(call.name, response.image or [], response.video or [])
+            except Exception as e:
+                self.errors += 1
+                return f"Error: tool {call.name!r} returned media that does not decode: {e}"
+            return ToolResponse(text=response.text or "", image=images, video=videos)
         return response.text or ""
 
     async def finish(self) -> float | None:
