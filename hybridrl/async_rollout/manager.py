@@ -265,7 +265,7 @@ class AsyncRolloutManager:
             except RayError as err:
                 dead, why = call_failure(w.handle, err)
                 if dead:
-                    self._mark_dead(w, why)
+                    self._mark_dead(w, why, "the request goes to another worker")
                     continue
                 raise RuntimeError(
                     f"{worker_label(w.handle, w.rank)} failed in generate_now: {why}"
@@ -472,7 +472,7 @@ class AsyncRolloutManager:
                 dead, why = call_failure(chunk.worker.handle, err)
                 if dead:
                     self._requeue(chunk)
-                    self._mark_dead(chunk.worker, why)
+                    self._mark_dead(chunk.worker, why, "its chunk is re-queued")
                     continue
                 raise RuntimeError(
                     f"{worker_label(chunk.worker.handle, chunk.worker.rank)} raised in generate_sequences "
@@ -563,9 +563,10 @@ class AsyncRolloutManager:
 
     def _check_weight_loads(self) -> None:
         for w, err in self._loads.poll():
-            self._mark_dead(w, err)
+            self._mark_dead(w, err, "it failed loading the new weights")
 
-    def _mark_dead(self, w: WorkerState, err: BaseException | str) -> None:
+    def _mark_dead(self, w: WorkerState, err: BaseException | str, then: str) -> None:
+        """Take `w` out of the pool; `then` says what happens to its work (printed)."""
         with self._lock:
             if not w.alive:
                 return
@@ -579,7 +580,7 @@ class AsyncRolloutManager:
             worker_label(w.handle, w.rank),
             "engines" if isinstance(w.handle, EngineHandle) else "workers",
         )
-        print(f"[hybridrl.async] {who} died ({first}); {alive} left, its chunk is re-queued")
+        print(f"[hybridrl.async] {who} died ({first}); {alive} left; {then}")
         if alive == 0:
             self._error = RolloutWorkersLostError(
                 f"all {len(self._workers)} rollout {what} died (last: {who}: {first}). Finished groups "
