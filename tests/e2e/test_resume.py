@@ -1,7 +1,7 @@
 """Resume after SIGKILL reproduces the uninterrupted run exactly (CPU, deterministic).
 
 Run A trains 4 steps straight. Run B is the same command, killed with SIGKILL (driver and all its
-Ray processes) once the step-2 checkpoint is on disk; run C resumes it (trainer.resume_mode=auto)
+Ray processes) once the step-2 checkpoint is on disk (held there, so the kill cannot miss it); run C resumes it (trainer.resume_mode=auto)
 and must log the same metrics for steps 3 and 4 as run A.
 """
 
@@ -29,10 +29,30 @@ COMPARED = [
 ]
 
 
-def _launch(ckpt: Path, logs: Path, args: list[str] = ARGS) -> subprocess.Popen:
+# `python -m hybridrl.trainer.main_ppo`, except that the run stops (sleeps) right after its checkpoint of
+# step argv[1] is on disk, so the SIGKILL always lands between that checkpoint and the end of the run
+# (a tiny run can train its last steps in the poll interval). Nothing else of the run is changed.
+_HOLD = """
+import runpy, sys, time
+import hybridrl.utils.checkpointing as ck
+hold, finalize = int(sys.argv.pop(1)), ck.finalize
+def held(root, step):
+    out = finalize(root, step)
+    if step == hold:
+        time.sleep(3600)
+    return out
+ck.finalize = held
+runpy.run_module("hybridrl.trainer.main_ppo", run_name="__main__", alter_sys=True)
+"""
+
+
+def _launch(
+    ckpt: Path, logs: Path, args: list[str] = ARGS, hold_after: int | None = None
+) -> subprocess.Popen:
     env = {**os.environ, "HYBRIDRL_LOG_DIR": str(logs), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
     env.pop("RAY_ADDRESS")
-    cmd = [sys.executable, "-m", "hybridrl.trainer.main_ppo", *args, f"trainer.default_local_dir={ckpt}"]
+    entry = ["-m", "hybridrl.trainer.main_ppo"] if hold_after is None else ["-c", _HOLD, str(hold_after)]
+    cmd = [sys.executable, *entry, *args, f"trainer.default_local_dir={ckpt}"]
     return subprocess.Popen(
         cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
@@ -56,7 +76,7 @@ def check_sigkill_resume(tmp_path: Path, args: list[str] = ARGS, keys: list[str]
     full = _by_step(read_metrics(tmp_path / "a_logs" / "metrics.jsonl"))
 
     ckpt = tmp_path / "b_ckpt"
-    proc = _launch(ckpt, tmp_path / "b_logs", args)
+    proc = _launch(ckpt, tmp_path / "b_logs", args, hold_after=2)
     latest = ckpt / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 400
     while not (latest.exists() and latest.read_text().strip() == "2"):
