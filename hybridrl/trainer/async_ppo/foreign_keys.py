@@ -227,8 +227,8 @@ def _refuse_conflicts(arg: str, new: list[str], produced: dict[str, tuple[str, s
     `checkpoint_engine.backend`, ...): a translation sets several keys, so "the last one wins"
     would mix the two."""
     for item in new:
-        _, key, value = _split(item) or ("", item, "")
-        if key in produced and produced[key][1] != value and produced[key][0] != arg:
+        key, value = item.split("=", 1)  # translations are plain `key=value`
+        if key in produced and produced[key][1] != value:
             raise ConfigError(
                 f"{produced[key][0]} and {arg} disagree ({key}={produced[key][1]} vs {value}); "
                 "give one of them"
