@@ -15,7 +15,8 @@ Run:
     python bench/fsdp_vs_module.py --rounds 0 --profile 20   # one profiled step each, op by op
 
 `--profile K` runs one step of each under torch.profiler after the rounds and prints the K ops whose
-self CPU time differs most between the two (calls and milliseconds of each), then the totals.
+self CPU time differs most between the two (calls and milliseconds of each), the plain module's K
+most expensive ops with their share of its self CPU time, then the totals.
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ def _profile(engines: dict, batch, top: int) -> None:
         (ca, ta), (cb, tb) = a.get(k, (0, 0.0)), b.get(k, (0, 0.0))
         print(f"{k[:48]:<48} {ca:>11} {ta:>8.1f} {cb:>11} {tb:>8.1f} {ta - tb:>+8.1f}")
     tot = {n: sum(t for _, t in st.values()) for n, st in stats.items()}
+    print(f"\nplain module, the {top} ops with the most self CPU time (where the update's time goes):")
+    print(f"{'op':<48} {'calls':>7} {'ms':>9} {'share':>6}")
+    for k in sorted(b, key=lambda k: -b[k][1])[:top]:
+        print(f"{k[:48]:<48} {b[k][0]:>7} {b[k][1]:>9.1f} {b[k][1] / tot['plain']:>6.1%}")
     calls = {n: sum(c for c, _ in st.values()) for n, st in stats.items()}
     print(f"total self CPU: fsdp2 {tot['fsdp2']:.1f} ms in {calls['fsdp2']} op calls, "
           f"plain {tot['plain']:.1f} ms in {calls['plain']} op calls")  # fmt: skip

@@ -4,7 +4,8 @@ With `actor_rollout_ref.rollout.tensor_model_parallel_size = N` the rollout grou
 `[k*N, (k+1)*N)` are the TP ranks of engine k (vLLM's `external_launcher` grouping over the
 rollout group's own process group, as in main_ppo). The manager dispatches whole chunks to
 *engines*: `EngineHandle` gives it one handle per engine whose `generate_sequences.remote(x)` /
-`load_weights.remote(p, v)` call the method on every TP rank with the same arguments (vLLM needs
+`load_weights.remote(p, v)` (and partial rollout's `abort_generation.remote(v, ready)`) call the
+method on every TP rank with the same arguments (vLLM needs
 identical prompts on all ranks; each rank loads its own slice of the full tensors) and return
 the ObjectRef of TP rank 0, whose result is the engine's (the other ranks' results are equal and
 dropped).
@@ -88,6 +89,12 @@ class EngineHandle:
     @property
     def load_weights(self) -> _FanOut:
         return _FanOut(self, "load_weights")
+
+    @property
+    def abort_generation(self) -> _FanOut:
+        """Partial rollout: every TP rank is asked (its own control thread; the ranks then agree on
+        the decode step through the engine's TP group, workers/rollout/vllm_rollout.py)."""
+        return _FanOut(self, "abort_generation")
 
     def call(self, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
         """Call `method` on every TP rank (Ray runs each actor's calls in order, so all ranks see

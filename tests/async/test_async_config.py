@@ -68,6 +68,20 @@ def test_rollout_tp_groups_the_rollout_slots_into_engines(base):
     assert c.async_training.chunk_size == 4  # B / engines, not B / slots
 
 
+def test_partial_rollout_is_accepted_with_tp_engines(base):
+    """Formerly refused: the TP ranks now agree on the abort step (tests/workers/rollout/test_rollout_tp.py)."""
+    c = load(
+        base,
+        **{
+            "actor_rollout_ref.rollout.name": "vllm",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+            "async_training.rollout_n_gpus_per_node": 2,
+            "async_training.partial_rollout": "true",
+        },
+    )
+    assert c.async_training.partial_rollout and c.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+
+
 def test_without_decoupled_loss_the_actor_loss_is_left_alone(base):
     c = load(base, **{"async_training.use_decoupled_loss": "false"})
     assert c.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
@@ -109,14 +123,6 @@ def test_without_decoupled_loss_the_actor_loss_is_left_alone(base):
                 "actor_rollout_ref.rollout.name": "sglang",
             },
             "name=sglang in asynchronous mode.*use rollout.name=vllm",
-        ),
-        (
-            {
-                "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
-                "async_training.rollout_n_gpus_per_node": 2,
-                "async_training.partial_rollout": "true",
-            },
-            "partial_rollout=true with actor_rollout_ref.rollout.tensor_model_parallel_size=2: interrupting",
         ),
         ({"async_training.weight_update_mode": "nccl"}, "weight_update_mode='nccl': use one of"),
         ({"async_training.weight_update_timeout_s": 0}, "weight_update_timeout_s=0 must be > 0"),

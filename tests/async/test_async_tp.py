@@ -7,9 +7,11 @@ Default run (real vLLM-CPU TP engines in the disaggregated rollout workers, no t
 * a dead TP rank: one rank SIGKILLed mid-run; the watcher ends the engine, the manager re-queues
   the engine's chunk on the surviving worker and the batch completes, every group once; the
   engine is named by the rank that died.
-Slow (whole main_async runs): eta = 0 with TP=2 equals TP=1 step for step; a dead TP rank of the
-only engine ends the run at once with RolloutWorkersLostError naming that rank; with a second TP=2
-engine left the run finishes.
+Slow (whole main_async runs): eta = 0 with TP=2 equals TP=1 step for step; partial rollout on a
+TP=2 engine (eta = 2) interrupts and resumes within the bound; the tool agent on a TP=2 engine
+equals TP=1 (the TP relay); a dead TP rank of the only engine
+ends the run at once with RolloutWorkersLostError naming that rank; with a second TP=2 engine left
+the run finishes.
 """
 
 from __future__ import annotations
@@ -239,6 +241,80 @@ def test_eta0_tp2_rollout_equals_tp1_step_for_step(tmp_path):
     print(
         "max |TP2 - TP1|:", {k: max(abs(a[k] - s[k]) for s, a in zip(one.history, two.history)) for k in keys}
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_partial_rollout_on_a_tp2_engine_keeps_the_bound_per_token(tmp_path):
+    """eta = 2 with partial rollout on one TP=2 engine: a weight update interrupts both TP ranks at
+    the same decode step (formerly refused); the run finishes, groups are resumed with mixed
+    versions, and every token stays within the bound (test_async_e2e's TP = 1 test, on TP = 2)."""
+    trainer = E2E.run_async(
+        [
+            *TP_RUN[:3],
+            *_tp(2),
+            "async_training.max_head_offpolicyness=2",
+            "async_training.partial_rollout=true",
+            "async_training.chunk_size=1",
+            "actor_rollout_ref.rollout.ignore_eos=true",
+            "data.max_response_length=200",
+            "trainer.total_training_steps=4",
+        ],
+        tmp_path,
+    )
+    assert len(trainer.consumed_versions) == 4
+    for step, versions in enumerate(trainer.consumed_versions):
+        assert all(step - 2 <= v <= step for v in versions), (step, versions)
+    rows = trainer.history
+    print(
+        "aborts sent", rows[-1]["async/partial/aborts_sent"], "resumed groups",
+        rows[-1]["async/partial/resumed_groups"], "mixed", [r["async/partial/mixed_version_frac"] for r in rows],
+    )  # fmt: skip
+    assert rows[-1]["async/partial/aborts_sent"] > 0 and rows[-1]["async/partial/resumed_groups"] > 0
+    assert any(r["async/partial/mixed_version_frac"] > 0 for r in rows)
+    assert all(0.0 <= r["async/token_staleness/max"] <= 2.0 for r in rows)
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_tool_agent_on_a_tp2_engine_equals_tp1_step_for_step(tmp_path):
+    """The multi-turn tool agent in main_async's rollout workers on one TP=2 vLLM engine (formerly
+    untested): TP rank 0 runs the agent loops and relays every engine call to TP rank 1
+    (workers/agent/tp_relay.py). At eta = 0 with the same data and seeds it gives the samples of a
+    TP=1 engine, step for step."""
+    import pandas as pd
+
+    from hybridrl.data import agent_task
+
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "agent")
+    pd.DataFrame(agent_task.make_rl_rows(16, 0, "train")).to_parquet(tmp_path / "train.parquet")
+    pd.DataFrame(agent_task.make_rl_rows(8, 1, "val")).to_parquet(tmp_path / "val.parquet")
+    agent = [
+        f"data.train_files={tmp_path}/train.parquet",
+        f"data.val_files={tmp_path}/val.parquet",
+        "data.return_raw_chat=true",
+        "data.max_prompt_length=16",
+        "data.max_response_length=48",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={recipe}/calculator_tool.yaml",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+        "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode=ignore_strippable",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+    ]
+    one = E2E.run_async([*TP_RUN, *_tp(1), *agent], tmp_path / "tp1")
+    two = E2E.run_async([*TP_RUN, *_tp(2), *agent], tmp_path / "tp2")
+    assert two.rollout_engines == ["VLLMRollout"] * 2  # both TP ranks
+    # the cold built-in model scores 0 on this task (no advantage, no update): the comparison is of the
+    # samples, fingerprinted by their lengths and the actor's entropy over them, step by step
+    keys = ["critic/score/mean", "actor/pg_loss", "actor/entropy", "response_length/mean", "num_turns/mean"]
+    assert len(one.history) == len(two.history) == 3
+    for s, a in zip(one.history, two.history, strict=True):
+        for key in keys:
+            assert math.isclose(a[key], s[key], rel_tol=1e-4, abs_tol=1e-6), (key, a[key], s[key])
+        assert math.isfinite(a["tool/calls_per_traj"])
+    assert "val-core/hybridrl/arith_tool/acc/mean@1" in two.history[-1]
+    print({k: [r[k] for r in two.history] for k in [*keys, "tool/calls_per_traj"]})
 
 
 def _run_killing_tp_rank_1(tmp_path, slots: int, steps: int = 6):

@@ -12,7 +12,9 @@ support, N divides the model's attention and KV heads) by the whole-tree validat
 node's rollout slots. In asynchronous mode the TP path (async_rollout/tp_engine.py) is checked
 end to end with vLLM (tests/async/test_async_tp.py); SGLang with N > 1 is refused here (its TP
 engine is one process driving N devices from the engine's first rank, a path not checked in
-asynchronous mode; SGLang is CUDA only). Partial rollout with N > 1 is refused too.
+asynchronous mode; SGLang is CUDA only). Partial rollout works with N > 1: the engine's TP ranks
+agree on the decode step at which a weight update interrupts them (workers/rollout/vllm_rollout.py,
+`_agreed_over_tp`), and the abort reaches every rank through the engine's handle (tp_engine.py).
 """
 
 from __future__ import annotations
@@ -34,9 +36,8 @@ def _divisors(n: int) -> list[int]:
 def validate_rollout_tp(config: Any) -> None:
     """Raise ConfigError (with the numbers and the fix) when rollout TP cannot be placed.
 
-    Checks: N >= 1; N divides rollout_n_gpus_per_node; the engine is vLLM with N > 1; partial
-    rollout is off with N > 1 (an abort would have to reach every TP rank of an engine at once; not
-    built).
+    Checks: N >= 1; N divides rollout_n_gpus_per_node; the engine is not SGLang with N > 1 (the
+    whole-tree validation refuses engines without TP).
     """
     at = config.async_training
     tp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
@@ -59,9 +60,4 @@ def validate_rollout_tp(config: Any) -> None:
             f"process driving {tp} devices from the engine's first rank, a path not checked in asynchronous mode "
             f"(SGLang is CUDA only, untested); use rollout.name=vllm (one rollout worker per TP rank, checked), or "
             f"{KEY}=1 with more rollout slots ({SLOTS_KEY})"
-        )
-    if at.partial_rollout:
-        raise ConfigError(
-            f"async_training.partial_rollout=true with {KEY}={tp}: interrupting a tensor-parallel engine is not "
-            f"supported yet; set async_training.partial_rollout=false or {KEY}=1"
         )

