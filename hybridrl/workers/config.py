@@ -91,6 +91,9 @@ class FSDPConfig:
     one CPU rank (nothing is sharded; keeping them saves a second cast in backward), else True.
     forward_prefetch: each decoder layer's forward starts the next layer's all-gather (FSDP2
     explicit prefetch), overlapping communication with compute; same numbers.
+    shard_one_rank: wrap the model with FSDP2 on a one-rank mesh (True, veRL's behaviour) or keep the
+    plain module (False); None (auto) keeps it plain on one CPU rank when nothing is cast and no
+    FSDP-only key is set (engine/fsdp.resolve_shard_one_rank). Same numbers, same checkpoints.
     """
 
     param_offload: bool = False
@@ -98,6 +101,7 @@ class FSDPConfig:
     offload_policy: bool = False
     reshard_after_forward: bool | None = None
     forward_prefetch: bool = False
+    shard_one_rank: bool | None = None
     fsdp_size: int = -1
     model_dtype: str = "fp32"
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)

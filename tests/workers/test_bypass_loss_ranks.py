@@ -15,7 +15,10 @@ ROWS = 8
 
 
 def _grads(module):
-    return {n: p.grad.full_tensor().clone() for n, p in module.named_parameters() if p.grad is not None}
+    """Full gradients: DTensors on the 2-rank mesh, plain tensors on the one-rank reference (which
+    `fsdp_config.shard_one_rank` auto keeps unsharded on one CPU rank)."""
+    grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+    return {n: (g.full_tensor() if hasattr(g, "full_tensor") else g).clone() for n, g in grads.items()}
 
 
 def _checks(rank, world, model_dir):

@@ -48,6 +48,7 @@ __all__ = [
     "offload_optimizer",
     "load_optimizer",
     "resolve_reshard_after_forward",
+    "resolve_shard_one_rank",
 ]
 
 
@@ -118,6 +119,59 @@ def resolve_reshard_after_forward(fsdp_config: FSDPConfig, mesh) -> bool:
     if fsdp_config.reshard_after_forward is not None:
         return fsdp_config.reshard_after_forward
     return not (mesh.device_type == "cpu" and mesh.size(mesh.ndim - 1) == 1)
+
+
+def resolve_shard_one_rank(fsdp_config: FSDPConfig, mesh, key: str = "fsdp_config") -> bool:
+    """Whether the model goes through `fully_shard` (True) or stays the plain module (False).
+
+    `fsdp_config.shard_one_rank`: True always shards (veRL's behaviour); False keeps the plain
+    module, which needs a one-rank mesh and no cast (param_dtype = reduce_dtype = model_dtype, no
+    offload_policy), else it is refused; None (auto) is False when the mesh is one CPU rank, nothing
+    is cast and no FSDP-only key (reshard_after_forward, forward_prefetch, offload_policy) is set.
+
+    On one rank FSDP2 shards nothing, but every parameter becomes a DTensor: AdamW and the grad-norm
+    clip dispatch through DTensor, and each layer's forward and backward pay the (one-rank)
+    all-gather / reduce-scatter hooks. The plain module computes the same numbers (test_fsdp_engine,
+    `test_one_rank_plain_module_equals_fsdp2`) and saves the same DCP checkpoints.
+    """
+    mp = fsdp_config.mixed_precision
+    dtypes = {str_to_dtype(d) for d in (fsdp_config.model_dtype, mp.param_dtype, mp.reduce_dtype)}
+    choice = fsdp_config.shard_one_rank
+    if choice is None:
+        fsdp_only = (
+            fsdp_config.reshard_after_forward is not None
+            or fsdp_config.forward_prefetch
+            or fsdp_config.offload_policy
+        )
+        return not (mesh.device_type == "cpu" and mesh.size() == 1 and len(dtypes) == 1 and not fsdp_only)
+    if not choice:
+        why = []
+        if mesh.size() != 1:
+            why.append(f"the shard mesh has {mesh.size()} ranks")
+        if len(dtypes) != 1:
+            why.append(
+                f"model_dtype={fsdp_config.model_dtype}, param_dtype={mp.param_dtype} and "
+                f"reduce_dtype={mp.reduce_dtype} differ (the plain module computes in its own dtype)"
+            )
+        if fsdp_config.offload_policy:
+            why.append("offload_policy=true is FSDP2's CPU offload")
+        if why:
+            raise ValueError(
+                f"{key}.shard_one_rank=false keeps the model unsharded, but {'; '.join(why)}: "
+                f"set {key}.shard_one_rank=null (auto) or true"
+            )
+    return bool(choice)
+
+
+def place_unsharded(module: nn.Module, device_type: str) -> nn.Module:
+    """The plain-module path of `resolve_shard_one_rank`: the model moved to this rank's device."""
+    if device_type != "cpu":  # written for GPUs, not run on one (only CPU has run this path)
+        module.to(get_torch_device())
+    _log_once(
+        "the model is not wrapped by FSDP2 (one rank, no cast: nothing to shard); "
+        "set fsdp_config.shard_one_rank=true to shard it anyway"
+    )
+    return module
 
 
 def apply_fsdp2(module: nn.Module, mesh, fsdp_config: FSDPConfig) -> nn.Module:
@@ -287,7 +341,10 @@ class FSDPEngine(ModuleEngine):
             from hybridrl.models.vlm import freeze_vision_tower as freeze
 
             freeze(module, "actor_rollout_ref.actor.freeze_vision_tower")
-        apply_fsdp2(module, mesh, fsdp_config)
+        if resolve_shard_one_rank(fsdp_config, mesh, f"the {role}'s fsdp_config"):
+            apply_fsdp2(module, mesh, fsdp_config)
+        else:
+            place_unsharded(module, mesh.device_type)
         optimizer = lr_scheduler = None
         if optim_config is not None and role in ("actor", "critic"):
             optim_key = optim_key or ("critic.optim" if role == "critic" else "actor_rollout_ref.actor.optim")

@@ -143,3 +143,65 @@ def _checks(rank, world, model_dir, ckpt_dir):
 def test_fsdp_engine_two_ranks(tmp_path):
     model_dir = make_tiny_model_dir(str(tmp_path / "model"))
     spawn(_checks, 2, tmp_path, model_dir, str(tmp_path / "ckpt" / "global_step_1"))
+
+
+def _one_rank_checks(rank, world, model_dir, ckpt_dir):
+    import pytest
+    from torch.distributed.tensor import DTensor
+
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
+    from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig
+    from hybridrl.workers.engine.fsdp import create_device_mesh, resolve_shard_one_rank
+
+    def build(**kw):
+        cfg, engine, _ = _setup(model_dir, **kw)
+        sizes = normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=1)
+        return engine, PPOActor(cfg, engine.module, engine.optimizer, engine.lr_scheduler, batch_sizes=sizes)
+
+    # 1. auto on one CPU rank with nothing cast: the plain module; shard_one_rank=true: FSDP2
+    plain, plain_actor = build()
+    fsdp, fsdp_actor = build(shard_one_rank=True)
+    assert not isinstance(plain.module.model.layers[0].mlp.up_proj.weight, DTensor)
+    assert isinstance(fsdp.module.model.layers[0].mlp.up_proj.weight, DTensor)
+    mesh = create_device_mesh(1)
+    for fsdp_only in ({"forward_prefetch": True}, {"reshard_after_forward": True}, {"offload_policy": True}):
+        assert resolve_shard_one_rank(
+            FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"), **fsdp_only), mesh
+        )
+    assert resolve_shard_one_rank(FSDPConfig(), mesh)  # bf16 compute over fp32 masters: FSDP2's cast
+    with pytest.raises(ValueError, match=r"shard_one_rank=false .* param_dtype=bf16 .* differ"):
+        resolve_shard_one_rank(FSDPConfig(shard_one_rank=False), mesh)
+
+    # 2. the same updates: losses, grad norms, weights
+    full = make_batch(4, seed=3)
+    from hybridrl.protocol import DataProto
+
+    data = DataProto.from_dict(dict(full))
+    data.batch["old_log_probs"] = plain_actor.compute_log_prob(data, micro_batch_size=2).log_probs
+    data.batch["advantages"] = torch.linspace(-1, 1, 4)[:, None].expand(4, 5).clone()
+    for _ in range(2):
+        a, b = plain_actor.update_policy(data), fsdp_actor.update_policy(data)
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            torch.testing.assert_close(torch.tensor(a[key]), torch.tensor(b[key]), atol=1e-6, rtol=1e-6)
+    fsdp_params = dict(fsdp.iter_full_params())
+    for name, tensor in plain.iter_full_params():
+        torch.testing.assert_close(tensor, fsdp_params[name], atol=1e-6, rtol=0, msg=name)
+
+    # 3. the checkpoints are one format: the plain module's loads into FSDP2 and the next update agrees
+    plain.save_checkpoint(ckpt_dir, global_step=2)
+    expected = plain_actor.update_policy(data)
+    after = dict(plain.iter_full_params())
+    resumed, resumed_actor = build(shard_one_rank=True)
+    assert resumed.load_checkpoint(ckpt_dir)["global_step"] == 2
+    got = resumed_actor.update_policy(data)
+    torch.testing.assert_close(torch.tensor(got["actor/pg_loss"]), torch.tensor(expected["actor/pg_loss"]))
+    for name, tensor in resumed.iter_full_params():
+        torch.testing.assert_close(tensor, after[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_one_rank_plain_module_equals_fsdp2(tmp_path):
+    """`fsdp_config.shard_one_rank` (auto): on one CPU rank the model stays a plain module, with the
+    numbers, the weights and the checkpoint format of the FSDP2-wrapped one."""
+    model_dir = make_tiny_model_dir(str(tmp_path / "model"))
+    spawn(_one_rank_checks, 1, tmp_path, model_dir, str(tmp_path / "ckpt" / "global_step_2"))
