@@ -579,7 +579,9 @@ def main() -> None:
                 )
                 runs[name].append(res)
     if args.floors:  # measured again after the runs: the floor is the best the machine did in either probe
-        w["floors"] = best_floors(w["floors"], F.measure(w["model_path"], w["prompts"] * w["n"], w["threads"]))
+        w["floors"] = best_floors(
+            w["floors"], F.measure(w["model_path"], w["prompts"] * w["n"], w["threads"])
+        )
     if args.only:
         per = {name: [summarize(x) for x in rs] for name, rs in runs.items()}
         print(json.dumps(per, indent=1, default=float))

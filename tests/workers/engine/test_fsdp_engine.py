@@ -241,7 +241,7 @@ def _compiled_checks(rank, world, model_dir):
         for key, tensor in params.items():  # fused kernels reassociate sums; Adam's step (lr 1e-3,
             # normalised) turns ~1e-7 gradient differences into up to ~1.3e-5 on a few elements
             torch.testing.assert_close(
-                tensor, weights[key], atol=5e-5, rtol=0, msg=lambda m: f"{name} {key}: {m}"
+                tensor, weights[key], atol=5e-5, rtol=0, msg=lambda m, where=f"{name} {key}": f"{where}: {m}"
             )
     # a second response length runs on the same dynamic graph (no error, same numbers as eager)
     short = DataProto.from_dict(make_batch(4, response_len=3, seed=4))
