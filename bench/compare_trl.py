@@ -437,6 +437,8 @@ VARIANTS: dict[str, tuple[str, list[str], dict]] = {
         ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.use_prefix_grouper=true"],
         {},
     ),
+    # every decoder layer compiled (torch.compile, dynamic shapes): the first step compiles
+    "compiled": ("hybridrl", ["actor_rollout_ref.actor.fsdp_config.compile_layers=true"], {}),
     "2ranks": ("hybridrl", ["trainer.n_gpus_per_node=2"], {}),
     "2threads": ("hybridrl", ["trainer.cpus_per_worker=2"], {}),
     "trl_2threads": ("trl", [], {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}),

@@ -277,12 +277,19 @@ def _attend(q, k, v, mask, dropout: float, scale: float | None, eager: bool) -> 
     return torch.matmul(probs, v)
 
 
+@torch.compiler.disable
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Registered as ``ATTN_NAME``: q (1, H, N, D), k/v (1, KV, N, D) of the packed row ->
     (1, N, H, D); the layout comes in ``kwargs[LAYOUT_KWARG]`` (the model's forward passes its
     extra keyword arguments down to attention). Two batched attention calls per layer, whatever
     the number of segments: the G prompts padded to Pm (causal; padded queries are dropped), and
-    the R responses padded to Tm with keys [their prompt | themselves] (`AttentionPlan`)."""
+    the R responses padded to Tm with keys [their prompt | themselves] (`AttentionPlan`).
+
+    Never traced by torch.compile: a decoder layer compiled by `fsdp_config.compile_layers` calls
+    it eagerly between its two compiled halves. Traced, its layout-dependent indexing broke the
+    graph in three places and recompiled for every new layout until dynamo's recompile limit
+    (8) sent the whole layer back to eager, so compiling gained nothing (46 graphs for 5 layouts
+    instead of 8; tests/workers/engine/test_prefix_group.py)."""
     layout: PrefixGroupLayout | None = kwargs.get(LAYOUT_KWARG)
     if layout is None:
         raise LayoutNotPassed(

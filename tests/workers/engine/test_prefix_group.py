@@ -102,6 +102,42 @@ def test_grouped_forward_equals_the_plain_one_with_gradients(model, fused):
     assert model.config._attn_implementation != ATTN_NAME  # restored after the forward
 
 
+def test_compiled_layers_take_the_grouped_forward(model):
+    """`fsdp_config.compile_layers` with the shared-prompt forward: the grouped attention runs
+    eagerly between the compiled halves of each layer, so new layouts reuse the same graphs
+    (traced, it compiled again for every layout until dynamo gave the layer back to eager), and
+    the numbers are eager's."""
+    pytest.importorskip("torch._inductor")
+    import copy
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    compiled = copy.deepcopy(model)
+    for layer in compiled.model.layers:
+        layer.compile(dynamic=True)
+    torch._dynamo.reset()
+    counters.clear()
+    layouts = [
+        dict(group_sizes=(3, 1, 2), response_len=6, seed=0),
+        dict(group_sizes=(2, 2, 2), response_len=8, seed=5),
+        dict(group_sizes=(1, 3, 2), prompt_len=9, response_len=5, seed=7),
+    ]
+    for kw in layouts:
+        batch = grouped_batch(**kw)
+        for grad in (False, True):
+            want = run(model, batch, grouped=True, fused=True, grad=grad)
+            got = run(compiled, batch, grouped=True, fused=True, grad=grad)
+            for a, b in zip(want[:3], got[:3]):
+                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+            assert got[3].keys() == want[3].keys()
+            for name in want[3]:
+                torch.testing.assert_close(got[3][name], want[3][name], atol=1e-5, rtol=1e-4, msg=name)
+    # per layer: the part before and the part after the attention, with and without grad
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs <= 4 * len(compiled.model.layers), f"{graphs} graphs: the layers recompile per layout"
+
+
 def test_no_shared_prompt_is_the_packed_forward(model):
     from tests.workers.fsdp_testkit import make_batch
 
