@@ -252,7 +252,11 @@ def _assert_same_training(tmp_path, ref_name: str, name: str, world: int = 2) ->
         assert ref["mtp"][0] - ref["mtp"][-1] > 0.01, ref["mtp"]  # it trains
         for key in ("mtp", "pg", "grad_norm"):
             assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
-        assert all(v < 1e-5 for v in rel.values()), rel
+        # weights after 3 Adam steps at lr 1e-2: Adam's normalised step turns the layouts' ~1e-7
+        # gradient differences (other reduction orders) into up to 8e-6 of the largest weight on the
+        # AVX2 machines this was first measured on and 1.0-1.3e-5 on an AVX-512 EPYC (2026-12-06);
+        # a wrong layout is off by orders of magnitude more (without the CP factor: MTP loss 3.68 vs 3.47)
+        assert all(v < 3e-5 for v in rel.values()), rel
         if "resumed_main" in got:  # the dist checkpoint gives back every weight exactly
             assert all(torch.equal(got["resumed_main"][k], v) for k, v in got["main"].items())
             assert all(torch.equal(got["resumed_mtp_w"][k], v) for k, v in got["mtp_w"].items())
