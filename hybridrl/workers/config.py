@@ -96,9 +96,11 @@ class FSDPConfig:
     FSDP-only key is set (engine/fsdp.resolve_shard_one_rank). Same numbers, same checkpoints.
     compile_layers: every decoder layer compiled in place with torch.compile (dynamic shapes, so a
     new response length does not recompile; Inductor fuses the norms, rotary, SiLU-mul and residual
-    adds around the matmuls). Off by default: the first step compiles (16 s for the ~100M bench
-    model on 2 CPU cores, earned back after ~15 steps; bench/compile_layers.py) and needs a C++
-    compiler on CPU. Parameter names and checkpoints are unchanged. hybridrl's own key.
+    adds around the matmuls). The first step compiles (16-25 s for the ~100M bench model on 2 CPU
+    cores, earned back after 15-25 steps; bench/compile_layers.py) and it needs a C++ compiler on
+    CPU. None (auto, the actor's default in ppo_trainer.yaml) is decided on the driver
+    (trainer/ppo/compile_auto.py: on for a text-only model of >= 80M parameters trained on CPU for
+    >= 50 steps); False elsewhere. Parameter names and checkpoints are unchanged. hybridrl's own key.
     """
 
     param_offload: bool = False
@@ -107,7 +109,7 @@ class FSDPConfig:
     reshard_after_forward: bool | None = None
     forward_prefetch: bool = False
     shard_one_rank: bool | None = None
-    compile_layers: bool = False
+    compile_layers: bool | None = False
     fsdp_size: int = -1
     model_dtype: str = "fp32"
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)

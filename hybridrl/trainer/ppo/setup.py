@@ -18,6 +18,7 @@ from hybridrl.models.builtin import resolve_model_path
 from hybridrl.models.hf import load_tokenizer
 from hybridrl.models.shm import copy_to_shm
 from hybridrl.trainer.ppo.checkpoints import RunCheckpoints
+from hybridrl.trainer.ppo.compile_auto import resolve_compile_layers
 from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.data_checks import check_data_files
 from hybridrl.trainer.ppo.genrm_config import genrm_reward_kwargs
@@ -27,7 +28,7 @@ from hybridrl.trainer.ppo.startup_checks import check_first_rows, check_model_in
 from hybridrl.trainer.ppo.step_floors import measure_step_floors
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 from hybridrl.trainer.ppo.vlm_setup import load_run_processor
-from hybridrl.trainer.ppo.workers import start_reward_loop, start_workers, uses_ray
+from hybridrl.trainer.ppo.workers import start_reward_loop, start_workers, use_gpu, uses_ray
 from hybridrl.utils import deadlines
 from hybridrl.utils.deadlines import RewardWithDeadline
 from hybridrl.utils.flops import get_peak_flops
@@ -193,6 +194,7 @@ def prepare_run(config: PPOConfig) -> RunParts:
     config.trainer.total_training_steps = steps
     config.actor_rollout_ref.actor.optim.total_training_steps = steps
     config.critic.optim.total_training_steps = steps
+    resolve_compile_layers(config, model_cfg, use_gpu(config))  # null: auto, printed (compile_auto.py)
     reward_fn, val_reward_fn = wrap_reward_errors(config, lambda: build_reward_fns(config, tokenizer))
     tracker = Tracking(
         config.trainer.project_name,
