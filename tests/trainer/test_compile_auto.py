@@ -141,9 +141,8 @@ def test_resolve_prints_once_and_stores_a_bool(capsys):
 def test_the_driver_decides_before_the_workers_start(tmp_path, capsys, monkeypatch):
     """`prepare_run` (the driver's part before Ray) turns the actor's null into a bool, from the real
     config.json and the computed step count: the zero-argument run's built-in model stays eager."""
-    from tests.e2e.ppo_runs import compose_config
-
     from hybridrl.trainer.ppo.setup import prepare_run
+    from tests.e2e.ppo_runs import compose_config
 
     monkeypatch.setenv("HYBRIDRL_LOG_DIR", str(tmp_path / "logs"))
     config = compose_config(["trainer.logger=[console]"], tmp_path)
