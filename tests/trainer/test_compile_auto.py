@@ -111,6 +111,13 @@ def test_off_with_its_reason(case, config_kw, model_json, on_gpu, why):
     assert not on and why in reason, (case, reason)
 
 
+def test_several_training_ranks_are_off():
+    config = _config()
+    config.trainer.n_gpus_per_node = 2
+    on, reason = auto_decision(config, REAL100M, on_gpu=False)
+    assert not on and "2 training ranks" in reason
+
+
 def test_megatron_is_off():
     config = _config()
     config.actor_rollout_ref.actor.strategy = "megatron"

@@ -13,8 +13,9 @@ bench/compare_trl.py --variants compiled, 2 CPU cores, fp32):
   graph against 0.55 s steps.
 
 So auto is on for a text-only causal LM of at least `MIN_PARAMS` parameters (estimated from
-config.json, embeddings included), trained by the FSDP engine on CPU for at least `MIN_STEPS`
-steps, without LoRA or gradient checkpointing (neither was measured compiled), with a C++
+config.json, embeddings included), trained by the FSDP engine on one CPU rank for at least
+`MIN_STEPS` steps, without LoRA or gradient checkpointing (none of multi-rank runs, LoRA and
+checkpointing was measured compiled; true still compiles them), with a C++
 compiler on the PATH (Inductor's CPU backend needs one). Otherwise it is off. The decision and
 its reason are printed once; the config then holds a plain bool, so the workers see what the
 driver decided.
@@ -67,6 +68,9 @@ def auto_decision(config: Any, model_json: dict | None, on_gpu: bool) -> tuple[b
         return False, f"actor.strategy={arr.actor.strategy}: compile_layers is a key of the FSDP engine"
     if on_gpu:
         return False, "on GPUs (not measured there); set it to true to compile"
+    ranks = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    if ranks > 1:
+        return False, f"{ranks} training ranks (measured on one rank only); set it to true to compile"
     if model_json is None:
         return False, f"the model config of {arr.model.path!r} cannot be read here"
     if "vision_config" in model_json or "text_config" in model_json:
@@ -78,7 +82,10 @@ def auto_decision(config: Any, model_json: dict | None, on_gpu: bool) -> tuple[b
     params = estimate_params(model_json)
     if params is None or params < MIN_PARAMS:
         size = "an unknown size" if params is None else f"~{params / 1e6:.1f}M parameters"
-        return False, f"{size}, under {MIN_PARAMS // 1_000_000}M (measured: no gain at 30M, 0.79-0.91x at 100M)"
+        return (
+            False,
+            f"{size}, under {MIN_PARAMS // 1_000_000}M (measured: no gain at 30M, 0.79-0.91x at 100M)",
+        )
     if steps is None or steps < MIN_STEPS:
         return False, f"{steps} training steps, under {MIN_STEPS} (the first step compiles: 16-25 s at 100M)"
     if shutil.which("g++") is None and shutil.which("c++") is None:
