@@ -205,6 +205,10 @@ def run_hybridrl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
         batch = config.data.train_batch_size * config.actor_rollout_ref.rollout.n  # rows per step
         cpus = max(2, config.trainer.n_gpus_per_node * config.trainer.cpus_per_worker)
         trainer = build_trainer(config, init_ray=lambda _c: start_ray(cpus))  # not for trainer.backend local
+        # prompt copies the update's forward computes: one per group with the shared-prompt forward
+        # (resolved by build_trainer), else one per row; the update's FLOPs count these (floors.py)
+        grouped = config.actor_rollout_ref.actor.use_prefix_grouper is True
+        prompt_rows = batch // config.actor_rollout_ref.rollout.n if grouped else batch
         ends: list[float] = []
         cpu_ends: list[float] = []
         log_step = trainer._log_step
@@ -241,6 +245,7 @@ def run_hybridrl(w: dict, seed: int, extra: list[str] | None = None) -> dict:
                 "log_prob_s": r.get("timing_s/old_log_prob", 0.0) + r.get("timing_s/ref", 0.0),
                 "update_s": r.get("timing_s/update_actor", 0.0),
                 "gen_tokens": r["response_length/mean"] * batch,
+                "prompt_rows": prompt_rows,
                 "reward": r["critic/score/mean"],
                 "mfu_update": r.get("perf/mfu/actor"),
             }
@@ -308,7 +313,8 @@ def summarize(run: dict, floors: dict | None = None) -> dict:
         import floors as F
 
         per_step = [
-            F.phase_fractions(floors, s, floors["prompt_tokens"], floors["decode_rows"]) for s in steady
+            F.phase_fractions(floors, s, floors["prompt_tokens"], s.get("prompt_rows", floors["decode_rows"]))
+            for s in steady
         ]
         fracs = {k: C.median([f[k] for f in per_step]) for k in per_step[0]}
     wall = sum(s["wall_s"] for s in steady)

@@ -144,7 +144,10 @@ def phase_fractions(floors: dict, step: dict, prompt_tokens_per_row: float, rows
         step: a compare_trl step record (`update_s`, `gen_s`, `gen_tokens`; `weight_sync_s` is
             taken out of the generation time when present).
         prompt_tokens_per_row: mean prompt tokens of one row.
-        rows: rows (samples) per step.
+        rows: prompt copies the update's forward computes: the rows (samples) of the step, or its
+            distinct prompts when the shared-prompt forward computes each prompt once per group
+            (counting every row's prompt there overstated the update's fraction: by 1.15x at 4 x 4
+            rows of 53 + 256 tokens, 1.65x at 53 + 48).
     """
     resp = step["gen_tokens"]
     flops = update_flops(floors, prompt_tokens_per_row * rows, resp)
