@@ -161,8 +161,24 @@ def compute_timing_metrics(
         if name in tokens and tokens[name] > 0:
             out[f"timing_per_token_ms/{name}"] = float(seconds) * 1000.0 / tokens[name]
     if floors is not None:
-        out.update(floors.metrics(n_all, n_response, timing_raw))
+        update_tokens = None
+        text_only = "multi_modal_inputs" not in batch.non_tensor_batch  # images: equal ids may differ
+        if getattr(floors, "shared_prompts", False) and prompt_valid is not None and text_only:
+            update_tokens = n_response + distinct_prompt_tokens(batch.batch["input_ids"], prompt_valid)
+        out.update(floors.metrics(n_all, n_response, timing_raw, update_tokens=update_tokens))
     return out
+
+
+def distinct_prompt_tokens(input_ids: torch.Tensor, prompt_valid: torch.Tensor) -> int:
+    """Valid prompt tokens counted once per distinct prompt: what the shared-prompt forward computes.
+
+    Args:
+        input_ids: (B, P + T) ids.
+        prompt_valid: (B, P) bool, the prompt part of the attention mask.
+    """
+    prompts = torch.where(prompt_valid, input_ids[:, : prompt_valid.shape[1]], -1)
+    distinct = torch.unique(prompts, dim=0)
+    return int((distinct >= 0).sum())
 
 
 def compute_throughout_metrics(

@@ -65,6 +65,31 @@ def test_step_metrics_take_the_weight_sync_out_of_generation():
     assert not any(k.startswith("perf/floor/") for k in compute_timing_metrics(_batch(), timing))
 
 
+def test_the_shared_prompt_forward_counts_each_distinct_prompt_once():
+    """With `actor.use_prefix_grouper` on, the update's FLOPs are those of the tokens its forward
+    computes: 4 rows of two prompts (3 and 2 valid tokens, padding differs in id but not in mask),
+    each prompt once: 3 + 2 = 5 prompt tokens, not 10; responses 2 + 4 + 1 + 3 = 10."""
+    p1, p2 = [0, 7, 8, 9], [0, 0, 5, 6]
+    ids = torch.tensor([p1 + [1, 1, 0, 0], p2 + [1, 1, 1, 1], p1 + [2, 0, 0, 0], p2 + [3, 3, 3, 0]])
+    p_mask = (torch.tensor([p1, p2, p1, p2]) > 0).long()
+    r_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]])
+    ids[2, 0] = 4  # another pad id under a 0 mask: still the same prompt
+    batch = DataProto.from_dict({"input_ids": ids, "responses": ids[:, 4:],
+                                 "attention_mask": torch.cat([p_mask, r_mask], 1), "response_mask": r_mask})  # fmt: skip
+    timing = {"gen": 0.02, "update_actor": 0.5}
+    shared = StepFloors(FLOORS, ranks=1, rollout_ranks=1, epochs=1, shared_prompts=True)
+    plain = StepFloors(FLOORS, ranks=1, rollout_ranks=1, epochs=1)
+    got = compute_timing_metrics(batch, timing, shared)["perf/floor/update_frac_of_gemm_peak"]
+    assert got == pytest.approx(6 * (144 * (5 + 10) + 40 * 10) / (0.5 * 1e6))
+    every_row = compute_timing_metrics(batch, timing, plain)["perf/floor/update_frac_of_gemm_peak"]
+    assert every_row == pytest.approx(6 * (144 * (10 + 10) + 40 * 10) / (0.5 * 1e6))
+    # the generation fraction does not change: it counts response tokens only
+    assert (
+        compute_timing_metrics(batch, timing, shared)["perf/floor/gen_frac_of_decode_bound"]
+        == compute_timing_metrics(batch, timing, plain)["perf/floor/gen_frac_of_decode_bound"]
+    )
+
+
 def test_measured_floors_are_positive_and_rows_are_checked():
     cfg = Qwen2Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2

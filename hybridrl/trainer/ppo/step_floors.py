@@ -17,19 +17,30 @@ class StepFloors:
     """The measured floors and how a step's times map onto them.
 
     ranks: training ranks (slots); rollout_ranks: rollout data-parallel ranks (world / rollout TP);
-    epochs: the actor's ppo_epochs.
+    epochs: the actor's ppo_epochs; shared_prompts: the actor runs the shared-prompt forward
+    (`actor.use_prefix_grouper`, resolved), which computes each distinct prompt once.
     """
 
     floors: Floors
     ranks: int
     rollout_ranks: int
     epochs: int
+    shared_prompts: bool = False
 
-    def metrics(self, all_tokens: int, response_tokens: int, timing: Mapping[str, float]) -> dict[str, float]:
+    def metrics(
+        self,
+        all_tokens: int,
+        response_tokens: int,
+        timing: Mapping[str, float],
+        update_tokens: int | None = None,
+    ) -> dict[str, float]:
         """`perf/floor/*` of one step from its token counts and `timing_s` sections (`update_actor`,
-        `gen` less the weight sync `update_weights`)."""
+        `gen` less the weight sync `update_weights`). `update_tokens`: the tokens the update's
+        forward computes when that is fewer than `all_tokens` (the shared-prompt forward: each
+        distinct prompt once); None: `all_tokens`."""
+        tokens = all_tokens if update_tokens is None else update_tokens
         out = phase_fractions(
-            self.floors, all_tokens=all_tokens, response_tokens=response_tokens,
+            self.floors, all_tokens=tokens, response_tokens=response_tokens,
             update_s=timing.get("update_actor"), gen_s=None, ranks=self.ranks, epochs=self.epochs,
         )  # fmt: skip
         gen_s = timing.get("gen", 0.0) - timing.get("update_weights", 0.0)
@@ -78,4 +89,6 @@ def measure_step_floors(config: Any, seconds: float = 1.0) -> StepFloors | None:
         f"per slot; decode bound {floors.decode_bound_tokens_per_s:.0f} tokens/s at {rows} rows ({decode_dtype}, "
         f"{floors.decode_form}); logged as perf/floor/*"
     )
-    return StepFloors(floors, world, rollout_ranks, arr.actor.ppo_epochs)
+    return StepFloors(
+        floors, world, rollout_ranks, arr.actor.ppo_epochs, arr.actor.use_prefix_grouper is True
+    )
