@@ -15,6 +15,7 @@ Run:
     python bench/compile_layers.py --threads 2                       # real-vocabulary model, 48 tokens
     python bench/compile_layers.py --threads 2 --response-length 256 --rounds 3 --steps 1
     python bench/compile_layers.py --model tiny --dynamic
+    python bench/compile_layers.py --threads 2 --dynamic --group 4       # GRPO's shared-prompt forward
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def _decoder_layers(module):
     return [m for m in module.modules() if type(m).__name__ in classes]
 
 
+def _shared_prompts(batch, prompt_length: int, group: int) -> None:
+    """Give every `group` consecutive rows the prompt of the first (in place)."""
+    ids = batch["input_ids"]
+    first = ids[::group, :prompt_length].repeat_interleave(group, 0)[: ids.shape[0]]
+    ids[:, :prompt_length] = first
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -50,6 +58,12 @@ def main() -> None:
     p.add_argument(
         "--dynamic", action="store_true", help="compile with dynamic=True (one graph for all lengths)"
     )
+    p.add_argument(
+        "--group",
+        type=int,
+        default=0,
+        help="rows per prompt, with the shared-prompt forward (GRPO's layout; 0: padded, every row its own prompt)",
+    )
     args = p.parse_args()
     import torch
 
@@ -62,6 +76,12 @@ def main() -> None:
     engines = {"eager": F._engine(eager_model, 1e-5), "compiled": F._engine(compiled_model, 1e-5)}
     vocab = eager_model.config.vocab_size
     batch = F._batch(args.rows, args.prompt_length, args.response_length, vocab)
+    if args.group:  # each prompt repeated for `group` rows, computed once per group
+        import dataclasses
+
+        for name, (engine, request) in engines.items():
+            engines[name] = (engine, dataclasses.replace(request, prefix_group=True))
+        _shared_prompts(batch, args.prompt_length, args.group)
     losses: dict[str, list[float]] = {"eager": [], "compiled": []}
     first = {}
     for name in ("eager", "compiled"):  # the first step of each: allocator warm-up, and B's compile
@@ -87,6 +107,8 @@ def main() -> None:
     breakeven = f"{compile_s / gain:.0f} steps" if gain > 0 else "never (no gain per step)"
     second = args.second_length or max(1, args.response_length - 7)
     batch2 = F._batch(args.rows, args.prompt_length, second, vocab)
+    if args.group:
+        _shared_prompts(batch2, args.prompt_length, args.group)
     new_len = {name: F._step(*engines[name], batch2)[0] for name in ("eager", "compiled")}
     diff = max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"]))
     print(f"\n{args.rows} rows x ({args.prompt_length} + {args.response_length}) tokens, {args.model}: "

@@ -99,8 +99,8 @@ class FSDPConfig:
     adds around the matmuls). The first step compiles (16-25 s for the ~100M bench model on 2 CPU
     cores, earned back after 15-25 steps; bench/compile_layers.py) and it needs a C++ compiler on
     CPU. None (auto, the actor's default in ppo_trainer.yaml) is decided on the driver
-    (trainer/ppo/compile_auto.py: on for a text-only model of >= 80M parameters trained on one CPU
-    rank for >= 50 steps); False elsewhere. Parameter names and checkpoints are unchanged. hybridrl's own key.
+    (trainer/ppo/compile_auto.py: on for a text-only model of >= 80M parameters with the padded
+    forward, trained on one CPU rank for >= 50 steps); False elsewhere. Parameter names and checkpoints are unchanged. hybridrl's own key.
     """
 
     param_offload: bool = False

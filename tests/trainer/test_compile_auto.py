@@ -60,9 +60,10 @@ def _defaults():
     return load_config(cfg)
 
 
-def _config(steps=400, **model):
+def _config(steps=400, grouper=False, **model):
     config = copy.deepcopy(_defaults())
     config.trainer.total_training_steps = steps
+    config.actor_rollout_ref.actor.use_prefix_grouper = grouper  # as resolved at the config stage
     for k, v in model.items():
         setattr(config.actor_rollout_ref.model, k, v)
     return config
@@ -85,7 +86,7 @@ def test_param_estimate_is_hand_derived():
     assert estimate_params({"hidden_size": 8}) is None
 
 
-def test_on_for_a_long_cpu_run_of_a_large_model():
+def test_on_for_a_long_cpu_run_of_a_large_model_with_the_padded_forward():
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler on this machine: auto is off, tested below")
     on, reason = auto_decision(_config(), REAL100M, on_gpu=False)
@@ -104,6 +105,8 @@ def test_on_for_a_long_cpu_run_of_a_large_model():
         ("LoRA", {"lora_rank": 8}, REAL100M, False, "LoRA"),
         ("checkpointing", {"enable_gradient_checkpointing": True}, REAL100M, False, "gradient checkpointing"),
         ("unknown size", {}, {"hidden_size": 8}, False, "an unknown size"),
+        ("shared-prompt forward", {"grouper": True}, REAL100M, False, "the shared-prompt forward"),
+        ("packed forward", {"use_remove_padding": True}, REAL100M, False, "the packed forward"),
     ],
 )
 def test_off_with_its_reason(case, config_kw, model_json, on_gpu, why):
@@ -147,7 +150,8 @@ def test_resolve_prints_once_and_stores_a_bool(capsys):
 
 def test_the_driver_decides_before_the_workers_start(tmp_path, capsys, monkeypatch):
     """`prepare_run` (the driver's part before Ray) turns the actor's null into a bool, from the real
-    config.json and the computed step count: the zero-argument run's built-in model stays eager."""
+    config.json, the computed step count and the resolved shared-prompt forward: the zero-argument
+    GRPO run stays eager."""
     from hybridrl.trainer.ppo.setup import prepare_run
     from tests.e2e.ppo_runs import compose_config
 
@@ -158,4 +162,4 @@ def test_the_driver_decides_before_the_workers_start(tmp_path, capsys, monkeypat
     run.tracker.finish()
     assert config.actor_rollout_ref.actor.fsdp_config.compile_layers is False
     out = capsys.readouterr().out
-    assert f"{KEY}=null (auto) -> off: ~0.5M parameters, under 80M" in out, out
+    assert f"{KEY}=null (auto) -> off: the shared-prompt forward" in out, out

@@ -6,16 +6,18 @@ length of the run, so `null` (hybridrl's default for the actor; veRL has no such
 only where it was measured to pay (docs/performance.md, bench/compile_layers.py and
 bench/compare_trl.py --variants compiled, 2 CPU cores, fp32):
 
-- ~100M-parameter Qwen2 (real100m): the update 0.79x eager at 48 new tokens, 0.90-0.91x at 256
-  (update at 0.86 of the GEMM peak instead of 0.78); 16-25 s of compile in the first step,
-  earned back after 15-25 steps;
+- ~100M-parameter Qwen2 (real100m), padded forward: the update 0.79x eager at 48 new tokens,
+  0.90x at 256; 16-25 s of compile in the first step, earned back after 15-25 steps;
+- the same model with GRPO's shared-prompt forward (4 x 4 rows): 1.03x at 256 (0.85, 1.10,
+  1.03): no gain, because its attention runs eagerly between the compiled halves of each layer;
 - ~30M Qwen2: no gain (1.02x) for the same 25 s of compile; the built-in 0.5M model: ~20 s per
   graph against 0.55 s steps.
 
 So auto is on for a text-only causal LM of at least `MIN_PARAMS` parameters (estimated from
-config.json, embeddings included), trained by the FSDP engine on one CPU rank for at least
-`MIN_STEPS` steps, without LoRA or gradient checkpointing (none of multi-rank runs, LoRA and
-checkpointing was measured compiled; true still compiles them), with a C++
+config.json, embeddings included), trained by the FSDP engine on one CPU rank with the padded
+forward (no shared-prompt forward, no remove-padding) for at least `MIN_STEPS` steps, without
+LoRA or gradient checkpointing (none of multi-rank runs, LoRA and checkpointing was measured
+compiled; true still compiles them), with a C++
 compiler on the PATH (Inductor's CPU backend needs one). Otherwise it is off. The decision and
 its reason are printed once; the config then holds a plain bool, so the workers see what the
 driver decided.
@@ -75,6 +77,13 @@ def auto_decision(config: Any, model_json: dict | None, on_gpu: bool) -> tuple[b
         return False, f"the model config of {arr.model.path!r} cannot be read here"
     if "vision_config" in model_json or "text_config" in model_json:
         return False, "a vision-language model (not measured compiled)"
+    if arr.actor.use_prefix_grouper is True:  # resolved at the config stage (prefix_auto.py)
+        return False, (
+            "the shared-prompt forward (its attention runs eagerly between the compiled halves of "
+            "each layer: measured 1.03x eager at 256 new tokens, no gain)"
+        )
+    if arr.model.use_remove_padding:
+        return False, "the packed forward (use_remove_padding; its attention runs eagerly, not measured)"
     if arr.model.lora_rank > 0 or arr.model.lora_adapter_path:
         return False, "LoRA (not measured compiled)"
     if arr.model.enable_gradient_checkpointing:
