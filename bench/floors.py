@@ -146,8 +146,8 @@ def phase_fractions(floors: dict, step: dict, prompt_tokens_per_row: float, rows
         prompt_tokens_per_row: mean prompt tokens of one row.
         rows: prompt copies the update's forward computes: the rows (samples) of the step, or its
             distinct prompts when the shared-prompt forward computes each prompt once per group
-            (counting every row's prompt there overstated the update's fraction: by 1.15x at 4 x 4
-            rows of 53 + 256 tokens, 1.65x at 53 + 48).
+            (counting every row's prompt there overstated the update's fraction: by 1.11x at 4 x 4
+            rows of 53 + 256 tokens, 1.52x at 53 + 48).
     """
     resp = step["gen_tokens"]
     flops = update_flops(floors, prompt_tokens_per_row * rows, resp)
