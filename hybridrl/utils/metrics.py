@@ -163,7 +163,7 @@ def compute_timing_metrics(
     if floors is not None:
         update_tokens = None
         text_only = "multi_modal_inputs" not in batch.non_tensor_batch  # images: equal ids may differ
-        if getattr(floors, "shared_prompts", False) and prompt_valid is not None and text_only:
+        if floors.shared_prompts and prompt_valid is not None and text_only:
             update_tokens = n_response + distinct_prompt_tokens(batch.batch["input_ids"], prompt_valid)
         out.update(floors.metrics(n_all, n_response, timing_raw, update_tokens=update_tokens))
     return out

@@ -16,11 +16,10 @@ bench/compare_trl.py --variants compiled, 2 CPU cores, fp32):
 So auto is on for a text-only causal LM of at least `MIN_PARAMS` parameters (estimated from
 config.json, embeddings included), trained by the FSDP engine on one CPU rank with the padded
 forward (no shared-prompt forward, no remove-padding) for at least `MIN_STEPS` steps, without
-LoRA or gradient checkpointing (none of multi-rank runs, LoRA and checkpointing was measured
-compiled; true still compiles them), with a C++
-compiler on the PATH (Inductor's CPU backend needs one). Otherwise it is off. The decision and
-its reason are printed once; the config then holds a plain bool, so the workers see what the
-driver decided.
+LoRA or gradient checkpointing, with a C++ compiler on the PATH (Inductor's CPU backend needs
+one). Multi-rank runs, LoRA and checkpointing were not measured compiled; `true` still compiles
+them. Otherwise it is off. The decision and its reason are printed once; the config then holds a
+plain bool, so the workers see what the driver decided.
 """
 
 from __future__ import annotations
@@ -93,7 +92,7 @@ def auto_decision(config: Any, model_json: dict | None, on_gpu: bool) -> tuple[b
         size = "an unknown size" if params is None else f"~{params / 1e6:.1f}M parameters"
         return (
             False,
-            f"{size}, under {MIN_PARAMS // 1_000_000}M (measured: no gain at 30M, 0.79-0.91x at 100M)",
+            f"{size}, under {MIN_PARAMS // 1_000_000}M (measured: no gain at 30M, 0.79-0.90x at 100M)",
         )
     if steps is None or steps < MIN_STEPS:
         return False, f"{steps} training steps, under {MIN_STEPS} (the first step compiles: 16-25 s at 100M)"
