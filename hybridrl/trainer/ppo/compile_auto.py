@@ -25,9 +25,11 @@ plain bool, so the workers see what the driver decided.
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 from typing import Any
 
 from hybridrl.utils.config_loader import ConfigError
+from hybridrl.utils.floors import ModelShapes
 
 KEY = "actor_rollout_ref.actor.fsdp_config.compile_layers"
 MIN_PARAMS = 80_000_000
@@ -36,23 +38,15 @@ FSDP_STRATEGIES = ("fsdp", "fsdp2")
 
 
 def estimate_params(model_json: dict) -> int | None:
-    """Parameters of a decoder-only model from its config.json: embeddings (and an untied head),
-    attention (q / o and the k / v heads) and a gated MLP per layer. Norms and biases are left
-    out (well under 1%). None when the config lacks one of the sizes."""
+    """Parameters of a decoder-only model from its config.json: the decoder layers' linears
+    (`utils/floors.ModelShapes`, the FLOP model's count) plus the embedding (and an untied head).
+    Norms and biases are left out (well under 1%). None when the config lacks one of the sizes."""
     try:
-        h = int(model_json["hidden_size"])
-        layers = int(model_json["num_hidden_layers"])
-        heads = int(model_json["num_attention_heads"])
-        inter = int(model_json["intermediate_size"])
-        vocab = int(model_json["vocab_size"])
-    except (KeyError, TypeError, ValueError):
+        shapes = ModelShapes.of(SimpleNamespace(**model_json))
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
         return None
-    head_dim = int(model_json.get("head_dim") or h // heads)
-    kv_heads = int(model_json.get("num_key_value_heads") or heads)
-    attn = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
-    mlp = 3 * h * inter
-    embed = vocab * h * (1 if model_json.get("tie_word_embeddings", False) else 2)
-    return embed + layers * (attn + mlp)
+    tied = bool(model_json.get("tie_word_embeddings", False))
+    return shapes.body_params + shapes.head_params * (1 if tied else 2)
 
 
 def auto_decision(config: Any, model_json: dict | None, on_gpu: bool) -> tuple[bool, str]:
