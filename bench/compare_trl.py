@@ -283,7 +283,8 @@ def best_floors(before: dict, after: dict) -> dict:
     decode bound (the shorter decode step). A probe on a shared machine reads low when something else
     runs for a moment (102.6 vs 134 GFLOP/s seen on one machine), which would flatter every fraction."""
     best = dict(before)
-    best["gemm_peak_flops"] = max(before["gemm_peak_flops"], after["gemm_peak_flops"])
+    if after["gemm_peak_flops"] > before["gemm_peak_flops"]:
+        best["gemm_peak_flops"], best["gemm_form"] = after["gemm_peak_flops"], after.get("gemm_form")
     if after["decode_bound_tokens_per_s"] > before["decode_bound_tokens_per_s"]:
         for k in ("decode_step_s", "decode_form", "decode_bound_tokens_per_s"):
             best[k] = after[k]

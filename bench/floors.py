@@ -1,14 +1,14 @@
 """Per-phase floors of a GRPO step on this machine: the update's GEMM peak and generation's decode bound.
 
-- **Update floor**: the fp32 GEMM peak at `threads` threads (a torch matmul loop at training sizes,
-  M = 1024 rows, the model's MLP shape) against the arithmetic the loss needs,
+- **Update floor**: the fp32 GEMM peak at `threads` threads (a torch matmul loop and oneDNN's
+  linear at training sizes, M = 1024 rows, the model's MLP shape: the faster) against the arithmetic the loss needs,
   `6 * (N_body * T_all + N_head * T_resp)` FLOPs per step: every token through the decoder
   layers, the vocabulary head only at the response positions (both libraries compute it only
   there); attention's quadratic term is left out (small at these lengths), so the achieved
   fraction is a slight underestimate.
 - **Generation floor**: the time of every linear layer of one decode step (the model's own shapes,
   each with its own weights, so they stream from memory as in the model) at M = the step's rows,
-  the faster of F.linear and oneDNN; bound = rows / that time, in tokens/s. Attention, sampling
+  the fastest of F.linear, oneDNN and oneDNN on packed weights (the HF rollout's form); bound = rows / that time, in tokens/s. Attention, sampling
   and the engine's bookkeeping are left out, so this is an upper bound on decode tokens/s.
 The measurement is the library's (hybridrl/utils/floors.py, which `trainer.log_floors` runs at
 start-up); here both are measured in a child process with `threads` torch threads (so the parent's thread count
@@ -41,7 +41,7 @@ import json, sys
 from transformers import AutoConfig
 from hybridrl.utils.floors import measure_floors
 f = measure_floors(AutoConfig.from_pretrained(sys.argv[1]), decode_rows=int(sys.argv[2]), seconds=float(sys.argv[3]))
-print(json.dumps({"gemm_peak_flops": f.gemm_peak_flops, "decode_step_s": f.decode_step_s, "decode_form": f.decode_form,
+print(json.dumps({"gemm_peak_flops": f.gemm_peak_flops, "gemm_form": f.gemm_form, "decode_step_s": f.decode_step_s, "decode_form": f.decode_form,
                   "decode_rows": f.decode_rows, "decode_bound_tokens_per_s": f.decode_bound_tokens_per_s}))
 """
 
@@ -177,7 +177,7 @@ def main() -> None:
     else:
         path = C.resolve_bench_model(args.model)
     f = measure(path, args.rows, args.threads)
-    print(f"fp32 GEMM peak at {args.threads} thread(s): {f['gemm_peak_flops'] / 1e9:.1f} GFLOP/s; decode step "
+    print(f"fp32 GEMM peak at {args.threads} thread(s): {f['gemm_peak_flops'] / 1e9:.1f} GFLOP/s ({f['gemm_form']}); decode step "
           f"of every linear at M={args.rows} ({f['decode_form']}): {f['decode_step_s'] * 1e3:.1f} ms -> "
           f"<= {f['decode_bound_tokens_per_s']:.0f} tokens/s")  # fmt: skip
     if args.update_tokens:

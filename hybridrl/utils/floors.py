@@ -6,13 +6,15 @@ measured decode bound (`trainer.log_floors`; bench/compare_trl.py `--floors` pri
   response positions, as the fused head computes it; attention's quadratic term left out, so the
   fraction is a slight underestimate), times `ppo_epochs`, over ``update_s * ranks * peak``. The
   peak is a (1024 x hidden) @ (hidden x intermediate) matmul loop: the model's MLP shape at
-  training sizes, on one slot's threads. With the shared-prompt forward the arithmetic is still
-  counted per row (the work the plain forward does), so that forward can show a higher fraction.
+  training sizes, on one slot's threads, the faster of torch.matmul (MKL) and, on CPU, oneDNN's
+  linear (15-20% faster on the AVX-512 EPYC). With the shared-prompt forward the caller counts
+  each prompt once per group (the tokens that forward computes), not once per row.
 - **Generation**: response tokens / (generation seconds without the weight sync) over ``ranks *
   bound``; the bound is `rows` / the time of every linear layer of one decode step (the model's
   own shapes, each with its own weights, so they stream from memory as in decoding) at M = the
-  rows one rank decodes at once, the faster of F.linear and oneDNN. Attention, sampling and the
-  engine's bookkeeping are left out, so it is an upper bound on decode tokens/s.
+  rows one rank decodes at once, the fastest of F.linear, oneDNN on the dense weight and oneDNN on
+  a packed weight (what the HF rollout runs on CPU, workers/rollout/cpu_gemm.py). Attention,
+  sampling and the engine's bookkeeping are left out, so it is an upper bound on decode tokens/s.
 
 Fractions near 1 mean a phase is at the limit of the machine; both floors take a few seconds to
 measure, once, at start-up.
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from hybridrl.utils.onednn import onednn_available, onednn_linear, pack_weight
 
 __all__ = ["Floors", "ModelShapes", "measure_floors", "phase_fractions", "update_flops"]
 
@@ -82,7 +86,8 @@ class Floors:
     gemm_peak_flops: float  # FLOP/s of the MLP-shaped matmul on one slot
     decode_rows: int  # M of the decode-step measurement: rows one rank decodes at once
     decode_step_s: float  # seconds of every linear of one decode step at M = decode_rows
-    decode_form: str  # "linear" or "onednn", the faster
+    decode_form: str  # "linear", "onednn" or "onednn_packed", the fastest
+    gemm_form: str = "matmul"  # "matmul" or "onednn", the faster at the peak's shape
 
     @property
     def decode_bound_tokens_per_s(self) -> float:
@@ -94,19 +99,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_gemm_peak(shapes: ModelShapes, dtype: torch.dtype, device: torch.device, seconds: float) -> float:
-    """FLOP/s of (1024 x hidden) @ (hidden x intermediate) repeated for ~`seconds`."""
+def measure_gemm_peak(
+    shapes: ModelShapes, dtype: torch.dtype, device: torch.device, seconds: float
+) -> tuple[float, str]:
+    """(FLOP/s, form) of (1024 x hidden) @ (hidden x intermediate) repeated for ~`seconds`: the
+    faster of torch.matmul and, on CPU in float32, oneDNN's linear on the same product."""
     a = torch.randn(1024, shapes.hidden, dtype=dtype, device=device)
     b = torch.randn(shapes.hidden, shapes.inter, dtype=dtype, device=device)
-    for _ in range(3):
-        a @ b
-    _sync(device)
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        n += 1
-    _sync(device)
-    return 2.0 * 1024 * shapes.hidden * shapes.inter * n / (time.perf_counter() - start)
+    forms: dict[str, Any] = {"matmul": lambda: a @ b}
+    onednn = onednn_linear if device.type == "cpu" and dtype == torch.float32 and onednn_available() else None
+    if onednn is not None:
+        bt = b.t().contiguous()  # (intermediate, hidden): the linear layer's weight layout
+        forms["onednn"] = lambda: onednn(a, bt)
+    best: dict[str, float] = {}
+    for name, f in forms.items():
+        try:
+            for _ in range(3):
+                f()
+        except RuntimeError:
+            continue  # oneDNN's op is not in every build
+        _sync(device)
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / len(forms):
+            f()
+            n += 1
+        _sync(device)
+        best[name] = 2.0 * 1024 * shapes.hidden * shapes.inter * n / (time.perf_counter() - start)
+    form = max(best, key=best.get)
+    return best[form], form
 
 
 def measure_decode_step(
@@ -117,21 +137,28 @@ def measure_decode_step(
     xs = {
         k: torch.randn(rows, k, dtype=dtype, device=device) for k in {i for _, i in shapes.decode_linears()}
     }
-    forms = {"linear": lambda x, w: F.linear(x, w)}
-    if device.type == "cpu":
-        forms["onednn"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    forms: dict[str, tuple[Any, list[torch.Tensor]]] = {"linear": (lambda x, w: F.linear(x, w), weights)}
+    onednn = onednn_linear if device.type == "cpu" and onednn_available() else None
+    if onednn is not None:
+        forms["onednn"] = (onednn, weights)
+        if dtype == torch.float32:
+            try:  # the HF rollout's form: each weight packed once (workers/rollout/cpu_gemm.py)
+                packed = [pack_weight(w, rows) for w in weights]
+                forms["onednn_packed"] = (onednn, packed)
+            except (RuntimeError, AttributeError):
+                pass
     best: dict[str, float] = {}
-    for name, f in forms.items():
+    for name, (f, ws) in forms.items():
         try:
-            f(xs[weights[0].shape[1]], weights[0])
+            f(xs[weights[0].shape[1]], ws[0])
         except (RuntimeError, AttributeError):
             continue  # oneDNN's op is not in every build
         times = []
         for _ in range(repeats):
             _sync(device)
             start = time.perf_counter()
-            for w in weights:
-                f(xs[w.shape[1]], w)
+            for w, x_w in zip(ws, weights):
+                f(xs[x_w.shape[1]], w)
             _sync(device)
             times.append(time.perf_counter() - start)
         best[name] = statistics.median(times[1:])
@@ -158,9 +185,9 @@ def measure_floors(
     if decode_rows < 1:
         raise ValueError(f"measure_floors: decode_rows must be >= 1, got {decode_rows}")
     shapes, dev = ModelShapes.of(hf_config), torch.device(device)
-    peak = measure_gemm_peak(shapes, train_dtype, dev, seconds)
+    peak, gemm_form = measure_gemm_peak(shapes, train_dtype, dev, seconds)
     step_s, form = measure_decode_step(shapes, decode_rows, decode_dtype, dev)
-    return Floors(shapes, peak, decode_rows, step_s, form)
+    return Floors(shapes, peak, decode_rows, step_s, form, gemm_form)
 
 
 def update_flops(shapes: ModelShapes, all_tokens: float, response_tokens: float) -> float:

@@ -92,8 +92,35 @@ def estimate_flops(
     """
     tokens = sum(int(s) for s in seqlens)
     squares = sum(int(s) ** 2 for s in seqlens)
+    return work_flops(num_params, tokens, squares, num_layers, attn_dim, training)
+
+
+def work_flops(
+    num_params: int, tokens: int, squares: int, num_layers: int, attn_dim: int, training: bool = True
+) -> float:
+    """`estimate_flops` from its two sums: tokens = sum(s) and squares = sum(s^2) (or, for a
+    forward that is not one sequence per row, the attention pairs it computes: `grouped_work`)."""
     factor = 3 if training else 1
     return factor * (2.0 * num_params * tokens + 4.0 * num_layers * attn_dim * squares)
+
+
+def grouped_work(lengths: Sequence[int], prompt_of: Sequence[int]) -> tuple[int, int]:
+    """(tokens, squares) of the shared-prompt forward's packed row, for `work_flops`.
+
+    Args:
+        lengths: tokens of each segment: a group's prompt, then each of its responses.
+        prompt_of: per segment, the index of its prompt segment (-1 for a prompt).
+
+    A prompt of p tokens is computed once; each of its responses of n tokens attends to it and to
+    itself, so its sequence p + n counts p^2 + sum over responses of (2 p n + n^2) instead of
+    sum (p + n)^2, and p tokens once instead of once per response.
+    """
+    tokens, squares = 0, 0
+    for n, prompt in zip(lengths, prompt_of):
+        tokens += n
+        p = 0 if prompt < 0 else lengths[prompt]
+        squares += 2 * p * n + n * n
+    return tokens, squares
 
 
 @functools.lru_cache(maxsize=8)

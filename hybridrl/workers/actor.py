@@ -237,9 +237,12 @@ class PPOActor(MicroBatchedRole):
             c.entropy_coeff != 0,
             topk_ids=needs_topk(self.distillation),
         )
-        auxes = self.engine.forward_backward(
-            micros, request, lambda micro, out: self._micro_batch_loss(micro, out, loss_scale, has_old)
-        )
+
+        def loss(micro: Any, out: LogProbs):
+            self._perf.record(out)  # the shared-prompt forward's own FLOP count (update_loop.UpdatePerf)
+            return self._micro_batch_loss(micro, out, loss_scale, has_old)
+
+        auxes = self.engine.forward_backward(micros, request, loss)
         sums, means = combine_micro_metrics(auxes, loss_scale)
         if c.use_kl_loss:
             sums["actor/kl_coef"] = c.kl_loss_coef

@@ -101,6 +101,12 @@ class FSDPConfig:
     CPU. None (auto, the actor's default in ppo_trainer.yaml) is decided on the driver
     (trainer/ppo/compile_auto.py: on for a text-only model of >= 80M parameters with the padded
     forward, trained on one CPU rank for >= 50 steps); False elsewhere. Parameter names and checkpoints are unchanged. hybridrl's own key.
+    onednn_linear: every nn.Linear computes its forward and input gradient with oneDNN's float32
+    linear instead of MKL's sgemm where the input is a CPU float32 tensor (workers/engine/
+    cpu_linear.py: 0.90x the time of a forward + backward of the ~100M bench model's layers on the
+    2-core AVX-512 EPYC). None (auto) is on for CPU training where torch has oneDNN; True is refused
+    elsewhere. Same numbers up to float rounding (~1e-6); parameter names and checkpoints are
+    unchanged. hybridrl's own key.
     """
 
     param_offload: bool = False
@@ -110,6 +116,7 @@ class FSDPConfig:
     forward_prefetch: bool = False
     shard_one_rank: bool | None = None
     compile_layers: bool | None = False
+    onednn_linear: bool | None = None
     fsdp_size: int = -1
     model_dtype: str = "fp32"
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)

@@ -92,16 +92,19 @@ class ValueRequest:
 @dataclass
 class LogProbs:
     """Per response token (b, T) float32: log pi(a_t); entropy and sum pi^2 when requested, else None;
-    with a top-k request topk_log_probs (b, T, K) float32 and topk_ids (b, T, K) long."""
+    with a top-k request topk_log_probs (b, T, K) float32 and topk_ids (b, T, K) long. `work`:
+    (tokens, squares) the forward computed (utils/flops.work_flops) when that is not one sequence
+    per row (the shared-prompt forward computes each prompt once per group), else None."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
     topk_log_probs: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
+    work: tuple[int, int] | None = None
 
     def to(self, device: Any) -> LogProbs:
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return LogProbs(*(move(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from hybridrl.algos.otb import sum_pi_squared_from_logits
 from hybridrl.algos.utils import entropy_from_logits, entropy_from_logits_chunked, logprobs_from_logits
+from hybridrl.utils.flops import grouped_work
 from hybridrl.utils.torch_utils import (
     PackedBatch,
     block_causal_mask,
@@ -349,15 +350,17 @@ def _fused_log_probs(
 def _grouped_log_probs(
     module, head, batch, temperature, calculate_entropy, entropy_grad, sps, entropy_fn, compiled=False
 ):
-    """(log_probs, entropy or None, sum_pi_squared or None), each (B, T), through the shared-prompt
-    packed row (`prefix_group`): the head at the response-predicting positions, chunked when it
-    can be swapped (`head`), else full logits there."""
+    """(log_probs, entropy or None, sum_pi_squared or None), each (B, T), and the (tokens, squares)
+    computed (utils/flops.grouped_work), through the shared-prompt packed row (`prefix_group`): the
+    head at the response-predicting positions, chunked when it can be swapped (`head`), else full
+    logits there."""
     t = batch["responses"].shape[-1]
     b = batch["responses"].shape[0]
     mm = has_multimodal(batch)
     keys = prompt_media_keys(module, batch) if mm else None  # equal prompts need equal pixels too
     layout = build_prefix_layout(batch["input_ids"], batch["attention_mask"], t, row_keys=keys)
     labels = batch["responses"].reshape(-1)[layout.flat]
+    work = grouped_work(layout.lengths, layout.prompt_of)
 
     def scatter(v: torch.Tensor) -> torch.Tensor:
         return v.new_zeros((b * t, *v.shape[1:])).index_put((layout.flat,), v).view(b, t, *v.shape[1:])
@@ -373,11 +376,11 @@ def _grouped_log_probs(
         columns = _head_columns(head, labels, temperature, calculate_entropy, entropy_grad, sps, compiled)
         with _head_replaced(head, lambda h: columns(h[0, layout.pred])):
             out = run()
-        return _split_columns(scatter(out.logits), calculate_entropy, sps)
+        return (*_split_columns(scatter(out.logits), calculate_entropy, sps), work)
     logits = run().logits[0, layout.pred].float() / temperature  # (K, V)
     log_probs = scatter(logprobs_from_logits(logits, labels))
     entropy = scatter(entropy_fn(logits)) if calculate_entropy else None
-    return log_probs, entropy, (scatter(sum_pi_squared_from_logits(logits)) if sps else None)
+    return log_probs, entropy, (scatter(sum_pi_squared_from_logits(logits)) if sps else None), work
 
 
 def forward_log_probs(
@@ -436,11 +439,11 @@ def forward_log_probs(
     if prefix_group:
         if sp is not None:
             raise ValueError("use_prefix_grouper does not combine with Ulysses sequence parallelism")
-        lp, ent, sps = _grouped_log_probs(
+        lp, ent, sps, work = _grouped_log_probs(
             module, head, batch, temperature, calculate_entropy, entropy_grad, calculate_sum_pi_squared,
             ent_fn, compiled=compile_kernels,
         )  # fmt: skip
-        return LogProbs(lp, ent, sps)
+        return LogProbs(lp, ent, sps, work=work)
     if head is not None:
         if sp is not None:
             lp, ent, sps = _fused_log_probs_sp(

@@ -31,6 +31,7 @@ from hybridrl.utils.torch_utils import str_to_dtype
 from hybridrl.workers.config import FSDPConfig, ModelConfig, OptimConfig
 from hybridrl.workers.engine.base import EngineBuildSpec, register_engine
 from hybridrl.workers.engine.batching import clip_grad_norm
+from hybridrl.workers.engine.cpu_linear import install_onednn_linear, resolve_onednn_linear
 from hybridrl.workers.engine.full_params import GATHER_BUCKET_BYTES, iter_full_params
 from hybridrl.workers.engine.module_engine import ModuleEngine
 
@@ -367,6 +368,8 @@ class FSDPEngine(ModuleEngine):
             from hybridrl.models.vlm import freeze_vision_tower as freeze
 
             freeze(module, "actor_rollout_ref.actor.freeze_vision_tower")
+        if resolve_onednn_linear(fsdp_config.onednn_linear, mesh.device_type, f"the {role}'s fsdp_config"):
+            install_onednn_linear(module)  # before compile: a compiled layer lowers F.linear itself
         if fsdp_config.compile_layers:
             compile_decoder_layers(module, fsdp_config)
         if resolve_shard_one_rank(fsdp_config, mesh, f"the {role}'s fsdp_config"):

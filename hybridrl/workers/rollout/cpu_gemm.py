@@ -1,17 +1,32 @@
 """Decode-time linear layers for the HF rollout's private model copy on CPU (float32).
 
 During `model.generate` decoding every linear layer sees only M = batch rows. For x @ W^T at
-small M, MKL's sgemm behind `F.linear` (weight passed transposed) is slow, above all with two
-threads; the same product written as W @ x^T (weight untransposed, then transposed back) runs
-1.1-2.8x faster for large weights on the 2-core CPU machines. Measured per layer shape
-(bench/cpu_gemm.py, docs/performance.md), the weight-first form is used when
+small M, MKL's sgemm behind `F.linear` is slow, above all with two threads. Two faster forms:
 
-- 2 <= rows <= max_rows (M = 1 is a matrix-vector product: no gain; above ~128 rows the two tie
-  and prefill is far above), and
-- the weight has >= 2**19 elements with 2+ torch threads (768x768 and larger; smaller ones lose
-  up to 20%), >= 2**22 with one thread (only head-sized weights still win there).
+- **oneDNN with a packed weight** (`form="onednn"`, the default where torch has oneDNN): the
+  weight is reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
+  the op inductor's CPU freezing uses) and every call runs `torch.ops.mkldnn._linear_pointwise`
+  on it. On the 2-core AVX-512 EPYC (bench/cpu_gemm.py) every linear of one decode step of the
+  real-vocabulary ~100M model takes 28-31 ms at M = 16 this way, against 55 ms for the
+  weight-first form and 57 ms for F.linear; 0.3-0.8x F.linear's time per layer for M = 2..512
+  and weights of >= 768 x 256 elements. The packed copy is made on first use and again whenever
+  the parameter was written in place (its version counter moved, e.g. by the weight sync's
+  `copy_`) or replaced; it costs a second copy of the weights in memory (~0.1 s to pack 100M
+  parameters).
+- **weight first** (`form="weight_first"`, where oneDNN is missing): the same product written as
+  W @ x^T (weight untransposed, then transposed back), 1.1-2.8x faster than F.linear for large
+  weights on the 2-core machines measured before.
 
-Otherwise, and on every other device or dtype, the layer runs plain `F.linear`.
+Each form is used when
+
+- 2 <= rows <= max_rows (M = 1 is a matrix-vector product: no gain), and
+- the weight is large enough for the current thread count (`min_weight_numel`): oneDNN >= 2**17
+  elements with 2+ threads, >= 2**19 with one (smaller ones lose to F.linear with one thread);
+  weight first >= 2**19 with 2+ threads, >= 2**22 with one, and
+- no gradient is needed (the oneDNN op has no backward; the weight-first form is autograd-safe).
+
+Otherwise, and on every other device or dtype, the layer runs plain `F.linear`. Same numbers up
+to float rounding (~1e-6).
 
 The swap changes only the class of each `nn.Linear` (`DecodeGemmLinear` is a subclass): the
 parameters stay the same objects, so tied embeddings, `state_dict` names and in-place weight
@@ -24,7 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridrl.utils.onednn import onednn_available, onednn_linear, pack_weight
+
 __all__ = [
+    "DECODE_GEMM_FORMS",
     "DEFAULT_DECODE_GEMM_MAX_ROWS",
     "DecodeGemmLinear",
     "decode_gemm_applies",
@@ -32,22 +50,41 @@ __all__ = [
     "linear_rows",
     "linear_weight_first",
     "min_weight_numel",
+    "onednn_available",
+    "onednn_linear",
+    "pack_weight",
+    "resolve_form",
     "uninstall_decode_gemm",
     "use_weight_first",
 ]
 
+DECODE_GEMM_FORMS = ("auto", "onednn", "weight_first")
 DEFAULT_DECODE_GEMM_MAX_ROWS = 128
-MIN_WEIGHT_NUMEL_MULTI_THREAD = 1 << 19
-MIN_WEIGHT_NUMEL_ONE_THREAD = 1 << 22
+# smallest weight (out * in elements) for which a form wins, by form and (one thread, 2+ threads)
+_MIN_NUMEL = {"weight_first": (1 << 22, 1 << 19), "onednn": (1 << 19, 1 << 17)}
+MIN_WEIGHT_NUMEL_MULTI_THREAD = _MIN_NUMEL["weight_first"][1]
+MIN_WEIGHT_NUMEL_ONE_THREAD = _MIN_NUMEL["weight_first"][0]
 
 
-def min_weight_numel(threads: int) -> int:
-    """Smallest weight (out * in elements) for which the weight-first form wins at `threads`."""
-    return MIN_WEIGHT_NUMEL_ONE_THREAD if threads <= 1 else MIN_WEIGHT_NUMEL_MULTI_THREAD
+def resolve_form(form: str) -> str:
+    """`auto` -> `onednn` where `onednn_available()`, else `weight_first`; the others are checked."""
+    if form not in DECODE_GEMM_FORMS:
+        raise ValueError(f"decode GEMM form {form!r} is not one of {DECODE_GEMM_FORMS}")
+    if form == "auto":
+        return "onednn" if onednn_available() else "weight_first"
+    if form == "onednn" and not onednn_available():
+        raise RuntimeError("decode GEMM form 'onednn': this torch build has no oneDNN linear on CPU")
+    return form
+
+
+def min_weight_numel(threads: int, form: str = "weight_first") -> int:
+    """Smallest weight (out * in elements) for which `form` beats F.linear at `threads` threads."""
+    one, many = _MIN_NUMEL[form]
+    return one if threads <= 1 else many
 
 
 def use_weight_first(rows: int, weight_numel: int, max_rows: int, min_numel: int) -> bool:
-    """The decision rule: 2 <= rows <= max_rows and weight_numel >= min_numel."""
+    """The decision rule (both forms): 2 <= rows <= max_rows and weight_numel >= min_numel."""
     return 2 <= rows <= max_rows and weight_numel >= min_numel
 
 
@@ -77,60 +114,88 @@ def linear_weight_first(
 
 
 def decode_gemm_applies(
-    x: torch.Tensor, weight: torch.Tensor, max_rows: int, min_numel: int | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    max_rows: int,
+    min_numel: int | None = None,
+    form: str = "weight_first",
 ) -> bool:
-    """True when the weight-first form should run for F.linear(x (..., in), weight (out, in)).
+    """True when `form` should run for F.linear(x (..., in), weight (out, in)).
 
     CPU float32 input and weight, and `use_weight_first` with `min_numel` (None: by the current
-    torch thread count, `min_weight_numel`).
+    torch thread count and the form, `min_weight_numel`); the oneDNN form also needs no gradient.
     """
     if not (x.is_cpu and weight.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32):
         return False
+    if form == "onednn" and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
     if min_numel is None:
-        min_numel = min_weight_numel(torch.get_num_threads())
+        min_numel = min_weight_numel(torch.get_num_threads(), form)
     return use_weight_first(linear_rows(x, weight.shape[1]), weight.numel(), max_rows, min_numel)
 
 
 class DecodeGemmLinear(nn.Linear):
-    """nn.Linear whose forward uses `linear_weight_first` when `decode_gemm_applies`.
+    """nn.Linear whose forward uses its decode form (`decode_gemm_form`) when `decode_gemm_applies`.
 
     Never constructed directly: `install_decode_gemm` swaps the class of existing layers and
-    sets `decode_gemm_max_rows` / `decode_gemm_min_numel`. Everything else (parameters, hooks,
-    state dict) is nn.Linear's.
+    sets `decode_gemm_max_rows` / `decode_gemm_min_numel` / `decode_gemm_form`. Everything else
+    (parameters, hooks, state dict) is nn.Linear's. The oneDNN form keeps the packed weight in
+    `_decode_packed` with the (storage pointer, version) of the weight it was packed from, and
+    packs again when either changed.
     """
 
     decode_gemm_max_rows: int = DEFAULT_DECODE_GEMM_MAX_ROWS
     decode_gemm_min_numel: int | None = None
+    decode_gemm_form: str = "weight_first"
+    _decode_packed: torch.Tensor | None = None
+    _decode_packed_key: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        if decode_gemm_applies(x, self.weight, self.decode_gemm_max_rows, self.decode_gemm_min_numel):
+        form = self.decode_gemm_form
+        if decode_gemm_applies(x, self.weight, self.decode_gemm_max_rows, self.decode_gemm_min_numel, form):
+            if form == "onednn":
+                return onednn_linear(x, self._packed(linear_rows(x, self.in_features)), self.bias)
             return linear_weight_first(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def _packed(self, rows: int) -> torch.Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        if self._decode_packed is None or self._decode_packed_key != key:
+            self._decode_packed, self._decode_packed_key = pack_weight(w, rows), key
+        return self._decode_packed
 
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, decode_gemm_max_rows={self.decode_gemm_max_rows}, "
-            f"decode_gemm_min_numel={self.decode_gemm_min_numel}"
+            f"decode_gemm_min_numel={self.decode_gemm_min_numel}, decode_gemm_form={self.decode_gemm_form}"
         )
 
 
 def install_decode_gemm(
-    model: nn.Module, max_rows: int = DEFAULT_DECODE_GEMM_MAX_ROWS, min_numel: int | None = None
+    model: nn.Module,
+    max_rows: int = DEFAULT_DECODE_GEMM_MAX_ROWS,
+    min_numel: int | None = None,
+    form: str = "auto",
 ) -> int:
     """Swap every exact `nn.Linear` in `model` to `DecodeGemmLinear` in place; return how many.
 
     `max_rows` >= 0 (0: F.linear always); `min_numel`: the weight-size bound of the rule (None:
-    by the thread count at each call, the measured default; 0: every layer, e.g. in tests).
+    by the thread count and form at each call, the measured default; 0: every layer, e.g. in
+    tests); `form`: one of DECODE_GEMM_FORMS (`auto`: oneDNN where available, `resolve_form`).
     Subclasses of nn.Linear (quantised, LoRA, ...) keep their own forward and are skipped.
     """
     if max_rows < 0:
         raise ValueError(f"install_decode_gemm: max_rows must be >= 0, got {max_rows}")
+    form = resolve_form(form)
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear or type(module) is DecodeGemmLinear:
             module.__class__ = DecodeGemmLinear
             module.decode_gemm_max_rows = max_rows
             module.decode_gemm_min_numel = min_numel
+            module.decode_gemm_form = form
+            module._decode_packed = module._decode_packed_key = None
             count += 1
     return count
 
@@ -141,6 +206,9 @@ def uninstall_decode_gemm(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is DecodeGemmLinear:
             module.__class__ = nn.Linear
-            del module.decode_gemm_max_rows, module.decode_gemm_min_numel
+            for attr in ("decode_gemm_max_rows", "decode_gemm_min_numel", "decode_gemm_form"):
+                del module.__dict__[attr]
+            module.__dict__.pop("_decode_packed", None)
+            module.__dict__.pop("_decode_packed_key", None)
             count += 1
     return count

@@ -148,7 +148,9 @@ class HFRollout(BaseRollout):
                     f"HFRollout.update_weights: {name!r} has shape {tuple(tensor.shape)}, "
                     f"the rollout model expects {tuple(dst.shape)}"
                 )
-            dst.data.copy_(tensor, non_blocking=True)
+            # through the parameter itself, not `.data`: its version counter moves, which tells the
+            # oneDNN decode layers (cpu_gemm.py) to pack the new weight
+            dst.copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

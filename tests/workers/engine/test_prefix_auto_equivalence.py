@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_module
 from tests.workers.fsdp_testkit import spawn
 
 PROMPTS, N, P, T = 2, 4, 7, 6  # 2 prompts x 4 responses; prompt / response columns
+PEAK = 1e9  # FLOP/s the MFU metric is taken against
 
 
 def _batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -61,8 +62,9 @@ def _run(actor_cfg, model_dir: str, vocab: int) -> dict:
         )
         sizes = normalize_actor_batch_sizes(actor_cfg, rollout_n=N, dp_size=1)
         actor = PPOActor(
-            actor_cfg, engine.module, engine.optimizer, engine.lr_scheduler, dp_size=1, batch_sizes=sizes
-        )
+            actor_cfg, engine.module, engine.optimizer, engine.lr_scheduler, dp_size=1, batch_sizes=sizes,
+            peak_flops=PEAK,
+        )  # fmt: skip
         data = DataProto.from_dict(_batch(vocab))
         first = actor.compute_log_prob(data, calculate_entropy=True, micro_batch_size=4)
         g = torch.Generator().manual_seed(5)
@@ -80,6 +82,7 @@ def _run(actor_cfg, model_dir: str, vocab: int) -> dict:
         "metrics": metrics,
         "after": after,
         "grouped": len(calls),
+        "perf_model": engine.perf_model(),
     }
 
 
@@ -104,6 +107,30 @@ def _check(rank, world, on_cfg, model_dir, vocab):
         a, b = on["metrics"][key], off["metrics"][key]
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5), (key, a, b)
     assert 0 < on["metrics"]["actor/pg_clipfrac"][0] < 1
+    # perf/mfu/actor counts what each forward computed: every row's sequence with the plain one,
+    # each prompt once per group (in each micro-batch of 4 rows) with the shared-prompt one
+    from hybridrl.utils.flops import estimate_flops, grouped_work, work_flops
+    from hybridrl.workers.engine.prefix_group import build_prefix_layout
+
+    pm, batch = on["perf_model"], _batch(vocab)
+    flops = {
+        k: r["metrics"]["perf/mfu/actor"][0] * r["metrics"]["perf/actor/update_s"][0] * PEAK
+        for k, r in (("on", on), ("off", off))
+    }
+    rows = batch["attention_mask"].sum(-1).tolist()
+    want_off = estimate_flops(pm.num_params, rows, pm.num_layers, pm.attn_dim)
+    tokens = squares = 0
+    for lo in (0, 4):  # the two micro-batches, in order (actor.shuffle is false)
+        layout = build_prefix_layout(batch["input_ids"][lo : lo + 4], batch["attention_mask"][lo : lo + 4], T)
+        tok, sq = grouped_work(layout.lengths, layout.prompt_of)
+        tokens, squares = tokens + tok, squares + sq
+    want_on = work_flops(pm.num_params, tokens, squares, pm.num_layers, pm.attn_dim)
+    assert want_on < want_off
+    assert abs(flops["off"] / want_off - 1) < 1e-6 and abs(flops["on"] / want_on - 1) < 1e-6, (
+        flops,
+        want_on,
+        want_off,
+    )
 
 
 def test_auto_on_trains_like_the_plain_forward_on_the_builtin_model(tmp_path):

@@ -164,6 +164,53 @@ def test_layout_counts_each_prompt_once():
     assert layout.pred.numel() == int(mask[:, 7:].sum())
 
 
+def test_grouped_work_counts_each_prompt_once_by_hand(model):
+    """The FLOP count of the shared-prompt forward (utils/flops.grouped_work, `LogProbs.work`): per
+    group p prompt tokens once, and per response n tokens attending to p + n, by hand."""
+    from hybridrl.utils.flops import grouped_work
+
+    batch = grouped_batch(group_sizes=(3, 1, 2))
+    mask = batch["attention_mask"]
+    want_tokens, want_squares, seen = 0, 0, set()
+    for row in range(mask.shape[0]):
+        p, n = int(mask[row, :7].sum()), int(mask[row, 7:].sum())
+        key = tuple(batch["input_ids"][row, :7].tolist())
+        if key not in seen:  # the group's prompt, once
+            seen.add(key)
+            want_tokens, want_squares = want_tokens + p, want_squares + p * p
+        want_tokens, want_squares = want_tokens + n, want_squares + 2 * p * n + n * n
+    layout = build_prefix_layout(batch["input_ids"], batch["attention_mask"], t=6)
+    assert grouped_work(layout.lengths, layout.prompt_of) == (want_tokens, want_squares)
+    assert want_tokens < int(mask.sum())  # fewer than one sequence per row
+    kw = dict(temperature=1.0, use_remove_padding=True, fused=True)
+    with torch.no_grad():
+        grouped = forward.forward_log_probs(model, batch, prefix_group=True, **kw)
+        plain = forward.forward_log_probs(model, batch, prefix_group=False, **kw)
+    assert grouped.work == (want_tokens, want_squares) and plain.work is None
+
+
+def test_update_perf_counts_what_the_forwards_report():
+    from hybridrl.utils.flops import compute_mfu, estimate_flops, work_flops
+    from hybridrl.workers.engine.base import LogProbs, PerfModel
+    from hybridrl.workers.engine.update_loop import UpdatePerf
+
+    class Engine:
+        def perf_model(self):
+            return PerfModel(num_params=1000, num_layers=2, attn_dim=8, ranks_per_sample=1)
+
+    perf = UpdatePerf("actor", Engine(), peak_flops=1e6)
+    lp = torch.zeros(1, 1)
+    perf.record(LogProbs(lp))  # a plain forward reports nothing
+    plain = perf.metrics([10, 12], 1.0)
+    assert plain["perf/mfu/actor"] == compute_mfu(estimate_flops(1000, [10, 12], 2, 8), 1.0, 1e6)
+    perf.record(LogProbs(lp, work=(7, 30)))
+    perf.record(LogProbs(lp, work=(8, 40)))
+    got = perf.metrics([10, 12], 1.0)
+    assert got["perf/mfu/actor"] == compute_mfu(work_flops(1000, 15, 70, 2, 8), 1.0, 1e6)
+    assert got["perf/actor/tokens"] == 22.0  # the rows' tokens, as before
+    assert perf.metrics([10, 12], 1.0) == plain  # the record is per update call
+
+
 def test_refused_with_sequence_parallelism(model):
     from hybridrl.workers.engine.ulysses import SPGroup
 
