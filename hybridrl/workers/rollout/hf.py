@@ -33,6 +33,7 @@ from hybridrl.workers.rollout.base import (
 )
 from hybridrl.workers.rollout.config import RolloutConfig
 from hybridrl.workers.rollout.cpu_gemm import install_decode_gemm
+from hybridrl.workers.rollout.hf_cache import growing_cache
 from hybridrl.workers.rollout.hf_prefix import shared_prefill
 from hybridrl.workers.rollout.hf_sampler import InverseCdfSampler, use_inverse_cdf
 
@@ -60,7 +61,8 @@ class HFRollout(BaseRollout):
     Args:
         config: rollout section. Uses temperature/top_k/top_p/do_sample, response_length,
             ignore_eos, dtype, load_format, calculate_log_probs, seed, hf_decode_gemm_max_rows
-            (CPU float32 only: workers/rollout/cpu_gemm.py), hf_sampler (inverse-CDF sampling for
+            (CPU float32 only: workers/rollout/cpu_gemm.py; text rows decode with a KV cache that grows
+            in place, workers/rollout/hf_cache.py), hf_sampler (inverse-CDF sampling for
             large vocabularies: workers/rollout/hf_sampler.py), enable_prefix_caching (one prefill
             per distinct prompt row: workers/rollout/hf_prefix.py), and the micro-batch size
             `log_prob_micro_batch_size_per_gpu` (else max_num_seqs; with log_prob_use_dynamic_bsz
@@ -234,8 +236,14 @@ class HFRollout(BaseRollout):
         fork_devices = [self.device.index or 0] if self.device.type == "cuda" else []
         stopping = StoppingCriteriaList([_AbortCriteria(self)]) if self.abort_requested is not None else None
         mm = self._mm_kwargs(request, rows, ids)
-        if self.config.enable_prefix_caching and not mm:  # one prefill per distinct prompt row
-            cache = shared_prefill(self.model, ids, mask)
+        if not mm:  # text: a KV cache that grows in place (hf_cache.py), one prefill per distinct prompt
+            cache = growing_cache(self.model, request.max_new_tokens + 1)
+            shared = (
+                shared_prefill(self.model, ids, mask, cache=cache)
+                if self.config.enable_prefix_caching
+                else None
+            )
+            cache = shared if shared is not None else cache
             if cache is not None:
                 mm = {"past_key_values": cache}
         with torch.random.fork_rng(devices=fork_devices):

@@ -51,7 +51,9 @@ def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tupl
 
 
 @torch.no_grad()
-def shared_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any | None:
+def shared_prefill(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: Any | None = None
+) -> Any | None:
     """The key/value cache of positions 0..P-2 for every row, computed once per distinct row.
 
     Args:
@@ -59,6 +61,8 @@ def shared_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
             use_cache=True)` returning `past_key_values`, a `transformers.Cache`).
         input_ids: (B, P) left-padded prompt ids.
         attention_mask: (B, P) 1 on prompt tokens.
+        cache: an empty `transformers.Cache` to fill (e.g. hf_cache.growing_cache); None: the
+            model's default.
 
     Returns:
         A cache for the B rows holding P - 1 positions (pass it to `generate` as
@@ -77,8 +81,14 @@ def shared_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
         return None
     # the position ids `generate` derives from the attention mask (padding positions: 0)
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    extra = {} if cache is None else {"past_key_values": cache}
     out = model(
-        input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        use_cache=True,
+        logits_to_keep=1,
+        **extra,
     )
     cache = out.past_key_values
     cache.batch_select_indices(inverse)
