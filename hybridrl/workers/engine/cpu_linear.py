@@ -115,12 +115,34 @@ def resolve_onednn_linear(value: bool | None, device_type: str, key: str) -> boo
     return bool(value)
 
 
+def _output_heads(model: nn.Module) -> set[int]:
+    """ids of the vocabulary heads of `model` and its submodules (`get_output_embeddings`)."""
+    heads = set()
+    for module in model.modules():
+        get = getattr(module, "get_output_embeddings", None)
+        if callable(get):
+            try:
+                head = get()
+            except (AttributeError, NotImplementedError, TypeError):
+                continue
+            if head is not None:
+                heads.add(id(head))
+    return heads
+
+
 def install_onednn_linear(model: nn.Module, min_macs: int = MIN_MACS) -> int:
     """Swap every exact `nn.Linear` of `model` to `OneDnnTrainLinear` in place; return how many.
-    `min_macs`: the smallest product given to oneDNN (0: every one, e.g. in tests). Subclasses of
-    nn.Linear (quantised, LoRA wrappers, ...) keep their own forward."""
+
+    `min_macs`: the smallest product given to oneDNN (0: every one, e.g. in tests). The vocabulary
+    head stays a plain nn.Linear: the fused log-prob head (engine/lm_head.py) replaces its forward
+    only on an exact nn.Linear (forward.head_is_swappable), and through the module a 32k head
+    measured slower on oneDNN (its input gradient needs the transposed 32k x H weight). Subclasses
+    of nn.Linear (quantised, LoRA wrappers, ...) keep their own forward."""
+    heads = _output_heads(model)
     count = 0
     for module in model.modules():
+        if id(module) in heads:
+            continue
         if type(module) in (nn.Linear, OneDnnTrainLinear):
             module.__class__ = OneDnnTrainLinear
             module.onednn_min_macs = min_macs

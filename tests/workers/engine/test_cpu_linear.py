@@ -117,6 +117,7 @@ def _engine_checks(rank, world, model_dir):
         ModelConfig,
         OptimConfig,
     )
+    from hybridrl.workers.engine.forward import head_is_swappable
     from hybridrl.workers.engine.fsdp import FSDPEngine
 
     def build(onednn, **kw):
@@ -131,7 +132,7 @@ def _engine_checks(rank, world, model_dir):
         )
         engine = FSDPEngine.build(ModelConfig(path=model_dir), fsdp, cfg.optim, role="actor", load_tok=False)
         if onednn:  # the tiny model's products are below the size bound: give oneDNN every one
-            assert install_onednn_linear(engine.module, min_macs=0) == 15
+            assert install_onednn_linear(engine.module, min_macs=0) == 14  # 2 layers x 7; not the head
         sizes = normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=1)
         return engine, PPOActor(cfg, engine.module, engine.optimizer, engine.lr_scheduler, batch_sizes=sizes)
 
@@ -140,6 +141,9 @@ def _engine_checks(rank, world, model_dir):
     auto, _ = build(None)  # auto on CPU: installed, at the measured size bound
     layer = auto.module.model.layers[0].mlp.up_proj
     assert type(layer) is OneDnnTrainLinear and layer.onednn_min_macs == MIN_MACS
+    # the vocabulary head stays a plain nn.Linear, so the fused log-prob head still replaces it
+    assert type(auto.module.lm_head) is nn.Linear
+    assert head_is_swappable(auto.module) is auto.module.lm_head
     runs = {"plain": build(True), "fsdp2": build(True, shard_one_rank=True)}
     calls = []
     hook = (
