@@ -18,8 +18,8 @@ Equal to F.linear up to float rounding (~1e-6 relative; tests/workers/engine/tes
 a forward + backward of the bench model's decoder layers takes 0.90x the time of F.linear's
 (bench/cpu_gemm.py --train). `install_onednn_linear` swaps the class of each exact `nn.Linear`
 to `OneDnnTrainLinear`, which takes this path only where it applies (CPU, float32 input and
-weight, plain tensors, a product of >= 2**25 multiply-adds, where the call overhead no longer
-loses, not inside torch.compile) and F.linear elsewhere; the
+weight, plain tensors, a product of >= 2**25 multiply-adds and a weight of >= 2**17 elements,
+where the call overhead no longer loses, not inside torch.compile) and F.linear elsewhere; the
 parameters, their names and checkpoints are untouched.
 """
 
@@ -66,11 +66,15 @@ class OneDnnLinear(torch.autograd.Function):
 # the smallest product (rows * in * out multiply-adds) oneDNN is given: below it the call overhead
 # loses to F.linear (1.1-2x slower for 128 x 128 layers at 64-256 rows; 0.88-0.95x from 2**25 up)
 MIN_MACS = 1 << 25
+# and the smallest weight: the built-in tiny model's layers (128 x 512 at most) measured 1.07x slower
+# per update in the trainer with oneDNN (bench/regress.py, 3 rounds), so they stay on F.linear
+MIN_WEIGHT_NUMEL = 1 << 17
 
 
 def onednn_linear_applies(x: torch.Tensor, weight: torch.Tensor, min_macs: int = MIN_MACS) -> bool:
     """Whether `OneDnnLinear` runs for F.linear(x (..., in), weight (out, in)): CPU float32 plain
-    tensors (no DTensor), a product of >= `min_macs` multiply-adds, outside torch.compile (inductor
+    tensors (no DTensor), a product of >= `min_macs` multiply-adds and a weight of >=
+    MIN_WEIGHT_NUMEL elements (unless `min_macs` is 0, as in tests), outside torch.compile (inductor
     lowers F.linear itself)."""
     return (
         x.is_cpu
@@ -80,6 +84,7 @@ def onednn_linear_applies(x: torch.Tensor, weight: torch.Tensor, min_macs: int =
         and type(x) is torch.Tensor
         and type(weight) in (torch.Tensor, nn.Parameter)
         and x.numel() * weight.shape[0] >= min_macs
+        and (min_macs == 0 or weight.numel() >= MIN_WEIGHT_NUMEL)
         and not torch.compiler.is_compiling()
     )
 

@@ -64,11 +64,14 @@ def test_only_the_needed_gradients_are_computed():
 def test_applies_only_on_cpu_float32_above_the_size_bound():
     w = torch.zeros(16, 32)
     assert onednn_linear_applies(torch.zeros(4, 32), w, min_macs=0)
-    assert onednn_linear_applies(torch.zeros(4, 32), nn.Parameter(w), min_macs=4 * 32 * 16)
-    assert not onednn_linear_applies(torch.zeros(4, 32), w, min_macs=4 * 32 * 16 + 1)
+    big, x = torch.zeros(512, 256), torch.zeros(4, 256)  # 2**17 elements: the weight bound
+    assert onednn_linear_applies(x, nn.Parameter(big), min_macs=4 * 256 * 512)
+    assert not onednn_linear_applies(x, big, min_macs=4 * 256 * 512 + 1)
+    assert not onednn_linear_applies(x, big[:-1], min_macs=1)  # one row short of the weight bound
     assert not onednn_linear_applies(torch.zeros(4, 32, dtype=torch.bfloat16), w.bfloat16(), 0)
     assert not onednn_linear_applies(torch.zeros(4, 32, device="meta"), w.to("meta"), 0)
     assert not onednn_linear_applies(torch.zeros(64, 128), torch.zeros(128, 128))  # tiny: F.linear
+    assert not onednn_linear_applies(torch.zeros(4096, 128), torch.zeros(512, 128))  # a small weight
     assert onednn_linear_applies(torch.zeros(4944, 768), torch.zeros(256, 768))  # the bench model
     assert MIN_MACS == 1 << 25
 
