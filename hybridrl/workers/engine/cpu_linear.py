@@ -66,8 +66,8 @@ class OneDnnLinear(torch.autograd.Function):
 # the smallest product (rows * in * out multiply-adds) oneDNN is given: below it the call overhead
 # loses to F.linear (1.1-2x slower for 128 x 128 layers at 64-256 rows; 0.88-0.95x from 2**25 up)
 MIN_MACS = 1 << 25
-# and the smallest weight: the built-in tiny model's layers (128 x 512 at most) measured 1.07x slower
-# per update in the trainer with oneDNN (bench/regress.py, 3 rounds), so they stay on F.linear
+# and the smallest weight: the built-in tiny model's layers (128 x 512 at most) stay plain nn.Linear
+# (its update measured 1.07-1.11x slower with the swapped class, bench/regress.py, 3 rounds each)
 MIN_WEIGHT_NUMEL = 1 << 17
 
 
@@ -135,19 +135,29 @@ def _output_heads(model: nn.Module) -> set[int]:
     return heads
 
 
+def module_weight_numel(module: nn.Module) -> int:
+    """Elements of a module's `weight` (0 when it has none)."""
+    weight = getattr(module, "weight", None)
+    return weight.numel() if isinstance(weight, torch.Tensor) else 0
+
+
 def install_onednn_linear(model: nn.Module, min_macs: int = MIN_MACS) -> int:
     """Swap every exact `nn.Linear` of `model` to `OneDnnTrainLinear` in place; return how many.
 
     `min_macs`: the smallest product given to oneDNN (0: every one, e.g. in tests). The vocabulary
     head stays a plain nn.Linear: the fused log-prob head (engine/lm_head.py) replaces its forward
     only on an exact nn.Linear (forward.head_is_swappable), and through the module a 32k head
-    measured slower on oneDNN (its input gradient needs the transposed 32k x H weight). Subclasses
-    of nn.Linear (quantised, LoRA wrappers, ...) keep their own forward."""
+    measured slower on oneDNN (its input gradient needs the transposed 32k x H weight). Layers
+    whose weight is below MIN_WEIGHT_NUMEL stay plain too (unless `min_macs` is 0): the per-call
+    check alone cost the tiny model's update 7-11% (bench/regress.py). Subclasses of nn.Linear
+    (quantised, LoRA wrappers, ...) keep their own forward."""
     heads = _output_heads(model)
     count = 0
     for module in model.modules():
         if id(module) in heads:
             continue
+        if min_macs and module_weight_numel(module) < MIN_WEIGHT_NUMEL:
+            continue  # never given to oneDNN: stays a plain nn.Linear (no per-call check)
         if type(module) in (nn.Linear, OneDnnTrainLinear):
             module.__class__ = OneDnnTrainLinear
             module.onednn_min_macs = min_macs
