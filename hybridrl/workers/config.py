@@ -103,9 +103,9 @@ class FSDPConfig:
     forward, trained on one CPU rank for >= 50 steps); False elsewhere. Parameter names and checkpoints are unchanged. hybridrl's own key.
     onednn_linear: every nn.Linear computes its forward and input gradient with oneDNN's float32
     linear instead of MKL's sgemm where the input is a CPU float32 tensor (workers/engine/
-    cpu_linear.py: 0.90x the time of a forward + backward of the ~100M bench model's layers on the
-    2-core AVX-512 EPYC). None (auto) is on for CPU training where torch has oneDNN; True is refused
-    elsewhere. Same numbers up to float rounding (~1e-6); parameter names and checkpoints are
+    cpu_linear.py: the ~100M bench model's update step in 0.95x the time on the 2-core AVX-512 EPYC;
+    the vocabulary head and weights below 2**17 elements stay plain). None (auto) is on for CPU
+    training where torch has oneDNN; True is refused elsewhere. Same numbers up to float rounding (~1e-6); parameter names and checkpoints are
     unchanged. hybridrl's own key.
     """
 

@@ -14,9 +14,10 @@ b (out,)):
     weight grad   dW = dY^T X                   (torch.mm: MKL is as fast there)
     bias grad     db = sum over rows of dY
 
-Equal to F.linear up to float rounding (~1e-6 relative; tests/workers/engine/test_cpu_linear.py);
-a forward + backward of the bench model's decoder layers takes 0.90x the time of F.linear's
-(bench/cpu_gemm.py --train). `install_onednn_linear` swaps the class of each exact `nn.Linear`
+Equal to F.linear up to float rounding (~1e-6 relative; tests/workers/engine/test_cpu_linear.py).
+Measured (docs/performance.md, session 17): the model's linear shapes forward + backward 0.82-0.86x
+F.linear's time; the ~100M bench model's update step with the shared-prompt forward 0.95x; the
+padded forward + backward with the head, `bench/cpu_gemm.py --train`, 0.96x. `install_onednn_linear` swaps the class of each exact `nn.Linear`
 to `OneDnnTrainLinear`, which takes this path only where it applies (CPU, float32 input and
 weight, plain tensors, a product of >= 2**25 multiply-adds and a weight of >= 2**17 elements,
 where the call overhead no longer loses, not inside torch.compile) and F.linear elsewhere; the
