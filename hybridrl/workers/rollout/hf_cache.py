@@ -23,12 +23,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+
+try:
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+except ImportError:  # transformers without cache layers (< 4.56): `generate` keeps its own cache
+    DynamicCache = DynamicLayer = None
 
 __all__ = ["GrowingLayer", "growing_cache"]
 
 
-class GrowingLayer(DynamicLayer):
+class GrowingLayer(DynamicLayer if DynamicLayer is not None else object):
     """`DynamicLayer` whose keys / values are views of buffers with room for `reserve` more
     positions (see the module docstring)."""
 
@@ -91,6 +95,8 @@ def growing_cache(model: Any, reserve: int) -> DynamicCache | None:
         reserve: positions each buffer makes room for beyond what it holds (the rollout passes the
             tokens it will generate, so one buffer holds the whole call).
     """
+    if DynamicCache is None:
+        return None
     try:
         cache = DynamicCache(config=model.config)
     except (AttributeError, KeyError, TypeError, ValueError):
