@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.utils.onednn import onednn_available, onednn_linear
+from hybridrl.utils.torch_utils import restore_linear_class
 
 __all__ = [
     "OneDnnLinear",
@@ -168,10 +169,4 @@ def install_onednn_linear(model: nn.Module, min_macs: int = MIN_MACS) -> int:
 
 def uninstall_onednn_linear(model: nn.Module) -> int:
     """Undo `install_onednn_linear`: every OneDnnTrainLinear becomes a plain nn.Linear again."""
-    count = 0
-    for module in model.modules():
-        if type(module) is OneDnnTrainLinear:
-            module.__class__ = nn.Linear
-            module.__dict__.pop("onednn_min_macs", None)
-            count += 1
-    return count
+    return restore_linear_class(model, OneDnnTrainLinear, ("onednn_min_macs",))

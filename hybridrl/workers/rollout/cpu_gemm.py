@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.utils.onednn import onednn_available, onednn_linear, pack_weight
+from hybridrl.utils.torch_utils import restore_linear_class
 
 __all__ = [
     "DECODE_GEMM_FORMS",
@@ -202,13 +203,5 @@ def install_decode_gemm(
 
 def uninstall_decode_gemm(model: nn.Module) -> int:
     """Undo `install_decode_gemm`: every DecodeGemmLinear becomes a plain nn.Linear again."""
-    count = 0
-    for module in model.modules():
-        if type(module) is DecodeGemmLinear:
-            module.__class__ = nn.Linear
-            for attr in ("decode_gemm_max_rows", "decode_gemm_min_numel", "decode_gemm_form"):
-                del module.__dict__[attr]
-            module.__dict__.pop("_decode_packed", None)
-            module.__dict__.pop("_decode_packed_key", None)
-            count += 1
-    return count
+    attrs = ("decode_gemm_max_rows", "decode_gemm_min_numel", "decode_gemm_form", "_decode_packed")
+    return restore_linear_class(model, DecodeGemmLinear, (*attrs, "_decode_packed_key"))
