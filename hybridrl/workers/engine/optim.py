@@ -75,17 +75,40 @@ def lr_factor(
 
 
 def build_optimizer(module: torch.nn.Module, config: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters of `module` (sharded DTensors under FSDP2)."""
+    """AdamW over the trainable parameters of `module` (sharded DTensors under FSDP2).
+
+    Where every parameter is a CPU floating-point tensor the step runs torch's fused kernel
+    (`fused=True`: one pass over each tensor instead of a dozen elementwise ops per parameter).
+    Measured on the 2-core AVX-512 EPYC, 2 threads, one step: 42 vs 291 ms for the ~100M model,
+    1.5 vs 4.9 ms for the built-in tiny one (bench/optim_step.py); the same update up to float
+    rounding. Elsewhere torch picks its default (foreach on CUDA).
+    """
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
+    kwargs: dict = {}
+    if use_fused_adamw(params):
+        kwargs["fused"] = True
     return torch.optim.AdamW(
         params,
         lr=config.lr,
         betas=(float(config.betas[0]), float(config.betas[1])),
         eps=config.eps,
         weight_decay=config.weight_decay,
+        **kwargs,
     )
+
+
+def use_fused_adamw(params: list[torch.Tensor]) -> bool:
+    """True when torch's fused AdamW runs these parameters on CPU: all CPU, floating point, and
+    this torch build lists CPU among the fused optimizers' devices."""
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+        cpu_ok = "cpu" in _get_fused_kernels_supported_devices()
+    except ImportError:  # an older torch: no fused CPU kernel
+        return False
+    return cpu_ok and all(p.device.type == "cpu" and torch.is_floating_point(p) for p in params)
 
 
 def build_lr_scheduler(

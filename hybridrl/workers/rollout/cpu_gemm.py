@@ -184,13 +184,19 @@ def install_decode_gemm(
     `max_rows` >= 0 (0: F.linear always); `min_numel`: the weight-size bound of the rule (None:
     by the thread count and form at each call, the measured default; 0: every layer, e.g. in
     tests); `form`: one of DECODE_GEMM_FORMS (`auto`: oneDNN where available, `resolve_form`).
-    Subclasses of nn.Linear (quantised, LoRA, ...) keep their own forward and are skipped.
+    Subclasses of nn.Linear (quantised, LoRA, ...) keep their own forward and are skipped, and so
+    are layers whose weight is below the bound at every thread count (the form could never run
+    there; the per-call check alone cost the built-in tiny model's generation ~4%,
+    docs/performance.md session 18).
     """
     if max_rows < 0:
         raise ValueError(f"install_decode_gemm: max_rows must be >= 0, got {max_rows}")
     form = resolve_form(form)
+    floor = min(_MIN_NUMEL[form]) if min_numel is None else min_numel
     count = 0
     for module in model.modules():
+        if type(module) is nn.Linear and module.weight.numel() < floor:
+            continue
         if type(module) is nn.Linear or type(module) is DecodeGemmLinear:
             module.__class__ = DecodeGemmLinear
             module.decode_gemm_max_rows = max_rows

@@ -182,7 +182,7 @@ def test_install_skips_linear_subclasses():
         pass
 
     model = nn.Sequential(nn.Linear(4, 4), MyLinear(4, 4), nn.Sequential(nn.Linear(4, 2)))
-    assert install_decode_gemm(model) == 2
+    assert install_decode_gemm(model, min_numel=0) == 2
     assert [type(m).__name__ for m in model.modules()][1:] == [
         "DecodeGemmLinear",
         "MyLinear",
@@ -223,15 +223,44 @@ def _forced(rollout, form: str = "auto"):
     return rollout
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_install_leaves_layers_below_the_bound_at_every_thread_count_plain(form):
+    """With the default bound (by threads at call time) a weight below the smallest bound of any
+    thread count is never run in the decode form: that layer keeps plain nn.Linear (no per-call
+    check); a layer at the bound is swapped."""
+    floor = min(min_weight_numel(1, form), min_weight_numel(2, form))
+    small, big = nn.Linear(64, floor // 64 - 1), nn.Linear(64, floor // 64)
+    model = nn.Sequential(small, big)
+    assert install_decode_gemm(model, form=form) == 1
+    assert type(small) is nn.Linear and type(big) is DecodeGemmLinear
+    assert install_decode_gemm(nn.Sequential(nn.Linear(4, 4)), min_numel=0, form=form) == 1
+
+
+def _wide_config(tiny_model_dir):
+    """The tiny model's config, widened so that every decoder linear is above the oneDNN bound
+    (2**17 elements) and the tied 103 x 512 head stays below it."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_model_dir)
+    cfg.hidden_size, cfg.intermediate_size = 512, 1024
+    cfg.num_attention_heads = cfg.num_key_value_heads = 8
+    cfg.head_dim = 64
+    return cfg
+
+
 def test_rollout_installs_the_decode_gemm_only_when_enabled(tiny_model_dir, tokenizer):
-    on = create_rollout(_cfg(), tiny_model_dir, tokenizer, device="cpu")
-    # 2 layers x (q, k, v, o, gate, up, down) + the tied lm_head
-    assert _count_decode_layers(on.model) == 15
+    tiny = create_rollout(_cfg(), tiny_model_dir, tokenizer, device="cpu")
+    assert _count_decode_layers(tiny.model) == 0  # every weight of the tiny model is below the bound
+    wide = _wide_config(tiny_model_dir)
+    on = create_rollout(_cfg(), tiny_model_dir, tokenizer, device="cpu", model_config=wide)
+    # oneDNN: 2 layers x (q, k, v, o, gate, up, down); weight first (bound 2**19): gate, up, down.
+    # The tied lm_head (vocab x 512) is below either bound.
+    assert _count_decode_layers(on.model) == (14 if resolve_form("auto") == "onednn" else 6)
+    assert type(on.model.lm_head) is nn.Linear
     assert on.model.lm_head.weight is on.model.get_input_embeddings().weight  # still tied
-    off = create_rollout(_cfg(hf_decode_gemm_max_rows=0), tiny_model_dir, tokenizer, device="cpu")
-    assert _count_decode_layers(off.model) == 0
-    bf16 = create_rollout(_cfg(dtype="bfloat16"), tiny_model_dir, tokenizer, device="cpu")
-    assert _count_decode_layers(bf16.model) == 0
+    for off_cfg in (_cfg(hf_decode_gemm_max_rows=0), _cfg(dtype="bfloat16")):
+        off = create_rollout(off_cfg, tiny_model_dir, tokenizer, device="cpu", model_config=wide)
+        assert _count_decode_layers(off.model) == 0
     with pytest.raises(ValueError, match="hf_decode_gemm_max_rows"):
         _cfg(hf_decode_gemm_max_rows=-1)
 
