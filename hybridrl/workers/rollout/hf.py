@@ -32,6 +32,7 @@ from hybridrl.workers.rollout.base import (
     truncate_at_eos,
 )
 from hybridrl.workers.rollout.config import RolloutConfig
+from hybridrl.workers.rollout.cpu_attention import install_cpu_gqa_attention
 from hybridrl.workers.rollout.cpu_gemm import install_decode_gemm
 from hybridrl.workers.rollout.hf_cache import growing_cache
 from hybridrl.workers.rollout.hf_prefix import shared_prefill
@@ -122,6 +123,8 @@ class HFRollout(BaseRollout):
         if self.device.type == "cpu" and self.dtype == torch.float32 and config.hf_decode_gemm_max_rows > 0:
             # decode steps (few rows per linear) as W @ x^T: the parameters stay the same objects
             install_decode_gemm(model, config.hf_decode_gemm_max_rows)
+        if self.device.type == "cpu":  # grouped-query heads without copying K/V under a padding mask
+            install_cpu_gqa_attention(model)
         self.model = model
         text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.inverse_cdf = use_inverse_cdf(config.hf_sampler, int(text_cfg.vocab_size))
