@@ -23,6 +23,15 @@ engine with `rollout.hf_sampler=multinomial` (torch.multinomial instead of inver
 
     python bench/rollout_generation.py --sizes real100m --engines hf --decode-gemm both \
         --dtype float32 --threads 2 --prompt-len 60 --new-tokens 128 --repeats 2
+
+`--left-pad K` left-pads the g-th distinct prompt by (g * K) % prompt-len tokens (prompts of
+different lengths, so every forward carries a padding mask); the engine label `hf-repeatkv` is
+the HF engine with transformers' own `sdpa` attention, which copies the key/value heads of a
+grouped-query model under a mask (the library's CPU default passes `enable_gqa` instead:
+workers/rollout/cpu_attention.py):
+
+    python bench/rollout_generation.py --sizes real100m --engines hf,hf-repeatkv --group 4 \
+        --left-pad 3 --dtype float32 --threads 2 --prompt-len 53 --new-tokens 256 --repeats 3
 """
 
 from __future__ import annotations
@@ -111,14 +120,21 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0, group: int = 1) -> DataProto:
-    """`batch` rows of random prompts; each distinct prompt repeated `group` times in a row."""
+def random_prompts(
+    batch: int, prompt_len: int, vocab: int, seed: int = 0, group: int = 1, left_pad: int = 0
+) -> DataProto:
+    """`batch` rows of random prompts; each distinct prompt repeated `group` times in a row; the
+    g-th distinct prompt left-padded by (g * left_pad) % prompt_len tokens."""
     gen = torch.Generator().manual_seed(seed)
     if batch % group:
         raise SystemExit(f"--batch {batch} is not a multiple of --group {group}")
-    ids = torch.randint(3, vocab, (batch // group, prompt_len), generator=gen).repeat_interleave(group, 0)
+    ids = torch.randint(3, vocab, (batch // group, prompt_len), generator=gen)
     mask = torch.ones_like(ids)
-    pos = torch.arange(prompt_len).expand(batch, -1).clone()
+    for g in range(ids.shape[0]):
+        pad = (g * left_pad) % prompt_len
+        ids[g, :pad], mask[g, :pad] = 0, 0
+    ids, mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos})
 
 
@@ -149,6 +165,8 @@ def start_engine(label: str, path, model, prompts, args):
     t0 = time.perf_counter()
     kwargs = {"device": "cpu"} if name == "hf" else {}
     rollout = create_rollout(cfg, path, tok, **kwargs)
+    if label == "hf-repeatkv":  # transformers' sdpa: K/V heads copied under a padding mask
+        rollout.model.set_attn_implementation("sdpa")
     start_s = time.perf_counter() - t0
     sync = sync_weights(rollout, model.state_dict().items())
     for _ in range(args.warmup):
@@ -194,6 +212,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--group", type=int, default=1, help="rows per distinct prompt (GRPO's n)")
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--left-pad", type=int, default=0, help="left padding step per distinct prompt")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per engine first")
@@ -218,7 +237,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for size in args.sizes.split(","):
             path, model = build_model_dir(size, root)
-            prompts = random_prompts(args.batch, args.prompt_len, model.config.vocab_size, group=args.group)
+            prompts = random_prompts(
+                args.batch, args.prompt_len, model.config.vocab_size, group=args.group, left_pad=args.left_pad
+            )
             labels = []
             for e in args.engines.split(","):
                 if e == "hf" and args.decode_gemm != "on":
@@ -239,6 +260,11 @@ def main() -> None:
             if "hf" in by and "hf-plain" in by:
                 pairs = [p / d for p, d in zip(by["hf-plain"]["all_s"], by["hf"]["all_s"])]
                 print(f"hf-plain / hf time per call, round by round: {', '.join(f'{x:.2f}x' for x in pairs)}")
+            if "hf" in by and "hf-repeatkv" in by:
+                pairs = [p / d for p, d in zip(by["hf-repeatkv"]["all_s"], by["hf"]["all_s"])]
+                print(
+                    f"hf-repeatkv / hf time per call, round by round: {', '.join(f'{x:.2f}x' for x in pairs)}"
+                )
             if "hf" in by and "hf-noshare" in by:
                 pairs = [p / d for p, d in zip(by["hf-noshare"]["all_s"], by["hf"]["all_s"])]
                 print(

@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -57,6 +58,32 @@ def test_adamw_settings():
     opt = build_optimizer(model, OptimConfig(lr=0.1, weight_decay=0.05, betas=[0.8, 0.9]))
     g = opt.param_groups[0]
     assert (g["lr"], g["weight_decay"], g["betas"]) == (0.1, 0.05, (0.8, 0.9))
+
+
+def test_adamw_is_fused_on_cpu_and_steps_like_the_per_parameter_loop():
+    """CPU parameters take torch's fused AdamW kernel; its steps equal the per-parameter loop's
+    (torch's CPU default) up to float rounding, and a module with a non-CPU-or-integer tensor
+    would keep the default (use_fused_adamw)."""
+    from hybridrl.workers.engine.optim import use_fused_adamw
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    ref, init = copy.deepcopy(model), copy.deepcopy(model)
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.05, betas=[0.8, 0.9])
+    opt = build_optimizer(model, cfg)
+    assert opt.defaults["fused"] is True
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.05, betas=(0.8, 0.9), foreach=False)
+    for i in range(3):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(i))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for a, b, w0 in zip(model.parameters(), ref.parameters(), init.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        assert (a - w0).abs().max() > 1e-3  # the steps moved the weights
+    assert not use_fused_adamw([torch.zeros(3, dtype=torch.long)])
+    assert use_fused_adamw([torch.zeros(3)])
 
 
 def test_flops_hand_derived():

@@ -102,7 +102,12 @@ def test_rollout_uses_it_and_generates_what_sdpa_does(gqa_dir):
     ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     with torch.no_grad():
         want = plain.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=T, do_sample=False, pad_token_id=PAD_ID, eos_token_id=None
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=T,
+            do_sample=False,
+            pad_token_id=PAD_ID,
+            eos_token_id=None,
         )[:, ids.shape[1] :]
     assert torch.equal(got, want)
     # and the log-probs of the same sequences agree with sdpa's, padding included
