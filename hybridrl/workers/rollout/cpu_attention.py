@@ -80,8 +80,11 @@ def install_cpu_gqa_attention(model: nn.Module) -> bool:
     Returns whether it did: a vision-language model, another attention implementation, a model
     that cannot switch its attention, or a model without grouped-query heads keeps its own.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    try:  # transformers without attention / mask registries: keep its own attention
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:
+        return False
 
     config = getattr(model, "config", None)
     if config is None or getattr(config, "vision_config", None) is not None:
