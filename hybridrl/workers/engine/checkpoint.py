@@ -39,6 +39,8 @@ from hybridrl.workers.engine.full_params import iter_full_params
 
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")
 KNOWN_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+# optimizer param-group keys that choose kernels, not values: kept from the running optimizer on load
+_IMPL_KEYS = ("fused", "foreach")
 HF_DIR = "huggingface"
 LORA_DIR = "lora_adapter"
 
@@ -152,10 +154,15 @@ def load_checkpoint(
         dcp.load(state, checkpoint_id=os.path.join(path, "model"))
         set_model_state_dict(module, state["model"])
     if "optimizer" in chosen and optimizer is not None:
+        # how this run's optimizer executes (fused / foreach kernels) is not training state: a
+        # checkpoint written by another build (e.g. before AdamW was fused on CPU) keeps them
+        impl = [{k: g[k] for k in _IMPL_KEYS if k in g} for g in optimizer.param_groups]
         osd = get_optimizer_state_dict(module, optimizer)
         state = {"optimizer": osd}
         dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
         set_optimizer_state_dict(module, optimizer, state["optimizer"])
+        for group, keep in zip(optimizer.param_groups, impl):
+            group.update(keep)
     extra = None
     if "extra" in chosen:
         extra = load_extra_state(path, _rank(), lr_scheduler, meta["world_size"])

@@ -86,6 +86,41 @@ def test_adamw_is_fused_on_cpu_and_steps_like_the_per_parameter_loop():
     assert use_fused_adamw([torch.zeros(3)])
 
 
+def test_a_checkpoint_of_the_unfused_optimizer_resumes_fused(tmp_path):
+    """A checkpoint written before AdamW was fused on CPU (param groups with fused=None) loads into
+    the fused optimizer: its moments and step come across and the run keeps the fused kernel (the
+    loaded param groups would otherwise set it back to the per-parameter loop)."""
+    from hybridrl.workers.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    def batch(i):
+        return torch.randn(5, 8, generator=torch.Generator().manual_seed(i))
+
+    def step(m, o, i):
+        o.zero_grad()
+        m(batch(i)).square().mean().backward()
+        o.step()
+
+    torch.manual_seed(0)
+    old = torch.nn.Linear(8, 4)
+    old_opt = torch.optim.AdamW(old.parameters(), lr=1e-2, weight_decay=0.05, foreach=False)
+    assert old_opt.param_groups[0]["fused"] is None
+    for i in range(2):
+        step(old, old_opt, i)
+    save_checkpoint(str(tmp_path / "ckpt"), old, old_opt, contents=["model", "optimizer"], global_step=2)
+    new = torch.nn.Linear(8, 4)
+    new_opt = build_optimizer(new, OptimConfig(lr=1e-2, weight_decay=0.05))
+    load_checkpoint(str(tmp_path / "ckpt"), new, new_opt, contents=["model", "optimizer"])
+    assert new_opt.param_groups[0]["fused"] is True and new_opt.param_groups[0]["foreach"] is None
+    for p_old, p_new in zip(old.parameters(), new.parameters()):
+        assert torch.equal(p_old, p_new)
+        assert torch.equal(old_opt.state[p_old]["exp_avg_sq"], new_opt.state[p_new]["exp_avg_sq"])
+        assert float(new_opt.state[p_new]["step"]) == 2.0
+    step(old, old_opt, 2)
+    step(new, new_opt, 2)
+    for p_old, p_new in zip(old.parameters(), new.parameters()):
+        torch.testing.assert_close(p_new, p_old, atol=1e-6, rtol=1e-5)
+
+
 def test_flops_hand_derived():
     # N = 10, sequences of 2 and 3 tokens, 1 layer, attention dim 4
     # training: 6 * 10 * 5 + 12 * 1 * 4 * (4 + 9) = 300 + 624
