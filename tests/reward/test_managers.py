@@ -134,6 +134,19 @@ def test_decoding_passes_valid_text_and_extra_info(tok):
     assert out["reward_extra_info"] == {}
 
 
+def test_decode_samples_rows_with_repeated_prompts(tok):
+    """Each row gets its own prompt and response text: repeated prompts (a GRPO group) are decoded
+    once and handed to every row of the group, padding and EOS never reach the text."""
+    from hybridrl.workers.reward.manager import decode_samples
+
+    prompts = ["1+2=", "1+2=", "ab", "1+2=", "ab"]
+    responses = ["3", "", "zz", "12345678", "q"]
+    data = make_batch(tok, prompts, responses, ["s"] * 5, ["t"] * 5, eos=[True, False, True, False, False])
+    samples = decode_samples(tok, data)
+    assert [(x.prompt, x.response) for x in samples] == list(zip(prompts, responses))
+    assert [x.response_length for x in samples] == [2, 0, 3, 8, 1]
+
+
 def test_dict_scores_give_aligned_extra_info(tok):
     data = make_batch(tok, ["q", "q"], ["a #### 4", "a #### 5"], ["s", "s"], ["4", "4"])
     out = NaiveRewardManager(tok, 0, compute_score=with_acc)(data, return_dict=True)

@@ -173,6 +173,14 @@ def _column(data: DataProto, key: str, config_key: str) -> np.ndarray:
     return data.non_tensor_batch[key]
 
 
+def _valid_ids(ids: torch.Tensor, valid: torch.Tensor) -> list[list[int]]:
+    """The token ids of each row (B, L) where `valid` (B, L) is true, as Python lists (one
+    conversion of the whole batch instead of one masked index per row)."""
+    return [
+        [t for t, v in zip(row, keep) if v] for row, keep in zip(ids.cpu().tolist(), valid.cpu().tolist())
+    ]
+
+
 def decode_samples(tokenizer: Any, data: DataProto, reward_fn_key: str = "data_source") -> list[RewardSample]:
     """Decode prompts and responses (valid tokens only, special tokens skipped) into RewardSamples.
 
@@ -181,13 +189,16 @@ def decode_samples(tokenizer: Any, data: DataProto, reward_fn_key: str = "data_s
     """
     resp_valid, prompt_valid = _valid_masks(data)
     n, t = resp_valid.shape
-    responses = data.batch["responses"].cpu()
-    resp_ids = [responses[i][resp_valid[i]].tolist() for i in range(n)]
+    resp_ids = _valid_ids(data.batch["responses"], resp_valid)
     response_strs = tokenizer.batch_decode(resp_ids, skip_special_tokens=True) if n else []
     if prompt_valid is not None and "prompts" in data.batch.keys():
-        prompts = data.batch["prompts"].cpu()
-        prompt_ids = [prompts[i][prompt_valid[i]].tolist() for i in range(n)]
-        prompt_strs = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True) if n else []
+        # a prompt repeats rollout.n times in a row: each distinct one is decoded once
+        prompt_ids = [tuple(ids) for ids in _valid_ids(data.batch["prompts"], prompt_valid)]
+        distinct = list(dict.fromkeys(prompt_ids))
+        text = dict(
+            zip(distinct, tokenizer.batch_decode([list(d) for d in distinct], skip_special_tokens=True))
+        )
+        prompt_strs = [text[ids] for ids in prompt_ids]
     else:
         prompt_strs = [""] * n
     lengths = resp_valid.sum(-1)
