@@ -24,8 +24,9 @@ def make_char_tokenizer():
     return fast
 
 
-def make_tiny_qwen2(path: str, seed: int = 0, init_std: float = 0.2):
-    """Save a Qwen2 (hidden 128, 2 layers, 2 heads of dim 64, tied embeddings) and its tokenizer.
+def make_tiny_qwen2(path: str, seed: int = 0, init_std: float = 0.2, **shape):
+    """Save a Qwen2 (hidden 128, 2 layers, 2 heads of dim 64, tied embeddings) and its tokenizer;
+    `shape` overrides config fields (e.g. num_key_value_heads for grouped-query attention).
 
     A large init std gives peaked next-token distributions, so greedy argmax is far from ties
     and engines with different kernels agree exactly.
@@ -33,7 +34,7 @@ def make_tiny_qwen2(path: str, seed: int = 0, init_std: float = 0.2):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = make_char_tokenizer()
-    cfg = Qwen2Config(
+    fields = dict(
         vocab_size=len(tok),
         hidden_size=128,
         intermediate_size=256,
@@ -48,6 +49,7 @@ def make_tiny_qwen2(path: str, seed: int = 0, init_std: float = 0.2):
         eos_token_id=EOS_ID,
         bos_token_id=BOS_ID,
     )
+    cfg = Qwen2Config(**{**fields, **shape})
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg).eval()
     model.save_pretrained(path)

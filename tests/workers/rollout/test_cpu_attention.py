@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_testlib import PAD_ID, make_char_tokenizer, make_prompts
+from rollout_testlib import PAD_ID, make_char_tokenizer, make_prompts, make_tiny_qwen2
 from torch import nn
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hybridrl.workers.rollout import RolloutConfig, create_rollout, sync_weights
@@ -59,32 +59,12 @@ def test_equals_transformers_sdpa(lq, kind):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
-def _gqa_model_dir(path: str) -> str:
-    tok = make_char_tokenizer()
-    cfg = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-        pad_token_id=PAD_ID,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).eval().save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def gqa_dir(tmp_path_factory):
-    return _gqa_model_dir(str(tmp_path_factory.mktemp("gqa_qwen2")))
+    """The tiny test model with grouped-query attention: 4 heads of 32, 2 key/value heads."""
+    path = str(tmp_path_factory.mktemp("gqa_qwen2"))
+    make_tiny_qwen2(path, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    return path
 
 
 def test_rollout_uses_it_and_generates_what_sdpa_does(gqa_dir):
