@@ -28,6 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:  # transformers without its SDPA integration: install_cpu_gqa_attention leaves the model alone
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+except ImportError:
+    sdpa_attention_forward = None
+
 ATTN_NAME = "hybridrl_cpu_gqa_sdpa"
 
 __all__ = ["ATTN_NAME", "gqa_sdpa_attention", "install_cpu_gqa_attention"]
@@ -46,8 +51,6 @@ def gqa_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """q (B, H, Lq, D), k/v (B, KV, Lk, D), mask (B, 1, Lq, Lk) bool or additive, or None ->
     (B, Lq, H, D): transformers' `sdpa_attention_forward` with `enable_gqa=True` under a mask."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     special = any(kwargs.get(k) is not None for k in ("position_bias", "cache")) or kwargs.get(
         "output_attentions", False
@@ -84,6 +87,8 @@ def install_cpu_gqa_attention(model: nn.Module) -> bool:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError:
+        return False
+    if sdpa_attention_forward is None:
         return False
 
     config = getattr(model, "config", None)

@@ -71,6 +71,21 @@ def make_prompts(tokenizer, texts, meta_info=None):
     )
 
 
+def plain_generate(model, prompts, max_new_tokens: int, **gen):
+    """`model.generate` on a prompt DataProto (no EOS, pad PAD_ID): the new tokens (B, max_new_tokens)."""
+    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=PAD_ID,
+            eos_token_id=None,
+            **gen,
+        )
+    return out[:, ids.shape[1] :]
+
+
 # ---- partial rollout (hybridrl/workers/rollout/resume.py) ----------------------------------------
 class AbortAfter:
     """abort_requested() that turns true after `steps` calls: HFRollout asks after every decode

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from rollout_testlib import PAD_ID, make_prompts
+from rollout_testlib import make_prompts, plain_generate
 from torch import nn
 
 from hybridrl.workers.rollout import RolloutConfig, create_rollout, sync_weights
@@ -198,20 +198,6 @@ def _cfg(**kw):
     return RolloutConfig(**base)
 
 
-def _plain_generate(model, prompts, **gen):
-    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=T,
-            pad_token_id=PAD_ID,
-            eos_token_id=None,
-            **gen,
-        )
-    return out[:, ids.shape[1] :]
-
-
 def _count_decode_layers(model) -> int:
     return sum(type(m) is DecodeGemmLinear for m in model.modules())
 
@@ -286,7 +272,7 @@ def test_rollout_greedy_equals_plain_generate_after_sync(tiny_model_dir, tokeniz
     hook.remove()
     # the decode steps ran the weight-first form: one head call of 4 rows per new token
     assert rows == [len(TEXTS)] * T
-    want = _plain_generate(source_model, prompts, do_sample=False)
+    want = plain_generate(source_model, prompts, T, do_sample=False)
     assert type(source_model.lm_head) is nn.Linear  # the source (training) model is untouched
     assert torch.equal(after, want)
     assert not torch.equal(before, want)
@@ -300,7 +286,7 @@ def test_rollout_greedy_equals_plain_generate_after_sync(tiny_model_dir, tokeniz
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
     sync_weights(rollout, moved.state_dict().items())
     again = rollout.generate_sequences(prompts).batch["responses"]
-    assert torch.equal(again, _plain_generate(moved, prompts, do_sample=False))
+    assert torch.equal(again, plain_generate(moved, prompts, T, do_sample=False))
     assert not torch.equal(again, after)
 
 
