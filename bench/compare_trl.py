@@ -107,7 +107,7 @@ def workload_data(w: dict) -> dict:
 
 
 def score(text: str, ground_truth: str) -> float:
-    from hybridrl.workers.reward.scorers import default_compute_score
+    from hybridrl.reward.scorers import default_compute_score
 
     out = default_compute_score(DATA_SOURCE, text, ground_truth)
     return float(out["score"] if isinstance(out, dict) else out)

@@ -28,9 +28,9 @@ def main() -> None:
     from hybridrl.data.rl_dataset import RLDataConfig, RLHFDataset
     from hybridrl.models.builtin import get_builtin_model_path
     from hybridrl.models.hf import load_tokenizer
+    from hybridrl.reward.scorers import registered_data_sources
     from hybridrl.trainer.ppo.data_checks import RowSpec, check_file
     from hybridrl.workers.config import ModelConfig
-    from hybridrl.workers.reward.scorers import registered_data_sources
 
     base = pd.read_parquet(ensure_builtin_data(None)["train"])
     df = pd.concat([base] * (args.rows // len(base) + 1), ignore_index=True).head(args.rows)

@@ -28,7 +28,7 @@ for _k, _v in C.ONE_THREAD_ENV.items():
 
 import torch  # noqa: E402
 
-from hybridrl.workers.engine.full_params import GATHER_BUCKET_BYTES  # noqa: E402
+from hybridrl.engine.full_params import GATHER_BUCKET_BYTES  # noqa: E402
 
 
 def _per_param(engine) -> int:
@@ -57,9 +57,9 @@ def _time_alternating(fns: dict, repeats: int) -> dict[str, float]:
 def _worker(rank: int, world: int, port: int, paths: dict, args) -> None:
     import torch.distributed as dist
 
+    from hybridrl.engine.fsdp import FSDPEngine
     from hybridrl.utils.device import init_process_group
     from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig, ModelConfig
-    from hybridrl.workers.engine.fsdp import FSDPEngine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

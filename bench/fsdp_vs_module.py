@@ -48,8 +48,8 @@ def _batch(rows: int, prompt: int, response: int, vocab: int):
 def _engine(module, lr: float):
     import torch
 
-    from hybridrl.workers.engine.base import LogProbRequest
-    from hybridrl.workers.engine.module_engine import ModuleEngine
+    from hybridrl.engine.base import LogProbRequest
+    from hybridrl.engine.module_engine import ModuleEngine
 
     opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.01)
     return ModuleEngine(module, opt), LogProbRequest(calculate_entropy=True)
@@ -133,8 +133,8 @@ def main() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from hybridrl.engine.fsdp import apply_fsdp2
     from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig
-    from hybridrl.workers.engine.fsdp import apply_fsdp2
 
     torch.set_num_threads(args.threads)
     C.print_header(f"FSDP2 world 1 vs plain module (bench/fsdp_vs_module.py), {args.threads} thread(s)")

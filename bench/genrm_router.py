@@ -1,4 +1,4 @@
-"""Cost of the GenRM HTTP router (hybridrl/workers/reward/genrm_router.py) against the client.
+"""Cost of the GenRM HTTP router (hybridrl/reward/genrm_router.py) against the client.
 
 Two judge replicas (the built-in model, HF generate, greedy, 12 new tokens) serve N chat prompts in
 four ways, interleaved round by round in one process so machine noise hits them alike:
@@ -22,9 +22,9 @@ import time
 import requests
 
 from hybridrl.models.hf import load_tokenizer
+from hybridrl.reward.genrm import GenRMClient, GenRMServer
+from hybridrl.reward.genrm_router import RouterHandle
 from hybridrl.workers.config import ModelConfig, RewardRolloutConfig
-from hybridrl.workers.reward.genrm import GenRMClient, GenRMServer
-from hybridrl.workers.reward.genrm_router import RouterHandle
 
 
 async def _async_posts(address: str, bodies: list[dict]) -> list[str]:

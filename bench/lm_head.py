@@ -55,8 +55,8 @@ def main() -> None:
     from real_model import ensure_real_model
     from transformers import AutoModelForCausalLM
 
-    from hybridrl.workers.engine import lm_head
-    from hybridrl.workers.engine.forward import forward_log_probs
+    from hybridrl.engine import lm_head
+    from hybridrl.engine.forward import forward_log_probs
 
     torch.set_num_threads(args.threads)
     C.print_header("chunked head vs full logits (bench/lm_head.py)")

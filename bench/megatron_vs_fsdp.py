@@ -48,6 +48,8 @@ def _batch(rows: int, prompt: int, response: int, vocab: int):
 def _worker(rank: int, world: int, port: int, path: str, args) -> None:
     import torch.distributed as dist
 
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.engine.megatron.engine import MegatronEngine
     from hybridrl.utils.device import init_process_group
     from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
@@ -58,8 +60,6 @@ def _worker(rank: int, world: int, port: int, path: str, args) -> None:
         ModelConfig,
         OptimConfig,
     )
-    from hybridrl.workers.engine.fsdp import FSDPEngine
-    from hybridrl.workers.engine.megatron.engine import MegatronEngine
     from hybridrl.workers.megatron_config import MegatronConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

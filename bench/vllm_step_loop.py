@@ -1,7 +1,7 @@
 """VLLMRollout's own step loop vs `LLM.generate` on the same engine, batch and weights.
 
 VLLMRollout runs `LLM.generate`'s loop itself so that partial rollout can abort between engine
-steps (workers/rollout/vllm_rollout.py, `_run_requests`). Three ways, alternating in one run
+steps (rollout/vllm_rollout.py, `_run_requests`). Three ways, alternating in one run
 (A B C A B C ...), one engine:
 
 * generate:     `llm.generate(prompts, params)` (what VLLMRollout called before);
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout_generation import MODEL_SIZES, build_model_dir, random_prompts, start_engine  # noqa: E402
 
-from hybridrl.workers.rollout import GenerationRequest, SamplingSpec  # noqa: E402
+from hybridrl.rollout import GenerationRequest, SamplingSpec  # noqa: E402
 
 
 def _request(prompts, args) -> GenerationRequest:

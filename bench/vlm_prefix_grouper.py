@@ -29,7 +29,7 @@ def make_batch(processor):
 
     from hybridrl.data import visual_task
     from hybridrl.data.multimodal import process_row
-    from hybridrl.workers.engine.multimodal import MM_KEY
+    from hybridrl.engine.multimodal import MM_KEY
 
     g = torch.Generator().manual_seed(0)
     prompts = [
@@ -55,8 +55,8 @@ def make_batch(processor):
 def main() -> None:
     from transformers import AutoModelForImageTextToText
 
+    from hybridrl.engine.forward import forward_log_probs
     from hybridrl.models.vlm import build_tiny_vlm, load_processor
-    from hybridrl.workers.engine.forward import forward_log_probs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)

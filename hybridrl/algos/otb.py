@@ -20,7 +20,7 @@ Techniques for Gradient Estimates in Reinforcement Learning"). Same numbers as v
 tool outputs.
 
 `sum_pi_squared` comes from the old-log-prob pass (`actor.calculate_sum_pi_squared=True`),
-computed chunk-wise next to the log-probs (workers/engine/lm_head.py), never from full logits.
+computed chunk-wise next to the log-probs (engine/lm_head.py), never from full logits.
 
 Shapes: B batch, T response length, V vocabulary.
 """

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from hybridrl.async_rollout.records import Chunk, Group
 from hybridrl.protocol import DataProto
-from hybridrl.workers.rollout.resume import unfinished_group_prefixes
+from hybridrl.rollout.resume import unfinished_group_prefixes
 
 __all__ = ["keep_groups", "split_unfinished"]
 

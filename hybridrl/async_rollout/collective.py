@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.async_rollout.tp_shards import Shard, TPLayout, shard_of, unshard
-from hybridrl.workers.rollout.weight_sync import iter_buckets, tensor_nbytes
+from hybridrl.rollout.weight_sync import iter_buckets, tensor_nbytes
 
 __all__ = [
     "MODES",

@@ -75,8 +75,8 @@ from hybridrl.async_rollout.staleness import (
 from hybridrl.async_rollout.tp_engine import EngineHandle, call_failure, worker_label
 from hybridrl.async_rollout.weight_loads import WeightLoads
 from hybridrl.protocol import DataProto
+from hybridrl.rollout.resume import chunk_partial_columns
 from hybridrl.utils import deadlines
-from hybridrl.workers.rollout.resume import chunk_partial_columns
 
 __all__ = ["AsyncBatch", "AsyncRolloutManager", "RolloutWorkersLostError"]
 

@@ -10,7 +10,7 @@ At a weight update the manager queues ``load_weights(payload, v)`` and calls
 ``abort_generation(v, [payload])``: once the new weights exist (the call waits for the payload
 without fetching it), a generation running with a version older than v stops at its next decode
 step and returns its tokens so far; ``load_weights`` runs next, and the unfinished rows continue
-in a later call from their prefix (hybridrl/workers/rollout/resume.py). An abort that arrives
+in a later call from their prefix (hybridrl/rollout/resume.py). An abort that arrives
 after its generation finished does nothing (the worker's version is then >= v).
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 import ray
 
 from hybridrl.protocol import DataProto
+from hybridrl.rollout.resume import generate_resumable
 from hybridrl.utils import deadlines
 from hybridrl.workers.engine_workers import ActorRolloutRefWorker
-from hybridrl.workers.rollout.resume import generate_resumable
 
 __all__ = ["PartialRolloutWorker"]
 

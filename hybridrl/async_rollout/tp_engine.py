@@ -93,7 +93,7 @@ class EngineHandle:
     @property
     def abort_generation(self) -> _FanOut:
         """Partial rollout: every TP rank is asked (its own control thread; the ranks then agree on
-        the decode step through the engine's TP group, workers/rollout/vllm_rollout.py)."""
+        the decode step through the engine's TP group, rollout/vllm_rollout.py)."""
         return _FanOut(self, "abort_generation")
 
     def call(self, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:

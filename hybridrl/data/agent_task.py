@@ -5,7 +5,7 @@ A question is ``"a*b="`` with ``a`` in ``[100, 999]`` and ``b`` in ``[10, 99]`` 
 product after ``####`` (scored like the built-in task: the integer after the last ``####``). The
 built-in 0.5M-parameter model cannot multiply, but it can learn to call the calculator and copy
 its result. A tool-using trajectory (hermes format, the tool ``calc`` of
-:mod:`hybridrl.workers.agent.builtin_tools`)::
+:mod:`hybridrl.agent.builtin_tools`)::
 
     user:       123*45=
     assistant:  <tool_call>{"name":"calc","arguments":{"expr":"123*45"}}</tool_call>

@@ -1,7 +1,7 @@
 """One image, given as veRL's dataset formats allow, decoded to an RGB ``PIL.Image``.
 
 Shared by the multimodal dataset (hybridrl.data.multimodal), video frames (hybridrl.data.video)
-and tool responses with images (hybridrl.workers.agent.vision).
+and tool responses with images (hybridrl.agent.vision).
 """
 
 from __future__ import annotations

@@ -269,7 +269,7 @@ def evaluate_accuracy(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybridrl.workers.reward.scorers import default_compute_score
+    from hybridrl.reward.scorers import default_compute_score
 
     path = resolve_model_path(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)

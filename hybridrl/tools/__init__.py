@@ -7,6 +7,6 @@
   registry and its return shapes.
 - `tool_registry`: `initialize_tools_from_config` (yaml or json) and `load_all_tools`.
 
-The classes are hybridrl's own (hybridrl.workers.agent.tool), so tools written either way run in
+The classes are hybridrl's own (hybridrl.agent.tool), so tools written either way run in
 the same agent loop.
 """

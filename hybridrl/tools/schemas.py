@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from hybridrl.workers.agent.tool import ToolResponse
+from hybridrl.agent.tool import ToolResponse
 
 __all__ = [
     "OpenAIFunctionCallSchema",

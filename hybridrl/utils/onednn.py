@@ -3,8 +3,8 @@
 `torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")` is x @ w^T + b by oneDNN (the op
 inductor's CPU path emits); `w` is the dense (out, in) weight or its packed copy made once by
 `torch.ops.mkldnn._reorder_linear_weight(w, rows)` (oneDNN's blocked layout for inputs of about
-`rows` rows). Used by the HF rollout's decode layers (workers/rollout/cpu_gemm.py), the training
-linears (workers/engine/cpu_linear.py) and the floors' probes (utils/floors.py).
+`rows` rows). Used by the HF rollout's decode layers (rollout/cpu_gemm.py), the training
+linears (engine/cpu_linear.py) and the floors' probes (utils/floors.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ _AVAILABLE: bool | None = None  # onednn_available's answer, found once
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x (..., in), weight, bias) by oneDNN; `weight` dense (out, in) or `pack_weight`'s
-    copy. No autograd (workers/engine/cpu_linear.OneDnnLinear has one)."""
+    copy. No autograd (engine/cpu_linear.OneDnnLinear has one)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

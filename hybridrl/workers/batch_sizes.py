@@ -50,7 +50,7 @@ class PerRankBatchSizes:
 
 
 def _check_common(key: str, *, strategy: str, loss_agg_mode: str, ulysses: int, epochs: int) -> None:
-    from hybridrl.workers.engine.base import all_spellings
+    from hybridrl.engine.base import all_spellings
 
     if strategy not in all_spellings():
         raise ValueError(f"{key}.strategy={strategy!r} is not supported; use one of {all_spellings()}")

@@ -102,7 +102,7 @@ class FSDPConfig:
     (trainer/ppo/compile_auto.py: on for a text-only model of >= 80M parameters with the padded
     forward, trained on one CPU rank for >= 50 steps); False elsewhere. Parameter names and checkpoints are unchanged. hybridrl's own key.
     onednn_linear: every nn.Linear computes its forward and input gradient with oneDNN's float32
-    linear instead of MKL's sgemm where the input is a CPU float32 tensor (workers/engine/
+    linear instead of MKL's sgemm where the input is a CPU float32 tensor (engine/
     cpu_linear.py: the ~100M bench model's update step in 0.95x the time on the 2-core AVX-512 EPYC;
     the vocabulary head and weights below 2**17 elements stay plain). None (auto) is on for CPU
     training where torch has oneDNN; True is refused elsewhere. Same numbers up to float rounding (~1e-6); parameter names and checkpoints are
@@ -198,13 +198,13 @@ class ModelConfig:
       without adapters), or a list of names matched exactly or as a name suffix; null: none.
     use_shm: accepted for veRL compatibility; loading always reads `path` directly.
     enable_activation_offload: tensors saved for backward by the training forward (actor, critic)
-      live in CPU memory until backward (workers/engine/activation_offload.py; moves nothing on CPU).
+      live in CPU memory until backward (engine/activation_offload.py; moves nothing on CPU).
     torch_dtype: the dtype the weights are loaded in (Hugging Face's `torch_dtype`); when set it
       becomes `fsdp_config.model_dtype` of every role that loads this model (actor and ref, or the
       critic), so the master weights and the optimizer are in it; compute still follows
       `fsdp_config.mixed_precision.param_dtype`. None: each role's model_dtype.
     use_fused_kernels: log-probs and entropy from the hidden states without the (B, S, V) logits
-      (veRL's fused kernels; here the chunked head of hybridrl/workers/engine/lm_head.py, equal
+      (veRL's fused kernels; here the chunked head of hybridrl/engine/lm_head.py, equal
       numbers). hybridrl's default is True (its tested path); False computes the full logits.
       fused_kernel_options.impl_backend: torch only (veRL's triton kernel does not exist here).
     """
@@ -238,7 +238,7 @@ class ModelConfig:
         if self.use_fused_kernels and backend != "torch":
             raise ValueError(
                 f"{key}.fused_kernel_options.impl_backend={backend!r}: the fused log-prob path here is a chunked "
-                "torch implementation (hybridrl/workers/engine/lm_head.py); no Triton kernel exists in hybridrl. "
+                "torch implementation (hybridrl/engine/lm_head.py); no Triton kernel exists in hybridrl. "
                 "Use impl_backend=torch"
             )
         for name in ("use_liger",):
@@ -472,7 +472,7 @@ class RewardModelModelConfig:
 @dataclass
 class RewardRolloutConfig:
     """`reward_model.rollout`: the engine that serves the reward model in veRL's reward loop
-    (`reward_model.use_reward_loop=True`; hybridrl/workers/reward/reward_loop.py).
+    (`reward_model.use_reward_loop=True`; hybridrl/reward/reward_loop.py).
 
     name: vllm (vLLM's pooling runner, `LLM.classify`) or hf (the Hugging Face forward).
     dtype: the engine's weight dtype. tensor_model_parallel_size: GPUs (CPU slots) per replica;
@@ -490,7 +490,7 @@ class RewardRolloutConfig:
     prompt_length: int = 2048
     response_length: int = 2048
     # sampling defaults of a generative reward model (GenRM: enable + custom_reward_function.path);
-    # the custom function's client may override them per request (hybridrl/workers/reward/genrm.py)
+    # the custom function's client may override them per request (hybridrl/reward/genrm.py)
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -508,7 +508,7 @@ class RewardRolloutConfig:
 @dataclass
 class SandboxFusionConfig:
     """`reward_model.sandbox_fusion`: code data sources scored on a SandboxFusion service
-    (hybridrl/workers/reward/scorers/sandbox_fusion.py); url null: off."""
+    (hybridrl/reward/scorers/sandbox_fusion.py); url null: off."""
 
     url: str | None = None
     max_concurrent: int = 64  # requests in flight per scoring process

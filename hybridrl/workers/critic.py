@@ -17,10 +17,10 @@ import torch
 
 from hybridrl.algos.utils import masked_mean
 from hybridrl.algos.value import compute_value_loss
+from hybridrl.engine.base import ValueRequest
+from hybridrl.engine.batching import mean_over_ranks, merge_outputs, response_mask_of
+from hybridrl.engine.update_loop import MicroBatchedRole, combine_micro_metrics, micro_loss_aux
 from hybridrl.protocol import DataProto
-from hybridrl.workers.engine.base import ValueRequest
-from hybridrl.workers.engine.batching import mean_over_ranks, merge_outputs, response_mask_of
-from hybridrl.workers.engine.update_loop import MicroBatchedRole, combine_micro_metrics, micro_loss_aux
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 

@@ -132,8 +132,8 @@ def validate_distillation(dist: DistillationConfig, rollout: Any, actor: Any) ->
 
 
 def _validate_topk_actor(loss: DistillationLossConfig, actor: Any) -> None:
-    """forward_kl_topk: the full logits of the HF engines (workers/engine/topk.py), or Megatron's
-    vocabulary-parallel logits (workers/engine/megatron/vocab_parallel_topk.py)."""
+    """forward_kl_topk: the full logits of the HF engines (engine/topk.py), or Megatron's
+    vocabulary-parallel logits (engine/megatron/vocab_parallel_topk.py)."""
     from hybridrl.algos.distillation import uses_topk
 
     if not uses_topk(loss.loss_mode) or actor is None:

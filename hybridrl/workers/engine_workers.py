@@ -27,19 +27,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridrl.agent.runner import AgentLoopRunner, uses_agent_loops
 from hybridrl.async_rollout.collective_worker import CollectiveWeightsMixin
+from hybridrl.engine.base import EngineBuildSpec, TrainEngine, canonical_engine_name, get_engine
 from hybridrl.models.weight_map import to_torch_dtype
 from hybridrl.protocol import DataProto
+from hybridrl.rollout.config import RolloutConfig
 from hybridrl.single_controller.base import Worker, register
 from hybridrl.single_controller.dispatch import Dispatch, make_mesh_dispatch
 from hybridrl.utils.device import init_process_group
-from hybridrl.workers.agent.runner import AgentLoopRunner, uses_agent_loops
 from hybridrl.workers.batch_sizes import PerRankBatchSizes
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
-from hybridrl.workers.engine.base import EngineBuildSpec, TrainEngine, canonical_engine_name, get_engine
 from hybridrl.workers.parallel_dims import ParallelDims
 from hybridrl.workers.profiling import StepProfiling
-from hybridrl.workers.rollout.config import RolloutConfig
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 # Training calls split over the FSDP mesh (every rank data-parallel), rollout calls over dp x tp.
@@ -205,10 +205,10 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
 
     def _build_rollout(self, model_path: str) -> None:
         from hybridrl.models.hf import load_tokenizer
+        from hybridrl.rollout.base import create_rollout
+        from hybridrl.rollout.parallel import bind_cpu_cores, weight_loader_for
         from hybridrl.single_controller.mesh import new_subgroups
         from hybridrl.utils.device import get_device_name
-        from hybridrl.workers.rollout.base import create_rollout
-        from hybridrl.workers.rollout.parallel import bind_cpu_cores, weight_loader_for
 
         rc = self.rollout_config
         self._weight_loader = weight_loader_for(rc.load_format, self.actor_config.strategy)
@@ -232,7 +232,7 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         bucket at a time (load_format's loader: "dtensor" buckets, the "hf" full state dict, or the
         "megatron" TP/PP gather), and the engine of each TP rank loads its slice; per-rank bytes and
         seconds come back as metrics."""
-        from hybridrl.workers.rollout.weight_sync import per_rank_sync_metrics, sync_weights
+        from hybridrl.rollout.weight_sync import per_rank_sync_metrics, sync_weights
 
         if not self._weights_stale or self.actor_engine is None:
             return {}
@@ -247,7 +247,7 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
     # -------------------------------------------------------------- generate
     @register(dispatch_mode=ON_ROLLOUT_MESH)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Generate one response per prompt row (see hybridrl.workers.rollout.base for the contract).
+        """Generate one response per prompt row (see hybridrl.rollout.base for the contract).
 
         Dispatched over the rollout mesh: the ranks of one TP engine get the same rows and the
         engine's tp rank 0 returns them. `meta_info["validate"]` selects `rollout.val_kwargs`;
@@ -261,8 +261,8 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
 
     def _generate(self, prompts: DataProto) -> DataProto:
         """generate_sequences' body: weight sync if stale, generation, memory release, timings."""
-        from hybridrl.workers.rollout.parallel import check_same_rows
-        from hybridrl.workers.rollout.weight_sync import wake_and_sync
+        from hybridrl.rollout.parallel import check_same_rows
+        from hybridrl.rollout.weight_sync import wake_and_sync
 
         timing: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -316,10 +316,10 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         return self._tp_agent_generate(prompts)
 
     def _tp_agent_generate(self, prompts: DataProto) -> DataProto:
-        """The agent loops over a TP engine (workers/agent/tp_relay.py): the engine's TP rank 0
+        """The agent loops over a TP engine (agent/tp_relay.py): the engine's TP rank 0
         runs them and relays every engine call; the other TP ranks replay the calls and return
         the prompts (dropped: the rollout mesh keeps TP rank 0's result only)."""
-        from hybridrl.workers.agent.tp_relay import TPLeaderRollout, follow_leader, lead_rollout
+        from hybridrl.agent.tp_relay import TPLeaderRollout, follow_leader, lead_rollout
 
         groups = self.mesh_layout("rollout").groups(["tp"])
         leader = next(g for g in groups if self.rank in g)[0]
@@ -457,7 +457,7 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         the version the weight-update group delivered (CollectiveWeightsMixin); returns the seconds
         taken, waiting for a collective update included."""
         from hybridrl.async_rollout.collective import is_collective_payload
-        from hybridrl.workers.rollout.weight_sync import sync_weights
+        from hybridrl.rollout.weight_sync import sync_weights
 
         if self.rollout is None:
             raise RuntimeError(f"load_weights called on a worker with role={self.role!r} (no rollout)")
@@ -562,9 +562,9 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
+        from hybridrl.engine.fsdp import FSDPEngine
         from hybridrl.models.hf import load_tokenizer
-        from hybridrl.workers.engine.fsdp import FSDPEngine
-        from hybridrl.workers.reward.rm import model_config_of
+        from hybridrl.reward.rm import model_config_of
 
         _setup_process(self.num_threads, self.pg_timeout_s)
         mc = model_config_of(self.config)
@@ -580,7 +580,7 @@ class RewardModelWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """rm_scores (B, T): the RM's score on each sample's last valid response token, 0 elsewhere."""
-        from hybridrl.workers.reward.rm import compute_rm_scores
+        from hybridrl.reward.rm import compute_rm_scores
 
         self.engine.onload()
         scores = compute_rm_scores(self.engine, self.config, data, self.policy_tokenizer)

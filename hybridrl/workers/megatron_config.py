@@ -186,7 +186,7 @@ def validate_megatron_config(
 
 @dataclass
 class MtpConfig:
-    """veRL's `actor_rollout_ref.model.mtp` (multi-token prediction; workers/engine/megatron/mtp.py).
+    """veRL's `actor_rollout_ref.model.mtp` (multi-token prediction; engine/megatron/mtp.py).
 
     enable: build and load the model's MTP layers (DeepSeek-V3 layout) in the Megatron actor;
     enable_train: also train them with the MTP loss x mtp_loss_scaling_factor (detach_encoder: the

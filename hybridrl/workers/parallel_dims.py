@@ -132,7 +132,7 @@ class ParallelDims:
         `megatron` section, Ulysses from `ulysses_sequence_parallel_size`, FSDP's shard size from
         its `fsdp_config` (the critic's under `model`).
         """
-        from hybridrl.workers.engine.base import get_engine
+        from hybridrl.engine.base import get_engine
 
         entry = get_engine(section.strategy, f"{key}.strategy")
         fsdp_config = getattr(section, "fsdp_config", None) or getattr(section.model, "fsdp_config", None)

@@ -2,7 +2,7 @@
 
     python recipes/agent/evaluate.py --model /tmp/agent_sft [--temperature 1.0] [--n 200]
 
-Runs HF generation + the tool_agent loop with the calculator (hybridrl.workers.agent) on the
+Runs HF generation + the tool_agent loop with the calculator (hybridrl.agent) on the
 validation prompts of hybridrl.data.agent_task; prints accuracy, tool calls per trajectory and
 the tool error rate as JSON.
 """
@@ -20,13 +20,13 @@ import torch
 def evaluate(model: str, n: int = 200, temperature: float = 0.0, response_length: int = 128) -> dict:
     from transformers import AutoTokenizer
 
+    from hybridrl.agent.builtin_tools import CalculatorTool
+    from hybridrl.agent.runner import AgentLoopRunner, agent_step_metrics
     from hybridrl.data import agent_task
     from hybridrl.protocol import DataProto
-    from hybridrl.workers.agent.builtin_tools import CalculatorTool
-    from hybridrl.workers.agent.runner import AgentLoopRunner, agent_step_metrics
-    from hybridrl.workers.reward.scorers.builtin_arith import compute_score
-    from hybridrl.workers.rollout.config import RolloutConfig
-    from hybridrl.workers.rollout.hf import HFRollout
+    from hybridrl.reward.scorers.builtin_arith import compute_score
+    from hybridrl.rollout.config import RolloutConfig
+    from hybridrl.rollout.hf import HFRollout
 
     tok = AutoTokenizer.from_pretrained(model)
     tok.padding_side = "left"

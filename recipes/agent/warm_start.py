@@ -208,9 +208,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hybridrl.agent.tokenization import ToolTurnRenderer
     from hybridrl.models.builtin import get_builtin_model_path
     from hybridrl.models.hf import check_whitespace
-    from hybridrl.workers.agent.tokenization import ToolTurnRenderer
 
     src = get_builtin_model_path() if args.init in ("builtin", "builtin:tiny") else args.init
     tokenizer = AutoTokenizer.from_pretrained(src)

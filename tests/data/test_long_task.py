@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from hybridrl.data import builtin_task, long_task
-from hybridrl.workers.reward.scorers import default_compute_score
+from hybridrl.reward.scorers import default_compute_score
 
 
 def test_response_lengths_are_long_tailed_from_7_to_44_tokens():

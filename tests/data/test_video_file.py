@@ -103,8 +103,8 @@ def test_a_parquet_with_a_video_file_column_goes_through_the_dataset(tmp_path):
     from hybridrl.data.builtin_task import write_parquet
     from hybridrl.data.rl_dataset import RLDataConfig, RLHFDataset
     from hybridrl.data.video import video_inputs
+    from hybridrl.engine.multimodal import MM_KEY
     from hybridrl.models.vlm import build_tiny_vlm, load_processor
-    from hybridrl.workers.engine.multimodal import MM_KEY
 
     path = write_clip(tmp_path / "clip.mp4")
     processor = load_processor(build_tiny_vlm(tmp_path / "model", "qwen2_vl", seed=0))

@@ -45,7 +45,7 @@ def test_megatron_actor_ref_critic_gae(tmp_path, ray_local):
     assert (tmp_path / "ckpt" / "global_step_2" / "critic" / "meta.json").exists()
 
 
-@pytest.mark.slow  # ~55 s on 2 cores; the engine-level equivalence is tests/workers/megatron/test_megatron_topk.py
+@pytest.mark.slow  # ~55 s on 2 cores; the engine-level equivalence is tests/engine/megatron/test_megatron_topk.py
 def test_megatron_self_distillation_forward_kl_topk(tmp_path, ray_local):
     """forward_kl_topk with a TP=2 Megatron student and teacher (the teacher is a ref-strategy worker,
     here Megatron too) through the real trainer: teacher = student, so at step 1 the top-k masses are

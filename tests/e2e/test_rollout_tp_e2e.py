@@ -187,7 +187,7 @@ def test_megatron_tp2_into_vllm_tp2_matches_fsdp_into_vllm_tp2(tmp_path):
 @pytest.mark.usefixtures("ray_local")
 def test_tp2_rollout_with_the_tool_agent_trains_one_step(tmp_path):
     """multi_turn (tool agent + the built-in calculator tool) over vLLM TP=2: the TP leader runs
-    the agent loops and relays its engine calls to the other TP rank (workers/agent/tp_relay.py)."""
+    the agent loops and relays its engine calls to the other TP rank (agent/tp_relay.py)."""
     import pandas as pd
 
     from hybridrl.data import agent_task

@@ -4,7 +4,7 @@ The same run with SP=1 (the 2 ranks data-parallel) generates the same first roll
 mesh does not change) from the same weights (workers start from one torch seed, so the critic's
 fresh value head is the same too): the first step's actor entropy (old-log-prob pass), KL loss,
 values and value loss agree. The update itself is checked to 1e-5 in
-tests/workers/engine/test_ulysses.py."""
+tests/engine/test_ulysses.py."""
 
 import pytest
 

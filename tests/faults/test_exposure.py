@@ -147,7 +147,7 @@ def test_sigterm_runs_the_drivers_cleanup(tmp_path):
 def test_the_prime_pool_does_not_fork_the_driver():
     """The prime reward manager's pool processes start from a forkserver (a clean process), not as
     forks of the multi-threaded driver; its start is outside every scoring deadline."""
-    from hybridrl.workers.reward.prime import PrimeRewardManager
+    from hybridrl.reward.prime import PrimeRewardManager
 
     # a builtin as the score function: the pool process imports nothing more to unpickle it
     mgr = PrimeRewardManager(None, 0, compute_score=dict, num_workers=1, timeout=1)

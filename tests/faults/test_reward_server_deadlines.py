@@ -11,9 +11,9 @@ import time
 
 import pytest
 
+from hybridrl.reward import reward_loop
 from hybridrl.single_controller.worker_group import WorkerHungError
 from hybridrl.utils.deadlines import DeadlineError
-from hybridrl.workers.reward import reward_loop
 
 KEY = "reward_model.rollout.request_timeout_s"
 

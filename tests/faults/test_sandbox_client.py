@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from hybridrl.workers.reward.scorers.sandbox_fusion import SandboxFusionClient, SandboxSettings
+from hybridrl.reward.scorers.sandbox_fusion import SandboxFusionClient, SandboxSettings
 
 OK = json.dumps({"status": "Success", "run_result": {"status": "Finished", "stdout": "3", "return_code": 0}})
 

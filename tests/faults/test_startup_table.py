@@ -398,7 +398,7 @@ FILE_ROWS = {
             + _tool_yaml(
                 t,
                 {
-                    "class_name": "hybridrl.workers.agent.builtin_tools.Gsm8kTool",
+                    "class_name": "hybridrl.agent.builtin_tools.Gsm8kTool",
                     "tool_schema": {"type": "function", "function": "calc"},
                 },
             )

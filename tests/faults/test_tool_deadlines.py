@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from hybridrl.agent.parser import ToolCallParser, parse_call_json, register_tool_parser
+from hybridrl.agent.runner import AgentLoopRunner
+from hybridrl.agent.tool import BaseTool, FunctionTool, function_tool
+from hybridrl.agent.tool_runner import tool_loop
 from hybridrl.protocol import DataProto
-from hybridrl.workers.agent.parser import ToolCallParser, parse_call_json, register_tool_parser
-from hybridrl.workers.agent.runner import AgentLoopRunner
-from hybridrl.workers.agent.tool import BaseTool, FunctionTool, function_tool
-from hybridrl.workers.agent.tool_runner import tool_loop
-from hybridrl.workers.rollout.config import RolloutConfig
+from hybridrl.rollout.config import RolloutConfig
 
 # a tool message renders as a new user question, so the built-in model keeps answering turns
 TEMPLATE = (
@@ -55,7 +55,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def hf_engine(tokenizer):
     from hybridrl.models.builtin import get_builtin_model_path
-    from hybridrl.workers.rollout.hf import HFRollout
+    from hybridrl.rollout.hf import HFRollout
 
     torch.set_num_threads(1)
     cfg = RolloutConfig(name="hf", dtype="float32", load_format="auto", response_length=64, prompt_length=16)
@@ -193,7 +193,7 @@ def test_a_hanging_lifecycle_method_becomes_a_counted_timeout(hf_engine, tokeniz
 def _call_in_child(q) -> None:
     import asyncio as aio
 
-    from hybridrl.workers.agent.tool_runner import tool_loop as loop_in_child
+    from hybridrl.agent.tool_runner import tool_loop as loop_in_child
 
     async def answer():
         return 42
@@ -210,7 +210,7 @@ def test_tool_loop_of_a_forked_child_is_its_own():
     import asyncio as aio
     import multiprocessing as mp
 
-    from hybridrl.workers.agent.tool_runner import tool_loop as parent_loop
+    from hybridrl.agent.tool_runner import tool_loop as parent_loop
 
     async def warm():
         return 1

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from hybridrl.workers.rollout.vllm_cpu_shm import SHM_DIR, remove_own_segments, remove_stale_segments
+from hybridrl.rollout.vllm_cpu_shm import SHM_DIR, remove_own_segments, remove_stale_segments
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 

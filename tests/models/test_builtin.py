@@ -257,7 +257,7 @@ def test_rl_row_schema_and_ground_truth():
 
 
 def test_rl_and_sft_parquet_round_trip(tmp_path):
-    from hybridrl.workers.reward.scorers import default_compute_score
+    from hybridrl.reward.scorers import default_compute_score
 
     path = builtin_task.write_rl_parquet(tmp_path / "rl.parquet", 20, 0, "train")
     df = pd.read_parquet(path)

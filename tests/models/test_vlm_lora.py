@@ -48,9 +48,9 @@ def test_exclude_a_list_of_names_on_the_text_model():
 
 def test_a_lora_vlm_without_the_tower_adapters_runs_the_forward(vlm_dir):
     """Log-probs through the PEFT-wrapped VLM (the vision tower unadapted) with images."""
+    from hybridrl.engine.forward import forward_log_probs
+    from hybridrl.engine.multimodal import attach_multimodal
     from hybridrl.models.vlm import load_processor
-    from hybridrl.workers.engine.forward import forward_log_probs
-    from hybridrl.workers.engine.multimodal import attach_multimodal
     from tests.workers.test_vlm_forward import T, _batch
 
     cfg = dataclasses.replace(ModelConfig(), path=vlm_dir, lora_rank=4, exclude_modules=".*visual.*")

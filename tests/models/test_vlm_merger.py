@@ -25,9 +25,9 @@ def _logits(model, processor):
 def test_merge_writes_the_processor_files(tmp_path, family):
     from transformers import AutoModelForImageTextToText
 
+    from hybridrl.engine.checkpoint import save_checkpoint
     from hybridrl.models.vlm import build_tiny_vlm, load_processor
     from hybridrl.trainer.offline.model_merger import MergeError, merge_checkpoint
-    from hybridrl.workers.engine.checkpoint import save_checkpoint
 
     src = build_tiny_vlm(tmp_path / "model", family, seed=0)
     processor = load_processor(src)

@@ -54,8 +54,8 @@ def test_tool_videos_and_the_training_forward_refuse_videos(qwen3):
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
-    from hybridrl.workers.agent.vision import VisionTurns
-    from hybridrl.workers.engine.multimodal import rope_positions
+    from hybridrl.agent.vision import VisionTurns
+    from hybridrl.engine.multimodal import rope_positions
 
     path, processor = qwen3
     frames = [Image.new("RGB", (64, 64), (200, 0, 0))] * 2

@@ -34,8 +34,8 @@ def test_default_target_is_the_choice_entropy_plus_margin(ws):
 def _train(ws, target: float, steps: int = 3):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hybridrl.agent.tokenization import ToolTurnRenderer
     from hybridrl.models.builtin import get_builtin_model_path
-    from hybridrl.workers.agent.tokenization import ToolTurnRenderer
 
     torch.manual_seed(0)
     src = get_builtin_model_path()

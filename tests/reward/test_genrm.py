@@ -15,12 +15,12 @@ import torch
 
 from hybridrl.models.builtin import resolve_model_path
 from hybridrl.protocol import DataProto
+from hybridrl.reward.custom import load_custom_reward_fn
+from hybridrl.reward.genrm import GenRMClient, GenRMServer, attach_client
+from hybridrl.reward.manager import load_reward_manager
+from hybridrl.reward.reward_loop import RewardLoopManager, genrm_metrics
 from hybridrl.trainer.ppo.config import ConfigError
 from hybridrl.workers.config import RewardModelConfig, RewardModelModelConfig, RewardRolloutConfig
-from hybridrl.workers.reward.custom import load_custom_reward_fn
-from hybridrl.workers.reward.genrm import GenRMClient, GenRMServer, attach_client
-from hybridrl.workers.reward.manager import load_reward_manager
-from hybridrl.workers.reward.reward_loop import RewardLoopManager, genrm_metrics
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "genrm", "judge_reward.py")
 QUESTIONS = ["12+34=", "50+27=", "12+34=", "88+91=", "33+44=", "61+19="]

@@ -1,4 +1,4 @@
-"""veRL's GenRM router (workers/reward/genrm_router.py): a real aiohttp server in front of real judge
+"""veRL's GenRM router (reward/genrm_router.py): a real aiohttp server in front of real judge
 replicas (the built-in model, HF generate), spoken to over HTTP with `requests`/`aiohttp` and parsed
 with openai's types, as a veRL GenRM reward function does. Its answers must be the client's
 (`reward_model_client`, genrm.py) exactly; the veRL-shaped function in verl_genrm_fns.py must score
@@ -16,12 +16,12 @@ import requests
 pytest.importorskip("openai")
 from openai.types.chat import ChatCompletion  # noqa: E402
 
+from hybridrl.reward.custom import load_custom_reward_fn
+from hybridrl.reward.genrm import GenRMClient, GenRMServer
+from hybridrl.reward.genrm_router import RouterHandle
+from hybridrl.reward.manager import load_reward_manager
+from hybridrl.reward.reward_loop import RewardLoopManager
 from hybridrl.trainer.ppo.genrm_config import judge_kwargs
-from hybridrl.workers.reward.custom import load_custom_reward_fn
-from hybridrl.workers.reward.genrm import GenRMClient, GenRMServer
-from hybridrl.workers.reward.genrm_router import RouterHandle
-from hybridrl.workers.reward.manager import load_reward_manager
-from hybridrl.workers.reward.reward_loop import RewardLoopManager
 from tests.reward.test_genrm import QUESTIONS, RECIPE, genrm_config, make_batch, responses_for
 
 FNS = os.path.join(os.path.dirname(__file__), "verl_genrm_fns.py")

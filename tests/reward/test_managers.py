@@ -18,7 +18,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from hybridrl.protocol import DataProto
-from hybridrl.workers.reward import (
+from hybridrl.reward import (
     BatchRewardManager,
     DAPORewardManager,
     NaiveRewardManager,
@@ -137,7 +137,7 @@ def test_decoding_passes_valid_text_and_extra_info(tok):
 def test_decode_samples_rows_with_repeated_prompts(tok):
     """Each row gets its own prompt and response text: repeated prompts (a GRPO group) are decoded
     once and handed to every row of the group, padding and EOS never reach the text."""
-    from hybridrl.workers.reward.manager import decode_samples
+    from hybridrl.reward.manager import decode_samples
 
     prompts = ["1+2=", "1+2=", "ab", "1+2=", "ab"]
     responses = ["3", "", "zz", "12345678", "q"]
@@ -311,7 +311,7 @@ def test_prime_times_out_counts_and_warns(tok, batch, caplog):
     try:
         mgr._get_pool()  # the pool's start (a fresh forkserver imports torch) is not what is timed
         t0 = time.perf_counter()
-        with caplog.at_level(logging.WARNING, logger="hybridrl.workers.reward.prime"):
+        with caplog.at_level(logging.WARNING, logger="hybridrl.reward.prime"):
             out = mgr(batch, return_dict=True)
         elapsed = time.perf_counter() - t0
     finally:

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from hybridrl.protocol import DataProto
+from hybridrl.reward.manager import load_reward_manager
+from hybridrl.reward.reward_loop import RewardLoopManager, chunk_bounds, merge_extras
+from hybridrl.reward.rm_server import RewardModelServer
 from hybridrl.single_controller.local import LocalWorkerGroup
 from hybridrl.single_controller.ray.base import RayClassWithInitArgs
 from hybridrl.workers.config import RewardModelConfig, RewardModelModelConfig, RewardRolloutConfig
 from hybridrl.workers.engine_workers import RewardModelWorker
-from hybridrl.workers.reward.manager import load_reward_manager
-from hybridrl.workers.reward.reward_loop import RewardLoopManager, chunk_bounds, merge_extras
-from hybridrl.workers.reward.rm_server import RewardModelServer
 
 P, T, B = 6, 5, 6
 

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from hybridrl.workers.reward.scorers.sandbox_fusion import (
+from hybridrl.reward.scorers.sandbox_fusion import (
     SandboxFusionClient,
     SandboxSettings,
     compute_score_with_sandbox,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrl.workers.reward import scorers
-from hybridrl.workers.reward.scorers import default_compute_score, get_scorer, register_scorer
-from hybridrl.workers.reward.scorers import math as math_scorer
+from hybridrl.reward import scorers
+from hybridrl.reward.scorers import default_compute_score, get_scorer, register_scorer
+from hybridrl.reward.scorers import math as math_scorer
 
 ARITH = "hybridrl/arith"
 GSM = "openai/gsm8k"

@@ -17,14 +17,14 @@ HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verl_style_tool
 
 
 def _parse(body: str):
-    from hybridrl.workers.agent.parser import get_tool_parser
+    from hybridrl.agent.parser import get_tool_parser
 
     (call,) = get_tool_parser("hermes").parse(f"<tool_call>{body}</tool_call>")[1]
     return call
 
 
 def _run(tools, calls, tools_kwargs=None):
-    from hybridrl.workers.agent.tool_agent import TrajectoryTools
+    from hybridrl.agent.tool_agent import TrajectoryTools
 
     async def go():
         tt = TrajectoryTools(tools, tools_kwargs, timeout_s=5.0)
@@ -59,8 +59,8 @@ def test_class_declared_schema_json_config_and_create_kwargs(tmp_path):
 
 
 def test_function_tools_schema_inference_names_and_return_shapes():
+    from hybridrl.agent.tool_loading import load_function_tools
     from hybridrl.tools.function_tool import FUNCTION_TOOL_REGISTRY, get_function_tool
-    from hybridrl.workers.agent.tool_loading import load_function_tools
 
     tools = {t.name: t for t in load_function_tools(HERE)}
     assert set(tools) == {"multiply", "lookup", "echo"}
@@ -83,9 +83,9 @@ def test_function_tools_schema_inference_names_and_return_shapes():
 
 
 def test_bad_shapes_fail_clearly():
+    from hybridrl.agent.tool import BaseTool, normalize_tool_return
     from hybridrl.tools.function_tool import function_tool
     from hybridrl.tools.schemas import ToolResponse
-    from hybridrl.workers.agent.tool import BaseTool, normalize_tool_return
 
     with pytest.raises(ValueError, match="must be a list"):
         ToolResponse(image="one.png")

@@ -20,10 +20,10 @@ from transformers import (
 )
 
 from hybridrl import algos
+from hybridrl.engine.prefix_group import model_refusal
 from hybridrl.trainer.ppo.config import load_config
 from hybridrl.trainer.ppo.prefix_auto import auto_decision, resolve_prefix_grouper
 from hybridrl.utils.config_loader import ConfigError
-from hybridrl.workers.engine.prefix_group import model_refusal
 
 KEY = "actor_rollout_ref.actor.use_prefix_grouper"
 # hand-derived: the estimators whose advantage compares the responses to one prompt
@@ -139,7 +139,7 @@ def test_supported_models_have_no_refusal(hf_config):
 
 
 def test_auto_is_on_for_a_qwen2_vl_grpo_run():
-    """The shared-prompt forward takes images (tests/workers/engine/test_prefix_group_vlm.py)."""
+    """The shared-prompt forward takes images (tests/engine/test_prefix_group_vlm.py)."""
     c = copy.deepcopy(_defaults())
     c.actor_rollout_ref.actor.use_prefix_grouper = "auto"
     c.actor_rollout_ref.rollout.n, c.algorithm.adv_estimator = 4, "grpo"

@@ -127,7 +127,7 @@ def test_reward_manager_section_is_the_same_setting_as_reward_model_reward_manag
         _check(["reward_manager.name=dapo", "reward_model.reward_manager=prime"])
     f = tmp_path / "mgr.py"
     f.write_text(
-        "from hybridrl.workers.reward.manager import NaiveRewardManager\n\n"
+        "from hybridrl.reward.manager import NaiveRewardManager\n\n"
         "class Doubled(NaiveRewardManager):\n"
         "    def shape_rewards(self, samples, scores):\n"
         "        return [2 * s for s in scores], [{} for _ in samples]\n"

@@ -15,11 +15,11 @@ import pandas as pd
 import pytest
 import torch
 
+from hybridrl.engine.optim import lr_factor
 from hybridrl.trainer.sft.config import load_sft_config
 from hybridrl.trainer.sft.launch import init_distributed
 from hybridrl.trainer.sft.trainer import SFTTrainer, sft_token_loss
 from hybridrl.utils.config_loader import ConfigError
-from hybridrl.workers.engine.optim import lr_factor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def make_trainer(cfg: dict) -> SFTTrainer:
 
 
 def params(trainer: SFTTrainer) -> dict[str, torch.Tensor]:
-    from hybridrl.workers.engine.fsdp import iter_full_params
+    from hybridrl.engine.fsdp import iter_full_params
 
     return {k: v.clone() for k, v in iter_full_params(trainer.engine.module, device="cpu")}
 
@@ -225,7 +225,7 @@ def test_loss_decreases(tiny, tmp_path):
 
 def test_gradient_accumulation_is_exact(tiny, tmp_path):
     """Micro-batches of 16 (no accumulation) and of 4 (4-way accumulation) give the same gradient."""
-    from hybridrl.workers.engine.full_params import gather_full
+    from hybridrl.engine.full_params import gather_full
 
     results = []
     for micro in (16, 4):

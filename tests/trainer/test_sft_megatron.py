@@ -18,7 +18,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "workers"))
+sys.path.insert(0, os.path.dirname(HERE))
 from fsdp_testkit import spawn  # noqa: E402
 from test_sft import build_tiny_model  # noqa: E402
 
@@ -154,7 +154,7 @@ def test_megatron_sft_resumes_exactly_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from hybridrl.data.builtin_task import make_sft_rows
-    from hybridrl.workers.engine.megatron.merge import merge_megatron_checkpoint
+    from hybridrl.engine.megatron.merge import merge_megatron_checkpoint
 
     root = str(tmp_path)
     build_tiny_model(f"{root}/model")

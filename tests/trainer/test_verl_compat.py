@@ -11,11 +11,11 @@ import torch
 from hydra import compose, initialize_config_module
 
 from hybridrl import algos
+from hybridrl.agent.runner import agent_loops_configured
 from hybridrl.trainer.ppo.config import ConfigError
 from hybridrl.trainer.ppo.config_stage import check_startup, override_key, prepare_argv
 from hybridrl.trainer.ppo.launch import merge_runtime_env
 from hybridrl.trainer.ppo.verl_compat import REFUSED, WARNED
-from hybridrl.workers.agent.runner import agent_loops_configured
 
 SMALL = [
     "data.train_batch_size=4",
@@ -222,9 +222,9 @@ def test_ray_init_num_cpus_and_env_vars_reach_ray(monkeypatch):
 
 
 def test_rollout_mode_async_generates_through_the_agent_loops():
+    from hybridrl.agent.runner import uses_agent_loops
     from hybridrl.protocol import DataProto
-    from hybridrl.workers.agent.runner import uses_agent_loops
-    from hybridrl.workers.rollout import RolloutConfig
+    from hybridrl.rollout import RolloutConfig
 
     batch = DataProto.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
     assert uses_agent_loops(RolloutConfig(name="hf", mode="async"), batch)
@@ -270,7 +270,7 @@ def test_agent_rollout_options_validate_at_start_up(capsys):
     ],
 )
 def test_rollout_tp_with_agent_loops_passes_the_config_stage(agent_key):
-    """The agent loops run over a TP engine (TP leader relays its engine calls, workers/agent/
+    """The agent loops run over a TP engine (TP leader relays its engine calls, agent/
     tp_relay.py), so TP > 1 with them passes the config stage; the TP layout checks still apply
     (an engine without TP is refused with the agent loops too)."""
     tp = [

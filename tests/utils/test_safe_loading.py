@@ -15,11 +15,11 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from hybridrl.engine.checkpoint import load_checkpoint, save_checkpoint
 from hybridrl.protocol import DataProto
 from hybridrl.utils.dataproto_io import DataProtoFileError
 from hybridrl.utils.safe_io import UnsafeCheckpointError, load_state_file
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
-from hybridrl.workers.engine.checkpoint import load_checkpoint, save_checkpoint
 
 
 class Payload:

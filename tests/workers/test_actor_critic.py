@@ -67,10 +67,10 @@ def _actor_checks(rank, model_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    from hybridrl.engine.fsdp import FSDPEngine, create_device_mesh
     from hybridrl.protocol import DataProto
     from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.engine.fsdp import FSDPEngine, create_device_mesh
 
     model_cfg, fsdp, cfg = _configs(use_kl_loss=True, kl_loss_coef=0.5, entropy_coeff=0.01)
     model_cfg = dataclasses.replace(model_cfg, path=model_dir)
@@ -292,11 +292,11 @@ def _trimmed_padding_checks(rank, cfg, engine, sizes, data):
 
 
 def _critic_checks(rank, model_dir):
+    from hybridrl.engine.fsdp import FSDPEngine
     from hybridrl.protocol import DataProto
     from hybridrl.workers.batch_sizes import normalize_critic_batch_sizes
     from hybridrl.workers.config import CriticConfig, CriticModelConfig, OptimConfig
     from hybridrl.workers.critic import PPOCritic
-    from hybridrl.workers.engine.fsdp import FSDPEngine
 
     _, fsdp, _ = _configs()
     cfg = CriticConfig(

@@ -25,6 +25,7 @@ def _checks(rank, world, model_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    from hybridrl.engine.fsdp import FSDPEngine
     from hybridrl.protocol import DataProto
     from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
@@ -37,7 +38,6 @@ def _checks(rank, world, model_dir):
         PolicyLossConfig,
         PolicyLossRolloutCorrection,
     )
-    from hybridrl.workers.engine.fsdp import FSDPEngine
 
     fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))
     rc = PolicyLossRolloutCorrection(

@@ -2,7 +2,7 @@
 
 The model is a tiny random Qwen2-VL given a few supervised steps (`vlm_warm_start`) so that its
 turns end with EOS; it never writes tool calls itself, so a registered tool-call format (the
-public plug point, as in tests/workers/agent/test_tool_agent.py) reads a call to `draw` out of
+public plug point, as in tests/agent/test_tool_agent.py) reads a call to `draw` out of
 every assistant turn. `draw` returns a picture drawn in code. Checked: the tool turn holds the
 processor's image tokens (mask 0) and the pixels join the row's `multi_modal_inputs`; the next turn
 is generated seeing them; the rollout's log-probs equal the FSDP actor's recompute on every policy
@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 import torch
 
+from hybridrl.agent.parser import ToolCall, ToolCallParser, register_tool_parser
+from hybridrl.agent.runner import AgentLoopRunner
+from hybridrl.agent.tool import BaseTool, ToolResponse
 from hybridrl.data import visual_task
 from hybridrl.data.multimodal import process_row
+from hybridrl.engine.multimodal import FED_KEY
 from hybridrl.protocol import DataProto
-from hybridrl.workers.agent.parser import ToolCall, ToolCallParser, register_tool_parser
-from hybridrl.workers.agent.runner import AgentLoopRunner
-from hybridrl.workers.agent.tool import BaseTool, ToolResponse
-from hybridrl.workers.engine.multimodal import FED_KEY
-from hybridrl.workers.rollout.config import RolloutConfig
+from hybridrl.rollout.config import RolloutConfig
 
 pytest.importorskip("PIL")
 TOOL_SIDE = 84  # 84 x 84 pixels: a 6 x 6 patch grid, 9 image tokens (the prompt's 56 x 56: 4); Qwen3-VL
@@ -97,7 +97,7 @@ def _prompts(processor, n):
 
 
 def _runner(path, processor, fmt="test_vlm_always_draw", name="draw", tool=None):
-    from hybridrl.workers.rollout.hf import HFRollout
+    from hybridrl.rollout.hf import HFRollout
 
     cfg = RolloutConfig(name="hf", dtype="float32", load_format="auto", response_length=96, prompt_length=48,
                         calculate_log_probs=True, temperature=1.0,
@@ -114,6 +114,7 @@ def _actor(path, use_remove_padding):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from fsdp_testkit import free_port, init_dist
 
+    from hybridrl.engine.fsdp import FSDPEngine
     from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.config import (
         ActorConfig,
@@ -122,7 +123,6 @@ def _actor(path, use_remove_padding):
         ModelConfig,
         OptimConfig,
     )
-    from hybridrl.workers.engine.fsdp import FSDPEngine
 
     if not dist.is_initialized():
         init_dist(0, 1, free_port())
@@ -218,8 +218,8 @@ def test_tool_images_in_a_text_run_are_an_error_text(vlm):
     policy sees), as before."""
     import asyncio
 
-    from hybridrl.workers.agent.parser import parse_call_json
-    from hybridrl.workers.agent.tool_agent import TrajectoryTools
+    from hybridrl.agent.parser import parse_call_json
+    from hybridrl.agent.tool_agent import TrajectoryTools
 
     async def go(images):
         tt = TrajectoryTools({"draw": DrawTool()}, None, timeout_s=5.0, images=images)
@@ -322,8 +322,8 @@ def _grouped_equals_plain(path, out):
     hold tool videos and pictures) == the plain packed forward (fp32)."""
     from transformers import AutoModelForImageTextToText
 
-    from hybridrl.workers.engine.forward import forward_log_probs
-    from hybridrl.workers.engine.multimodal import attach_multimodal
+    from hybridrl.engine.forward import forward_log_probs
+    from hybridrl.engine.multimodal import attach_multimodal
 
     twice = DataProto.concat([out, out])
     batch = attach_multimodal(
@@ -340,8 +340,8 @@ def _grouped_equals_plain(path, out):
 def test_tool_videos_in_a_text_run_are_an_error_text():
     import asyncio
 
-    from hybridrl.workers.agent.parser import parse_call_json
-    from hybridrl.workers.agent.tool_agent import TrajectoryTools
+    from hybridrl.agent.parser import parse_call_json
+    from hybridrl.agent.tool_agent import TrajectoryTools
 
     async def go(images):
         tt = TrajectoryTools({"film": FilmTool()}, None, timeout_s=5.0, images=images)
@@ -389,8 +389,8 @@ def test_tool_media_that_does_not_decode_is_an_error_text(media, says):
 
     from PIL import Image
 
-    from hybridrl.workers.agent.parser import parse_call_json
-    from hybridrl.workers.agent.tool_agent import TrajectoryTools
+    from hybridrl.agent.parser import parse_call_json
+    from hybridrl.agent.tool_agent import TrajectoryTools
 
     async def go(tool):
         tt = TrajectoryTools({"broken": tool}, None, timeout_s=5.0, images=True)

@@ -8,10 +8,10 @@ from tensordict import TensorDict
 
 from hybridrl.data import visual_task
 from hybridrl.data.multimodal import process_row
+from hybridrl.engine.forward import forward_log_probs
+from hybridrl.engine.multimodal import MM_KEY, attach_multimodal
 from hybridrl.models.vlm import VLM_FAMILIES, build_tiny_vlm, load_processor
 from hybridrl.protocol import DataProto
-from hybridrl.workers.engine.forward import forward_log_probs
-from hybridrl.workers.engine.multimodal import MM_KEY, attach_multimodal
 
 pytest.importorskip("PIL")
 T = 5

@@ -9,9 +9,9 @@ import torch
 from hybridrl.data import visual_task
 from hybridrl.data.rl_dataset import RLDataConfig, RLHFDataset, collate_fn
 from hybridrl.data.video import video_inputs
+from hybridrl.engine.forward import forward_log_probs
+from hybridrl.engine.multimodal import MM_KEY, attach_multimodal
 from hybridrl.protocol import DataProto
-from hybridrl.workers.engine.forward import forward_log_probs
-from hybridrl.workers.engine.multimodal import MM_KEY, attach_multimodal
 
 pytest.importorskip("PIL")
 P, T = 64, 6
@@ -20,8 +20,8 @@ P, T = 64, 6
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from hybridrl.models.vlm import build_tiny_vlm, load_processor
-    from hybridrl.workers.rollout import RolloutConfig
-    from hybridrl.workers.rollout.hf import HFRollout
+    from hybridrl.rollout import RolloutConfig
+    from hybridrl.rollout.hf import HFRollout
 
     tmp = tmp_path_factory.mktemp("vlm_video")
     path = build_tiny_vlm(tmp / "model", "qwen2_vl", seed=2)

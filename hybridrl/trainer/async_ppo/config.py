@@ -165,8 +165,8 @@ def _validate_weight_update(config: AsyncPPOConfig) -> None:
 
 
 def _validate_partial_rollout(config: AsyncPPOConfig) -> None:
-    from hybridrl.workers.agent.runner import agent_loops_configured
-    from hybridrl.workers.rollout import get_rollout_class, list_rollouts
+    from hybridrl.agent.runner import agent_loops_configured
+    from hybridrl.rollout import get_rollout_class, list_rollouts
 
     rollout = config.actor_rollout_ref.rollout
     if not config.async_training.partial_rollout:

@@ -7,13 +7,13 @@ form one engine (vLLM's `external_launcher` grouping, as in main_ppo), so there 
 slots / N engines and N must divide the slots of a node: an engine's TP ranks share a node (NVLink
 on GPUs, shared memory on CPU). AReaL's `allocation_mode=vllm:d2t2+...` is 2 engines x 2 = 4 slots.
 
-The engine itself is checked as in main_ppo (workers/rollout/parallel.py: an engine with TP
+The engine itself is checked as in main_ppo (rollout/parallel.py: an engine with TP
 support, N divides the model's attention and KV heads) by the whole-tree validation, against one
 node's rollout slots. In asynchronous mode the TP path (async_rollout/tp_engine.py) is checked
 end to end with vLLM (tests/async/test_async_tp.py); SGLang with N > 1 is refused here (its TP
 engine is one process driving N devices from the engine's first rank, a path not checked in
 asynchronous mode; SGLang is CUDA only). Partial rollout works with N > 1: the engine's TP ranks
-agree on the decode step at which a weight update interrupts them (workers/rollout/vllm_rollout.py,
+agree on the decode step at which a weight update interrupts them (rollout/vllm_rollout.py,
 `_agreed_over_tp`), and the abort reaches every rank through the engine's handle (tp_engine.py).
 """
 

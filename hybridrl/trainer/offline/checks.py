@@ -95,7 +95,7 @@ def check_eval_inputs(config: Any, score_fn: Any, rows: list[dict]) -> None:
         pass
     if c.path:
         return
-    from hybridrl.workers.reward.scorers import registered_data_sources
+    from hybridrl.reward.scorers import registered_data_sources
 
     known = set(registered_data_sources())
     for i, row in enumerate(rows):

@@ -15,12 +15,12 @@ import numpy as np
 from omegaconf import DictConfig
 
 from hybridrl.data.rl_dataset import read_rows
+from hybridrl.reward.custom import load_custom_reward_fn
+from hybridrl.reward.scorers import default_compute_score
 from hybridrl.trainer.offline.checks import check_eval_inputs
 from hybridrl.trainer.offline.generation import generate_responses
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.utils.metrics import process_validation_metrics
-from hybridrl.workers.reward.custom import load_custom_reward_fn
-from hybridrl.workers.reward.scorers import default_compute_score
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
 
@@ -186,7 +186,7 @@ class GreedyEval:
         self.rollout = None
 
     def _build(self):
-        from hybridrl.workers.rollout import RolloutConfig, create_rollout
+        from hybridrl.rollout import RolloutConfig, create_rollout
 
         longest = max(len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in self.prompts)
         config = RolloutConfig(

@@ -113,11 +113,11 @@ def load_generation_config(cfg: DictConfig | dict | list[str] | None = None) -> 
 
 
 # ----------------------------------------------------------------------------------------------
-# generation through the rollout engines (hybridrl.workers.rollout)
+# generation through the rollout engines (hybridrl.rollout)
 # ----------------------------------------------------------------------------------------------
 def build_rollout(config: GenerationConfig, model_path: str, tokenizer, device: Any = None):
     """A standalone, single-rank HFRollout / VLLMRollout with the generation settings of `config`."""
-    from hybridrl.workers.rollout import RolloutConfig, create_rollout
+    from hybridrl.rollout import RolloutConfig, create_rollout
 
     r, d = config.rollout, config.data
     rollout_config = RolloutConfig(

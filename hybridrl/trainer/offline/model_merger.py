@@ -3,7 +3,7 @@
     python -m hybridrl.model_merger merge --backend fsdp --local_dir CKPT --target_dir OUT
     python -m hybridrl.model_merger test  --backend fsdp --local_dir CKPT --test_hf_dir HF
 
-CKPT is a checkpoint folder written by `hybridrl.workers.engine.checkpoint.save_checkpoint`:
+CKPT is a checkpoint folder written by `hybridrl.engine.checkpoint.save_checkpoint`:
 an SFT `global_step_N/`, or the `actor/` folder of a PPO `global_step_N/`. The weights are read
 from its `model/` torch.distributed.checkpoint shards (any number of ranks) in this one process,
 without starting torch.distributed; the HF config and tokenizer come from CKPT/huggingface/ (or
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "merge" and args.backend == "megatron":
-            from hybridrl.workers.engine.megatron.merge import merge_megatron_checkpoint
+            from hybridrl.engine.megatron.merge import merge_megatron_checkpoint
 
             merge_megatron_checkpoint(args.local_dir, args.target_dir, args.hf_model_path, args.dtype)
         elif args.backend == "megatron":

@@ -1,7 +1,7 @@
 """`actor_rollout_ref.actor.fsdp_config.compile_layers`: true / false as given, null (auto) decided here.
 
 `compile_layers=true` compiles every decoder layer of the actor with `torch.compile(dynamic=True)`
-(workers/engine/fsdp.compile_decoder_layers). Whether that pays depends on the model and on the
+(engine/fsdp.compile_decoder_layers). Whether that pays depends on the model and on the
 length of the run, so `null` (hybridrl's default for the actor; veRL has no such key) turns it on
 only where it was measured to pay (docs/performance.md, bench/compile_layers.py and
 bench/compare_trl.py --variants compiled, 2 CPU cores, fp32):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from hybridrl import algos
+from hybridrl.rollout.config import RolloutConfig
 from hybridrl.trainer.ppo.prefix_auto import resolve_prefix_grouper
 from hybridrl.trainer.ppo.reward_kwargs import RewardManagerSection
 from hybridrl.trainer.ppo.sections import (
@@ -37,7 +38,6 @@ from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.workers.distillation_config import DistillationConfig, validate_distillation
 from hybridrl.workers.parallel_dims import ParallelDims
-from hybridrl.workers.rollout.config import RolloutConfig
 
 
 @dataclass
@@ -290,9 +290,9 @@ def _validate_actor_batches(config: PPOConfig, world: int) -> None:
 
 def _validate_ulysses(config: PPOConfig, world: int) -> None:
     """Ulysses SP sizes divide the ranks, run on FSDP's packed path; the colocated reference
-    shares the actor's sequence-parallel groups (hybridrl.workers.engine.ulysses)."""
-    from hybridrl.workers.engine.ulysses import check_sp_heads, check_sp_layout
-    from hybridrl.workers.rollout.parallel import heads_of_model_path
+    shares the actor's sequence-parallel groups (hybridrl.engine.ulysses)."""
+    from hybridrl.engine.ulysses import check_sp_heads, check_sp_layout
+    from hybridrl.rollout.parallel import heads_of_model_path
 
     arr, c = config.actor_rollout_ref, config.critic
     actor_sp, ref_sp = arr.actor.ulysses_sequence_parallel_size, arr.ref.ulysses_sequence_parallel_size
@@ -340,8 +340,8 @@ def _validate_paths(config: PPOConfig) -> None:
 
 def _validate_rollout_parallel(config: PPOConfig, world: int) -> None:
     """Rollout TP divides the ranks and the model's heads, the engine supports it, load_format fits
-    the actor's strategy (hybridrl.workers.rollout.parallel)."""
-    from hybridrl.workers.rollout.parallel import check_rollout_parallel_config
+    the actor's strategy (hybridrl.rollout.parallel)."""
+    from hybridrl.rollout.parallel import check_rollout_parallel_config
 
     arr = config.actor_rollout_ref
     try:

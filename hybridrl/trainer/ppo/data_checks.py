@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 _PREPROCESS = "regenerate the file (hybridrl/data/preprocess writes these columns)"
-# the reward managers that decode every row (workers/reward/manager.py decode_samples); a manager
+# the reward managers that decode every row (reward/manager.py decode_samples); a manager
 # registered by user code may read other columns and is not assumed to
 BUILTIN_MANAGERS = ("naive", "batch", "dapo", "prime")
 
@@ -76,7 +76,7 @@ def row_spec(config: Any) -> RowSpec:
         return RowSpec(config.data.prompt_key)
     known = None
     if not config.custom_reward_function.path and not rm.sandbox_fusion.url:
-        from hybridrl.workers.reward.scorers import registered_data_sources
+        from hybridrl.reward.scorers import registered_data_sources
 
         known = tuple(registered_data_sources())
     return RowSpec(config.data.prompt_key, config.data.reward_fn_key, True, known)
@@ -314,7 +314,7 @@ def _check_sources(values: list, where: str, spec: RowSpec) -> None:
                 f"{where} row {i}: column {spec.source_key!r} (data.reward_fn_key) is {s!r}, which no built-in "
                 f"scorer handles (known: {sorted(known)}); set custom_reward_function.path to a file with "
                 "compute_score(data_source, solution_str, ground_truth, extra_info), register a scorer "
-                "(hybridrl.workers.reward.scorers.register_scorer), or fix the row"
+                "(hybridrl.reward.scorers.register_scorer), or fix the row"
             )
 
 

@@ -3,8 +3,8 @@
 A GenRM run is veRL's reward loop (`reward_model.use_reward_loop`, turned on by the
 `reward.reward_model.enable` spelling) with `reward_model.enable` and
 `custom_reward_function.path`: the judge is served by `reward_model.rollout.*` and the custom
-function receives `reward_model_client` / `reward_model_tokenizer` (workers/reward/genrm.py) and/or
-veRL's `reward_router_address` (workers/reward/genrm_router.py), whichever its signature takes.
+function receives `reward_model_client` / `reward_model_tokenizer` (reward/genrm.py) and/or
+veRL's `reward_router_address` (reward/genrm_router.py), whichever its signature takes.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def genrm_reward_kwargs(config: Any, compute_score: Callable | None) -> dict[str
 def judge_kwargs(compute_score: Callable | None, name: str = "compute_score") -> dict[str, None]:
     """{kwarg: None} of the judge's arguments the score function takes: `reward_model_client`
     (hybridrl's client) and `reward_model_tokenizer` when it names them or takes **kwargs, and
-    `reward_router_address` (veRL's HTTP router, workers/reward/genrm_router.py, started only for a
+    `reward_router_address` (veRL's HTTP router, reward/genrm_router.py, started only for a
     function that names it) when it names it.
 
     Raises:

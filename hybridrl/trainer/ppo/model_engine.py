@@ -2,7 +2,7 @@
 
 veRL's newest ppo_trainer.yaml has a `model_engine` defaults group (`dp`, `megatron`, ...) that picks
 the actor, reference and critic sections of that engine. Here the same key sets the `strategy` of
-the three roles to the registered engine (workers/engine/base.py: `dp` is FSDP2, alias `fsdp`);
+the three roles to the registered engine (engine/base.py: `dp` is FSDP2, alias `fsdp`);
 `*.strategy=...` and `--config-name ppo_megatron_trainer` keep working. A role whose strategy the
 user set to another engine is refused with a message (never silently overridden).
 """
@@ -28,7 +28,7 @@ def _section(config, key: str):
 
 def _normalize_strategies(config) -> None:
     """veRL's engine names as a role strategy (`strategy=dp`) become hybridrl's spelling (`fsdp`)."""
-    from hybridrl.workers.engine.base import get_engine
+    from hybridrl.engine.base import get_engine
 
     for key in _ROLES:
         section = _section(config, key)
@@ -49,7 +49,7 @@ def apply_model_engine(config, explicit_keys: Iterable[str] | None = None) -> No
     Raises:
         ConfigError: an unknown engine name, or a role the user put on another engine.
     """
-    from hybridrl.workers.engine.base import canonical_engine_name, get_engine
+    from hybridrl.engine.base import canonical_engine_name, get_engine
 
     _normalize_strategies(config)
     name = getattr(config, "model_engine", None)

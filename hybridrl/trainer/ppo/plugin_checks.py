@@ -60,13 +60,13 @@ def check_plugins(config: Any) -> None:
     _check_tools(r.multi_turn)
     mt = r.multi_turn
     if mt.interaction_config_path:
-        from hybridrl.workers.agent.interaction import interaction_entries
+        from hybridrl.agent.interaction import interaction_entries
 
         try:
             interaction_entries(mt.interaction_config_path)
         except Exception as e:  # noqa: BLE001  (user code and yaml: any error while loading them)
             raise _config_error(e, f"{ROLLOUT}.multi_turn.interaction_config_path") from None
-    from hybridrl.workers.agent.parser import get_tool_parser
+    from hybridrl.agent.parser import get_tool_parser
 
     try:
         get_tool_parser(mt.format)
@@ -78,7 +78,7 @@ def check_plugins(config: Any) -> None:
 
 
 def _check_agent_loops(r: Any, names: list[str]) -> None:
-    from hybridrl.workers.agent.loop import get_agent_loop_class, load_agent_loop_config
+    from hybridrl.agent.loop import get_agent_loop_class, load_agent_loop_config
 
     path = r.agent.agent_loop_config_path
     if path:
@@ -95,7 +95,7 @@ def _check_agent_loops(r: Any, names: list[str]) -> None:
 
 
 def _check_tools(mt: Any) -> None:
-    from hybridrl.workers.agent.tool_loading import load_function_tools, tool_entries
+    from hybridrl.agent.tool_loading import load_function_tools, tool_entries
 
     for key, path, check in (
         ("tool_config_path", mt.tool_config_path, tool_entries),

@@ -1,7 +1,7 @@
 """`actor_rollout_ref.actor.use_prefix_grouper`: true / false as given, `auto` decided here at start-up.
 
 `auto` (hybridrl's default; veRL's is false) turns the shared-prompt forward
-(`workers/engine/prefix_group.py`) on when it can only help: the run samples several responses
+(`engine/prefix_group.py`) on when it can only help: the run samples several responses
 per prompt (`rollout.n > 1`) for an estimator that compares the responses of one prompt
 (`algos.estimator_groups_by_prompt`: grpo, rloo, grpo_passk, opo, gpg, gdpo, ...), on the FSDP
 engine, without Ulysses SP, on a model the grouper supports (`prefix_group.model_refusal`:
@@ -61,7 +61,7 @@ def auto_decision(config: Any, hf_config: Any) -> tuple[bool, str]:
         )
     if hf_config is None:
         return False, f"the model config of {arr.model.path!r} cannot be read here to check the model"
-    from hybridrl.workers.engine.prefix_group import model_refusal
+    from hybridrl.engine.prefix_group import model_refusal
 
     refusal = model_refusal(hf_config)
     if refusal is not None:

@@ -17,6 +17,8 @@ from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 from hybridrl.models.builtin import resolve_model_path
 from hybridrl.models.hf import load_tokenizer
 from hybridrl.models.shm import copy_to_shm
+from hybridrl.reward.custom import load_custom_reward_fn
+from hybridrl.reward.manager import load_reward_manager
 from hybridrl.trainer.ppo.checkpoints import RunCheckpoints
 from hybridrl.trainer.ppo.compile_auto import resolve_compile_layers
 from hybridrl.trainer.ppo.config import PPOConfig
@@ -34,8 +36,6 @@ from hybridrl.utils.deadlines import RewardWithDeadline
 from hybridrl.utils.flops import get_peak_flops
 from hybridrl.utils.torch_utils import str_to_dtype
 from hybridrl.utils.tracking import Tracking
-from hybridrl.workers.reward.custom import load_custom_reward_fn
-from hybridrl.workers.reward.manager import load_reward_manager
 
 
 def resolve_builtin(config: PPOConfig) -> None:
@@ -141,7 +141,7 @@ def build_reward_fns(config: PPOConfig, tokenizer):
     if sandbox.url and compute_score is None:  # code data sources run on SandboxFusion
         import functools
 
-        from hybridrl.workers.reward.scorers.sandbox_fusion import SandboxSettings, compute_score_with_sandbox
+        from hybridrl.reward.scorers.sandbox_fusion import SandboxSettings, compute_score_with_sandbox
 
         settings = SandboxSettings(sandbox.url, sandbox.max_concurrent, sandbox.memory_limit_mb)
         compute_score = functools.partial(compute_score_with_sandbox, sandbox=settings)

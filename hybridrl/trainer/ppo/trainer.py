@@ -22,7 +22,9 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from hybridrl import algos
+from hybridrl.agent.runner import agent_step_metrics
 from hybridrl.protocol import DataProto
+from hybridrl.rollout.weight_sync import weight_sync_step_metrics
 from hybridrl.trainer.ppo.batch_steps import (
     apply_rollout_correction,
     attach_reward_extra,
@@ -52,8 +54,6 @@ from hybridrl.utils.safe_dcp import check_dcp_tree
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
-from hybridrl.workers.agent.runner import agent_step_metrics
-from hybridrl.workers.rollout.weight_sync import weight_sync_step_metrics
 
 
 def old_log_prob_is_redundant(config: Any) -> bool:

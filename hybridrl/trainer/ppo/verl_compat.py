@@ -20,10 +20,10 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from hybridrl import algos
+from hybridrl.rollout.config import RolloutConfig
 from hybridrl.trainer.ppo.reward_kwargs import link_reward_manager, reward_manager_kwargs
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.profiler import check_profiler
-from hybridrl.workers.rollout.config import RolloutConfig
 
 WARNED: set[str] = set()
 

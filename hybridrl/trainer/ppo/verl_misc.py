@@ -79,7 +79,7 @@ def check_legacy_worker_impl(config: Any) -> None:
         raise config_error(
             f"{key}={value} selects one of veRL's two worker implementations (enable: the legacy "
             "fsdp_workers, disable: the model-engine workers); hybridrl has a single implementation "
-            f"(workers/engine behind the role workers), which is what auto means here. Leave {key}=auto"
+            f"(engine/ behind the role workers), which is what auto means here. Leave {key}=auto"
         )
 
 

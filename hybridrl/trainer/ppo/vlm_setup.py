@@ -56,7 +56,7 @@ def _check_grouper(path: str, trust_remote_code: bool) -> None:
     Qwen2-VL / Qwen2.5-VL / Qwen3-VL, `prefix_group.model_refusal`) fails here, naming the reason."""
     from transformers import AutoConfig
 
-    from hybridrl.workers.engine.prefix_group import model_refusal
+    from hybridrl.engine.prefix_group import model_refusal
 
     refusal = model_refusal(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
     if refusal is not None:

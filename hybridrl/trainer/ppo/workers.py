@@ -167,11 +167,11 @@ def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
 
 def start_reward_loop(config, reward_fn, val_reward_fn=None) -> Any:
     """veRL's reward loop (`reward_model.use_reward_loop=True`): its workers and served reward model, or
-    None (hybridrl/workers/reward/reward_loop.py). With a GenRM both reward managers get its client."""
+    None (hybridrl/reward/reward_loop.py). With a GenRM both reward managers get its client."""
     if not config.reward_model.use_reward_loop:
         return None
+    from hybridrl.reward.reward_loop import RewardLoopManager
     from hybridrl.trainer.ppo.genrm_config import is_genrm
-    from hybridrl.workers.reward.reward_loop import RewardLoopManager
 
     tr, rm, rollout = config.trainer, config.reward_model, config.actor_rollout_ref.rollout
     total = rollout.gpu_memory_utilization + rm.rollout.gpu_memory_utilization

@@ -196,12 +196,12 @@ SFT_DEFAULT_STRATEGY = "fsdp2"
 
 def apply_model_engine(config: SFTConfig) -> None:
     """`model_engine=<name>` (veRL's engine switch) sets `model.strategy`; both must name a
-    registered training engine (workers/engine/base.py: dp = fsdp = fsdp2, megatron).
+    registered training engine (engine/base.py: dp = fsdp = fsdp2, megatron).
 
     Raises:
         ConfigError: an unknown engine name, or model.strategy set by the user to another engine.
     """
-    from hybridrl.workers.engine.base import get_engine
+    from hybridrl.engine.base import get_engine
 
     m = config.model
     try:
@@ -222,7 +222,7 @@ def apply_model_engine(config: SFTConfig) -> None:
 
 def uses_megatron(config: SFTConfig) -> bool:
     """Whether `model.strategy` names the Megatron engine (ConfigError for an unknown engine)."""
-    from hybridrl.workers.engine.base import canonical_engine_name
+    from hybridrl.engine.base import canonical_engine_name
 
     try:
         return canonical_engine_name(config.model.strategy, "model.strategy") == "megatron"

@@ -1,6 +1,6 @@
 """The SFT model behind a registered training engine (`model.strategy` / `model_engine`: FSDP2, Megatron).
 
-SFT builds its engine as the RL workers do (workers/engine/base.py: `get_engine(strategy)` ->
+SFT builds its engine as the RL workers do (engine/base.py: `get_engine(strategy)` ->
 `engine_cls.build_role(EngineBuildSpec)`), with the `model` section as the role section: its
 `fsdp_config` for FSDP2, its `megatron` for Megatron. The layout (data-parallel ranks, Megatron's
 tp x pp) comes from `ParallelDims.for_role`, so bad sizes fail there naming `model.megatron.*`.
@@ -18,12 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.engine.base import EngineBuildSpec, TrainEngine, get_engine
+from hybridrl.engine.optim import lr_factor
 from hybridrl.models.builtin import resolve_model_path
 from hybridrl.models.hf import load_tokenizer
 from hybridrl.trainer.sft.config import SFTConfig
 from hybridrl.workers.config import ModelConfig, OptimConfig
-from hybridrl.workers.engine.base import EngineBuildSpec, TrainEngine, get_engine
-from hybridrl.workers.engine.optim import lr_factor
 from hybridrl.workers.parallel_dims import ParallelDims
 
 __all__ = ["build_sft_engine", "sft_lr_factor", "sft_model_config", "use_lr_schedule"]

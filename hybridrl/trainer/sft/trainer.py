@@ -4,7 +4,7 @@ Every rank runs the same loop (no Ray, no driver). Each optimizer step draws one
 of `data.train_batch_size` rows from a resumable sampler (same indices on every rank); data-parallel
 rank r of D keeps rows `r::D` (with Megatron, the tp x pp ranks of one model replica share theirs)
 and runs them in micro-batches of `data.micro_batch_size_per_gpu`. The step is the RL roles'
-update loop (workers/engine/update_loop.run_update: the engine's forward_backward, optimizer_step
+update loop (engine/update_loop.run_update: the engine's forward_backward, optimizer_step
 and lr schedule) with the SFT loss of algos/sft.py: the mean negative log-likelihood over all loss
 tokens of the global batch, so gradient accumulation and the number of ranks do not change the
 gradient. The engine computes the next-token log-probs as a log-prob request on
@@ -34,6 +34,8 @@ from hybridrl.algos.agg import LossScale
 from hybridrl.algos.sft import sft_loss, sft_nll_sum, sft_token_loss
 from hybridrl.data.rl_dataset import as_messages, read_rows, render_prompt
 from hybridrl.data.sampler import ResumableSampler, RLDataLoader
+from hybridrl.engine.base import LogProbRequest, LogProbs
+from hybridrl.engine.update_loop import UpdatePerf, combine_micro_metrics, micro_loss_aux, run_update
 from hybridrl.protocol import DataProto
 from hybridrl.trainer.offline.evaluation import GreedyEval, dig
 from hybridrl.trainer.sft.config import SFTConfig
@@ -51,8 +53,6 @@ from hybridrl.utils.device import get_torch_device
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.tracking import Tracking
 from hybridrl.workers.batch_sizes import PerRankBatchSizes
-from hybridrl.workers.engine.base import LogProbRequest, LogProbs
-from hybridrl.workers.engine.update_loop import UpdatePerf, combine_micro_metrics, micro_loss_aux, run_update
 
 __all__ = ["SFTTrainer", "sft_token_loss", "resolve_data_files"]
 

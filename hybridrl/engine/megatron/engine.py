@@ -1,0 +1,558 @@
+"""MegatronEngine: a Megatron-core GPT model of one role with Megatron's DDP, optimizer and schedules.
+
+The engine the workers build for `strategy=megatron` (actor, ref, critic), beside `FSDPEngine`.
+It holds this rank's model chunks (one per virtual pipeline stage; wrapped in Megatron's
+DistributedDataParallel when trained), Megatron's optimizer (AdamW, plain or distributed) and an
+lr schedule with the FSDP engine's semantics. Weights come from the role's Hugging Face folder
+(`model.path`, or 'builtin:tiny') through hybridrl's own HF <-> Megatron mapping (convert.py), or
+from a Megatron dist checkpoint (`megatron.use_dist_checkpointing`).
+
+Megatron's weight-decay rule applies: biases and norm weights get no weight decay (the FSDP
+engine decays every parameter); with weight_decay=0 the two engines take identical steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.engine.base import (
+    EngineBuildSpec,
+    LogProbRequest,
+    LogProbs,
+    LossFn,
+    PerfModel,
+    TrainEngine,
+    ValueRequest,
+    register_engine,
+)
+from hybridrl.engine.megatron import mtp as mtp_lib
+from hybridrl.engine.megatron.context_parallel import cp_group_info
+from hybridrl.engine.megatron.convert import ArchSpec, arch_spec
+from hybridrl.engine.megatron.cpu_shims import cuda_to_cpu, needs_cpu_shims
+from hybridrl.engine.megatron.dispatch import broadcast_from_last_stage
+from hybridrl.engine.megatron.forward import run_schedule
+from hybridrl.engine.megatron.model import (
+    build_model,
+    init_parallel,
+    iter_hf_params,
+    load_hf_weights,
+    transformer_config,
+)
+from hybridrl.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
+from hybridrl.engine.megatron.vocab_parallel_topk import topk_log_probs
+from hybridrl.engine.optim import lr_factor, num_warmup_steps
+from hybridrl.utils.flops import attention_dims
+from hybridrl.workers.config import ModelConfig, OptimConfig
+from hybridrl.workers.megatron_config import (
+    MegatronConfig,
+    megatron_param_dtype,
+    validate_megatron_config,
+)
+
+__all__ = ["MegatronEngine", "ParamGroupLR", "num_dense_params"]
+
+logger = logging.getLogger(__name__)
+
+
+class ParamGroupLR:
+    """The FSDP engine's lr schedule (optim.lr_factor) over a Megatron optimizer's param groups.
+
+    torch's LambdaLR accepts only torch optimizers; this keeps its interface (step, get_last_lr,
+    state_dict, load_state_dict) and its semantics (lr = base_lr * factor(step), step 0 first).
+    """
+
+    def __init__(self, optimizer: Any, config: OptimConfig, key: str) -> None:
+        self.optimizer = optimizer
+        self.base_lr = float(config.lr)
+        if config.scheduler_type in ("cosine", "linear") and config.total_training_steps <= 0:
+            raise ValueError(
+                f"{key}.lr_scheduler_type={config.scheduler_type} needs {key}.total_training_steps > 0"
+            )
+        self.factor = functools.partial(
+            lr_factor,
+            warmup_steps=num_warmup_steps(config, key),
+            scheduler_type=config.scheduler_type,
+            total_steps=config.total_training_steps,
+            min_lr_ratio=config.min_lr_ratio,
+            num_cycles=config.num_cycles,
+        )
+        self.last_epoch = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        lr = self.base_lr * self.factor(self.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            group["max_lr"] = lr  # Megatron's param-group field
+            group["min_lr"] = lr
+
+    def get_last_lr(self) -> list[float]:
+        return [self.base_lr * self.factor(self.last_epoch)]
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.last_epoch, "base_lr": self.base_lr}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_epoch = int(state["last_epoch"])
+        self.base_lr = float(state["base_lr"])
+        self._apply()
+
+
+def _build_optimizer(chunks: list[Any], optim: OptimConfig, mcfg: MegatronConfig, dtype: torch.dtype):
+    """Megatron's AdamW; with bf16 parameters it keeps fp32 main parameters (and steps on fp32 grads)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=float(optim.betas[0]),
+        adam_beta2=float(optim.betas[1]),
+        adam_eps=optim.eps,
+        clip_grad=0.0,  # clipped by MegatronEngine.step
+        use_distributed_optimizer=mcfg.use_distributed_optimizer,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=False,
+    )
+    with cuda_to_cpu():
+        return get_megatron_optimizer(ocfg, chunks)
+
+
+def _wrap_ddp(chunks: list[Any], tcfg: Any, mcfg: MegatronConfig) -> list[Any]:
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=mcfg.use_distributed_optimizer,
+    )
+    tcfg.finalize_model_grads_func = finalize_model_grads
+    wrapped = []
+    with cuda_to_cpu():
+        for i, chunk in enumerate(chunks):
+            wrapped.append(
+                DistributedDataParallel(
+                    config=tcfg, ddp_config=ddp_cfg, module=chunk, disable_bucketing=i > 0
+                )
+            )
+    return wrapped
+
+
+def _hf_state_dict(
+    model_config: ModelConfig, role: str, key: str, seed: int
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """The role's HF model weights (critic: the token-classification model, head included) and config.
+
+    Built under `torch.manual_seed(seed)` (megatron.seed) in a forked RNG: what transformers
+    initialises afresh (the critic's value head, a model built from scratch) is the same in every
+    launch. A Ray worker's torch RNG starts from a random seed, so without this a resumed run's
+    uninterrupted twin had a different critic from step 1 on.
+    """
+    from hybridrl.models.hf import build_hf_model
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        hf = build_hf_model(model_config, role=role, dtype=torch.float32, key=key)
+    return {k: v.detach() for k, v in hf.state_dict().items()}, hf.config
+
+
+def num_dense_params(spec: ArchSpec) -> int:
+    """Non-embedding parameters of the model (the N of the 6N FLOP rule)."""
+    h, d = spec.hidden_size, spec.head_dim
+    attn = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h
+    bias = (spec.num_heads + 2 * spec.num_kv_heads) * d if spec.qkv_bias else 0
+    return spec.num_layers * (attn + bias + 3 * h * spec.ffn_hidden_size + 2 * h) + h
+
+
+@dataclass
+class MegatronEngine(TrainEngine):
+    """Megatron model chunks of one role on this rank, with optimizer and lr schedule (None for ref).
+
+    Every rank of one model replica (its TP x PP ranks) gets the same rows; outputs exist on the
+    last pipeline stage and are broadcast to the others, so every rank returns them.
+    """
+
+    weight_loaders = ("megatron",)  # class attribute (not a dataclass field: no annotation)
+
+    chunks: list[Any]
+    spec: ArchSpec
+    hf_config: Any
+    megatron_config: MegatronConfig
+    model_config: ModelConfig
+    role: str
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    tokenizer: Any = None
+    max_grad_norm: float = 0.0
+    mtp_layers: int = (
+        0  # MTP layers built (model.mtp.enable), trained with mtp_train (engine/megatron/mtp.py)
+    )
+    mtp_train: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        model_config: ModelConfig,
+        megatron_config: MegatronConfig,
+        optim_config: OptimConfig | None = None,
+        *,
+        role: str = "actor",
+        key: str = "actor_rollout_ref.actor.megatron",
+        model_key: str = "actor_rollout_ref.model",
+        optim_key: str | None = None,
+        max_grad_norm: float = 0.0,
+        load_tok: bool = True,
+    ) -> MegatronEngine:
+        """Build this rank's part of the model of `role` (a collective over all ranks)."""
+        from hybridrl.models.hf import load_tokenizer
+
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronEngine.build needs torch.distributed: call init_process_group first")
+        validate_megatron_config(
+            megatron_config, key, world_size=dist.get_world_size(), on_gpu=not needs_cpu_shims()
+        )
+        init_parallel(megatron_config, key)
+        _log_bridge(megatron_config.use_mbridge, key)
+        hf_sd, hf_config = _hf_state_dict(model_config, role, model_key, megatron_config.seed)
+        spec = arch_spec(hf_config)
+        _check_divisible(spec, megatron_config, key)
+        n_mtp = mtp_lib.resolve_mtp(model_config, hf_config, megatron_config, role, model_key, key)
+        if n_mtp:  # veRL's model.mtp (engine/megatron/mtp.py)
+            hf_sd.update(mtp_lib.read_mtp_tensors(model_config.path, spec.num_layers, n_mtp, model_key))
+            megatron_config = mtp_lib.with_mtp_config(
+                megatron_config, n_mtp, model_config.mtp.mtp_loss_scaling_factor
+            )
+        dtype = getattr(torch, megatron_param_dtype(megatron_config, key))
+        tcfg = transformer_config(spec, megatron_config, dtype, key)
+        chunks = build_model(spec, tcfg, role, megatron_config.seed, model_config.mtp if n_mtp else None)
+        load_hf_weights(chunks, hf_sd, spec, role, n_mtp)
+        del hf_sd
+        trained = optim_config is not None and role in ("actor", "critic")
+        if trained:
+            chunks = _wrap_ddp(chunks, tcfg, megatron_config)
+        if megatron_config.use_dist_checkpointing:
+            from hybridrl.engine.megatron.checkpoint import load_dist_weights
+
+            load_dist_weights(chunks, megatron_config.dist_checkpointing_path)
+        optimizer = lr_scheduler = None
+        if trained:
+            optim_key = optim_key or ("critic.optim" if role == "critic" else "actor_rollout_ref.actor.optim")
+            optimizer = _build_optimizer(chunks, optim_config, megatron_config, dtype)
+            lr_scheduler = ParamGroupLR(optimizer, optim_config, optim_key)
+        tokenizer = None
+        if load_tok:
+            with contextlib.suppress(OSError, ValueError):
+                tokenizer = load_tokenizer(model_config, model_key)
+        return cls(
+            chunks,
+            spec,
+            hf_config,
+            megatron_config,
+            model_config,
+            role,
+            optimizer,
+            lr_scheduler,
+            tokenizer,
+            max_grad_norm,
+            n_mtp,
+            bool(n_mtp and model_config.mtp.enable_train),
+        )
+
+    @classmethod
+    def build_role(cls, spec: EngineBuildSpec) -> MegatronEngine:
+        """The registry's entry: the role's engine from its `megatron` section."""
+        mc = spec.model_config
+        if mc.lora_rank > 0 or mc.lora_adapter_path:
+            raise ValueError(
+                f"{spec.model_key}.lora_rank > 0 is not supported with strategy=megatron; use fsdp"
+            )
+        return cls.build(
+            mc,
+            spec.role_config.megatron,
+            spec.optim_config,
+            role=spec.role,
+            key=f"{spec.key}.megatron",
+            model_key=spec.model_key,
+            optim_key=f"{spec.key}.optim",
+            max_grad_norm=getattr(spec.role_config, "max_grad_norm", 0.0) or 0.0,
+        )
+
+    # -- parallel layout --------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size()
+
+    @property
+    def dp_group(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group() if self.dp_size > 1 else None
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    @property
+    def is_last_stage(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+    def tp_info(self) -> tuple[int, Any]:
+        """(tp rank, tp group or None) for vocabulary-parallel math."""
+        from megatron.core import parallel_state as ps
+
+        tp = ps.get_tensor_model_parallel_world_size()
+        return ps.get_tensor_model_parallel_rank(), (ps.get_tensor_model_parallel_group() if tp > 1 else None)
+
+    # -- compute ----------------------------------------------------------------------------
+    def run(self, micros: list[Any], loss_fn, *, forward_only: bool, position_fn=None) -> list[Any]:
+        """`run_schedule` in eval mode (forward_only) or train mode; last-stage results.
+
+        With `model.use_remove_padding` each micro-batch is packed into one row (a multiple of the
+        tensor-parallel size long, for sequence parallelism); with `megatron.sequence_parallel`
+        padded rows are right-padded to such a multiple: see engine/megatron/forward.py.
+        position_fn: the per-position results under context parallelism (`_position_fn`).
+        """
+        for chunk in self.chunks:
+            chunk.train(not forward_only)
+        tp = self.tp_info_size()
+        pack = tp if self.model_config.use_remove_padding else None
+        seq = tp if self.megatron_config.sequence_parallel else None  # padded rows: a multiple of TP
+        if forward_only:
+            with torch.no_grad():
+                return run_schedule(
+                    self.chunks,
+                    micros,
+                    loss_fn,
+                    forward_only=True,
+                    pack_multiple=pack,
+                    seq_multiple=seq,
+                    position_fn=position_fn,
+                )
+        extra = functools.partial(mtp_lib.mtp_inputs, n=self.mtp_layers) if self.mtp_train else None
+        return run_schedule(
+            self.chunks,
+            micros,
+            loss_fn,
+            forward_only=False,
+            pack_multiple=pack,
+            seq_multiple=seq,
+            extra_inputs=extra,
+            position_fn=position_fn,
+        )
+
+    @staticmethod
+    def tp_info_size() -> int:
+        """The tensor-parallel world size."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_world_size()
+
+    def _position_fn(self, request: LogProbRequest | ValueRequest):
+        """With context parallelism: this CP rank's logits (b, L / CP, V / TP) and next-token ids
+        (b, L / CP) -> (b, L / CP, 2) [log-prob, entropy] (engine/megatron/context_parallel.py);
+        the critic's values pass as they are (None)."""
+        if isinstance(request, ValueRequest) or cp_group_info()[0] == 1:
+            return None
+        if request.sum_pi_squared or request.topk or request.topk_ids:
+            raise ValueError(
+                "megatron.context_parallel_size > 1 computes log-probs and entropy per context-parallel rank; "
+                "actor.calculate_sum_pi_squared and distillation's forward_kl_topk need the logits of whole rows "
+                "there: set context_parallel_size=1 for them"
+            )
+        tp_rank, group = self.tp_info()
+
+        def per_position(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            lp, ent = vocab_parallel_logprobs_entropy(
+                logits.float() / request.temperature,
+                targets,
+                vocab_size=self.spec.vocab_size,
+                tp_rank=tp_rank,
+                group=group,
+            )
+            return torch.stack([lp, ent], dim=-1)
+
+        return per_position
+
+    def _output(self, micro: Any, out: torch.Tensor, request: LogProbRequest | ValueRequest) -> Any:
+        """The requested result from the last stage's logits (or values) of one micro-batch.
+
+        With context parallelism `out` holds (b, S, 2) [log-prob, entropy] per position (`_position_fn`)."""
+        t = micro["responses"].shape[-1]
+        if isinstance(request, ValueRequest):
+            return out[:, -t - 1 : -1, 0].float()
+        if cp_group_info()[0] > 1:
+            return LogProbs(
+                out[:, -t - 1 : -1, 0], out[:, -t - 1 : -1, 1] if request.calculate_entropy else None
+            )
+        if request.sum_pi_squared:
+            raise ValueError(
+                "actor.calculate_sum_pi_squared=True is not implemented with strategy=megatron (the optimal "
+                "token baseline's sum of pi^2 over a vocabulary-parallel head); use strategy=fsdp"
+            )
+        tp_rank, group = self.tp_info()
+        sliced = out[:, -t - 1 : -1].float() / request.temperature
+        lp, ent = vocab_parallel_logprobs_entropy(
+            sliced, micro["responses"], vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
+        )
+        out = LogProbs(lp, ent if request.calculate_entropy else None)
+        if request.topk or request.topk_ids:  # distillation's forward_kl_topk (vocab_parallel_topk.py)
+            out = topk_log_probs(
+                sliced, micro, request, out, vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
+            )
+        return out
+
+    def forward(self, micros, request: LogProbRequest | ValueRequest) -> list[Any]:
+        """See TrainEngine.forward: Megatron's schedule without gradients; every stage returns them."""
+        results = self.run(
+            list(micros),
+            lambda m, out: (torch.zeros(()), self._output(m, out, request)),
+            forward_only=True,
+            position_fn=self._position_fn(request),
+        )
+        return broadcast_from_last_stage(results)
+
+    def forward_backward(self, micros, request: LogProbRequest | ValueRequest, loss_fn: LossFn) -> list[Any]:
+        """See TrainEngine.forward_backward: Megatron's schedule (1F1B when pipelined)."""
+        micros = list(micros)
+        results = self.run(
+            micros,
+            lambda m, out: mtp_lib.add_mtp_metrics(
+                loss_fn(m, self._output(m, out, request)), self.chunks[-1], len(micros)
+            ),
+            forward_only=False,
+            position_fn=self._position_fn(request),
+        )
+        return broadcast_from_last_stage(results)
+
+    def perf_model(self) -> PerfModel:
+        layers, attn_dim = attention_dims(self.hf_config)
+        return PerfModel(num_dense_params(self.spec), layers, attn_dim)
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self, max_grad_norm: float | None = None) -> tuple[float, bool]:
+        """Clip (Megatron's norm over TP/PP/DP) and step; skip a non-finite norm. (grad_norm, stepped).
+
+        max_grad_norm: None takes the engine's own (`max_grad_norm` at build).
+
+        Megatron's ChainedOptimizer.step, with the FSDP engine's rule added: a non-finite gradient
+        norm skips the step (Megatron's fp32 optimizer would apply it).
+        """
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        self.require_optimizer("optimizer_step")
+        opt = self.optimizer
+        max_norm = self.max_grad_norm if max_grad_norm is None else max_grad_norm
+        with cuda_to_cpu():
+            found_inf = opt.prepare_grads()
+            grad_norm = float(opt.get_grad_norm())
+            stepped = math.isfinite(grad_norm) and not found_inf
+            if stepped:
+                for sub in opt.chained_optimizers:
+                    params = sub.get_parameters()
+                    if params and max_norm and max_norm > 0:
+                        clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=grad_norm)
+                opt.step_with_ready_grads()
+            else:
+                print(f"[hybridrl] warning: gradient norm is {grad_norm}; skipping this optimizer step")
+        self.zero_grad()
+        return grad_norm, stepped
+
+    # -- offload (validated: no-ops on CPU) ----------------------------------------------------
+    def offload(self) -> None:
+        """Nothing to move on CPU (offloading on GPU is refused at start-up)."""
+
+    def onload(self, with_optimizer: bool = False) -> None:
+        """Nothing to move on CPU (offloading on GPU is refused at start-up)."""
+
+    # -- weights ------------------------------------------------------------------------------
+    def iter_full_params(
+        self, dtype: torch.dtype | None = None, device=None, **_: Any
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of the whole model on every rank (gathers TP shards and PP stages)."""
+        chunks = [getattr(c, "module", c) for c in self.chunks]
+        for name, t in iter_hf_params(chunks, self.spec, self.role):
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            yield name, (t.to(device) if device is not None else t)
+
+    def iter_params(self, dtype: torch.dtype | None = None, loader: str | None = None):
+        """See TrainEngine.iter_params: HF names and full tensors (the "megatron" loader)."""
+        if loader not in (None, "megatron"):
+            raise ValueError(
+                f"the Megatron engine feeds the 'megatron' weight loader, not {loader!r}; set "
+                "actor_rollout_ref.rollout.load_format=dummy_megatron (or auto)"
+            )
+        return self.iter_full_params(dtype=dtype)
+
+    def export_hf(self, target_dir: str) -> None:
+        from hybridrl.engine.megatron.checkpoint import export_hf_folder
+
+        export_hf_folder(self, target_dir)
+
+    def save_checkpoint(self, path: str, contents=None, global_step: int | None = None, extra=None) -> None:
+        from hybridrl.engine.megatron.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, contents=contents, global_step=global_step, extra=extra)
+
+    def load_checkpoint(self, path: str, contents=None) -> dict[str, Any]:
+        from hybridrl.engine.megatron.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, contents=contents)
+
+
+@functools.cache
+def _log_bridge(use_mbridge: bool, key: str) -> None:
+    """`use_mbridge`: both values load the HF weights directly, through hybridrl's own bridge (convert.py).
+
+    In veRL, True converts with mbridge and False with its built-in converter; both give the
+    same Megatron weights, which is what convert.py produces (tested against HF logits).
+    """
+    which = "mbridge's job" if use_mbridge else "veRL's built-in converter's job"
+    logger.info(f"{key}.use_mbridge={use_mbridge}: HF weights load through hybridrl's own bridge ({which})")
+
+
+def _check_divisible(spec: ArchSpec, cfg: MegatronConfig, key: str) -> None:
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    vpp = cfg.virtual_pipeline_model_parallel_size or 1
+    if spec.num_kv_heads % tp or spec.num_heads % tp:
+        raise ValueError(
+            f"{key}.tensor_model_parallel_size={tp} must divide the attention heads ({spec.num_heads}) and the "
+            f"key/value heads ({spec.num_kv_heads})"
+        )
+    if spec.num_layers % (pp * vpp):
+        raise ValueError(
+            f"{key}: pipeline_model_parallel_size * virtual_pipeline_model_parallel_size = {pp * vpp} must divide "
+            f"the number of layers ({spec.num_layers})"
+        )
+
+
+register_engine("megatron", MegatronEngine, model_parallel=True)

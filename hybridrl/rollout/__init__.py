@@ -1,0 +1,40 @@
+"""Rollout (generation) engines of the hybrid engine and the weight sync into them.
+
+`get_rollout_class(config.name)` imports an engine only when it is asked for, so importing
+hybridrl never imports vllm or sglang. See base.py for the batch contract.
+"""
+
+from hybridrl.rollout.base import (
+    BaseRollout,
+    GenerationRequest,
+    GenerationResult,
+    SamplingSpec,
+    build_rollout_output,
+    create_rollout,
+    derive_seed,
+    get_rollout_class,
+    list_rollouts,
+    register_rollout,
+    resolve_sampling,
+)
+from hybridrl.rollout.config import EngineKwargs, RolloutConfig, SamplingOverrides
+from hybridrl.rollout.weight_sync import iter_buckets, sync_weights
+
+__all__ = [
+    "BaseRollout",
+    "EngineKwargs",
+    "GenerationRequest",
+    "GenerationResult",
+    "RolloutConfig",
+    "SamplingOverrides",
+    "SamplingSpec",
+    "build_rollout_output",
+    "create_rollout",
+    "derive_seed",
+    "get_rollout_class",
+    "iter_buckets",
+    "list_rollouts",
+    "register_rollout",
+    "resolve_sampling",
+    "sync_weights",
+]
