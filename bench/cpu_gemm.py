@@ -1,6 +1,6 @@
 """CPU GEMMs of the ~100M bench model: decode steps over the row count M (F.linear, weight first,
 oneDNN, oneDNN on packed weights), and with `--train` a training forward + backward (F.linear vs
-oneDNN's linear, engine/cpu_linear.py).
+oneDNN's linear, cpu/train_linear.py).
 
 Step mode (default): one "step" runs every linear layer of the real-vocabulary ~100M Qwen2
 (bench/real_model.py: 12 layers of hidden 768, 4 KV heads of 64, MLP 2048, 32k head) once on an
@@ -8,7 +8,7 @@ Step mode (default): one "step" runs every linear layer of the real-vocabulary ~
 cache). Formulations:
 
 - `linear`: F.linear(x, W, b) (what nn.Linear runs);
-- `wfirst`: (W @ x^T)^T made contiguous (hybridrl/rollout/cpu_gemm.py) in every layer;
+- `wfirst`: (W @ x^T)^T made contiguous (hybridrl/cpu/decode_gemm.py) in every layer;
 - `rule`: what the HF rollout runs: its form (`packed` where torch has oneDNN, else `wfirst`)
   where `decode_gemm_applies` (rows, weight size, threads), else `linear`;
 - `onednn`: torch.ops.mkldnn._linear_pointwise on the dense weight (torch's own oneDNN);
@@ -39,14 +39,14 @@ import torch
 import torch.nn.functional as F
 from _common import load_average, print_header, print_table
 
-from hybridrl.rollout.cpu_gemm import (
+from hybridrl.cpu.decode_gemm import (
     DEFAULT_DECODE_GEMM_MAX_ROWS,
     decode_gemm_applies,
     linear_weight_first,
     resolve_form,
 )
-from hybridrl.utils.onednn import onednn_linear as _onednn
-from hybridrl.utils.onednn import pack_weight
+from hybridrl.cpu.onednn import onednn_linear as _onednn
+from hybridrl.cpu.onednn import pack_weight
 
 HIDDEN, KV, MLP, LAYERS, VOCAB = 768, 256, 2048, 12, 32768
 
@@ -157,7 +157,7 @@ def train_bench(rows: int, seq: int, response: int, rounds: int) -> None:
     """Forward + backward of the bench model with F.linear vs oneDNN's training linear, alternating."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from hybridrl.engine.cpu_linear import install_onednn_linear, uninstall_onednn_linear
+    from hybridrl.cpu.train_linear import install_onednn_linear, uninstall_onednn_linear
 
     torch.manual_seed(0)
     cfg = Qwen2Config(

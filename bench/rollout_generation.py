@@ -11,7 +11,7 @@ noisy; compare within one run: the timed calls of the engines alternate (A B A B
 
 `--decode-gemm both` adds `hf-plain`, the HF engine with `rollout.hf_decode_gemm_max_rows=0`
 (plain F.linear in every layer), and prints hf-plain / hf time per call (float32 on CPU only;
-rollout/cpu_gemm.py). `real100m` is the shape of bench/real_model.py's model.
+cpu/decode_gemm.py). `real100m` is the shape of bench/real_model.py's model.
 
 `--group N` repeats each prompt N times (GRPO's layout: batch / N distinct prompts); the engine
 label `hf-noshare` is the HF engine with `rollout.enable_prefix_caching=false` (one prefill per
@@ -28,7 +28,7 @@ engine with `rollout.hf_sampler=multinomial` (torch.multinomial instead of inver
 different lengths, so every forward carries a padding mask); the engine label `hf-repeatkv` is
 the HF engine with transformers' own `sdpa` attention, which copies the key/value heads of a
 grouped-query model under a mask (the library's CPU default passes `enable_gqa` instead:
-rollout/cpu_attention.py):
+cpu/gqa_attention.py):
 
     python bench/rollout_generation.py --sizes real100m --engines hf,hf-repeatkv --group 4 \
         --left-pad 3 --dtype float32 --threads 2 --prompt-len 53 --new-tokens 256 --repeats 3

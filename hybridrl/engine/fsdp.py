@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridrl.cpu.train_linear import install_onednn_linear, resolve_onednn_linear
 from hybridrl.engine.base import EngineBuildSpec, register_engine
 from hybridrl.engine.batching import clip_grad_norm
-from hybridrl.engine.cpu_linear import install_onednn_linear, resolve_onednn_linear
 from hybridrl.engine.full_params import GATHER_BUCKET_BYTES, iter_full_params
 from hybridrl.engine.module_engine import ModuleEngine
 from hybridrl.models.hf import build_hf_model, load_tokenizer

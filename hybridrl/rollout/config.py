@@ -32,10 +32,10 @@ Notes on a few keys:
   the rollout's model copy whose input has 2..this many rows (decode steps: one per row of the
   micro-batch) and whose weight is large enough (>= 2**19 elements with 2+ threads, >= 2**22 with
   one) computes x @ W^T as (W @ x^T)^T, which MKL runs 1.1-2.8x faster there on the 2-core CPU
-  machines (rollout/cpu_gemm.py, bench/cpu_gemm.py); prefill, other devices and dtypes
+  machines (cpu/decode_gemm.py, bench/cpu_gemm.py); prefill, other devices and dtypes
   stay on F.linear. 0 turns it off. Same numbers up to float rounding.
 - `hf_sampler` (hybridrl, HF engine only): `auto` (default) samples by inverse CDF (one uniform per
-  row: rollout/hf_sampler.py) for vocabularies of >= 4096 tokens, where torch.multinomial's
+  row: cpu/sampler.py) for vocabularies of >= 4096 tokens, where torch.multinomial's
   one exponential draw per vocabulary entry costs ~25 ms per decode step on CPU at 16 x 32k, and
   with `multinomial` (transformers' own) below; `multinomial` / `inverse_cdf` force one. The same
   distribution; other random numbers for the same seed.

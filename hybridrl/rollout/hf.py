@@ -22,6 +22,10 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from hybridrl.cpu.decode_gemm import install_decode_gemm
+from hybridrl.cpu.gqa_attention import install_cpu_gqa_attention
+from hybridrl.cpu.kv_cache import growing_cache
+from hybridrl.cpu.sampler import InverseCdfSampler, use_inverse_cdf
 from hybridrl.models.weight_map import get_weight_name_map, map_named_tensors, to_torch_dtype
 from hybridrl.rollout.base import (
     BaseRollout,
@@ -31,11 +35,7 @@ from hybridrl.rollout.base import (
     truncate_at_eos,
 )
 from hybridrl.rollout.config import RolloutConfig
-from hybridrl.rollout.cpu_attention import install_cpu_gqa_attention
-from hybridrl.rollout.cpu_gemm import install_decode_gemm
-from hybridrl.rollout.hf_cache import growing_cache
 from hybridrl.rollout.hf_prefix import shared_prefill
-from hybridrl.rollout.hf_sampler import InverseCdfSampler, use_inverse_cdf
 from hybridrl.utils.device import get_torch_device
 
 __all__ = ["HFRollout"]
@@ -62,9 +62,9 @@ class HFRollout(BaseRollout):
     Args:
         config: rollout section. Uses temperature/top_k/top_p/do_sample, response_length,
             ignore_eos, dtype, load_format, calculate_log_probs, seed, hf_decode_gemm_max_rows
-            (CPU float32 only: rollout/cpu_gemm.py; text rows decode with a KV cache that grows
-            in place, rollout/hf_cache.py), hf_sampler (inverse-CDF sampling for
-            large vocabularies: rollout/hf_sampler.py), enable_prefix_caching (one prefill
+            (CPU float32 only: cpu/decode_gemm.py; text rows decode with a KV cache that grows
+            in place, cpu/kv_cache.py), hf_sampler (inverse-CDF sampling for
+            large vocabularies: cpu/sampler.py), enable_prefix_caching (one prefill
             per distinct prompt row: rollout/hf_prefix.py), and the micro-batch size
             `log_prob_micro_batch_size_per_gpu` (else max_num_seqs; with log_prob_use_dynamic_bsz
             the rows per micro-batch are log_prob_max_token_len_per_gpu // (P + T)).
@@ -154,7 +154,7 @@ class HFRollout(BaseRollout):
                     f"the rollout model expects {tuple(dst.shape)}"
                 )
             # through the parameter itself, not `.data`: its version counter moves, which tells the
-            # oneDNN decode layers (cpu_gemm.py) to pack the new weight
+            # oneDNN decode layers (cpu/decode_gemm.py) to pack the new weight
             dst.copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -219,7 +219,7 @@ class HFRollout(BaseRollout):
         mask = request.attention_mask[rows].to(self.device)
         prompt_len = ids.shape[1]
         top_k = spec.top_k if spec.top_k > 0 else 0
-        # inverse-CDF sampling (hf_sampler.py): the processor draws, generate's argmax takes it
+        # inverse-CDF sampling (cpu/sampler.py): the processor draws, generate's argmax takes it
         sampler = None
         if not spec.greedy and self.inverse_cdf:
             sampler = InverseCdfSampler(spec.temperature, top_k, spec.top_p, request.want_log_probs)
@@ -239,7 +239,7 @@ class HFRollout(BaseRollout):
         fork_devices = [self.device.index or 0] if self.device.type == "cuda" else []
         stopping = StoppingCriteriaList([_AbortCriteria(self)]) if self.abort_requested is not None else None
         mm = self._mm_kwargs(request, rows, ids)
-        if not mm:  # text: a KV cache that grows in place (hf_cache.py), one prefill per distinct prompt
+        if not mm:  # text: a KV cache that grows in place (cpu/kv_cache.py), one prefill per distinct prompt
             cache = growing_cache(self.model, request.max_new_tokens + 1)
             shared = (
                 shared_prefill(self.model, ids, mask, cache=cache)

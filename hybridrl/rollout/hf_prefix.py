@@ -61,7 +61,7 @@ def shared_prefill(
             use_cache=True)` returning `past_key_values`, a `transformers.Cache`).
         input_ids: (B, P) left-padded prompt ids.
         attention_mask: (B, P) 1 on prompt tokens.
-        cache: an empty `transformers.Cache` to fill (e.g. hf_cache.growing_cache); None: the
+        cache: an empty `transformers.Cache` to fill (e.g. cpu.kv_cache.growing_cache); None: the
             model's default.
 
     Returns:

@@ -13,7 +13,7 @@ measured decode bound (`trainer.log_floors`; bench/compare_trl.py `--floors` pri
   bound``; the bound is `rows` / the time of every linear layer of one decode step (the model's
   own shapes, each with its own weights, so they stream from memory as in decoding) at M = the
   rows one rank decodes at once, the fastest of F.linear, oneDNN on the dense weight and oneDNN on
-  a packed weight (what the HF rollout runs on CPU, rollout/cpu_gemm.py). Attention,
+  a packed weight (what the HF rollout runs on CPU, cpu/decode_gemm.py). Attention,
   sampling and the engine's bookkeeping are left out, so it is an upper bound on decode tokens/s.
 
 Fractions near 1 mean a phase is at the limit of the machine; both floors take a few seconds to
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridrl.utils.onednn import onednn_available, onednn_linear, pack_weight
+from hybridrl.cpu.onednn import onednn_available, onednn_linear, pack_weight
 
 __all__ = ["Floors", "ModelShapes", "measure_floors", "phase_fractions", "update_flops"]
 
@@ -142,7 +142,7 @@ def measure_decode_step(
     if onednn is not None:
         forms["onednn"] = (onednn, weights)
         if dtype == torch.float32:
-            try:  # the HF rollout's form: each weight packed once (rollout/cpu_gemm.py)
+            try:  # the HF rollout's form: each weight packed once (cpu/decode_gemm.py)
                 packed = [pack_weight(w, rows) for w in weights]
                 forms["onednn_packed"] = (onednn, packed)
             except (RuntimeError, AttributeError):

@@ -189,17 +189,3 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def restore_linear_class(model: torch.nn.Module, cls: type, attrs: tuple[str, ...]) -> int:
-    """Turn every module of exact class `cls` (an nn.Linear subclass swapped in by class
-    assignment) back into a plain nn.Linear, dropping its instance attributes `attrs`; return how
-    many. The parameters stay the same objects."""
-    count = 0
-    for module in model.modules():
-        if type(module) is cls:
-            module.__class__ = torch.nn.Linear
-            for attr in attrs:
-                module.__dict__.pop(attr, None)
-            count += 1
-    return count

@@ -102,9 +102,9 @@ class FSDPConfig:
     (trainer/ppo/compile_auto.py: on for a text-only model of >= 80M parameters with the padded
     forward, trained on one CPU rank for >= 50 steps); False elsewhere. Parameter names and checkpoints are unchanged. hybridrl's own key.
     onednn_linear: every nn.Linear computes its forward and input gradient with oneDNN's float32
-    linear instead of MKL's sgemm where the input is a CPU float32 tensor (engine/
-    cpu_linear.py: the ~100M bench model's update step in 0.95x the time on the 2-core AVX-512 EPYC;
-    the vocabulary head and weights below 2**17 elements stay plain). None (auto) is on for CPU
+    linear instead of MKL's sgemm where the input is a CPU float32 tensor (cpu/train_linear.py,
+    measured by bench/cpu_gemm.py --train; the vocabulary head and weights below 2**17 elements
+    stay plain). None (auto) is on for CPU
     training where torch has oneDNN; True is refused elsewhere. Same numbers up to float rounding (~1e-6); parameter names and checkpoints are
     unchanged. hybridrl's own key.
     """

@@ -84,11 +84,11 @@ def test_no_sharing_without_repeats_or_for_one_token_prompts(tiny_model_dir, tok
     assert shared_prefill(rollout.model, enc["input_ids"], enc["attention_mask"]) is None
 
 
-# ------------------------------------------------------------------ inverse-CDF sampling (hf_sampler.py)
+# ------------------------------------------------------------------ inverse-CDF sampling (cpu/sampler.py)
 
 
 def test_inverse_cdf_draws_the_distribution_and_never_a_zero_probability_token():
-    from hybridrl.rollout.hf_sampler import sample_inverse_cdf
+    from hybridrl.cpu.sampler import sample_inverse_cdf
 
     probs = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0])
     torch.manual_seed(0)
@@ -137,7 +137,7 @@ def test_inverse_cdf_sampler_rollout_log_probs_and_warps(tiny_model_dir, tokeniz
 
 
 def test_hf_sampler_auto_follows_the_vocabulary_and_bad_values_are_refused():
-    from hybridrl.rollout.hf_sampler import INVERSE_CDF_MIN_VOCAB, use_inverse_cdf
+    from hybridrl.cpu.sampler import INVERSE_CDF_MIN_VOCAB, use_inverse_cdf
 
     assert use_inverse_cdf("auto", INVERSE_CDF_MIN_VOCAB) and not use_inverse_cdf("auto", 103)
     assert use_inverse_cdf("inverse_cdf", 10) and not use_inverse_cdf("multinomial", 10**6)

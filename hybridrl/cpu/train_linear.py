@@ -1,27 +1,27 @@
 """Training linears on CPU in float32 through oneDNN (`fsdp_config.onednn_linear`).
 
-On CPU, `F.linear` runs MKL's sgemm. torch also ships oneDNN, whose linear
+What it does: on CPU, `F.linear` runs MKL's sgemm; torch also ships oneDNN, whose linear
 (`torch.ops.mkldnn._linear_pointwise`, the op inductor's CPU path emits) runs the same float32
-products faster at training sizes on the machines measured: on the 2-core AVX-512 EPYC, at
-4,944 rows (16 x 309 tokens) of the ~100M bench model, the forward of a 768 x 768 layer at 207
-vs 169 GFLOP/s, 2048 x 768 at 174 vs 145, and the input gradient dY @ W at 214-216 vs 165-195.
-
-`OneDnnLinear` is y = x W^T + b as an autograd function (shapes: x (..., in), W (out, in),
-b (out,)):
+products faster at training sizes. `OneDnnLinear` is y = x W^T + b as an autograd function
+(shapes: x (..., in), W (out, in), b (out,)):
 
     forward       y  = oneDNN(x, W) + b
     input grad    dX = oneDNN(dY, W^T)          (W^T made contiguous once per call)
     weight grad   dW = dY^T X                   (torch.mm: MKL is as fast there)
     bias grad     db = sum over rows of dY
 
-Equal to F.linear up to float rounding (~1e-6 relative; tests/engine/test_cpu_linear.py).
-Measured (docs/performance.md, session 17): the model's linear shapes forward + backward 0.82-0.86x
-F.linear's time; the ~100M bench model's update step with the shared-prompt forward 0.95x; the
-padded forward + backward with the head, `bench/cpu_gemm.py --train`, 0.96x. `install_onednn_linear` swaps the class of each exact `nn.Linear`
-to `OneDnnTrainLinear`, which takes this path only where it applies (CPU, float32 input and
-weight, plain tensors, a product of >= 2**25 multiply-adds and a weight of >= 2**17 elements,
-where the call overhead no longer loses, not inside torch.compile) and F.linear elsewhere; the
-parameters, their names and checkpoints are untouched.
+Equal to F.linear up to float rounding (~1e-6 relative; tests/cpu/test_train_linear.py).
+
+When it is on: `fsdp_config.onednn_linear` null (auto, the default) turns it on for CPU training
+where torch has oneDNN; true forces it (refused on another device or without oneDNN); false turns
+it off. `install_onednn_linear` swaps the class of each exact `nn.Linear` to `OneDnnTrainLinear`,
+which takes this path only where it applies (CPU, float32 input and weight, plain tensors, a
+product of >= 2**25 multiply-adds and a weight of >= 2**17 elements, where the call overhead no
+longer loses, not inside torch.compile) and F.linear elsewhere; the vocabulary head stays plain.
+The parameters, their names and checkpoints are untouched.
+
+Measured by: `bench/cpu_gemm.py --train` (the bench model's forward + backward with F.linear vs
+this linear, alternating).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridrl.utils.onednn import onednn_available, onednn_linear
-from hybridrl.utils.torch_utils import restore_linear_class
+from hybridrl.cpu.linear_class import restore_linear_class
+from hybridrl.cpu.onednn import onednn_available, onednn_linear
 
 __all__ = [
     "OneDnnLinear",

@@ -1,4 +1,4 @@
-"""Grouped-query attention on CPU without copying K/V heads (rollout/cpu_attention.py):
+"""Grouped-query attention on CPU without copying K/V heads (cpu/gqa_attention.py):
 equal to transformers' SDPA attention (masked and unmasked, prefill and decode), and the HF
 rollout of a GQA model with left-padded prompts generates what plain `generate` with `sdpa` does."""
 
@@ -11,8 +11,8 @@ from torch import nn
 from transformers import Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from hybridrl.cpu.gqa_attention import ATTN_NAME, gqa_sdpa_attention, install_cpu_gqa_attention
 from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights
-from hybridrl.rollout.cpu_attention import ATTN_NAME, gqa_sdpa_attention, install_cpu_gqa_attention
 
 TEXTS = ["12+34=", "7+1=", "abc", "9", "88*2=", "x"]
 T = 10

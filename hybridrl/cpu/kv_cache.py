@@ -1,21 +1,24 @@
 """A key/value cache for the HF rollout that grows in place instead of by concatenation.
 
-transformers' `DynamicLayer.update` appends each decode step's keys and values with `torch.cat`,
-so every step copies the whole cache of every layer into a fresh allocation: for 16 rows of the
-~100M bench model (12 layers, 4 KV heads of 64) growing from 53 to 309 positions that is ~70 MB
-written per step on average, on top of the attention that reads it. `GrowingLayer` keeps keys and values (B, H, capacity, D)
-in buffers with room for `reserve` more positions, writes each step's states into the next free
-positions and hands out views of the filled part; only when the buffer is full, or the cache was
-rebuilt by a method that copies (`batch_select_indices`, `batch_repeat_interleave`, `reset`), is a
-new buffer made. The views are what `DynamicLayer` would hold (same values; `crop` and the other
-methods work on them unchanged), so the attention computes the same numbers and the rollout the
-same tokens (tests/rollout/test_hf_cache.py). Measured on the 2-core AVX-512 EPYC
-(real100m, 16 rows, 53 + 256 tokens, oneDNN decode layers, alternating): 0.87-0.93x the time of
-`generate` with the concatenating cache (docs/performance.md, session 17).
+What it does: transformers' `DynamicLayer.update` appends each decode step's keys and values with
+`torch.cat`, so every step copies the whole cache of every layer into a fresh allocation.
+`GrowingLayer` keeps keys and values (B, H, capacity, D) in buffers with room for `reserve` more
+positions, writes each step's states into the next free positions and hands out views of the
+filled part; only when the buffer is full, or the cache was rebuilt by a method that copies
+(`batch_select_indices`, `batch_repeat_interleave`, `reset`), is a new buffer made. The views are
+what `DynamicLayer` would hold (same values; `crop` and the other methods work on them
+unchanged), so the attention computes the same numbers and the rollout the same tokens
+(tests/cpu/test_kv_cache.py).
 
-`growing_cache(model, reserve)` builds a `DynamicCache` from the model's config with every plain
-`DynamicLayer` replaced by a `GrowingLayer` (sliding-window and other layer kinds are kept), or
-None where the config gives no layers to replace (then `generate` builds its own cache).
+When it is on: the HF rollout decodes every text micro-batch with `growing_cache(model, reserve)`
+(no switch; multimodal rows keep transformers' own cache). It builds a `DynamicCache` from the
+model's config with every plain `DynamicLayer` replaced by a `GrowingLayer` (sliding-window and
+other layer kinds are kept), or returns None where the config gives no layers to replace (then
+`generate` builds its own cache). The copies it saves matter most on CPU, where decoding is
+bound by memory traffic.
+
+Measured by: `bench/rollout_generation.py` (the HF rollout's decode throughput, which runs with
+this cache).
 """
 
 from __future__ import annotations

@@ -1,10 +1,15 @@
 """torch's own oneDNN linear on CPU: the op, its packed weights, and whether this build has it.
 
-`torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")` is x @ w^T + b by oneDNN (the op
-inductor's CPU path emits); `w` is the dense (out, in) weight or its packed copy made once by
-`torch.ops.mkldnn._reorder_linear_weight(w, rows)` (oneDNN's blocked layout for inputs of about
-`rows` rows). Used by the HF rollout's decode layers (rollout/cpu_gemm.py), the training
-linears (engine/cpu_linear.py) and the floors' probes (utils/floors.py).
+What it does: `torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")` is x @ w^T + b by
+oneDNN (the op inductor's CPU path emits); `w` is the dense (out, in) weight or its packed copy
+made once by `torch.ops.mkldnn._reorder_linear_weight(w, rows)` (oneDNN's blocked layout for
+inputs of about `rows` rows).
+
+When it is on: wherever `onednn_available()` says this torch build has the op; used by the HF
+rollout's decode layers (cpu/decode_gemm.py), the training linears (cpu/train_linear.py) and
+the floors' probes (utils/floors.py).
+
+Measured by: `bench/cpu_gemm.py` (F.linear vs oneDNN on the dense and on the packed weight).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ _AVAILABLE: bool | None = None  # onednn_available's answer, found once
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x (..., in), weight, bias) by oneDNN; `weight` dense (out, in) or `pack_weight`'s
-    copy. No autograd (engine/cpu_linear.OneDnnLinear has one)."""
+    copy. No autograd (cpu/train_linear.OneDnnLinear has one)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

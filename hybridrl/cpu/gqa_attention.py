@@ -1,23 +1,24 @@
 """Grouped-query attention on CPU for the HF rollout's model copy, without copying K/V heads.
 
-With grouped-query attention (num_key_value_heads < num_attention_heads) and a padding mask,
-transformers' `sdpa` attention copies every key and value head `num_key_value_groups` times
-(`repeat_kv`) before `F.scaled_dot_product_attention`: it passes torch's `enable_gqa` only when
-there is no mask, because CUDA's fused kernels take GQA only without one. Left-padded prompts
-(every batch of prompts of different lengths) always carry a mask, so each decode step copied
-the whole KV cache of every layer and ran SDPA on three times the heads.
+What it does: with grouped-query attention (num_key_value_heads < num_attention_heads) and a
+padding mask, transformers' `sdpa` attention copies every key and value head
+`num_key_value_groups` times (`repeat_kv`) before `F.scaled_dot_product_attention`: it passes
+torch's `enable_gqa` only when there is no mask, because CUDA's fused kernels take GQA only
+without one. Left-padded prompts (every batch of prompts of different lengths) always carry a
+mask, so each decode step would copy the whole KV cache of every layer and run SDPA on
+`num_key_value_groups` times the heads. On CPU torch's flash kernel takes `enable_gqa` with a mask.
+`gqa_sdpa_attention` is transformers' SDPA attention with that one change: on CPU, with GQA, it
+calls SDPA with `enable_gqa=True` and the mask as it is (same causal rule as transformers');
+anything else (another device, no GQA, paged caches, position biases, attention outputs) goes to
+transformers' own function. Same numbers up to float rounding (tests/cpu/test_gqa_attention.py).
 
-On CPU torch's flash kernel takes `enable_gqa` with a mask. `gqa_sdpa_attention` is transformers'
-SDPA attention with that one change: on CPU, with GQA, it calls SDPA with `enable_gqa=True`
-and the mask as it is (same causal rule as transformers'); anything else (another device, no
-GQA, paged caches, position biases, attention outputs) goes to transformers' own function.
-Measured on the 2-core AVX-512 EPYC, 2 threads, the real-vocabulary ~100M model (12 heads, 4 KV
-heads), 16 rows, 256 new tokens from prompts left-padded to 53: 72.8 ms per decode step with
-transformers' path, of which 13.5 ms of K/V copies (docs/performance.md, session 18).
+When it is on: the HF rollout calls `install_cpu_gqa_attention(model)` for every model copy on
+CPU; it switches a text model from `sdpa` to this function (registered with transformers'
+attention and mask interfaces under `ATTN_NAME`, the mask built as for `sdpa`) and leaves other
+models and attention implementations alone.
 
-`install_cpu_gqa_attention(model)` switches a text model on CPU from `sdpa` to it (registered
-with transformers' attention and mask interfaces under `ATTN_NAME`, the mask built as for
-`sdpa`). Same numbers up to float rounding; tests/rollout/test_cpu_attention.py.
+Measured by: `bench/rollout_generation.py --engines hf,hf-repeatkv --left-pad K` (the rollout with
+this attention vs transformers' own `sdpa`, alternating).
 """
 
 from __future__ import annotations

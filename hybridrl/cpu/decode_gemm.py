@@ -1,23 +1,20 @@
 """Decode-time linear layers for the HF rollout's private model copy on CPU (float32).
 
-During `model.generate` decoding every linear layer sees only M = batch rows. For x @ W^T at
-small M, MKL's sgemm behind `F.linear` is slow, above all with two threads. Two faster forms:
+What it does: during `model.generate` decoding every linear layer sees only M = batch rows, and for
+x @ W^T at small M MKL's sgemm behind `F.linear` is slow, above all with few threads. Two faster
+forms of the same product:
 
 - **oneDNN with a packed weight** (`form="onednn"`, the default where torch has oneDNN): the
   weight is reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
   the op inductor's CPU freezing uses) and every call runs `torch.ops.mkldnn._linear_pointwise`
-  on it. On the 2-core AVX-512 EPYC (bench/cpu_gemm.py) every linear of one decode step of the
-  real-vocabulary ~100M model takes 28-31 ms at M = 16 this way, against 55 ms for the
-  weight-first form and 57 ms for F.linear; 0.3-0.8x F.linear's time per layer for M = 2..512
-  and weights of >= 768 x 256 elements. The packed copy is made on first use and again whenever
-  the parameter was written in place (its version counter moved, e.g. by the weight sync's
-  `copy_`) or replaced; it costs a second copy of the weights in memory (~0.1 s to pack 100M
-  parameters).
+  on it. The packed copy is made on first use and again whenever the parameter was written in
+  place (its version counter moved, e.g. by the weight sync's `copy_`) or replaced; it costs a
+  second copy of the weights in memory.
 - **weight first** (`form="weight_first"`, where oneDNN is missing): the same product written as
-  W @ x^T (weight untransposed, then transposed back), 1.1-2.8x faster than F.linear for large
-  weights on the 2-core machines measured before.
+  W @ x^T (weight untransposed, then transposed back).
 
-Each form is used when
+When it is on: the HF rollout installs it on CPU in float32 when `rollout.hf_decode_gemm_max_rows`
+> 0 (default 128; 0 turns it off). Each layer then takes its form only when
 
 - 2 <= rows <= max_rows (M = 1 is a matrix-vector product: no gain), and
 - the weight is large enough for the current thread count (`min_weight_numel`): oneDNN >= 2**17
@@ -26,11 +23,15 @@ Each form is used when
 - no gradient is needed (the oneDNN op has no backward; the weight-first form is autograd-safe).
 
 Otherwise, and on every other device or dtype, the layer runs plain `F.linear`. Same numbers up
-to float rounding (~1e-6).
+to float rounding (~1e-6; tests/cpu/test_decode_gemm.py).
 
 The swap changes only the class of each `nn.Linear` (`DecodeGemmLinear` is a subclass): the
 parameters stay the same objects, so tied embeddings, `state_dict` names and in-place weight
 sync (`copy_` into the parameters) are untouched.
+
+Measured by: `bench/cpu_gemm.py` (every form over the row count M; `--per-shape` per layer shape,
+where the bounds above come from) and `bench/rollout_generation.py --decode-gemm both` (the whole
+rollout with and without it).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridrl.utils.onednn import onednn_available, onednn_linear, pack_weight
-from hybridrl.utils.torch_utils import restore_linear_class
+from hybridrl.cpu.linear_class import restore_linear_class
+from hybridrl.cpu.onednn import onednn_available, onednn_linear, pack_weight
 
 __all__ = [
     "DECODE_GEMM_FORMS",

@@ -1,4 +1,4 @@
-"""The HF rollout's in-place growing KV cache (rollout/hf_cache.py): the same keys and values
+"""The HF rollout's in-place growing KV cache (cpu/kv_cache.py): the same keys and values
 as transformers' concatenating layer through every cache method, and the same generations."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from hybridrl.rollout.hf_cache import GrowingLayer, growing_cache
+from hybridrl.cpu.kv_cache import GrowingLayer, growing_cache
 
 
 def _states(b, n, seed):

@@ -1,4 +1,4 @@
-"""The HF rollout's decode GEMM (rollout/cpu_gemm.py): both forms (oneDNN on a packed
+"""The HF rollout's decode GEMM (cpu/decode_gemm.py): both forms (oneDNN on a packed
 weight, weight first) equal F.linear, the packed weight follows every in-place write, and the
 rollout with either generates what plain `model.generate` does, before and after weight syncs."""
 
@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from rollout_testlib import make_prompts, plain_generate
 from torch import nn
 
-from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights
-from hybridrl.rollout.cpu_gemm import (
+from hybridrl.cpu.decode_gemm import (
     DecodeGemmLinear,
     decode_gemm_applies,
     install_decode_gemm,
@@ -27,6 +26,7 @@ from hybridrl.rollout.cpu_gemm import (
     uninstall_decode_gemm,
     use_weight_first,
 )
+from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
 FORMS = [pytest.param("onednn", marks=needs_onednn), "weight_first"]

@@ -1,4 +1,4 @@
-"""oneDNN training linears (engine/cpu_linear.py): forward and every gradient equal
+"""oneDNN training linears (cpu/train_linear.py): forward and every gradient equal
 F.linear's, the layer falls back where oneDNN does not apply, and an FSDP engine's updates with it
 equal the updates without it (one rank, plain module and FSDP2)."""
 
@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridrl.engine.cpu_linear import (
+from hybridrl.cpu.onednn import onednn_available
+from hybridrl.cpu.train_linear import (
     MIN_MACS,
     OneDnnLinear,
     OneDnnTrainLinear,
@@ -19,7 +20,6 @@ from hybridrl.engine.cpu_linear import (
     resolve_onednn_linear,
     uninstall_onednn_linear,
 )
-from hybridrl.utils.onednn import onednn_available
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_testkit import make_batch, make_tiny_model_dir, spawn  # noqa: E402
