@@ -24,13 +24,13 @@ def main() -> None:
 
     import pandas as pd
 
+    from hybridrl.config.roles import ModelConfig
     from hybridrl.data.builtin_task import ensure_builtin_data
     from hybridrl.data.rl_dataset import RLDataConfig, RLHFDataset
     from hybridrl.models.builtin import get_builtin_model_path
     from hybridrl.models.hf import load_tokenizer
     from hybridrl.reward.scorers import registered_data_sources
     from hybridrl.trainer.ppo.data_checks import RowSpec, check_file
-    from hybridrl.workers.config import ModelConfig
 
     base = pd.read_parquet(ensure_builtin_data(None)["train"])
     df = pd.concat([base] * (args.rows // len(base) + 1), ignore_index=True).head(args.rows)

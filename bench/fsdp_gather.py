@@ -57,9 +57,9 @@ def _time_alternating(fns: dict, repeats: int) -> dict[str, float]:
 def _worker(rank: int, world: int, port: int, paths: dict, args) -> None:
     import torch.distributed as dist
 
+    from hybridrl.config.roles import FSDPConfig, MixedPrecisionConfig, ModelConfig
     from hybridrl.engine.fsdp import FSDPEngine
     from hybridrl.utils.device import init_process_group
-    from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig, ModelConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -133,8 +133,8 @@ def main() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from hybridrl.config.roles import FSDPConfig, MixedPrecisionConfig
     from hybridrl.engine.fsdp import apply_fsdp2
-    from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig
 
     torch.set_num_threads(args.threads)
     C.print_header(f"FSDP2 world 1 vs plain module (bench/fsdp_vs_module.py), {args.threads} thread(s)")

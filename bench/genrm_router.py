@@ -21,10 +21,10 @@ import time
 
 import requests
 
+from hybridrl.config.roles import ModelConfig, RewardRolloutConfig
 from hybridrl.models.hf import load_tokenizer
 from hybridrl.reward.genrm import GenRMClient, GenRMServer
 from hybridrl.reward.genrm_router import RouterHandle
-from hybridrl.workers.config import ModelConfig, RewardRolloutConfig
 
 
 async def _async_posts(address: str, bodies: list[dict]) -> list[str]:

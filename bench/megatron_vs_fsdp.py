@@ -48,19 +48,19 @@ def _batch(rows: int, prompt: int, response: int, vocab: int):
 def _worker(rank: int, world: int, port: int, path: str, args) -> None:
     import torch.distributed as dist
 
-    from hybridrl.engine.fsdp import FSDPEngine
-    from hybridrl.engine.megatron.engine import MegatronEngine
-    from hybridrl.utils.device import init_process_group
-    from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import (
+    from hybridrl.config.megatron import MegatronConfig
+    from hybridrl.config.roles import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         ModelConfig,
         OptimConfig,
     )
-    from hybridrl.workers.megatron_config import MegatronConfig
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.engine.megatron.engine import MegatronEngine
+    from hybridrl.utils.device import init_process_group
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -104,19 +104,19 @@ def prompt_batch(tokenizer, prompts: int, n: int, pad_to: int | None):
 
 
 def build(model_path: str, args):
-    from hybridrl.engine.fsdp import FSDPEngine
-    from hybridrl.rollout.base import create_rollout
-    from hybridrl.rollout.config import RolloutConfig
-    from hybridrl.utils.device import init_process_group
-    from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import (
+    from hybridrl.config.roles import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         ModelConfig,
         OptimConfig,
     )
+    from hybridrl.config.rollout import RolloutConfig
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.rollout.base import create_rollout
+    from hybridrl.utils.device import init_process_group
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
 
     os.environ["MASTER_PORT"] = str(_free_port())
     init_process_group(rank=0, world_size=1, timeout_s=120)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridrl.config.roles import FSDPConfig, ModelConfig, OptimConfig
 from hybridrl.cpu.train_linear import install_onednn_linear, resolve_onednn_linear
 from hybridrl.engine.base import EngineBuildSpec, register_engine
 from hybridrl.engine.batching import clip_grad_norm
@@ -33,7 +34,6 @@ from hybridrl.engine.module_engine import ModuleEngine
 from hybridrl.models.hf import build_hf_model, load_tokenizer
 from hybridrl.utils.device import get_device_name, get_torch_device
 from hybridrl.utils.torch_utils import str_to_dtype
-from hybridrl.workers.config import FSDPConfig, ModelConfig, OptimConfig
 
 logger = logging.getLogger(__name__)
 

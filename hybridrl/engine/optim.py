@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from hybridrl.workers.config import LR_SCHEDULER_TYPES, OptimConfig
+from hybridrl.config.roles import LR_SCHEDULER_TYPES, OptimConfig
 
 
 def num_warmup_steps(config: OptimConfig, key: str = "optim") -> int:

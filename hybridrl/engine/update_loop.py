@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hybridrl.algos.agg import LossScale
+from hybridrl.config.batch import PerRankBatchSizes
 from hybridrl.engine.base import TrainEngine
 from hybridrl.engine.batching import (
     TokenWeightedMeans,
@@ -35,7 +36,6 @@ from hybridrl.engine.ulysses import SPGroup
 from hybridrl.protocol import DataProto
 from hybridrl.utils.device import get_torch_device
 from hybridrl.utils.flops import compute_mfu, estimate_flops, work_flops
-from hybridrl.workers.batch_sizes import PerRankBatchSizes
 
 
 def prepare_mini_batch(

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridrl.config.roles import ModelConfig
 from hybridrl.models.builtin import resolve_model_path
 from hybridrl.utils.torch_utils import str_to_dtype
-from hybridrl.workers.config import ModelConfig
 
 __all__ = [
     "ROLES",

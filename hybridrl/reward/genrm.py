@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.workers.config import RewardRolloutConfig
+from hybridrl.config.roles import RewardRolloutConfig
 
 ENGINES = ("hf", "vllm")
 TIMEOUT_KEY = "reward_model.rollout.request_timeout_s"
@@ -159,9 +159,9 @@ class GenRMServer:
         trust_remote_code: bool = False,
         num_threads: int | None = None,
     ) -> None:
+        from hybridrl.config.roles import ModelConfig
         from hybridrl.models.builtin import resolve_model_path
         from hybridrl.models.hf import load_tokenizer
-        from hybridrl.workers.config import ModelConfig
 
         if rollout.name not in ENGINES:
             raise ValueError(

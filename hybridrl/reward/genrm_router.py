@@ -123,8 +123,8 @@ class GenRMRouter:
         self, servers: list[Any], rollout: Any, tokenizer_path: str, trust_remote_code: bool = False,
         host: str | None = None, port: int = 0,
     ) -> None:  # fmt: skip
+        from hybridrl.config.roles import ModelConfig
         from hybridrl.models.hf import load_tokenizer
-        from hybridrl.workers.config import ModelConfig
 
         self.servers, self.host, self.port = list(servers), host, int(port)
         self.defaults, self.timeout = default_sampling(rollout), float(rollout.request_timeout_s)

@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
+from hybridrl.config.roles import ModelConfig, RewardModelConfig
 from hybridrl.models.hf import load_tokenizer
 from hybridrl.protocol import DataProto
 from hybridrl.reward.genrm import TIMEOUT_KEY, GenRMClient, GenRMServer, attach_client, wants_router
 from hybridrl.reward.rm import place_on_last_token, rm_inputs, token_lists
 from hybridrl.reward.rm_server import RewardModelServer
-from hybridrl.workers.config import ModelConfig, RewardModelConfig
 
 
 def policy_tokenizer_source(config: RewardModelConfig, policy_tokenizer_path: str | None) -> str | None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from hybridrl.config.roles import ModelConfig, RewardModelConfig
 from hybridrl.protocol import DataProto
-from hybridrl.workers.config import ModelConfig, RewardModelConfig
 
 
 def model_config_of(config: RewardModelConfig) -> ModelConfig:

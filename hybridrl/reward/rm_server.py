@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.workers.config import RewardRolloutConfig
+from hybridrl.config.roles import RewardRolloutConfig
 
 ENGINES = ("hf", "vllm")
 

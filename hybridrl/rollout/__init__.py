@@ -4,6 +4,7 @@
 hybridrl never imports vllm or sglang. See base.py for the batch contract.
 """
 
+from hybridrl.config.rollout import EngineKwargs, RolloutConfig, SamplingOverrides
 from hybridrl.rollout.base import (
     BaseRollout,
     GenerationRequest,
@@ -17,7 +18,6 @@ from hybridrl.rollout.base import (
     register_rollout,
     resolve_sampling,
 )
-from hybridrl.rollout.config import EngineKwargs, RolloutConfig, SamplingOverrides
 from hybridrl.rollout.weight_sync import iter_buckets, sync_weights
 
 __all__ = [

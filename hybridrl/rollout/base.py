@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.protocol import DataProto
-from hybridrl.rollout.config import RolloutConfig
 
 __all__ = [
     "BaseRollout",

@@ -22,6 +22,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.cpu.decode_gemm import install_decode_gemm
 from hybridrl.cpu.gqa_attention import install_cpu_gqa_attention
 from hybridrl.cpu.kv_cache import growing_cache
@@ -34,7 +35,6 @@ from hybridrl.rollout.base import (
     register_rollout,
     truncate_at_eos,
 )
-from hybridrl.rollout.config import RolloutConfig
 from hybridrl.rollout.hf_prefix import shared_prefill
 from hybridrl.utils.device import get_torch_device
 

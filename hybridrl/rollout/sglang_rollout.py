@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.models.weight_map import dtype_name, get_weight_name_map, map_named_tensors
 from hybridrl.rollout.base import (
     BaseRollout,
@@ -39,7 +40,6 @@ from hybridrl.rollout.base import (
     SleepTracker,
     register_rollout,
 )
-from hybridrl.rollout.config import RolloutConfig
 from hybridrl.rollout.weight_sync import iter_buckets
 
 __all__ = ["SGLangRollout"]

@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.models.vlm import is_vlm_config, refuse_vllm_images
 from hybridrl.models.weight_map import dtype_name, get_weight_name_map, map_named_tensors, to_torch_dtype
 from hybridrl.rollout.base import (
@@ -75,7 +76,6 @@ from hybridrl.rollout.base import (
     SleepTracker,
     register_rollout,
 )
-from hybridrl.rollout.config import RolloutConfig
 from hybridrl.rollout.vllm_cpu_shm import (
     agree_ident,
     remove_own_segments,

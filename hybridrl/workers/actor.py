@@ -21,12 +21,12 @@ import torch
 from hybridrl.algos.agg import agg_loss
 from hybridrl.algos.kl import kl_penalty
 from hybridrl.algos.policy_loss import get_policy_loss_fn
+from hybridrl.config.roles import ActorConfig
 from hybridrl.engine.base import LogProbRequest, LogProbs
 from hybridrl.engine.batching import mean_over_ranks, merge_outputs, response_mask_of
 from hybridrl.engine.multimodal import attach_multimodal
 from hybridrl.engine.update_loop import MicroBatchedRole, combine_micro_metrics, micro_loss_aux
 from hybridrl.protocol import DataProto
-from hybridrl.workers.config import ActorConfig
 from hybridrl.workers.distillation import add_distillation_loss, needs_topk
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")

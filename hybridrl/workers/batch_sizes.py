@@ -3,14 +3,14 @@
 `normalize_actor_batch_sizes` / `normalize_critic_batch_sizes` turn veRL's global sizes
 (`ppo_mini_batch_size` in prompts over all ranks, `*_micro_batch_size_per_gpu` per rank, Ulysses
 groups sharing rows) into a frozen `PerRankBatchSizes`, or raise a ValueError naming the key and
-the fix. The config classes themselves are in `hybridrl.workers.config`.
+the fix. The config classes themselves are in `hybridrl.config.roles`, `PerRankBatchSizes` in
+`hybridrl.config.batch`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from hybridrl.workers.config import (
+from hybridrl.config.batch import PerRankBatchSizes
+from hybridrl.config.roles import (
     ACTOR_KEY,
     CHECKPOINT_CONTENTS,
     CRITIC_KEY,
@@ -21,32 +21,6 @@ from hybridrl.workers.config import (
     CriticConfig,
     OptimConfig,
 )
-
-
-# ----------------------------------------------------------------------------------------------
-# derived per-rank sizes
-# ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PerRankBatchSizes:
-    """Batch sizes one rank uses, derived once from a role's config (see normalize_*).
-
-    mini_batch_size: rows (responses) per optimizer step on this rank.
-    micro_batch_size: rows per forward/backward (None with dynamic batch size).
-    max_token_len: token budget of one micro-batch with dynamic batch size.
-    forward_micro_batch_size / forward_max_token_len: the same for forward-only passes.
-    """
-
-    mini_batch_size: int
-    micro_batch_size: int | None
-    use_dynamic_bsz: bool
-    max_token_len: int
-    forward_micro_batch_size: int | None
-    forward_max_token_len: int
-    epochs: int
-    shuffle: bool
-    seed: int | None
-    dp_size: int
-    rollout_n: int
 
 
 def _check_common(key: str, *, strategy: str, loss_agg_mode: str, ulysses: int, epochs: int) -> None:

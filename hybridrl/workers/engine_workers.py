@@ -29,15 +29,15 @@ import torch
 
 from hybridrl.agent.runner import AgentLoopRunner, uses_agent_loops
 from hybridrl.async_rollout.collective_worker import CollectiveWeightsMixin
+from hybridrl.config.batch import PerRankBatchSizes
+from hybridrl.config.roles import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.engine.base import EngineBuildSpec, TrainEngine, canonical_engine_name, get_engine
 from hybridrl.models.weight_map import to_torch_dtype
 from hybridrl.protocol import DataProto
-from hybridrl.rollout.config import RolloutConfig
 from hybridrl.single_controller.base import Worker, register
 from hybridrl.single_controller.dispatch import Dispatch, make_mesh_dispatch
 from hybridrl.utils.device import init_process_group
-from hybridrl.workers.batch_sizes import PerRankBatchSizes
-from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.workers.parallel_dims import ParallelDims
 from hybridrl.workers.profiling import StepProfiling
 

@@ -138,7 +138,7 @@ class ParallelDims:
         fsdp_config = getattr(section, "fsdp_config", None) or getattr(section.model, "fsdp_config", None)
         kwargs: dict[str, Any] = {}
         if entry.model_parallel:
-            from hybridrl.workers.megatron_config import validate_megatron_config
+            from hybridrl.config.megatron import validate_megatron_config
 
             m = section.megatron
             validate_megatron_config(m, f"{key}.megatron", world_size=world)

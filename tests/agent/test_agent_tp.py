@@ -48,9 +48,9 @@ class AlwaysCalc(ToolCallParser):
 
 
 def _worker(model_dir: str, tp: int):
+    from hybridrl.config.roles import ActorConfig, FSDPConfig, MixedPrecisionConfig, ModelConfig, RefConfig
     from hybridrl.rollout import RolloutConfig
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import ActorConfig, FSDPConfig, MixedPrecisionConfig, ModelConfig, RefConfig
     from hybridrl.workers.engine_workers import ActorRolloutRefWorker
 
     actor = ActorConfig(

@@ -8,7 +8,6 @@ import textwrap
 import pytest
 
 from hybridrl.agent.builtin_tools import CalculatorTool, Gsm8kTool, evaluate_expression
-from hybridrl.agent.config import AgentConfig, MultiTurnConfig
 from hybridrl.agent.loop import (
     AgentLoopBase,
     get_agent_loop_class,
@@ -19,8 +18,9 @@ from hybridrl.agent.parser import get_tool_parser
 from hybridrl.agent.tool import FunctionTool, function_tool
 from hybridrl.agent.tool_agent import TrajectoryTools, truncate_text
 from hybridrl.agent.tool_loading import load_function_tools, load_tools, load_tools_from_yaml
+from hybridrl.config.agent import AgentConfig, MultiTurnConfig
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.data import agent_task
-from hybridrl.rollout.config import RolloutConfig
 
 VERL_GSM8K_YAML = """\
 tools:

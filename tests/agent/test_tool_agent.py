@@ -19,8 +19,8 @@ import torch
 from hybridrl.agent.parser import ToolCall, ToolCallParser, parse_call_json, register_tool_parser
 from hybridrl.agent.runner import AgentLoopRunner, agent_step_metrics
 from hybridrl.agent.tool import BaseTool, ToolResponse
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.protocol import DataProto
-from hybridrl.rollout.config import RolloutConfig
 
 QUESTION_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -376,10 +376,10 @@ def test_rollout_log_probs_of_a_3_turn_trajectory_equal_the_fsdp_recompute(
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from fsdp_testkit import free_port, init_dist
 
+    from hybridrl.config.roles import FSDPConfig, MixedPrecisionConfig, ModelConfig
     from hybridrl.engine.fsdp import FSDPEngine
     from hybridrl.models.builtin import get_builtin_model_path
     from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig, ModelConfig
 
     runner = make_runner(hf_engine, tokenizer, [AskTool()], format="test_always_ask", max_assistant_turns=3)
     runner.config.temperature = 0.7

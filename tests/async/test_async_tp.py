@@ -40,9 +40,9 @@ def _rollout_group(name: str, model_path: str, tp: int, engine: str = "vllm", **
     """A disaggregated rollout group as main_async builds it (role="rollout"): `tp` slots of half a
     CPU, one vLLM engine of `tp` TP ranks (each rank pinned to its own core); `rollout_keys` are
     further RolloutConfig fields. Returns (pool, group, the refs of its init_model calls)."""
+    from hybridrl.config.roles import ModelConfig
     from hybridrl.rollout import RolloutConfig
     from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from hybridrl.workers.config import ModelConfig
     from hybridrl.workers.engine_workers import ActorRolloutRefWorker
 
     rollout = RolloutConfig(

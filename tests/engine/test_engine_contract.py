@@ -77,7 +77,8 @@ def _needs(name: str) -> None:
 # ----------------------------------------------------------------------------------------------
 def _sections(name: str, model_dir: str):
     """(model, actor, ref, critic) sections on engine `name`: fp32, weight decay 0, 2-row micro-batches."""
-    from hybridrl.workers.config import (
+    from hybridrl.config.megatron import MegatronConfig
+    from hybridrl.config.roles import (
         ActorConfig,
         CriticConfig,
         FSDPConfig,
@@ -86,7 +87,6 @@ def _sections(name: str, model_dir: str):
         OptimConfig,
         RefConfig,
     )
-    from hybridrl.workers.megatron_config import MegatronConfig
 
     fsdp = FSDPConfig(model_dtype="fp32", mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))
     megatron = MegatronConfig(dtype="float32")
@@ -159,8 +159,8 @@ def _hf_log_probs(model_dir: str, data):
 
 
 def _hf_params(model_dir: str, role: str) -> dict[str, torch.Tensor]:
+    from hybridrl.config.roles import ModelConfig
     from hybridrl.models.hf import build_hf_model
-    from hybridrl.workers.config import ModelConfig
 
     model = build_hf_model(ModelConfig(path=model_dir), role=role)
     return {k: v.detach() for k, v in model.named_parameters()}

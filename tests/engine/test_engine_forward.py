@@ -10,11 +10,11 @@ from tensordict import TensorDict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_testkit import make_batch, make_tiny_model_dir  # noqa: E402
 
+from hybridrl.config.roles import ModelConfig  # noqa: E402
 from hybridrl.engine import forward  # noqa: E402
 from hybridrl.engine.fsdp import iter_full_params  # noqa: E402
 from hybridrl.models.hf import build_hf_model, load_tokenizer  # noqa: E402
 from hybridrl.utils.torch_utils import block_causal_mask, pack_sequences, unpack_sequences  # noqa: E402
-from hybridrl.workers.config import ModelConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")

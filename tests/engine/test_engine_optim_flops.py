@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
+from hybridrl.config.roles import OptimConfig
 from hybridrl.engine.optim import build_lr_scheduler, build_optimizer, lr_factor, num_warmup_steps
 from hybridrl.utils.flops import compute_mfu, count_params, estimate_flops, get_peak_flops
-from hybridrl.workers.config import OptimConfig
 
 
 def _lrs(cfg, steps):

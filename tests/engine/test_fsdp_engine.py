@@ -12,15 +12,15 @@ from fsdp_testkit import make_batch, make_tiny_model_dir, spawn  # noqa: E402
 
 
 def _setup(model_dir, **fsdp_kwargs):
-    from hybridrl.engine.fsdp import FSDPEngine
-    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import (
+    from hybridrl.config.roles import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         ModelConfig,
         OptimConfig,
     )
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
 
     fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"), **fsdp_kwargs)
     cfg = ActorConfig(
@@ -149,10 +149,10 @@ def _one_rank_checks(rank, world, model_dir, ckpt_dir):
     import pytest
     from torch.distributed.tensor import DTensor
 
+    from hybridrl.config.roles import FSDPConfig, MixedPrecisionConfig
     from hybridrl.engine.fsdp import create_device_mesh, resolve_shard_one_rank
     from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig
 
     def build(**kw):
         cfg, engine, _ = _setup(model_dir, **kw)

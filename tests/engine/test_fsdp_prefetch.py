@@ -11,9 +11,9 @@ from fsdp_testkit import make_batch, make_tiny_model_dir, spawn  # noqa: E402
 
 
 def _run(model_dir, rank, prefetch):
+    from hybridrl.config.roles import FSDPConfig, MixedPrecisionConfig, ModelConfig
     from hybridrl.engine.forward import forward_log_probs
     from hybridrl.engine.fsdp import FSDPEngine
-    from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig, ModelConfig
 
     fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"), forward_prefetch=prefetch)
     engine = FSDPEngine.build(ModelConfig(path=model_dir), fsdp, None, role="actor", load_tok=False)

@@ -11,8 +11,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_testkit import make_batch, make_tiny_model_dir, spawn  # noqa: E402
 
+from hybridrl.config.roles import FSDPConfig, MixedPrecisionConfig, ModelConfig  # noqa: E402
 from hybridrl.engine.fsdp import default_attn_implementation, resolve_reshard_after_forward  # noqa: E402
-from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig, ModelConfig  # noqa: E402
 
 
 class _Uneven(nn.Module):

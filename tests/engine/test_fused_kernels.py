@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import hybridrl.engine.forward as forward
+from hybridrl.config.roles import ModelConfig
 from hybridrl.protocol import DataProto
 from hybridrl.workers.actor import PPOActor
-from hybridrl.workers.config import ModelConfig
 from tests.fsdp_testkit import count_calls, make_batch, make_tiny_model_dir
 
 

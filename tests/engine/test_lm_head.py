@@ -16,11 +16,11 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_testkit import make_batch, make_tiny_model_dir, spawn  # noqa: E402
 
+from hybridrl.config.roles import FSDPConfig, ModelConfig  # noqa: E402
 from hybridrl.engine import forward  # noqa: E402
 from hybridrl.engine.fsdp import FSDPEngine  # noqa: E402
 from hybridrl.engine.lm_head import default_chunk_rows, linear_log_probs  # noqa: E402
 from hybridrl.models.hf import build_hf_model  # noqa: E402
-from hybridrl.workers.config import FSDPConfig, ModelConfig  # noqa: E402
 
 TOL = dict(atol=1e-6, rtol=1e-6)
 
@@ -289,10 +289,10 @@ def test_compiled_kernels_equal_eager():
 def test_actor_use_torch_compile_runs_the_compiled_kernels(model_dir, fused, monkeypatch):
     """actor.use_torch_compile=True: PPOActor's log-prob pass goes through the compiled kernels
     (the chunked head's, or the plain path's entropy) and gives the eager numbers."""
+    from hybridrl.config.roles import ActorConfig
     from hybridrl.engine import lm_head
     from hybridrl.protocol import DataProto
     from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.config import ActorConfig
 
     asked = []
     kernels = lm_head._kernels

@@ -47,11 +47,11 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
 def _run(actor_cfg, model_dir: str, vocab: int) -> dict:
     """Log-probs, one update's metrics and the log-probs after it; whether the grouped path ran."""
     import hybridrl.engine.forward as fw
+    from hybridrl.config.roles import ModelConfig
     from hybridrl.engine.fsdp import FSDPEngine
     from hybridrl.protocol import DataProto
     from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import ModelConfig
 
     calls = []
     inner = fw._grouped_log_probs
@@ -136,9 +136,9 @@ def _check(rank, world, on_cfg, model_dir, vocab):
 def test_auto_on_trains_like_the_plain_forward_on_the_builtin_model(tmp_path):
     from transformers import AutoConfig
 
+    from hybridrl.config.roles import FSDPConfig, MixedPrecisionConfig, OptimConfig
     from hybridrl.models.builtin import resolve_model_path
     from hybridrl.trainer.ppo.config import load_config
-    from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig, OptimConfig
 
     with initialize_config_module("hybridrl.trainer.config", version_base=None):
         config = load_config(compose("ppo_trainer"), explicit_keys=set())

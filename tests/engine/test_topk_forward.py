@@ -11,11 +11,11 @@ from tensordict import TensorDict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_testkit import make_batch, make_tiny_model_dir  # noqa: E402
 
+from hybridrl.config.roles import ModelConfig  # noqa: E402
 from hybridrl.engine import forward  # noqa: E402
 from hybridrl.engine.base import LogProbRequest  # noqa: E402
 from hybridrl.engine.topk import TOPK_IDS_KEY, forward_topk_log_probs, wants_topk  # noqa: E402
 from hybridrl.models.hf import build_hf_model  # noqa: E402
-from hybridrl.workers.config import ModelConfig  # noqa: E402
 
 K, TEMP = 5, 0.7
 

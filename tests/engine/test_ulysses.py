@@ -65,17 +65,17 @@ def _sp_group():
 def _actor_pair(model_dir, world=2):
     """(SP=1 actor over dp=world, SP=2 actor over dp=1), same weights, both FSDP over all ranks;
     for world != 2 the second engine is returned unwrapped (the caller applies its own layout)."""
-    from hybridrl.engine.fsdp import FSDPEngine
-    from hybridrl.engine.ulysses import parallelize_sp
-    from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import (
+    from hybridrl.config.roles import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         ModelConfig,
         OptimConfig,
     )
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.engine.ulysses import parallelize_sp
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
 
     fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))
     model = ModelConfig(path=model_dir, use_remove_padding=True)
@@ -195,17 +195,17 @@ def _actor_checks(rank, world, model_dir):
 
 
 def _critic_checks(rank, world, model_dir):
-    from hybridrl.engine.fsdp import FSDPEngine
-    from hybridrl.engine.ulysses import parallelize_sp
-    from hybridrl.protocol import DataProto
-    from hybridrl.workers.batch_sizes import normalize_critic_batch_sizes
-    from hybridrl.workers.config import (
+    from hybridrl.config.roles import (
         CriticConfig,
         CriticModelConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         OptimConfig,
     )
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.engine.ulysses import parallelize_sp
+    from hybridrl.protocol import DataProto
+    from hybridrl.workers.batch_sizes import normalize_critic_batch_sizes
     from hybridrl.workers.critic import PPOCritic
 
     fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))

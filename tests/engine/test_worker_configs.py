@@ -3,8 +3,7 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
-from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
-from hybridrl.workers.config import (
+from hybridrl.config.roles import (
     ActorConfig,
     CriticConfig,
     ModelConfig,
@@ -12,6 +11,7 @@ from hybridrl.workers.config import (
     RefConfig,
     RewardModelConfig,
 )
+from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 
 
 def test_defaults_follow_verl():

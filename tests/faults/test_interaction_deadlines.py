@@ -17,8 +17,8 @@ import pytest
 # (the module name pytest gives it: tests/faults is on sys.path; "tests.faults..." would import it twice)
 from test_tool_deadlines import hf_engine, make_runner, prompts, tokenizer  # noqa: F401
 
-from hybridrl.agent.config import MultiTurnConfig, validate_multi_turn_config
 from hybridrl.agent.interaction import BaseInteraction
+from hybridrl.config.agent import MultiTurnConfig, validate_multi_turn_config
 
 TIMEOUT = 0.5
 

@@ -15,8 +15,8 @@ from hybridrl.agent.parser import ToolCallParser, parse_call_json, register_tool
 from hybridrl.agent.runner import AgentLoopRunner
 from hybridrl.agent.tool import BaseTool, FunctionTool, function_tool
 from hybridrl.agent.tool_runner import tool_loop
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.protocol import DataProto
-from hybridrl.rollout.config import RolloutConfig
 
 # a tool message renders as a new user question, so the built-in model keeps answering turns
 TEMPLATE = (

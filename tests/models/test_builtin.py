@@ -96,8 +96,8 @@ def test_auto_tokenizer_keeps_spaces_and_newlines_next_to_a_qwen2_config(tmp_pat
 
     from transformers import AutoTokenizer
 
+    from hybridrl.config.roles import ModelConfig
     from hybridrl.models.hf import load_tokenizer
-    from hybridrl.workers.config import ModelConfig
 
     shipped = builtin.get_builtin_model_path()
     path = shipped
@@ -117,8 +117,8 @@ def test_load_tokenizer_refuses_a_tokenizer_that_drops_whitespace(tmp_path):
     import json
     import shutil
 
+    from hybridrl.config.roles import ModelConfig
     from hybridrl.models.hf import load_tokenizer
-    from hybridrl.workers.config import ModelConfig
 
     build_tokenizer(tmp_path)
     shutil.copy(os.path.join(builtin.get_builtin_model_path(), "config.json"), tmp_path)

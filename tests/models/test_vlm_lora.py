@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
+from hybridrl.config.roles import ModelConfig
 from hybridrl.models.hf import build_hf_model
-from hybridrl.workers.config import ModelConfig
 
 
 def _adapted(model) -> set[str]:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridrl.config.roles import RewardModelConfig, RewardModelModelConfig, RewardRolloutConfig
 from hybridrl.models.builtin import resolve_model_path
 from hybridrl.protocol import DataProto
 from hybridrl.reward.custom import load_custom_reward_fn
@@ -20,7 +21,6 @@ from hybridrl.reward.genrm import GenRMClient, GenRMServer, attach_client
 from hybridrl.reward.manager import load_reward_manager
 from hybridrl.reward.reward_loop import RewardLoopManager, genrm_metrics
 from hybridrl.trainer.ppo.config import ConfigError
-from hybridrl.workers.config import RewardModelConfig, RewardModelModelConfig, RewardRolloutConfig
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "genrm", "judge_reward.py")
 QUESTIONS = ["12+34=", "50+27=", "12+34=", "88+91=", "33+44=", "61+19="]
@@ -29,8 +29,8 @@ T = 10
 
 @pytest.fixture(scope="module")
 def tok():
+    from hybridrl.config.roles import ModelConfig
     from hybridrl.models.hf import load_tokenizer
-    from hybridrl.workers.config import ModelConfig
 
     return load_tokenizer(ModelConfig(path="builtin:tiny"))
 

@@ -29,8 +29,8 @@ FNS = os.path.join(os.path.dirname(__file__), "verl_genrm_fns.py")
 
 @pytest.fixture(scope="module")
 def tok():
+    from hybridrl.config.roles import ModelConfig
     from hybridrl.models.hf import load_tokenizer
-    from hybridrl.workers.config import ModelConfig
 
     return load_tokenizer(ModelConfig(path="builtin:tiny"))
 

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from hybridrl.config.roles import RewardModelConfig, RewardModelModelConfig, RewardRolloutConfig
 from hybridrl.protocol import DataProto
 from hybridrl.reward.manager import load_reward_manager
 from hybridrl.reward.reward_loop import RewardLoopManager, chunk_bounds, merge_extras
 from hybridrl.reward.rm_server import RewardModelServer
 from hybridrl.single_controller.local import LocalWorkerGroup
 from hybridrl.single_controller.ray.base import RayClassWithInitArgs
-from hybridrl.workers.config import RewardModelConfig, RewardModelModelConfig, RewardRolloutConfig
 from hybridrl.workers.engine_workers import RewardModelWorker
 
 P, T, B = 6, 5, 6
@@ -125,8 +125,8 @@ def ray_cluster():
 
 
 def _tok(path):
+    from hybridrl.config.roles import ModelConfig
     from hybridrl.models.hf import load_tokenizer
-    from hybridrl.workers.config import ModelConfig
 
     return load_tokenizer(ModelConfig(path=path))
 

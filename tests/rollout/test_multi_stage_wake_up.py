@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.rollout.base import SleepTracker
-from hybridrl.rollout.config import RolloutConfig
 from hybridrl.rollout.hf import HFRollout
 from hybridrl.rollout.weight_sync import sync_weights, wake_and_sync
 

@@ -65,9 +65,7 @@ def make_30m_model(path: str, seed: int = 0) -> int:
 
 
 def _worker(model_dir: str, tp: int):
-    from hybridrl.rollout import RolloutConfig
-    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import (
+    from hybridrl.config.roles import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
@@ -75,6 +73,8 @@ def _worker(model_dir: str, tp: int):
         OptimConfig,
         RefConfig,
     )
+    from hybridrl.rollout import RolloutConfig
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
     from hybridrl.workers.engine_workers import ActorRolloutRefWorker
 
     fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))

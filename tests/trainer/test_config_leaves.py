@@ -28,8 +28,8 @@ ROOT = Path(hybridrl.__file__).parent
 CONFIG_DIR = ROOT / "trainer" / "config"
 COMMON = ["models", "utils", "data", "protocol.py", "algos", "single_controller"]
 SCOPES = {
-    "ppo": (PPOConfig, "ppo_trainer.yaml", ["trainer/ppo", "trainer/async_ppo", "trainer/main_ppo.py", "workers", "engine", "rollout", "reward", "agent", *COMMON]),
-    "sft": (SFTConfig, "sft_trainer.yaml", ["trainer/sft", "trainer/main_sft.py", "engine/", "workers/megatron_config.py", *COMMON]),
+    "ppo": (PPOConfig, "ppo_trainer.yaml", ["trainer/ppo", "trainer/async_ppo", "trainer/main_ppo.py", "workers", "config", "engine", "rollout", "reward", "agent", *COMMON]),
+    "sft": (SFTConfig, "sft_trainer.yaml", ["trainer/sft", "trainer/main_sft.py", "engine/", "config/megatron.py", *COMMON]),
     "generation": (GenerationConfig, "generation.yaml", ["trainer/offline/generation.py", "rollout/", *COMMON]),
     "evaluation": (EvalConfig, "evaluation.yaml", ["trainer/offline/evaluation.py", "reward/", *COMMON]),
 }  # fmt: skip

@@ -8,12 +8,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
+from hybridrl.config.roles import ActorConfig, PolicyLossConfig
 from hybridrl.protocol import DataProto
 from hybridrl.trainer.ppo.batch_steps import reward_components
 from hybridrl.trainer.ppo.config import ConfigError
 from hybridrl.trainer.ppo.config_stage import check_startup, override_key, prepare_argv
 from hybridrl.workers.actor import PPOActor
-from hybridrl.workers.config import ActorConfig, PolicyLossConfig
 
 ACTOR = "actor_rollout_ref.actor"
 SMALL = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", f"{ACTOR}.ppo_mini_batch_size=4"]

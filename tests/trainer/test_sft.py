@@ -117,9 +117,9 @@ def test_prompt_token_labels_do_not_change_the_loss(tiny):
     """With the real dataset mask and model logits: rewriting prompt-position targets changes nothing."""
     from transformers import AutoModelForCausalLM
 
+    from hybridrl.config.roles import ModelConfig
     from hybridrl.data.sft_dataset import SFTDataConfig, SFTDataset
     from hybridrl.models.hf import load_tokenizer
-    from hybridrl.workers.config import ModelConfig
 
     tok = load_tokenizer(ModelConfig(path=tiny["model"]))
     ds = SFTDataset(tiny["train"], tok, SFTDataConfig(max_length=32))

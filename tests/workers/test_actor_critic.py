@@ -20,7 +20,7 @@ ROWS = 8  # global batch; 4 rows per rank
 
 
 def _configs(**actor_kwargs):
-    from hybridrl.workers.config import (
+    from hybridrl.config.roles import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
@@ -292,10 +292,10 @@ def _trimmed_padding_checks(rank, cfg, engine, sizes, data):
 
 
 def _critic_checks(rank, model_dir):
+    from hybridrl.config.roles import CriticConfig, CriticModelConfig, OptimConfig
     from hybridrl.engine.fsdp import FSDPEngine
     from hybridrl.protocol import DataProto
     from hybridrl.workers.batch_sizes import normalize_critic_batch_sizes
-    from hybridrl.workers.config import CriticConfig, CriticModelConfig, OptimConfig
     from hybridrl.workers.critic import PPOCritic
 
     _, fsdp, _ = _configs()

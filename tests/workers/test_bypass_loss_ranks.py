@@ -25,11 +25,7 @@ def _checks(rank, world, model_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hybridrl.engine.fsdp import FSDPEngine
-    from hybridrl.protocol import DataProto
-    from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import (
+    from hybridrl.config.roles import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
@@ -38,6 +34,10 @@ def _checks(rank, world, model_dir):
         PolicyLossConfig,
         PolicyLossRolloutCorrection,
     )
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.protocol import DataProto
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
 
     fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))
     rc = PolicyLossRolloutCorrection(

@@ -23,11 +23,11 @@ import torch
 from hybridrl.agent.parser import ToolCall, ToolCallParser, register_tool_parser
 from hybridrl.agent.runner import AgentLoopRunner
 from hybridrl.agent.tool import BaseTool, ToolResponse
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.data import visual_task
 from hybridrl.data.multimodal import process_row
 from hybridrl.engine.multimodal import FED_KEY
 from hybridrl.protocol import DataProto
-from hybridrl.rollout.config import RolloutConfig
 
 pytest.importorskip("PIL")
 TOOL_SIDE = 84  # 84 x 84 pixels: a 6 x 6 patch grid, 9 image tokens (the prompt's 56 x 56: 4); Qwen3-VL
@@ -114,15 +114,15 @@ def _actor(path, use_remove_padding):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from fsdp_testkit import free_port, init_dist
 
-    from hybridrl.engine.fsdp import FSDPEngine
-    from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.config import (
+    from hybridrl.config.roles import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         ModelConfig,
         OptimConfig,
     )
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.workers.actor import PPOActor
 
     if not dist.is_initialized():
         init_dist(0, 1, free_port())

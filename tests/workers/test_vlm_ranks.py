@@ -63,16 +63,16 @@ def _checks(rank, world, model_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hybridrl.engine.fsdp import FSDPEngine
-    from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import (
+    from hybridrl.config.roles import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         ModelConfig,
         OptimConfig,
     )
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
 
     fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))
     cfg = ActorConfig(fsdp_config=fsdp, ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=2,

@@ -81,17 +81,17 @@ def _grads(module):
 def _checks(rank, world, model_dir):
     import torch.distributed as dist
 
-    from hybridrl.engine.fsdp import FSDPEngine
-    from hybridrl.engine.ulysses import SPGroup, parallelize_sp
-    from hybridrl.workers.actor import PPOActor
-    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import (
+    from hybridrl.config.roles import (
         ActorConfig,
         FSDPConfig,
         MixedPrecisionConfig,
         ModelConfig,
         OptimConfig,
     )
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.engine.ulysses import SPGroup, parallelize_sp
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
 
     fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))
     model = dataclasses.replace(ModelConfig(), path=model_dir, use_remove_padding=True)

@@ -24,6 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.config.megatron import (
+    MegatronConfig,
+    megatron_param_dtype,
+    validate_megatron_config,
+)
+from hybridrl.config.roles import ModelConfig, OptimConfig
 from hybridrl.engine.base import (
     EngineBuildSpec,
     LogProbRequest,
@@ -51,12 +57,6 @@ from hybridrl.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entr
 from hybridrl.engine.megatron.vocab_parallel_topk import topk_log_probs
 from hybridrl.engine.optim import lr_factor, num_warmup_steps
 from hybridrl.utils.flops import attention_dims
-from hybridrl.workers.config import ModelConfig, OptimConfig
-from hybridrl.workers.megatron_config import (
-    MegatronConfig,
-    megatron_param_dtype,
-    validate_megatron_config,
-)
 
 __all__ = ["MegatronEngine", "ParamGroupLR", "num_dense_params"]
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridrl.config.megatron import MegatronConfig
 from hybridrl.engine.megatron.convert import (
     ArchSpec,
     hf_layer_to_megatron,
@@ -31,7 +32,6 @@ from hybridrl.engine.megatron.convert import (
 )
 from hybridrl.engine.megatron.cpu_shims import apply_cpu_shims, cuda_to_cpu
 from hybridrl.utils.device import process_group_timeout_s
-from hybridrl.workers.megatron_config import MegatronConfig
 
 __all__ = [
     "SequenceParallelRMSNorm",

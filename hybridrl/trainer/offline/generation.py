@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from hybridrl.config.roles import ModelConfig
 from hybridrl.data.builtin_task import ensure_builtin_data
 from hybridrl.data.rl_dataset import as_messages, compute_position_ids, read_rows, render_prompt
 from hybridrl.models.builtin import resolve_model_path
@@ -21,7 +22,6 @@ from hybridrl.protocol import DataProto
 from hybridrl.trainer.offline.checks import check_model_folder, check_output_path
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.utils.device import get_torch_device
-from hybridrl.workers.config import ModelConfig
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
 ROLLOUT_NAMES = ("hf", "vllm")

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from hybridrl import algos
-from hybridrl.rollout.config import RolloutConfig
+from hybridrl.config.roles import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.trainer.ppo.prefix_auto import resolve_prefix_grouper
 from hybridrl.trainer.ppo.reward_kwargs import RewardManagerSection
 from hybridrl.trainer.ppo.sections import (
@@ -35,7 +36,6 @@ from hybridrl.trainer.ppo.verl_misc import apply_verl_misc
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.utils.deadlines import check_keys as check_deadline_keys
 from hybridrl.utils.profiler import GlobalProfilerConfig
-from hybridrl.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.workers.distillation_config import DistillationConfig, validate_distillation
 from hybridrl.workers.parallel_dims import ParallelDims
 

@@ -17,9 +17,9 @@ import sys
 from collections.abc import Callable, Iterable
 
 from hybridrl import algos
+from hybridrl.config.megatron import resolve_fused_kernels, validate_mtp
 from hybridrl.trainer.ppo.config import PPO_KEYS_DOC, ConfigError, PPOConfig, load_config
 from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
-from hybridrl.workers.megatron_config import resolve_fused_kernels, validate_mtp
 from hybridrl.workers.parallel_dims import ParallelDims
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")

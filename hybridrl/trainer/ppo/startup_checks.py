@@ -17,8 +17,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from hybridrl import algos
+from hybridrl.config.roles import LR_SCHEDULER_TYPES
 from hybridrl.utils.config_loader import ConfigError
-from hybridrl.workers.config import LR_SCHEDULER_TYPES
 
 __all__ = [
     "at_least_one",
@@ -188,7 +188,7 @@ def _check_model(model: Any, key: str) -> None:
     if model.lora_rank > 0 and not (_number(model.lora_alpha) and model.lora_alpha > 0):
         raise ConfigError(f"{key}.lora_alpha={model.lora_alpha!r} must be > 0 with lora_rank>0; e.g. 16")
     if getattr(model, "exclude_modules", None) is not None:
-        from hybridrl.workers.config import check_exclude_modules
+        from hybridrl.config.roles import check_exclude_modules
 
         try:
             check_exclude_modules(model, key)

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from hybridrl import algos
-from hybridrl.rollout.config import RolloutConfig
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.trainer.ppo.reward_kwargs import link_reward_manager, reward_manager_kwargs
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.profiler import check_profiler

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridrl import algos
+from hybridrl.config.megatron import check_colocated_megatron
 from hybridrl.single_controller.backend import resolve_backend
 from hybridrl.single_controller.local import LocalWorkerGroup
 from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -18,7 +19,6 @@ from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.trainer.ppo.teachers import start_teacher_pool, teacher_role_classes, teacher_views
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
-from hybridrl.workers.megatron_config import check_colocated_megatron
 from hybridrl.workers.parallel_dims import ParallelDims
 
 LOCAL_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

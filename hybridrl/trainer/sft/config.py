@@ -13,10 +13,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from hybridrl.config.megatron import MegatronConfig
+from hybridrl.config.roles import FSDPConfig
 from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
 from hybridrl.utils.config_loader import ConfigError, load_structured
-from hybridrl.workers.config import FSDPConfig
-from hybridrl.workers.megatron_config import MegatronConfig
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
 LR_SCHEDULERS = ("cosine", "wsd", "constant")
@@ -232,7 +232,7 @@ def uses_megatron(config: SFTConfig) -> bool:
 
 def _validate_megatron_model(m: SFTModelSection) -> None:
     """What the Megatron engine cannot do for SFT, refused at start-up naming the key."""
-    from hybridrl.workers.megatron_config import validate_megatron_config
+    from hybridrl.config.megatron import validate_megatron_config
 
     if m.lora_rank > 0:
         raise ConfigError(

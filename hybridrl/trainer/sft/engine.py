@@ -18,12 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.config.roles import ModelConfig, OptimConfig
 from hybridrl.engine.base import EngineBuildSpec, TrainEngine, get_engine
 from hybridrl.engine.optim import lr_factor
 from hybridrl.models.builtin import resolve_model_path
 from hybridrl.models.hf import load_tokenizer
 from hybridrl.trainer.sft.config import SFTConfig
-from hybridrl.workers.config import ModelConfig, OptimConfig
 from hybridrl.workers.parallel_dims import ParallelDims
 
 __all__ = ["build_sft_engine", "sft_lr_factor", "sft_model_config", "use_lr_schedule"]

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from hybridrl.algos.agg import LossScale
 from hybridrl.algos.sft import sft_loss, sft_nll_sum, sft_token_loss
+from hybridrl.config.batch import PerRankBatchSizes
 from hybridrl.data.rl_dataset import as_messages, read_rows, render_prompt
 from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 from hybridrl.engine.base import LogProbRequest, LogProbs
@@ -52,7 +53,6 @@ from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.device import get_torch_device
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.tracking import Tracking
-from hybridrl.workers.batch_sizes import PerRankBatchSizes
 
 __all__ = ["SFTTrainer", "sft_token_loss", "resolve_data_files"]
 

@@ -145,7 +145,7 @@ def test_without_ray_the_gateway_runs_in_a_thread_called_like_an_actor():
     import ray
 
     from hybridrl.agent.server import gateway as gw_mod
-    from hybridrl.agent.server.config import AgentServerConfig
+    from hybridrl.config.agent_server import AgentServerConfig
 
     if ray.is_initialized():
         pytest.skip("Ray is running in this test process (the gateway would be a Ray actor)")
@@ -185,7 +185,7 @@ def test_without_ray_the_gateway_runs_in_a_thread_called_like_an_actor():
     ],
 )
 def test_bad_server_keys_fail_at_start_naming_the_key(kwargs, key):
-    from hybridrl.rollout.config import RolloutConfig
+    from hybridrl.config.rollout import RolloutConfig
 
     with pytest.raises(ValueError, match=f"actor_rollout_ref.{key}"):
         RolloutConfig(name="hf", **kwargs)

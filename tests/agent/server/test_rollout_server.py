@@ -18,8 +18,8 @@ import torch
 
 from hybridrl.agent.parser import ToolCall, ToolCallParser, register_tool_parser
 from hybridrl.agent.runner import AgentLoopRunner
+from hybridrl.config.rollout import RolloutConfig
 from hybridrl.protocol import DataProto
-from hybridrl.rollout.config import RolloutConfig
 
 pytest.importorskip("openai")  # the client process uses it
 CLIENT = Path(__file__).with_name("openai_client_agent.py")

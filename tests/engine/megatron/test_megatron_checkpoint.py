@@ -25,10 +25,10 @@ from test_megatron_engine import ROWS, _batch, _configs, _four_layer_model  # no
 
 
 def _actor(model_dir, tp, distributed_optimizer=True, pp=1, vpp=None):
+    from hybridrl.config.roles import OptimConfig
     from hybridrl.engine.megatron.engine import MegatronEngine
     from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import OptimConfig
 
     model, cfg, _, mcfg = _configs(model_dir, tp, pp, vpp)
     cfg = dataclasses.replace(

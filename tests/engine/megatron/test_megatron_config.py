@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrl.workers.megatron_config import (
+from hybridrl.config.megatron import (
     MegatronConfig,
     check_colocated_megatron,
     validate_megatron_config,
@@ -61,7 +61,7 @@ def test_accepted_and_no_ops():
             pipeline_model_parallel_size=2, context_parallel_size=2, virtual_pipeline_model_parallel_size=vpp
         )
         validate_megatron_config(pp_cp, KEY, world_size=4, on_gpu=False)
-    from hybridrl.workers.config import ActorConfig
+    from hybridrl.config.roles import ActorConfig
     from hybridrl.workers.parallel_dims import ParallelDims
 
     mcfg = MegatronConfig(tensor_model_parallel_size=2)
@@ -73,7 +73,7 @@ def test_accepted_and_no_ops():
 def test_context_parallel_dims_and_mesh():
     """CP ranks share the rows: data ranks = world / (tp * cp); the batch is split over dp only and each
     dp group's result is collected from its cp rank 0 / tp rank 0 (Megatron's rank order tp-cp-dp)."""
-    from hybridrl.workers.config import ActorConfig
+    from hybridrl.config.roles import ActorConfig
     from hybridrl.workers.parallel_dims import ParallelDims
 
     mcfg = MegatronConfig(tensor_model_parallel_size=2, context_parallel_size=2)
@@ -97,7 +97,7 @@ def test_pp_cp_mesh_matches_megatron_rank_order():
     pytest.importorskip("megatron.core")
     from megatron.core.parallel_state import RankGenerator
 
-    from hybridrl.workers.config import ActorConfig
+    from hybridrl.config.roles import ActorConfig
     from hybridrl.workers.parallel_dims import ParallelDims
 
     mcfg = MegatronConfig(

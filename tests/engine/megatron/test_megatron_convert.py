@@ -68,12 +68,12 @@ def _check(model_dir: str, tp: int, pp: int) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     from hybridrl.algos.utils import entropy_from_logits, logprobs_from_logits
+    from hybridrl.config.megatron import MegatronConfig
     from hybridrl.engine.megatron import model as mm
     from hybridrl.engine.megatron.convert import arch_spec
     from hybridrl.engine.megatron.dispatch import broadcast_from_last_stage
     from hybridrl.engine.megatron.forward import run_schedule
     from hybridrl.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
-    from hybridrl.workers.megatron_config import MegatronConfig
 
     cfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     mm.init_parallel(cfg, "test")

@@ -47,7 +47,8 @@ def _configs(
     sp: bool = False,
     cp: int = 1,
 ):
-    from hybridrl.workers.config import (
+    from hybridrl.config.megatron import MegatronConfig
+    from hybridrl.config.roles import (
         ActorConfig,
         CriticConfig,
         FSDPConfig,
@@ -55,7 +56,6 @@ def _configs(
         ModelConfig,
         OptimConfig,
     )
-    from hybridrl.workers.megatron_config import MegatronConfig
 
     fsdp = FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))
     # eps 1e-3: Adam's first step is ~lr * sign(g); with eps 1e-8 the float round-off of gradients that
@@ -272,11 +272,11 @@ def _assert_matches(tmp_path, world: int, cp: int) -> None:
 
 def _run_bf16(rank, world, model_dir, result_dir):
     """megatron.dtype=bfloat16 (TP=2) vs FSDP with param_dtype bf16 on 2 ranks: same batch, one update."""
+    from hybridrl.config.roles import FSDPConfig, MixedPrecisionConfig
     from hybridrl.engine.fsdp import FSDPEngine
     from hybridrl.engine.megatron.engine import MegatronEngine
     from hybridrl.workers.actor import PPOActor
     from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
-    from hybridrl.workers.config import FSDPConfig, MixedPrecisionConfig
 
     model, cfg, _, mcfg = _configs(model_dir, 2, 1)
     mcfg = dataclasses.replace(mcfg, dtype="bfloat16")

@@ -76,7 +76,7 @@ def _eh_proj(meg):
 def _run(rank, world, plain_dir, mtp_dir, out_dir):
     from safetensors.torch import load_file
 
-    from hybridrl.workers.megatron_config import MtpConfig
+    from hybridrl.config.megatron import MtpConfig
 
     model, cfg, _, mcfg = _configs(plain_dir, 2, 1)
     # no clipping (the grad norm includes the MTP layers' gradients); a larger lr so the MTP loss visibly falls
@@ -201,8 +201,8 @@ def _run_layouts(rank, world, mtp_dir, packed, layouts, out_dir):
     A PP layout also saves a dist checkpoint and reloads it into a fresh engine (`resumed_*`)."""
     from megatron.core import parallel_state as ps
 
+    from hybridrl.config.megatron import MtpConfig
     from hybridrl.engine.megatron.engine import MegatronEngine
-    from hybridrl.workers.megatron_config import MtpConfig
 
     out = {}
     for name, tp, pp, cp in layouts:

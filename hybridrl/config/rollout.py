@@ -50,13 +50,13 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridrl.agent.config import (
+from hybridrl.config.agent import (
     AgentConfig,
     MultiTurnConfig,
     validate_agent_config,
     validate_multi_turn_config,
 )
-from hybridrl.agent.server.config import AgentServerConfig, validate_agent_server_config
+from hybridrl.config.agent_server import AgentServerConfig, validate_agent_server_config
 from hybridrl.utils.profiler import ProfilerConfig
 
 DUMMY_LOAD_FORMATS = ("dummy", "dummy_dtensor", "dummy_hf", "dummy_megatron")

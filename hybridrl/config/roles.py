@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.config.megatron import MegatronConfig, MtpConfig
 from hybridrl.utils.profiler import ProfilerConfig
-from hybridrl.workers.megatron_config import MegatronConfig, MtpConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # linear / inverse_square_root: veRL's Megatron optimizer's `lr_decay_style` values (Megatron's schedules)
