@@ -92,8 +92,7 @@ class VisionTurns:
         Raises:
             ValueError: a video that does not decode (or a file without PyAV), naming `where`.
         """
-        from hybridrl.data.video import decode_video, video_inputs
-        from hybridrl.models.vlm import refuse_qwen3_vl_videos
+        from hybridrl.data.video import decode_video, refuse_qwen3_vl_videos, video_inputs
 
         refuse_qwen3_vl_videos(self.processor, where)
         per = [

@@ -198,7 +198,7 @@ class ModelConfig:
       without adapters), or a list of names matched exactly or as a name suffix; null: none.
     use_shm: accepted for veRL compatibility; loading always reads `path` directly.
     enable_activation_offload: tensors saved for backward by the training forward (actor, critic)
-      live in CPU memory until backward (engine/activation_offload.py; moves nothing on CPU).
+      live in CPU memory until backward (models/activation_offload.py; moves nothing on CPU).
     torch_dtype: the dtype the weights are loaded in (Hugging Face's `torch_dtype`); when set it
       becomes `fsdp_config.model_dtype` of every role that loads this model (actor and ref, or the
       critic), so the master weights and the optimizer are in it; compute still follows

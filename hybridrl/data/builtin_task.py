@@ -6,7 +6,7 @@ to be generated offline, deterministically, from a seed.
 
 A question is ``"a+b="`` with ``a, b`` in ``[10, 99]``; the reference response is ``"#### <a+b>"``
 (the GSM8K answer convention, so the same habit carries over to real data sets). The scorer
-(:mod:`hybridrl.reward.scorers.builtin_arith`) reads the number after the last ``####``.
+(:mod:`hybridrl.data.builtin_score`) reads the number after the last ``####``.
 
 Train/validation split: every ordered pair ``(a, b)`` belongs to exactly one split, decided by a fixed
 hash of the pair (about 10% go to validation), so the splits never overlap whatever seeds are used.

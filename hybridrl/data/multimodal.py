@@ -139,7 +139,7 @@ def process_row(
     from hybridrl.data.video import decode_video, expand_video_tokens, video_inputs
 
     if videos:
-        from hybridrl.models.vlm import refuse_qwen3_vl_videos
+        from hybridrl.data.video import refuse_qwen3_vl_videos
 
         refuse_qwen3_vl_videos(processor, where)
     pil = [decode_image(im, f"{where} image {k}") for k, im in enumerate(images)]

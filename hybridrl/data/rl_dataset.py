@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridrl.data.multimodal import as_media_list, process_row, validate_row_images
-from hybridrl.models.vlm import refuse_qwen3_vl_videos
+from hybridrl.data.video import refuse_qwen3_vl_videos
 from hybridrl.utils.import_utils import import_user_file
 
 __all__ = [

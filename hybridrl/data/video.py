@@ -29,7 +29,39 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["check_video", "decode_video", "expand_video_tokens", "video_inputs"]
+__all__ = [
+    "NO_VIDEO_FAMILIES",
+    "check_video",
+    "decode_video",
+    "expand_video_tokens",
+    "qwen3_vl_video_refusal",
+    "refuse_qwen3_vl_videos",
+    "video_inputs",
+]
+
+NO_VIDEO_FAMILIES = ("qwen3_vl",)  # videos refused: hybridrl does not write Qwen3-VL's frame timestamps
+
+
+def qwen3_vl_video_refusal(where: str) -> str:
+    """The message refusing videos with a Qwen3-VL model (`NO_VIDEO_FAMILIES`).
+
+    Qwen3-VL's processor writes each video as one ``<t seconds><|vision_start|>frame tokens
+    <|vision_end|>`` block per temporal patch and its ``get_rope_index`` splits ``video_grid_thw``
+    per frame to match; hybridrl's video path writes one run of video tokens per video (the
+    Qwen2-VL layout), which Qwen3-VL would position wrongly. Refused rather than computed wrong.
+    """
+    return (
+        f"{where}: videos with a Qwen3-VL model are not supported yet (its processor puts frame "
+        "timestamps between the frames, which hybridrl's video path does not write); drop the "
+        "videos column (data.video_key) / the tool's videos, or use a Qwen2-VL / Qwen2.5-VL model"
+    )
+
+
+def refuse_qwen3_vl_videos(processor: Any, where: str) -> None:
+    """Raise ValueError (`qwen3_vl_video_refusal`) when `processor` feeds a Qwen3-VL model."""
+    kind = getattr(processor, "hybridrl_model_type", "")
+    if kind in NO_VIDEO_FAMILIES or type(processor).__name__.startswith("Qwen3VL"):
+        raise ValueError(qwen3_vl_video_refusal(where))
 
 
 def decode_video(video: Any, where: str) -> list[Any]:

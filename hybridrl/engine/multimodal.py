@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from hybridrl.data.video import NO_VIDEO_FAMILIES, qwen3_vl_video_refusal
+
 MM_KEY = "multi_modal_inputs"
 
 __all__ = [
@@ -100,7 +102,6 @@ def _vision_ids(module: nn.Module) -> list[int]:
 
 
 FED_KEY = "response_vision_positions"
-NO_VIDEO_FAMILIES = ("qwen3_vl",)  # as hybridrl.models.vlm.NO_VIDEO_FAMILIES
 
 
 def _model_type(module: nn.Module) -> str:
@@ -142,8 +143,6 @@ def rope_positions(
         fed: (B, T) the response's vision tokens a tool turn fed (`fed_vision_tokens`).
     """
     if grids.get("video_grid_thw") is not None and _model_type(module) in NO_VIDEO_FAMILIES:
-        from hybridrl.models.vlm import qwen3_vl_video_refusal
-
         raise ValueError(qwen3_vl_video_refusal("the training forward"))
     positions, _ = vlm_core(module).get_rope_index(
         input_ids,

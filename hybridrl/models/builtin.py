@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.data import builtin_task
+from hybridrl.data.builtin_score import compute_score
 from hybridrl.models.tokenizer_builder import build_tokenizer
 
 BUILTIN_MODEL_NAME = "builtin:tiny"
@@ -269,8 +270,6 @@ def evaluate_accuracy(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybridrl.reward.scorers import default_compute_score
-
     path = resolve_model_path(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
@@ -294,8 +293,7 @@ def evaluate_accuracy(
             seq = model.generate(**enc, **gen)
         texts = tokenizer.batch_decode(seq[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         for r, text in zip(chunk, texts):
-            score = default_compute_score(r["data_source"], text, r["reward_model"]["ground_truth"])
-            correct += score["score"] if isinstance(score, dict) else score
+            correct += compute_score(text, r["reward_model"]["ground_truth"])
     return correct / max(n, 1)
 
 

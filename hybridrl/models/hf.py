@@ -186,7 +186,7 @@ def build_hf_model(
     if model_config.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if model_config.enable_activation_offload and role in ("actor", "critic"):
-        from hybridrl.engine.activation_offload import enable_activation_offload
+        from hybridrl.models.activation_offload import enable_activation_offload
 
         enable_activation_offload(model)
     if model_config.lora_rank > 0 or model_config.lora_adapter_path:

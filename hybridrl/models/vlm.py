@@ -16,7 +16,7 @@ vision tower's intermediate features are added to the first text layers' hidden 
 image tokens; see ``engine.multimodal.text_tower_on_slice`` for Ulysses SP) and videos, which
 Qwen3-VL's processor lays out one frame group at a time between timestamp tokens
 (``<0.5 seconds><|vision_start|>...``); hybridrl's video path does not write those, so videos are
-refused with a Qwen3-VL model (:func:`refuse_qwen3_vl_videos`).
+refused with a Qwen3-VL model (`hybridrl.data.video.refuse_qwen3_vl_videos`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-NO_VIDEO_FAMILIES = ("qwen3_vl",)  # videos refused: hybridrl does not write Qwen3-VL's frame timestamps
 PATCH_SIZE = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
 
 # Like tokenizer_builder.CHAT_TEMPLATE, plus list contents: {"type": "text", "text": ...} parts as
@@ -240,28 +239,6 @@ def _tagged(processor: Any, config: Any) -> Any:
     processor serves Qwen3-VL too, and the data path needs to know which model it feeds."""
     processor.hybridrl_model_type = getattr(config, "model_type", "")
     return processor
-
-
-def qwen3_vl_video_refusal(where: str) -> str:
-    """The message refusing videos with a Qwen3-VL model (`NO_VIDEO_FAMILIES`).
-
-    Qwen3-VL's processor writes each video as one ``<t seconds><|vision_start|>frame tokens
-    <|vision_end|>`` block per temporal patch and its ``get_rope_index`` splits ``video_grid_thw``
-    per frame to match; hybridrl's video path writes one run of video tokens per video (the
-    Qwen2-VL layout), which Qwen3-VL would position wrongly. Refused rather than computed wrong.
-    """
-    return (
-        f"{where}: videos with a Qwen3-VL model are not supported yet (its processor puts frame "
-        "timestamps between the frames, which hybridrl's video path does not write); drop the "
-        "videos column (data.video_key) / the tool's videos, or use a Qwen2-VL / Qwen2.5-VL model"
-    )
-
-
-def refuse_qwen3_vl_videos(processor: Any, where: str) -> None:
-    """Raise ValueError (`qwen3_vl_video_refusal`) when `processor` feeds a Qwen3-VL model."""
-    kind = getattr(processor, "hybridrl_model_type", "")
-    if kind in NO_VIDEO_FAMILIES or type(processor).__name__.startswith("Qwen3VL"):
-        raise ValueError(qwen3_vl_video_refusal(where))
 
 
 def build_tiny_vlm(out_dir: str | os.PathLike, family: str = "qwen2_vl", seed: int = 0, **sizes: Any) -> str:

@@ -24,8 +24,8 @@ def evaluate(model: str, n: int = 200, temperature: float = 0.0, response_length
     from hybridrl.agent.runner import AgentLoopRunner, agent_step_metrics
     from hybridrl.config.rollout import RolloutConfig
     from hybridrl.data import agent_task
+    from hybridrl.data.builtin_score import compute_score
     from hybridrl.protocol import DataProto
-    from hybridrl.reward.scorers.builtin_arith import compute_score
     from hybridrl.rollout.hf import HFRollout
 
     tok = AutoTokenizer.from_pretrained(model)

@@ -6,7 +6,7 @@ gives row by row: log-probs, entropy and the gradient of every parameter, vision
 (fp32). The batch mixes groups with an image, the same text with another picture (equal token
 ids, so the pixels must keep the groups apart), a text-only prompt, a two-image prompt, a video
 prompt, a response that samples an image token (fed as text) and a response with a tool image
-(an agent loop's fed image tokens). Qwen3-VL refuses videos (hybridrl.models.vlm.NO_VIDEO_FAMILIES):
+(an agent loop's fed image tokens). Qwen3-VL refuses videos (hybridrl.data.video.NO_VIDEO_FAMILIES):
 its fifth prompt holds a third picture size instead of the video, and the refusal is tested.
 """
 
@@ -17,10 +17,11 @@ import torch
 from tensordict import TensorDict
 
 from hybridrl.data.multimodal import process_row
+from hybridrl.data.video import NO_VIDEO_FAMILIES
 from hybridrl.engine.forward import forward_log_probs
 from hybridrl.engine.multimodal import FED_KEY, MM_KEY, prompt_media_keys
 from hybridrl.engine.prefix_group import build_prefix_layout, model_refusal
-from hybridrl.models.vlm import NO_VIDEO_FAMILIES, VLM_FAMILIES, build_tiny_vlm, load_processor
+from hybridrl.models.vlm import VLM_FAMILIES, build_tiny_vlm, load_processor
 
 pytest.importorskip("PIL")
 P, T = 48, 10

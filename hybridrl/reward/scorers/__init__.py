@@ -6,8 +6,8 @@ used when ``custom_reward_function.path`` is not set. Built in:
 ==========================================================  ==================================
 data_source                                                 scorer
 ==========================================================  ==================================
-``hybridrl/arith`` (the built-in task)                      :mod:`.builtin_arith` (1.0 / 0.0)
-``hybridrl/arith_tool`` (the built-in tool task)            :mod:`.builtin_arith` (1.0 / 0.0)
+``hybridrl/arith`` (the built-in task)                      :mod:`hybridrl.data.builtin_score` (1.0 / 0.0)
+``hybridrl/arith_tool`` (the built-in tool task)            :mod:`hybridrl.data.builtin_score` (1.0 / 0.0)
 ``hybridrl/arith_long`` (the long-tailed built-in task)     :mod:`hybridrl.data.long_task` (0.0 .. 1.0)
 ``hybridrl/shapes`` (the built-in visual task)              :mod:`hybridrl.data.visual_task` (1.0 / 0.0)
 ``openai/gsm8k``                                            :mod:`.gsm8k` (1.0 / 0.0)
@@ -29,10 +29,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hybridrl.data import long_task, visual_task
+from hybridrl.data import builtin_score, long_task, visual_task
 from hybridrl.data.agent_task import AGENT_DATA_SOURCE
 from hybridrl.data.builtin_task import BUILTIN_DATA_SOURCE
-from hybridrl.reward.scorers import builtin_arith, gsm8k
+from hybridrl.reward.scorers import gsm8k
 from hybridrl.reward.scorers import math as math_scorer
 
 # A scorer: (solution_str, ground_truth, extra_info) -> float, or a dict with at least "score".
@@ -99,7 +99,7 @@ def default_compute_score(
     return get_scorer(data_source)(solution_str, ground_truth, extra_info)
 
 
-register_scorer(BUILTIN_DATA_SOURCE, AGENT_DATA_SOURCE)(builtin_arith.compute_score)
+register_scorer(BUILTIN_DATA_SOURCE, AGENT_DATA_SOURCE)(builtin_score.compute_score)
 register_scorer("openai/gsm8k")(gsm8k.compute_score)
 register_scorer(long_task.LONG_DATA_SOURCE)(long_task.compute_score)
 register_scorer(visual_task.VISUAL_DATA_SOURCE)(visual_task.compute_score)
