@@ -8,7 +8,7 @@ import ast
 import operator
 from typing import Any
 
-from hybridrl.agent.tool import BaseTool, ToolResponse
+from hybridrl.tools.tool import BaseTool, ToolResponse
 
 __all__ = ["CALCULATOR_SCHEMA", "CalculatorTool", "Gsm8kTool", "evaluate_expression"]
 

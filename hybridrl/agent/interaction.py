@@ -134,7 +134,7 @@ def interaction_entries(path: str) -> dict[str, tuple[type[BaseInteraction], dic
 
     from omegaconf import OmegaConf
 
-    from hybridrl.agent.tool_loading import import_object
+    from hybridrl.tools.tool_loading import import_object
 
     data = OmegaConf.to_container(OmegaConf.load(os.path.expanduser(path)), resolve=True)
     entries = data.get("interaction") if isinstance(data, dict) else None

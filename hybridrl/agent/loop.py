@@ -198,7 +198,7 @@ def load_agent_loop_config(path: str) -> list[str]:
     """Register the loops of a veRL-format agent-loop yaml; returns their names."""
     from omegaconf import OmegaConf
 
-    from hybridrl.agent.tool_loading import import_object
+    from hybridrl.tools.tool_loading import import_object
 
     key = f"actor_rollout_ref.rollout.agent.agent_loop_config_path={path!r}"
     entries = OmegaConf.to_container(OmegaConf.load(path), resolve=True)

@@ -40,11 +40,11 @@ from hybridrl.agent.loop import (
     get_agent_loop_class,
     load_agent_loop_config,
 )
-from hybridrl.agent.tool_loading import load_tools
 from hybridrl.agent.trace import RolloutTracer
 from hybridrl.agent.vision import VisionTurns
 from hybridrl.protocol import DataProto
 from hybridrl.rollout.base import SamplingSpec, derive_seed, resolve_sampling
+from hybridrl.tools.tool_loading import load_tools
 
 __all__ = ["AgentLoopRunner", "agent_loops_configured", "agent_step_metrics", "uses_agent_loops"]
 

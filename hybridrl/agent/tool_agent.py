@@ -42,11 +42,11 @@ from hybridrl.agent.interaction import row_interaction_kwargs
 from hybridrl.agent.loop import AgentLoopBase, AgentLoopOutput, register_agent_loop
 from hybridrl.agent.parser import ToolCall, get_tool_parser
 from hybridrl.agent.tokenization import ToolTurnRenderer, check_tokenization, conversation_ids
-from hybridrl.agent.tool import ToolResponse, create_arguments, schema_dict
-from hybridrl.agent.tool_runner import tool_loop
 from hybridrl.agent.trace import set_span_outputs, span
 from hybridrl.agent.vision import merge_inputs
 from hybridrl.rollout.base import SamplingSpec
+from hybridrl.tools.tool import ToolResponse, create_arguments, schema_dict
+from hybridrl.tools.tool_runner import tool_loop
 
 __all__ = ["ToolAgentLoop", "TrajectoryTools", "truncate_text"]
 

@@ -6,7 +6,7 @@ function as a tool, as veRL does: the OpenAI schema is inferred by transformers'
 hint on every parameter; transformers says which is missing), or taken from `schema=` (a dict or an
 OpenAIFunctionToolSchema). Registered functions are found by `multi_turn.function_tool_path` like
 hybridrl's own `@function_tool`; their return value may be a ToolResponse, a string, a dict (sent
-as JSON) or a (response, reward, metrics) tuple (hybridrl.agent.tool.normalize_tool_return).
+as JSON) or a (response, reward, metrics) tuple (hybridrl.tools.tool.normalize_tool_return).
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from hybridrl.agent.tool import (
+from hybridrl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from hybridrl.tools.tool import (
     FunctionTool,
     mark_function_tool,
     normalize_tool_return,
     schema_dict,
     validate_tool_schema,
 )
-from hybridrl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 __all__ = [
     "FUNCTION_TOOL_REGISTRY",
@@ -100,6 +100,6 @@ def get_function_tool(name: str) -> FunctionTool:
 
 def load_function_tools_from_path(path: str) -> list[FunctionTool]:
     """Execute the Python file `path` and return the tools it defines (veRL's name)."""
-    from hybridrl.agent.tool_loading import load_function_tools
+    from hybridrl.tools.tool_loading import load_function_tools
 
     return load_function_tools(path)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from hybridrl.agent.tool import ToolResponse
+from hybridrl.tools.tool import ToolResponse
 
 __all__ = [
     "OpenAIFunctionCallSchema",

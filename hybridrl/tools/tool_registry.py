@@ -8,8 +8,8 @@ when the class declares it in `get_openai_tool_schema()`); `load_all_tools` adds
 
 from __future__ import annotations
 
-from hybridrl.agent.tool import BaseTool
-from hybridrl.agent.tool_loading import import_object, load_tools, load_tools_from_yaml
+from hybridrl.tools.tool import BaseTool
+from hybridrl.tools.tool_loading import import_object, load_tools, load_tools_from_yaml
 
 __all__ = ["get_tool_class", "initialize_tools_from_config", "load_all_tools"]
 

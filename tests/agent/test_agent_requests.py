@@ -10,7 +10,7 @@ import pytest
 from test_tool_agent import hf_engine, make_runner, prompts, tokenizer  # noqa: F401 (fixtures)
 
 from hybridrl.agent.parser import ToolCall, ToolCallParser, register_tool_parser
-from hybridrl.agent.tool import BaseTool, ToolResponse
+from hybridrl.tools.tool import BaseTool, ToolResponse
 
 
 @register_tool_parser("test_always_nap")

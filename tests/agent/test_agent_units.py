@@ -15,12 +15,12 @@ from hybridrl.agent.loop import (
     load_agent_loop_config,
 )
 from hybridrl.agent.parser import get_tool_parser
-from hybridrl.agent.tool import FunctionTool, function_tool
 from hybridrl.agent.tool_agent import TrajectoryTools, truncate_text
-from hybridrl.agent.tool_loading import load_function_tools, load_tools, load_tools_from_yaml
 from hybridrl.config.agent import AgentConfig, MultiTurnConfig
 from hybridrl.config.rollout import RolloutConfig
 from hybridrl.data import agent_task
+from hybridrl.tools.tool import FunctionTool, function_tool
+from hybridrl.tools.tool_loading import load_function_tools, load_tools, load_tools_from_yaml
 
 VERL_GSM8K_YAML = """\
 tools:
@@ -115,7 +115,7 @@ def test_function_tools_from_a_file(tmp_path):
     src.write_text(
         textwrap.dedent(
             '''
-            from hybridrl.agent.tool import function_tool
+            from hybridrl.tools.tool import function_tool
 
             @function_tool
             def add(a: int, b: int = 0) -> int:

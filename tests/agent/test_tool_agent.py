@@ -18,9 +18,9 @@ import torch
 
 from hybridrl.agent.parser import ToolCall, ToolCallParser, parse_call_json, register_tool_parser
 from hybridrl.agent.runner import AgentLoopRunner, agent_step_metrics
-from hybridrl.agent.tool import BaseTool, ToolResponse
 from hybridrl.config.rollout import RolloutConfig
 from hybridrl.protocol import DataProto
+from hybridrl.tools.tool import BaseTool, ToolResponse
 
 QUESTION_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -494,7 +494,7 @@ def test_interaction_yaml_errors_name_the_cause(tmp_path):
     )
     with pytest.raises(ValueError, match="duplicate interaction name 'gsm8k'"):
         load_interactions(str(path))
-    path.write_text("interaction:\n  - class_name: hybridrl.agent.tool.BaseTool\n")
+    path.write_text("interaction:\n  - class_name: hybridrl.tools.tool.BaseTool\n")
     with pytest.raises(TypeError, match="not a hybridrl BaseInteraction"):
         load_interactions(str(path))
     path.write_text("tools: []\n")

@@ -42,7 +42,7 @@ def test_tool_agent_runs_through_main_ppo(tmp_path):
     pd.DataFrame(agent_task.make_rl_rows(8, 1, "val")).to_parquet(tmp_path / "val.parquet")
     (tmp_path / "gsm8k_tool_config.yaml").write_text(VERL_GSM8K_YAML)
     (tmp_path / "fn_tools.py").write_text(
-        "from hybridrl.agent.tool import function_tool\n\n"
+        "from hybridrl.tools.tool import function_tool\n\n"
         '@function_tool\ndef echo(text: str) -> str:\n    """Echo the text."""\n    return text\n'
     )
     metrics = run(
@@ -70,7 +70,7 @@ def test_tool_agent_runs_through_main_ppo(tmp_path):
 
 
 def test_calculator_yaml_is_verl_format():
-    from hybridrl.agent.tool_loading import load_tools_from_yaml
+    from hybridrl.tools.tool_loading import load_tools_from_yaml
 
     (tool,) = load_tools_from_yaml(os.path.join(RECIPE, "calculator_tool.yaml"))
     assert tool.name == "calc"

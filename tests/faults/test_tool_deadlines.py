@@ -13,10 +13,10 @@ import torch
 
 from hybridrl.agent.parser import ToolCallParser, parse_call_json, register_tool_parser
 from hybridrl.agent.runner import AgentLoopRunner
-from hybridrl.agent.tool import BaseTool, FunctionTool, function_tool
-from hybridrl.agent.tool_runner import tool_loop
 from hybridrl.config.rollout import RolloutConfig
 from hybridrl.protocol import DataProto
+from hybridrl.tools.tool import BaseTool, FunctionTool, function_tool
+from hybridrl.tools.tool_runner import tool_loop
 
 # a tool message renders as a new user question, so the built-in model keeps answering turns
 TEMPLATE = (
@@ -193,7 +193,7 @@ def test_a_hanging_lifecycle_method_becomes_a_counted_timeout(hf_engine, tokeniz
 def _call_in_child(q) -> None:
     import asyncio as aio
 
-    from hybridrl.agent.tool_runner import tool_loop as loop_in_child
+    from hybridrl.tools.tool_runner import tool_loop as loop_in_child
 
     async def answer():
         return 42
@@ -210,7 +210,7 @@ def test_tool_loop_of_a_forked_child_is_its_own():
     import asyncio as aio
     import multiprocessing as mp
 
-    from hybridrl.agent.tool_runner import tool_loop as parent_loop
+    from hybridrl.tools.tool_runner import tool_loop as parent_loop
 
     async def warm():
         return 1

@@ -59,8 +59,8 @@ def test_class_declared_schema_json_config_and_create_kwargs(tmp_path):
 
 
 def test_function_tools_schema_inference_names_and_return_shapes():
-    from hybridrl.agent.tool_loading import load_function_tools
     from hybridrl.tools.function_tool import FUNCTION_TOOL_REGISTRY, get_function_tool
+    from hybridrl.tools.tool_loading import load_function_tools
 
     tools = {t.name: t for t in load_function_tools(HERE)}
     assert set(tools) == {"multiply", "lookup", "echo"}
@@ -83,9 +83,9 @@ def test_function_tools_schema_inference_names_and_return_shapes():
 
 
 def test_bad_shapes_fail_clearly():
-    from hybridrl.agent.tool import BaseTool, normalize_tool_return
     from hybridrl.tools.function_tool import function_tool
     from hybridrl.tools.schemas import ToolResponse
+    from hybridrl.tools.tool import BaseTool, normalize_tool_return
 
     with pytest.raises(ValueError, match="must be a list"):
         ToolResponse(image="one.png")

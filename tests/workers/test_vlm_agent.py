@@ -22,12 +22,12 @@ import torch
 
 from hybridrl.agent.parser import ToolCall, ToolCallParser, register_tool_parser
 from hybridrl.agent.runner import AgentLoopRunner
-from hybridrl.agent.tool import BaseTool, ToolResponse
 from hybridrl.config.rollout import RolloutConfig
 from hybridrl.data import visual_task
 from hybridrl.data.multimodal import process_row
 from hybridrl.engine.multimodal import FED_KEY
 from hybridrl.protocol import DataProto
+from hybridrl.tools.tool import BaseTool, ToolResponse
 
 pytest.importorskip("PIL")
 TOOL_SIDE = 84  # 84 x 84 pixels: a 6 x 6 patch grid, 9 image tokens (the prompt's 56 x 56: 4); Qwen3-VL
@@ -407,7 +407,7 @@ def test_tool_media_that_does_not_decode_is_an_error_text(media, says):
 @pytest.mark.parametrize("vlm", ["qwen3_vl"], indirect=True)
 def test_tool_videos_with_qwen3_vl_are_refused(vlm):
     """A tool returning videos to a Qwen3-VL run stops the rollout with the refusal (its frame
-    timestamps are not written; hybridrl.models.vlm.qwen3_vl_video_refusal), not a wrong layout."""
+    timestamps are not written; hybridrl.data.video.qwen3_vl_video_refusal), not a wrong layout."""
     path, processor = vlm
     runner = _runner(path, processor, "test_vlm_always_film", "film", FilmTool())
     try:

@@ -95,7 +95,7 @@ def _check_agent_loops(r: Any, names: list[str]) -> None:
 
 
 def _check_tools(mt: Any) -> None:
-    from hybridrl.agent.tool_loading import load_function_tools, tool_entries
+    from hybridrl.tools.tool_loading import load_function_tools, tool_entries
 
     for key, path, check in (
         ("tool_config_path", mt.tool_config_path, tool_entries),

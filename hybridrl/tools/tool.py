@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridrl.agent.tool_runner import run_sync_detached
+from hybridrl.tools.tool_runner import run_sync_detached
 
 __all__ = [
     "BaseTool",

@@ -22,7 +22,7 @@ import importlib.util
 import os
 from typing import Any
 
-from hybridrl.agent.tool import BaseTool, FunctionTool, is_function_tool, validate_tool_schema
+from hybridrl.tools.tool import BaseTool, FunctionTool, is_function_tool, validate_tool_schema
 
 __all__ = [
     "VERL_TOOL_ALIASES",
