@@ -8,7 +8,7 @@ Every response of every row is scored with the reward function of the row's data
 built-in scorers, or `custom_reward_function.path`). Per data source it prints and returns
 mean@N (mean score), best@N (the best of the N responses: "any correct" for 0/1 scores) and
 maj@N (the score of the majority answer; answers are the scorer's "pred" when it returns a dict
-with one, else the response strings), using `hybridrl.utils.metrics.process_validation_metrics`.
+with one, else the response strings), using `hybridrl.trainer.ppo.metrics.process_validation_metrics`.
 """
 
 from __future__ import annotations

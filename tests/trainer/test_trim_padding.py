@@ -73,8 +73,8 @@ def test_trim_right_padding_keeps_a_full_width_batch_and_an_empty_response_colum
 
 
 def test_clip_ratio_metrics_use_the_configured_limits_after_trimming():
+    from hybridrl.trainer.ppo.metrics import compute_data_metrics
     from hybridrl.trainer.ppo.padding import trim_right_padding
-    from hybridrl.utils.metrics import compute_data_metrics
 
     batch = trim_right_padding(_rollout_batch())
     by_width = compute_data_metrics(batch, use_critic=False)

@@ -7,9 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from hybridrl.protocol import DataProto
+from hybridrl.trainer.ppo.metrics import compute_timing_metrics
 from hybridrl.trainer.ppo.step_floors import StepFloors, measure_step_floors
 from hybridrl.utils.floors import Floors, ModelShapes, measure_floors, phase_fractions, update_flops
-from hybridrl.utils.metrics import compute_timing_metrics
 
 SHAPES = ModelShapes(hidden=4, inter=8, kv=2, vocab=10, layers=1, q=4)
 # body = 1 * (2*4*4 + 2*4*2 + 3*4*8) = 32 + 16 + 96 = 144; head = 10 * 4 = 40

@@ -35,6 +35,7 @@ from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_engines,
 from hybridrl.trainer.async_ppo.dynamic_sampling import dynamic_sampling
 from hybridrl.trainer.async_ppo.weight_update import WeightPublisher
 from hybridrl.trainer.ppo.batch_steps import attach_reward_extra
+from hybridrl.trainer.ppo.metrics import timer
 from hybridrl.trainer.ppo.setup import prepare_run, trainer_of
 from hybridrl.trainer.ppo.teachers import start_teacher_pool, teacher_role_classes, teacher_views
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
@@ -46,7 +47,6 @@ from hybridrl.trainer.ppo.workers import (
     use_gpu,
     worker_classes,
 )
-from hybridrl.utils.metrics import timer
 from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
 
 __all__ = ["AsyncPPOTrainer", "AsyncWorkers", "build_async_trainer", "start_async_workers"]

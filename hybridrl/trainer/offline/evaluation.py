@@ -19,8 +19,8 @@ from hybridrl.reward.custom import load_custom_reward_fn
 from hybridrl.reward.scorers import default_compute_score
 from hybridrl.trainer.offline.checks import check_eval_inputs
 from hybridrl.trainer.offline.generation import generate_responses
+from hybridrl.trainer.ppo.metrics import process_validation_metrics
 from hybridrl.utils.config_loader import ConfigError, load_structured
-from hybridrl.utils.metrics import process_validation_metrics
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from hybridrl.protocol import DataProto
-from hybridrl.utils.metrics import timer
+from hybridrl.trainer.ppo.metrics import timer
 from hybridrl.workers.distillation import (
     TEACHER_LOG_PROBS,
     TEACHER_TOPK_IDS,

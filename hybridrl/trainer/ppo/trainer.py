@@ -36,13 +36,7 @@ from hybridrl.trainer.ppo.batch_steps import (
     write_jsonl,
 )
 from hybridrl.trainer.ppo.checkpoints import RunCheckpoints
-from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
-from hybridrl.trainer.ppo.profiling import StepProfilerDriver
-from hybridrl.trainer.ppo.reward_guard import ConstantRewardGuard
-from hybridrl.trainer.ppo.teachers import teacher_step
-from hybridrl.trainer.ppo.workers import WorkerGroups
-from hybridrl.utils import checkpointing
-from hybridrl.utils.metrics import (
+from hybridrl.trainer.ppo.metrics import (
     compute_data_metrics,
     compute_throughout_metrics,
     compute_timing_metrics,
@@ -50,6 +44,12 @@ from hybridrl.utils.metrics import (
     reduce_metrics,
     timer,
 )
+from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
+from hybridrl.trainer.ppo.profiling import StepProfilerDriver
+from hybridrl.trainer.ppo.reward_guard import ConstantRewardGuard
+from hybridrl.trainer.ppo.teachers import teacher_step
+from hybridrl.trainer.ppo.workers import WorkerGroups
+from hybridrl.utils import checkpointing
 from hybridrl.utils.safe_dcp import check_dcp_tree
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridrl.protocol import DataProto
-from hybridrl.utils import metrics as M
+from hybridrl.trainer.ppo import metrics as M
 
 
 def test_timer_accumulates(monkeypatch):
