@@ -39,25 +39,12 @@ import time
 import uuid
 from typing import Any
 
-from hybridrl.agent.server.wire import error_body
 from hybridrl.reward.genrm import TIMEOUT_KEY, default_sampling
+from hybridrl.utils import openai_wire
+from hybridrl.utils.openai_wire import error_body
 
-CHAT_FIELDS = {
-    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
-    "stream", "chat_template_kwargs", "user", "logprobs",
-}  # fmt: skip
-COMPLETION_FIELDS = {
-    "model",
-    "prompt",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "n",
-    "stream",
-    "user",
-    "logprobs",
-}
+CHAT_FIELDS = openai_wire.CHAT_FIELDS | {"top_k", "chat_template_kwargs"}
+COMPLETION_FIELDS = openai_wire.COMPLETION_FIELDS | {"top_k"}
 _IDS = itertools.count()
 MAX_BATCH = 256  # prompts of one generate call on a replica
 
@@ -99,10 +86,10 @@ def request_sampling(body: dict, defaults: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
-def _check_fields(body: Any, allowed: set[str]) -> dict:
+def _check_fields(body: Any, allowed: frozenset[str]) -> dict:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    extra = sorted(set(body) - allowed)
+    extra = openai_wire.unsupported_fields(body, allowed)
     if extra:
         raise BadRequest(f"unsupported field(s) {extra}; the GenRM router accepts {sorted(allowed)}")
     return body

@@ -25,6 +25,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from hybridrl.utils import openai_wire
+from hybridrl.utils.openai_wire import error_body
+
 __all__ = [
     "ChatRequest",
     "CompletionRequest",
@@ -37,22 +40,8 @@ __all__ = [
     "parse_completion_request",
 ]
 
-CHAT_FIELDS = {
-    "model", "messages", "tools", "tool_choice", "parallel_tool_calls", "max_tokens",
-    "max_completion_tokens", "temperature", "top_p", "n", "stream", "logprobs", "top_logprobs", "user",
-}  # fmt: skip
-COMPLETION_FIELDS = {
-    "model",
-    "prompt",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "n",
-    "stream",
-    "logprobs",
-    "echo",
-    "user",
-}
+CHAT_FIELDS = openai_wire.CHAT_FIELDS | {"tools", "tool_choice", "parallel_tool_calls", "top_logprobs"}
+COMPLETION_FIELDS = openai_wire.COMPLETION_FIELDS | {"echo"}
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -62,12 +51,6 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object."""
-    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 @dataclass
@@ -90,8 +73,8 @@ class CompletionRequest:
     logprobs: bool
 
 
-def _unknown(body: dict, allowed: set[str]) -> None:
-    extra = sorted(set(body) - allowed)
+def _unknown(body: dict, allowed: frozenset[str]) -> None:
+    extra = openai_wire.unsupported_fields(body, allowed)
     if extra:
         raise RequestError(
             400, f"unsupported field(s) {extra}; the rollout server accepts {sorted(allowed)}", extra[0]
