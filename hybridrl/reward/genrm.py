@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from hybridrl.config.roles import RewardRolloutConfig
+from hybridrl.utils.batch_ops import row_parts
 
 ENGINES = ("hf", "vllm")
 TIMEOUT_KEY = "reward_model.rollout.request_timeout_s"
@@ -193,17 +194,6 @@ class GenRMServer:
         return self.engine.generate(ids, sampling)
 
 
-def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
-    base, extra = divmod(n, parts)
-    bounds, lo = [], 0
-    for i in range(parts):
-        hi = lo + base + (1 if i < extra else 0)
-        if hi > lo:
-            bounds.append((lo, hi))
-        lo = hi
-    return bounds
-
-
 class GenRMClient:
     """What the custom reward function receives as `reward_model_client`: batched generate requests.
 
@@ -240,7 +230,7 @@ class GenRMClient:
         if not prompts:
             return []
         s = self._sampling(sampling)
-        bounds = _chunks(len(prompts), len(self.servers))
+        bounds = row_parts(len(prompts), len(self.servers))
         parts = [prompts[lo:hi] for lo, hi in bounds]
         if isinstance(self.servers[0], GenRMServer):
             outs = self._local(parts, s)

@@ -42,6 +42,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.reward.genrm import TIMEOUT_KEY, GenRMClient, GenRMServer, attach_client, wants_router
 from hybridrl.reward.rm import place_on_last_token, rm_inputs, token_lists
 from hybridrl.reward.rm_server import RewardModelServer
+from hybridrl.utils.batch_ops import row_parts
 
 
 def policy_tokenizer_source(config: RewardModelConfig, policy_tokenizer_path: str | None) -> str | None:
@@ -55,13 +56,7 @@ def policy_tokenizer_source(config: RewardModelConfig, policy_tokenizer_path: st
 
 def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     """`parts` contiguous [lo, hi) ranges covering range(n), sizes differing by at most one (some may be empty)."""
-    base, extra = divmod(n, parts)
-    bounds, lo = [], 0
-    for i in range(parts):
-        hi = lo + base + (1 if i < extra else 0)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
+    return row_parts(n, parts, keep_empty=True)
 
 
 SCORE_TIMEOUT_KEY = "reward_model.rollout.request_timeout_s"

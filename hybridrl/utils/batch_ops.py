@@ -166,3 +166,23 @@ def union_numpy_dict(d1: dict[str, np.ndarray], d2: dict[str, np.ndarray]) -> di
             )
         d1.setdefault(key, value)
     return d1
+
+
+def row_parts(n: int, parts: int, keep_empty: bool = False) -> list[tuple[int, int]]:
+    """`parts` contiguous [lo, hi) ranges covering range(n) in order, sizes differing by at most one
+    (the first n % parts one row longer); empty ranges (more parts than rows) are left out unless
+    `keep_empty`.
+
+    >>> row_parts(5, 2)
+    [(0, 3), (3, 5)]
+    >>> row_parts(2, 3, keep_empty=True)
+    [(0, 1), (1, 2), (2, 2)]
+    """
+    base, extra = divmod(n, parts)
+    out, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        if keep_empty or hi > lo:
+            out.append((lo, hi))
+        lo = hi
+    return out

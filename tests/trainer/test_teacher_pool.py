@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from hybridrl.protocol import DataProto
-from hybridrl.trainer.ppo.teacher_pool import TeacherReplicas, row_parts
+from hybridrl.trainer.ppo.teacher_pool import TeacherReplicas
+from hybridrl.utils.batch_ops import row_parts
 
 
 class Replica:

@@ -19,6 +19,7 @@ import concurrent.futures
 from typing import Any
 
 from hybridrl.protocol import DataProto
+from hybridrl.utils.batch_ops import row_parts
 from hybridrl.workers.distillation_config import DEFAULT_KEY, DistillationConfig
 
 
@@ -30,18 +31,6 @@ def replica_counts(dist: DistillationConfig) -> dict[str, int]:
     if len(teachers) == 1 and DEFAULT_KEY in teachers:
         return {DEFAULT_KEY: pool // teachers[DEFAULT_KEY].inference.per_replica_world_size}
     return {key: t.num_replicas for key, t in teachers.items()}
-
-
-def row_parts(n: int, parts: int) -> list[tuple[int, int]]:
-    """Non-empty contiguous [lo, hi) ranges covering range(n), sizes differing by at most one."""
-    base, extra = divmod(n, parts)
-    out, lo = [], 0
-    for i in range(parts):
-        hi = lo + base + (1 if i < extra else 0)
-        if hi > lo:
-            out.append((lo, hi))
-        lo = hi
-    return out
 
 
 class TeacherReplicas:
