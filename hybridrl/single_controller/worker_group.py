@@ -115,6 +115,33 @@ class WorkerGroup:
     ) -> Any:
         raise NotImplementedError
 
+    # ---- colocated roles ---------------------------------------------------------------------
+    def spawn(self, prefix_set: Sequence[str]) -> dict[str, WorkerGroup]:
+        """Per-role views of a colocated group (see create_colocated_worker_cls).
+
+        ``spawn({"actor_rollout", "critic"})["critic"].compute_values(data)`` calls the remote
+        ``critic_compute_values`` on the shared workers.
+        """
+        cls = self.worker_cls
+        roles: dict[str, type] | None = getattr(cls, "_hybridrl_role_classes", None)
+        if roles is None:
+            raise TypeError(
+                f"spawn() needs a group of a colocated class (create_colocated_worker_cls); {cls.__name__} is not one"
+            )
+        unknown = sorted(set(prefix_set) - set(roles))
+        if unknown:
+            raise ValueError(f"spawn: unknown roles {unknown}; this colocated class has {sorted(roles)}")
+        return {role: self._role_view(role, roles[role]) for role in prefix_set}
+
+    @property
+    def worker_cls(self) -> type:
+        """The worker class the group runs."""
+        raise NotImplementedError
+
+    def _role_view(self, role: str, role_cls: type) -> WorkerGroup:
+        """Hook: a view of this group whose methods are `role_cls`'s, called as ``{role}_<name>``."""
+        raise NotImplementedError
+
     # ---- binding -----------------------------------------------------------------------------
     def _bind_registered_methods(self, cls: type, remote_prefix: str = "") -> None:
         """Add ``self.<name>`` for every @register'ed method of ``cls``; the remote method called is

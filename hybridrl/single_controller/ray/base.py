@@ -571,22 +571,6 @@ class RayWorkerGroup(WorkerGroup):
     def resource_pool(self) -> RayResourcePool | None:
         return self._pool
 
-    def spawn(self, prefix_set: Sequence[str]) -> dict[str, RayWorkerGroup]:
-        """Per-role views of a colocated group (see create_colocated_worker_cls).
-
-        ``spawn({"actor_rollout", "critic"})["critic"].compute_values(data)`` calls the remote
-        ``critic_compute_values`` on the shared actors.
-        """
-        roles: dict[str, type] | None = getattr(self._cls, "_hybridrl_role_classes", None)
-        if roles is None:
-            raise TypeError(
-                f"spawn() needs a group of a colocated class (create_colocated_worker_cls); {self._cls.__name__} is not one"
-            )
-        unknown = sorted(set(prefix_set) - set(roles))
-        if unknown:
-            raise ValueError(f"spawn: unknown roles {unknown}; this colocated class has {sorted(roles)}")
-        return {role: self._role_view(role, roles[role]) for role in prefix_set}
-
     def _role_view(self, role: str, role_cls: type) -> RayWorkerGroup:
         view = object.__new__(type(self))
         WorkerGroup.__init__(view, f"{self._name}/{role}", self._world_size)  # own mesh cache per role
