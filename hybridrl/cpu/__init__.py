@@ -9,6 +9,7 @@ use them without importing each other.
   (the HF rollout on CPU).
 - `kv_cache`: the HF rollout's key/value cache that grows in place.
 - `sampler`: inverse-CDF sampling for large vocabularies (`rollout.hf_sampler`).
+- `adamw`: torch's fused AdamW step for parameters in CPU memory.
 - `linear_class`: undoing the class swap the two linear paths install.
 
 Each module's docstring says what its path does, when it is on, and which bench/ script measures it.

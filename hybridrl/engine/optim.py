@@ -12,6 +12,7 @@ import math
 import torch
 
 from hybridrl.config.roles import LR_SCHEDULER_TYPES, OptimConfig
+from hybridrl.cpu.adamw import use_fused_adamw
 
 
 def num_warmup_steps(config: OptimConfig, key: str = "optim") -> int:
@@ -78,10 +79,7 @@ def build_optimizer(module: torch.nn.Module, config: OptimConfig) -> torch.optim
     """AdamW over the trainable parameters of `module` (sharded DTensors under FSDP2).
 
     Where every parameter is a CPU floating-point tensor the step runs torch's fused kernel
-    (`fused=True`: one pass over each tensor instead of a dozen elementwise ops per parameter).
-    Measured on the 2-core AVX-512 EPYC, 2 threads, one step: 42 vs 291 ms for the ~100M model,
-    1.5 vs 4.9 ms for the built-in tiny one (bench/optim_step.py); the same update up to float
-    rounding. Elsewhere torch picks its default (foreach on CUDA).
+    (`fused=True`, hybridrl.cpu.adamw); elsewhere torch picks its default (foreach on CUDA).
     """
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
@@ -97,18 +95,6 @@ def build_optimizer(module: torch.nn.Module, config: OptimConfig) -> torch.optim
         weight_decay=config.weight_decay,
         **kwargs,
     )
-
-
-def use_fused_adamw(params: list[torch.Tensor]) -> bool:
-    """True when torch's fused AdamW runs these parameters on CPU: all CPU, floating point, and
-    this torch build lists CPU among the fused optimizers' devices."""
-    try:
-        from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-        cpu_ok = "cpu" in _get_fused_kernels_supported_devices()
-    except ImportError:  # an older torch: no fused CPU kernel
-        return False
-    return cpu_ok and all(p.device.type == "cpu" and torch.is_floating_point(p) for p in params)
 
 
 def build_lr_scheduler(

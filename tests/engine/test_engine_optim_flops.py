@@ -64,7 +64,7 @@ def test_adamw_is_fused_on_cpu_and_steps_like_the_per_parameter_loop():
     """CPU parameters take torch's fused AdamW kernel; its steps equal the per-parameter loop's
     (torch's CPU default) up to float rounding, and a module with a non-CPU-or-integer tensor
     would keep the default (use_fused_adamw)."""
-    from hybridrl.engine.optim import use_fused_adamw
+    from hybridrl.cpu.adamw import use_fused_adamw
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
