@@ -8,7 +8,7 @@ core each (ASYNC_DEFAULTS in hybridrl/trainer/async_ppo/launch.py), eta = max_he
 
 Locally it starts an embedded Ray instance; with RAY_ADDRESS set it attaches to that cluster.
 The config goes through main_ppo's config stage (veRL's spellings, refused keys, one-line errors),
-after AReaL's keys and veRL v1's async-trainer keys are translated (async_ppo/foreign_keys.py).
+after AReaL's keys and veRL v1's async-trainer keys are translated (hybridrl/compat/async_keys.py).
 From Python, `main(config)` runs a composed config, as veRL's `main(config)` does.
 """
 
@@ -18,11 +18,11 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf
 
+from hybridrl.compat.async_keys import translate_argv
+from hybridrl.compat.verl_layout import layout_knows
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, load_async_config
-from hybridrl.trainer.async_ppo.foreign_keys import translate_argv
 from hybridrl.trainer.async_ppo.launch import compose_async_config, run_async_config
 from hybridrl.trainer.ppo.config_stage import exit_with_config_error, load_for_cli, override_key, prepare_argv
-from hybridrl.trainer.ppo.verl_layout import layout_knows
 from hybridrl.utils.cli import check_command_line
 from hybridrl.utils.config_loader import ConfigError
 
