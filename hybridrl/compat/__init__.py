@@ -11,7 +11,7 @@ here, by the entry points, before the rest of the library sees the config:
   algorithm / engine spellings (`*.model.torch_dtype`, `trainer.use_legacy_worker_impl`, ...) on
   the merged config;
 - `async_keys`: AReaL's and veRL v1's asynchronous-training keys on main_async's command line;
-- `areal_file`: a whole AReaL experiment file (`main_async --config file.yaml`).
+- `areal_file` (+ `areal_rules`, its key table): a whole AReaL experiment file (`main_async --config file.yaml`).
 
 This package imports nothing above `hybridrl.utils`: the trainer calls it, never the reverse.
 """

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from hybridrl.compat.areal_file import RULES, leaves, load_areal_file, rule_for, split_config_flag
+from hybridrl.compat.areal_file import leaves, load_areal_file, split_config_flag
+from hybridrl.compat.areal_rules import RULES, rule_for
 from hybridrl.utils.config_loader import ConfigError
 
 AREAL_FILE = Path(__file__).parent / "areal_gsm8k_grpo.yaml"
