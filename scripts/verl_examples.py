@@ -287,8 +287,8 @@ def blocking_key(message: str) -> str | None:
 
 def command_line_refusals(cli: list[str]) -> list[str]:
     """The overrides main_ppo's command line refuses before composing (its unknown-key check)."""
+    from hybridrl.compat.verl_layout import layout_knows
     from hybridrl.trainer.ppo.config import PPOConfig
-    from hybridrl.trainer.ppo.verl_layout import layout_knows
     from hybridrl.utils.config_loader import ConfigError, check_override_keys
 
     bad = []

@@ -38,6 +38,7 @@ import torch
 from hybridrl.algos import group_advantage as group
 from hybridrl.algos import otb, returns
 from hybridrl.algos.registry import Registry
+from hybridrl.algos.utils import masked_whiten
 
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -135,6 +136,21 @@ def _grpo(token_level_rewards, response_mask, *, index, epsilon=1e-6, norm_adv_b
     return group.compute_grpo_outcome_advantage(
         token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo
     )
+
+
+@register_adv_est("grpo_batch_whitened")
+def _grpo_batch_whitened(
+    token_level_rewards, response_mask, *, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True, **_
+):
+    """GRPO's group-normalised advantage, then whitened over every response token of the batch
+    (AReaL's `reward_norm` at group level followed by `adv_norm` at batch level):
+    A = (A_grpo - mean_batch(A_grpo)) / std_batch(A_grpo), mean and std over the unmasked tokens.
+    """
+    advantages, _ = group.compute_grpo_outcome_advantage(
+        token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo
+    )
+    advantages = masked_whiten(advantages, response_mask) * response_mask
+    return advantages, advantages
 
 
 @register_adv_est("rloo")

@@ -8,7 +8,11 @@ core each (ASYNC_DEFAULTS in hybridrl/trainer/async_ppo/launch.py), eta = max_he
 
 Locally it starts an embedded Ray instance; with RAY_ADDRESS set it attaches to that cluster.
 The config goes through main_ppo's config stage (veRL's spellings, refused keys, one-line errors),
-after AReaL's keys and veRL v1's async-trainer keys are translated (async_ppo/foreign_keys.py).
+after AReaL's keys and veRL v1's async-trainer keys are translated (hybridrl/compat/async_keys.py).
+
+AReaL users bring their experiment file: `python -m hybridrl.trainer.main_async --config
+areal.yaml [key=value ...]` translates every key of it (hybridrl/compat/areal_file.py); overrides of
+the file's own sections (`actor.path=...`) change the file, the others are hybridrl keys.
 From Python, `main(config)` runs a composed config, as veRL's `main(config)` does.
 """
 
@@ -18,11 +22,12 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf
 
+from hybridrl.compat.areal_file import load_areal_file, split_config_flag
+from hybridrl.compat.async_keys import translate_argv
+from hybridrl.compat.verl_layout import layout_knows
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, load_async_config
-from hybridrl.trainer.async_ppo.foreign_keys import translate_argv
 from hybridrl.trainer.async_ppo.launch import compose_async_config, run_async_config
 from hybridrl.trainer.ppo.config_stage import exit_with_config_error, load_for_cli, override_key, prepare_argv
-from hybridrl.trainer.ppo.verl_layout import layout_knows
 from hybridrl.utils.cli import check_command_line
 from hybridrl.utils.config_loader import ConfigError
 
@@ -45,6 +50,9 @@ def main(config: DictConfig | dict | list[str] | None = None) -> dict[str, float
         print(OmegaConf.to_yaml(OmegaConf.structured(AsyncPPOConfig).async_training))
         return {}
     try:
+        areal_file, argv = split_config_flag(argv)
+        if areal_file is not None:  # an AReaL experiment file, then the command line's keys
+            argv = load_areal_file(areal_file, argv)
         argv = translate_argv(argv)  # AReaL / veRL v1 keys first
     except ConfigError as e:
         exit_with_config_error(e)

@@ -14,11 +14,11 @@ import sys
 
 from omegaconf import DictConfig
 
-from hybridrl.trainer.async_ppo.foreign_keys import selects_v1_async
+from hybridrl.compat.async_keys import selects_v1_async
+from hybridrl.compat.verl_layout import layout_knows
 from hybridrl.trainer.ppo.config import PPOConfig, load_config
 from hybridrl.trainer.ppo.config_stage import check_startup, load_for_cli, prepare_argv
 from hybridrl.trainer.ppo.launch import run_ppo_config
-from hybridrl.trainer.ppo.verl_layout import layout_knows
 from hybridrl.utils.cli import hydra_cli
 
 

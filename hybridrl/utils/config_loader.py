@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import difflib
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Print a hybridrl warning to stderr, once per process and message."""
+    if message not in WARNED:
+        WARNED.add(message)
+        print(f"hybridrl: {message}", file=sys.stderr)
 
 
 class ConfigError(ValueError):

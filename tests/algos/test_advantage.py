@@ -20,6 +20,7 @@ from hybridrl.algos import (
     compute_rloo_outcome_advantage_loop,
     estimator_needs_critic,
     get_adv_estimator_fn,
+    masked_mean,
 )
 
 
@@ -279,3 +280,18 @@ def test_missing_inputs_raise_clear_errors():
         get_adv_estimator_fn("gae")(rewards, mask, index=np.arange(2), values=None)
     with pytest.raises(ValueError, match="'remax' needs reward_baselines"):
         get_adv_estimator_fn("remax")(rewards, mask, index=np.arange(2), reward_baselines=None)
+
+
+def test_grpo_batch_whitened_is_grpo_whitened_over_the_batch_tokens():
+    """Two groups of (1, 0) rewards: GRPO gives +-1/sqrt(2) on every token; the 8 tokens then have
+    mean 0 and unbiased variance 4/7, so whitening gives +-sqrt(7/8). A masked token is 0."""
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    mask = torch.ones(4, 2)
+    index = np.array(["a", "a", "b", "b"])
+    adv, ret = get_adv_estimator_fn("grpo_batch_whitened")(rewards, mask, index=index)
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None].expand(4, 2)
+    torch.testing.assert_close(adv, sign * (7 / 8) ** 0.5, atol=1e-4, rtol=0)
+    assert torch.equal(adv, ret)
+    mask[1, 1] = 0
+    adv, _ = get_adv_estimator_fn("grpo_batch_whitened")(rewards, mask, index=index)
+    assert adv[1, 1] == 0 and masked_mean(adv, mask).abs() < 1e-6

@@ -3,7 +3,7 @@
 For each shipped yaml (ppo, sft, generation, evaluation) and its typed schema, every leaf must be
 either read by the code of that entry point (its name appears as an attribute read `x.<name>`
 or as the string "<name>" in code, comments and docstrings stripped), or be listed in the PPO
-table of keys accepted for compatibility and refused when set (`verl_compat.REFUSED`).
+table of keys accepted for compatibility and refused when set (`compat.verl_legacy.REFUSED`).
 A new key that nothing reads fails here.
 """
 
@@ -18,17 +18,17 @@ import pytest
 from omegaconf import OmegaConf
 
 import hybridrl
+from hybridrl.compat.verl_legacy import DEPRECATED_MICRO, REFUSED
 from hybridrl.trainer.offline.evaluation import EvalConfig
 from hybridrl.trainer.offline.generation import GenerationConfig
 from hybridrl.trainer.ppo.config import PPOConfig
-from hybridrl.trainer.ppo.verl_compat import DEPRECATED_MICRO, REFUSED
 from hybridrl.trainer.sft.config import SFTConfig
 
 ROOT = Path(hybridrl.__file__).parent
 CONFIG_DIR = ROOT / "trainer" / "config"
 COMMON = ["models", "utils", "data", "protocol.py", "algos", "single_controller"]
 SCOPES = {
-    "ppo": (PPOConfig, "ppo_trainer.yaml", ["trainer/ppo", "trainer/async_ppo", "trainer/main_ppo.py", "workers", "config", "engine", "rollout", "reward", "agent", *COMMON]),
+    "ppo": (PPOConfig, "ppo_trainer.yaml", ["trainer/ppo", "trainer/async_ppo", "trainer/main_ppo.py", "compat", "workers", "config", "engine", "rollout", "reward", "agent", *COMMON]),
     "sft": (SFTConfig, "sft_trainer.yaml", ["trainer/sft", "trainer/main_sft.py", "engine/", "config/megatron.py", *COMMON]),
     "generation": (GenerationConfig, "generation.yaml", ["trainer/offline/generation.py", "rollout/", *COMMON]),
     "evaluation": (EvalConfig, "evaluation.yaml", ["trainer/offline/evaluation.py", "reward/", *COMMON]),

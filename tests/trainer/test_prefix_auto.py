@@ -28,7 +28,7 @@ from hybridrl.utils.config_loader import ConfigError
 KEY = "actor_rollout_ref.actor.use_prefix_grouper"
 # hand-derived: the estimators whose advantage compares the responses to one prompt
 GROUP_ESTIMATORS = {
-    "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "grpo_passk", "opo", "gpg", "gdpo",
+    "grpo", "grpo_vectorized", "grpo_batch_whitened", "rloo", "rloo_vectorized", "grpo_passk", "opo", "gpg", "gdpo",
     "reinforce_plus_plus_baseline", "optimal_token_baseline", "tir_optimal_token_baseline",
 }  # fmt: skip
 
@@ -69,6 +69,14 @@ def test_yaml_default_is_auto_and_turns_on_for_grpo_on_the_builtin_model(capsys)
     out = capsys.readouterr().out
     assert f"{KEY}=auto -> on: rollout.n=8 responses per prompt for grpo" in out
     assert out.count(KEY) == 1  # printed once
+
+
+def test_gradient_checkpointing_turns_auto_off_and_refuses_true(capsys):
+    ckpt = "actor_rollout_ref.model.enable_gradient_checkpointing=true"
+    assert _load([ckpt]).actor_rollout_ref.actor.use_prefix_grouper is False
+    assert "auto -> off: model.enable_gradient_checkpointing=True" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="enable_gradient_checkpointing=True.*set one of them to false"):
+        _load([ckpt, f"{KEY}=true"])
 
 
 def _builtin_path() -> str:

@@ -12,7 +12,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.trainer.ppo.config import ConfigError
 from hybridrl.trainer.ppo.config_stage import check_startup, override_key, prepare_argv
 from hybridrl.trainer.ppo.setup import build_reward_fns
-from hybridrl.trainer.ppo.verl_compat import WARNED
+from hybridrl.utils.config_loader import WARNED
 
 
 def _check(overrides):

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_module
 
 from hybridrl.trainer.ppo.config import ConfigError
 from hybridrl.trainer.ppo.config_stage import check_startup, override_key, prepare_argv
-from hybridrl.trainer.ppo.verl_compat import WARNED
+from hybridrl.utils.config_loader import WARNED
 from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
 
 SP = [

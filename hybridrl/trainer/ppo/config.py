@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from hybridrl import algos
+from hybridrl.compat.verl_misc import apply_verl_misc
 from hybridrl.config.roles import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.config.rollout import RolloutConfig
+from hybridrl.trainer.ppo.config_checks import run_config_checks
 from hybridrl.trainer.ppo.prefix_auto import resolve_prefix_grouper
 from hybridrl.trainer.ppo.reward_kwargs import RewardManagerSection
 from hybridrl.trainer.ppo.sections import (
@@ -31,9 +33,7 @@ from hybridrl.trainer.ppo.sections import (
     TrainerConfig,
 )
 from hybridrl.trainer.ppo.startup_checks import check_data_lengths, check_startup_values
-from hybridrl.trainer.ppo.verl_compat import apply_verl_compat, warn_once
-from hybridrl.trainer.ppo.verl_misc import apply_verl_misc
-from hybridrl.utils.config_loader import ConfigError, load_structured
+from hybridrl.utils.config_loader import ConfigError, load_structured, warn_once
 from hybridrl.utils.deadlines import check_keys as check_deadline_keys
 from hybridrl.utils.profiler import GlobalProfilerConfig
 from hybridrl.workers.distillation_config import DistillationConfig, validate_distillation
@@ -83,12 +83,12 @@ def load_config(
     """Merge `cfg` onto the schema, resolve it and run `run_config_stage`; returns a typed `PPOConfig`.
 
     explicit_keys: the keys the user set (None: every key counts as set); see
-    `verl_compat.apply_verl_compat` (defaults that do not fit a small batch are adapted).
+    `config_checks.run_config_checks` (defaults that do not fit a small batch are adapted).
     mode_stage / keys_doc: see `run_config_stage`; keys_doc is named in unknown-key errors.
     """
     from omegaconf import OmegaConf
 
-    from hybridrl.trainer.ppo.verl_layout import apply_verl_layout
+    from hybridrl.compat.verl_layout import apply_verl_layout
     from hybridrl.utils.config_loader import as_node, schema_node
 
     node = OmegaConf.create(as_node(cfg))  # a copy: the caller's config is not changed
@@ -113,7 +113,7 @@ def run_config_stage(
     the ranks the rollout's tensor parallelism is checked against (main_async: one node's rollout
     slots); None: the training slots, as main_ppo's colocated engines."""
     derive_config(config, explicit_keys)
-    apply_verl_compat(config, explicit_keys)
+    run_config_checks(config, explicit_keys)
     apply_verl_misc(config, explicit_keys)
     rollout_world = mode_stage(config) if mode_stage is not None else None
     validate_config(config, rollout_world)

@@ -53,6 +53,8 @@ def auto_decision(config: Any, hf_config: Any) -> tuple[bool, str]:
         return False, f"actor.strategy={a.strategy}: the shared-prompt forward is built for the FSDP engine"
     if a.ulysses_sequence_parallel_size > 1:
         return False, f"actor.ulysses_sequence_parallel_size={a.ulysses_sequence_parallel_size} (Ulysses SP)"
+    if arr.model.enable_gradient_checkpointing:
+        return False, GRAD_CKPT
     dist = getattr(config, "distillation", None)
     if dist is not None and dist.enabled and "topk" in str(dist.distillation_loss.loss_mode):
         return (
@@ -69,8 +71,16 @@ def auto_decision(config: Any, hf_config: Any) -> tuple[bool, str]:
     return True, f"rollout.n={arr.rollout.n} responses per prompt for {estimator}, FSDP, a supported model"
 
 
-def _check_explicit(a: Any) -> None:
+GRAD_CKPT = (
+    "model.enable_gradient_checkpointing=True: the grouped attention is set for the forward only, and the "
+    "backward's recomputation would run the plain attention"
+)
+
+
+def _check_explicit(a: Any, model: Any) -> None:
     """use_prefix_grouper=True where it cannot run fails here (as veRL refuses it)."""
+    if model.enable_gradient_checkpointing:
+        raise ConfigError(f"{KEY}=True with {GRAD_CKPT}; set one of them to false")
     if a.strategy not in FSDP_STRATEGIES:
         raise ConfigError(
             f"{KEY}=True with strategy={a.strategy}: the shared-prompt forward is built for the FSDP "
@@ -99,7 +109,7 @@ def resolve_prefix_grouper(config: Any, hf_config: Any = "read") -> bool:
     if value is True or value is False:
         a.use_prefix_grouper = value
         if value:
-            _check_explicit(a)
+            _check_explicit(a, config.actor_rollout_ref.model)
         return value
     if value != "auto":
         raise ConfigError(f"{KEY}={value!r}: expected true, false or auto (hybridrl's default)")

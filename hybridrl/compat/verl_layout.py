@@ -21,9 +21,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hybridrl.trainer.ppo.user_keys import key_given as _given
-from hybridrl.trainer.ppo.user_keys import node_value as _old_value
-from hybridrl.trainer.ppo.verl_layout_refusals import LEAVES, SECTIONS, check_accepted, drop_key
+from hybridrl.compat.user_keys import key_given as _given
+from hybridrl.compat.user_keys import node_value as _old_value
+from hybridrl.compat.verl_layout_refusals import LEAVES, SECTIONS, check_accepted, drop_key
 from hybridrl.utils.config_loader import ConfigError
 
 ARR = "actor_rollout_ref"
@@ -193,7 +193,7 @@ def layout_knows(key: str) -> bool:
     """Whether the config stage takes `key` although the yaml lacks it: a key veRL moved (MOVED, or
     below a moved subtree), or one of `verl_layout_refusals`' accepted leaves and sections (which
     take or refuse its value with a reason). The command line's unknown-key check asks this."""
-    from hybridrl.trainer.ppo.veomni_compat import veomni_knows
+    from hybridrl.compat.veomni import veomni_knows
 
     return (
         veomni_knows(key)
@@ -208,7 +208,7 @@ def apply_verl_layout(
 ) -> set[str] | None:
     """Map veRL's newest layout onto hybridrl's keys in `node` (mutated); returns the explicit
     keys with the renamed ones added (None stays None: every key counts as set)."""
-    from hybridrl.trainer.ppo.veomni_compat import apply_veomni  # model_engine=veomni, *.veomni.*
+    from hybridrl.compat.veomni import apply_veomni  # model_engine=veomni, *.veomni.*
 
     veomni = apply_veomni(node, explicit_keys, defaults)  # first: it lands on veRL's FSDP spellings
     set_here = (

@@ -24,8 +24,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hybridrl.trainer.ppo.user_keys import key_given
-from hybridrl.trainer.ppo.verl_layout_refusals import ANY, drop_key
+from hybridrl.compat.user_keys import key_given
+from hybridrl.compat.verl_layout_refusals import ANY, drop_key
 from hybridrl.utils.config_loader import ConfigError
 
 __all__ = ["ROLES", "apply_veomni", "veomni_knows"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridrl.trainer.ppo.verl_compat import config_error
+from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.torch_utils import str_to_dtype
 
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")  # read sum_pi_squared
@@ -56,14 +56,14 @@ def apply_model_torch_dtype(config: Any, explicit_keys) -> None:
         try:
             str_to_dtype(dtype)
         except ValueError:
-            raise config_error(
+            raise ConfigError(
                 f"{model_key}.torch_dtype={dtype!r} is not a dtype; use bfloat16, float16 or float32 "
                 "('auto' is not supported: name the dtype)"
             ) from None
         for fsdp_key, fsdp in targets:
             key = f"{fsdp_key}.model_dtype"
             if _explicit(key, explicit_keys) and str_to_dtype(fsdp.model_dtype) != str_to_dtype(dtype):
-                raise config_error(
+                raise ConfigError(
                     f"{model_key}.torch_dtype={dtype} and {key}={fsdp.model_dtype} disagree; set one of them"
                 )
             fsdp.model_dtype = dtype
@@ -74,9 +74,9 @@ def check_legacy_worker_impl(config: Any) -> None:
     value = config.trainer.use_legacy_worker_impl
     key = "trainer.use_legacy_worker_impl"
     if value not in LEGACY_WORKER_CHOICES:
-        raise config_error(f"{key}={value!r} is not one of {', '.join(LEGACY_WORKER_CHOICES)}")
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(LEGACY_WORKER_CHOICES)}")
     if value != "auto":
-        raise config_error(
+        raise ConfigError(
             f"{key}={value} selects one of veRL's two worker implementations (enable: the legacy "
             "fsdp_workers, disable: the model-engine workers); hybridrl has a single implementation "
             f"(engine/ behind the role workers), which is what auto means here. Leave {key}=auto"
@@ -90,11 +90,11 @@ def check_pf_ppo(config: Any) -> None:
         return
     pf = algo.pf_ppo
     if pf.reweight_method not in PF_PPO_METHODS:
-        raise config_error(
+        raise ConfigError(
             f"algorithm.pf_ppo.reweight_method={pf.reweight_method!r} is not one of {', '.join(PF_PPO_METHODS)}"
         )
     if algo.adv_estimator != "gae":
-        raise config_error(
+        raise ConfigError(
             f"algorithm.use_pf_ppo=True with adv_estimator={algo.adv_estimator}: veRL resamples the batch "
             "(policy-filtered PPO) only after GAE and ignores the key otherwise; use adv_estimator=gae "
             "or set use_pf_ppo=False"
@@ -107,13 +107,13 @@ def check_sum_pi_squared(config: Any) -> None:
     key = "actor_rollout_ref.actor.calculate_sum_pi_squared"
     est = config.algorithm.adv_estimator
     if est in OTB_ESTIMATORS and not actor.calculate_sum_pi_squared:
-        raise config_error(f"algorithm.adv_estimator={est} needs the per-token sum of pi^2: set {key}=True")
+        raise ConfigError(f"algorithm.adv_estimator={est} needs the per-token sum of pi^2: set {key}=True")
     if not actor.calculate_sum_pi_squared:
         return
     if actor.strategy == "megatron":
-        raise config_error(f"{key}=True is implemented for the FSDP actor only; use actor.strategy=fsdp")
+        raise ConfigError(f"{key}=True is implemented for the FSDP actor only; use actor.strategy=fsdp")
     if config.algorithm.rollout_correction.bypass_mode:
-        raise config_error(
+        raise ConfigError(
             f"{key}=True needs the old-log-prob pass, which algorithm.rollout_correction.bypass_mode=True "
             "skips; turn bypass_mode off"
         )
@@ -124,17 +124,17 @@ def check_gdpo(config: Any) -> None:
     algo = config.algorithm
     keys, weights = algo.gdpo_reward_keys, algo.gdpo_reward_weights
     if algo.adv_estimator == "gdpo" and not keys:
-        raise config_error(
+        raise ConfigError(
             "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the reward components, keys of the "
             "dict your score function returns, e.g. algorithm.gdpo_reward_keys='[accuracy_reward,format_reward]'"
         )
     if weights is not None and len(weights) != len(keys or []):
-        raise config_error(
+        raise ConfigError(
             f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(keys or [])} "
             "algorithm.gdpo_reward_keys; give one weight per key (or null for all 1)"
         )
     if keys and len(set(keys)) != len(keys):
-        raise config_error(f"algorithm.gdpo_reward_keys={list(keys)} names a component twice; list each once")
+        raise ConfigError(f"algorithm.gdpo_reward_keys={list(keys)} names a component twice; list each once")
 
 
 def apply_bypass_loss(config: Any) -> None:
@@ -145,16 +145,16 @@ def apply_bypass_loss(config: Any) -> None:
     pl = config.actor_rollout_ref.actor.policy_loss
     key = "algorithm.rollout_correction"
     if rc.loss_type not in ("ppo_clip", "reinforce"):
-        raise config_error(f"{key}.loss_type={rc.loss_type!r} is not one of ppo_clip, reinforce")
+        raise ConfigError(f"{key}.loss_type={rc.loss_type!r} is not one of ppo_clip, reinforce")
     if not rc.bypass_mode:
         if rc.loss_type != "ppo_clip":
-            raise config_error(
+            raise ConfigError(
                 f"{key}.loss_type={rc.loss_type} is the loss of bypass mode (veRL ignores it otherwise): "
                 f"set {key}.bypass_mode=True, or leave loss_type=ppo_clip"
             )
         return
     if pl.loss_mode not in ("vanilla", "bypass_mode"):
-        raise config_error(
+        raise ConfigError(
             f"{key}.bypass_mode=True replaces the policy loss (PPO-clip or REINFORCE, {key}.loss_type); "
             f"actor_rollout_ref.actor.policy_loss.loss_mode={pl.loss_mode} would be ignored: leave it at vanilla"
         )

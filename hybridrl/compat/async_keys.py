@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from hybridrl.utils.config_loader import ConfigError
 
-__all__ = ["selects_v1_async", "translate_argv"]
+__all__ = ["AT", "allocation_overrides", "selects_v1_async", "translate_argv", "weight_update_overrides"]
 
 AT = "async_training"
 
@@ -60,7 +60,7 @@ def _bool(key: str, value: str) -> bool:
     raise ConfigError(f"{key}={value!r} must be true or false")
 
 
-def _allocation(value: str) -> list[str]:
+def allocation_overrides(value: str) -> list[str]:
     """AReaL's `allocation_mode` (`<engine>:d{D}p{P}t{T}+d{D}p{P}t{T}`, rollout first) as hybridrl keys.
 
     The rollout part is D engines of T TP ranks each: D x T rollout slots (one worker per TP rank)
@@ -101,7 +101,7 @@ def _parse_part(value: str, part: str, fix: str) -> tuple[int, int, int]:
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
 
-def _weight_update_mode(value: str) -> list[str]:
+def weight_update_overrides(value: str) -> list[str]:
     """AReaL's weight_update_mode: xccl (a collective broadcast) or disk (a copy through storage)."""
     modes = {"xccl": "collective", "disk": "object_store"}
     if value not in modes:
@@ -213,9 +213,9 @@ def _translate_one(key: str, value: str) -> list[str] | None:
     if key in RENAMES:
         return [f"{RENAMES[key]}={value}"]
     if key == "allocation_mode":
-        return _allocation(value)
+        return allocation_overrides(value)
     if key in ("weight_update_mode", "actor.weight_update_mode"):
-        return _weight_update_mode(value)
+        return weight_update_overrides(value)
     if key == "actor_rollout_ref.rollout.checkpoint_engine.backend":
         return _checkpoint_engine(value)
     return None

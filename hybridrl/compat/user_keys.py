@@ -1,7 +1,7 @@
 """Whether the user set a key, read from the config node and the command line's keys.
 
 Shared by the newest-layout translation (verl_layout.py) and the VeOmni translation
-(veomni_compat.py).
+(veomni.py).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrl.trainer.async_ppo import foreign_keys
+from hybridrl.compat import async_keys as foreign_keys
+from hybridrl.compat.async_keys import selects_v1_async, translate_argv
 from hybridrl.trainer.async_ppo.config import load_async_config
-from hybridrl.trainer.async_ppo.foreign_keys import selects_v1_async, translate_argv
 from hybridrl.trainer.async_ppo.launch import compose_async_config
 from hybridrl.utils.config_loader import ConfigError
 

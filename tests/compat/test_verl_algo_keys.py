@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_module
 from hybridrl import algos
 from hybridrl.trainer.ppo.config import ConfigError
 from hybridrl.trainer.ppo.config_stage import check_startup, override_key, prepare_argv
-from hybridrl.trainer.ppo.verl_compat import WARNED
+from hybridrl.utils.config_loader import WARNED
 
 
 def _check(overrides):

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 from hydra import compose, initialize_config_module
 
+from hybridrl.compat.veomni import ACCEPTED
+from hybridrl.compat.verl_layout import layout_knows
 from hybridrl.trainer.ppo.config import ConfigError
 from hybridrl.trainer.ppo.config_stage import check_startup, override_key, prepare_argv
-from hybridrl.trainer.ppo.veomni_compat import ACCEPTED
-from hybridrl.trainer.ppo.verl_layout import layout_knows
 
 ARR = "actor_rollout_ref"
 A, R = f"{ARR}.actor", f"{ARR}.ref"

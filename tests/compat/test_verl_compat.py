@@ -12,10 +12,11 @@ from hydra import compose, initialize_config_module
 
 from hybridrl import algos
 from hybridrl.agent.runner import agent_loops_configured
+from hybridrl.compat.verl_legacy import REFUSED
 from hybridrl.trainer.ppo.config import ConfigError
 from hybridrl.trainer.ppo.config_stage import check_startup, override_key, prepare_argv
 from hybridrl.trainer.ppo.launch import merge_runtime_env
-from hybridrl.trainer.ppo.verl_compat import REFUSED, WARNED
+from hybridrl.utils.config_loader import WARNED
 
 SMALL = [
     "data.train_batch_size=4",

@@ -9,10 +9,10 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from hybridrl.compat.verl_layout import apply_verl_layout
+from hybridrl.compat.verl_layout_refusals import ANY, LEAVES, SECTIONS
 from hybridrl.trainer.ppo.config import ConfigError, PPOConfig
 from hybridrl.trainer.ppo.config_stage import check_startup, override_key, prepare_argv
-from hybridrl.trainer.ppo.verl_layout import apply_verl_layout
-from hybridrl.trainer.ppo.verl_layout_refusals import ANY, LEAVES, SECTIONS
 
 ARR = "actor_rollout_ref"
 
@@ -214,8 +214,8 @@ def test_every_section_is_dropped_when_off_and_refused_when_on(section):
 def test_command_line_check_lets_the_newest_layout_through():
     """`python -m hybridrl.trainer.main_ppo reward.reward_manager.name=naive ...` reaches the config
     stage (the unknown-key check before compose asks verl_layout), while a typo still fails."""
+    from hybridrl.compat.verl_layout import layout_knows
     from hybridrl.trainer.ppo.config import PPOConfig
-    from hybridrl.trainer.ppo.verl_layout import layout_knows
     from hybridrl.utils.config_loader import check_override_keys
 
     ok = [
