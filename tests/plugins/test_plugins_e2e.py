@@ -14,6 +14,8 @@ subprocesses (the user's folder on PYTHONPATH only), two steps each:
   from the page itself. The stage's metric must be the norm of the whole actor (the sum over the two
   FSDP shards equals the norm of the model it started from, to the size of two small updates), and
   the method must have run in two worker processes other than the driver.
+* `test_main_async_runs_user_plugins_in_both_pools`: the same package with main_async: the loss and
+  the engine ran in the trainer pool's worker, the rollout engine in the rollout pool's worker.
 """
 
 from __future__ import annotations
@@ -110,6 +112,39 @@ def test_main_ppo_runs_user_plugins(tmp_path):
     assert where["adv_estimator"] == {(driver, None)}, where  # advantages are computed on the driver
     imported = {pid for pid, _ in where["import"]}
     assert {driver} | workers <= imported, where  # imported by the driver and by each worker
+    assert len(_metrics(tmp_path)) == 2
+
+
+@pytest.mark.slow
+def test_main_async_runs_user_plugins_in_both_pools(tmp_path):
+    """main_async: the trainer pool ran the loss and the engine, the rollout pool the rollout engine."""
+    user_dir = tmp_path / "user"
+    log = write_package(user_dir)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridrl.trainer.main_async",
+        "trainer.backend=ray",
+        f"actor_rollout_ref.model.external_lib={PACKAGE}",
+        "algorithm.adv_estimator=user_grpo",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=user_pg",
+        "async_training.use_decoupled_loss=false",  # else the decoupled loss replaces user_pg
+        "actor_rollout_ref.rollout.name=user_hf",
+        "actor_rollout_ref.actor.strategy=user_dp",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={tmp_path}/ckpt",
+        *[o for o in SMALL if not o.startswith("trainer.n_gpus_per_node")],
+    ]
+    driver = _run(cmd, tmp_path, user_dir).pid
+    where = {}
+    for r in read_records(log):
+        where.setdefault(r["what"], set()).add((r["pid"], r["group"]))
+    (train,) = {pid for pid, group in where["import"] if group == "hybridrl_train"}
+    (rollout,) = {pid for pid, group in where["import"] if group == "hybridrl_rollout"}
+    assert driver not in (train, rollout) and (driver, None) in where["import"], where
+    assert where["policy_loss"] == where["engine"] == {(train, "hybridrl_train")}, where
+    assert where["rollout"] == {(rollout, "hybridrl_rollout")}, where
+    assert where["adv_estimator"] == {(driver, None)}, where
     assert len(_metrics(tmp_path)) == 2
 
 
