@@ -1,7 +1,8 @@
 """A user's package outside hybridrl, used from the command line and from the Python API on Ray.
 
-Both runs are real `main_ppo` trainings of the built-in tiny model on two Ray workers, started as
-subprocesses (the user's folder on PYTHONPATH only), two steps each:
+Each run is a real training of the built-in tiny model on Ray workers (main_ppo: two colocated
+workers; main_async: a trainer and a rollout pool), started as a subprocess with the user's folder
+on PYTHONPATH, two steps:
 
 * `test_main_ppo_runs_user_plugins`: one command line selects four plug-ins of the package written by
   tests/plugins/user_plugins.py (an advantage estimator, a policy loss, a rollout engine and a
