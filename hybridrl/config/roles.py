@@ -17,7 +17,6 @@ from typing import Any
 from hybridrl.config.megatron import MegatronConfig, MtpConfig
 from hybridrl.utils.profiler import ProfilerConfig
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # linear / inverse_square_root: veRL's Megatron optimizer's `lr_decay_style` values (Megatron's schedules)
 LR_SCHEDULER_TYPES = ("constant", "cosine", "linear", "inverse_square_root")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -213,7 +212,7 @@ class ModelConfig:
     tokenizer_path: str | None = None
     trust_remote_code: bool = False
     override_config: dict[str, Any] = field(default_factory=dict)
-    external_lib: str | None = None
+    external_lib: Any = None  # a module name or a list of them (hybridrl.utils.plugins)
     enable_gradient_checkpointing: bool = False
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
@@ -461,7 +460,7 @@ class RewardModelModelConfig:
 
     input_tokenizer: str | None = None
     path: str | None = None
-    external_lib: str | None = None
+    external_lib: Any = None  # a module name or a list of them (hybridrl.utils.plugins)
     trust_remote_code: bool = False
     override_config: dict[str, Any] = field(default_factory=dict)
     use_remove_padding: bool = False

@@ -15,7 +15,6 @@ rollout engines, SFT, generation and the reward model load their tokenizer with 
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch import nn
 
 from hybridrl.config.roles import ModelConfig
 from hybridrl.models.builtin import resolve_model_path
+from hybridrl.utils import plugins
 from hybridrl.utils.torch_utils import str_to_dtype
 
 __all__ = [
@@ -45,16 +45,10 @@ _TOKENIZER_FILES = (
 )
 
 
-def import_external_libs(external_lib: str | None) -> None:
-    """Import `external_lib` (a module that registers models/tokenizers with transformers)."""
-    if not external_lib:
-        return
-    try:
-        importlib.import_module(external_lib)
-    except ImportError as e:
-        raise ImportError(
-            f"model.external_lib={external_lib!r} could not be imported ({e}); install it or fix the name"
-        ) from e
+def import_external_libs(external_lib, key: str = "model.external_lib") -> None:
+    """Import `external_lib` (one module or a list: modules that register models/tokenizers with
+    transformers, or hybridrl plug-ins); see hybridrl.utils.plugins."""
+    plugins.import_external_libs((key, name) for name in plugins.module_names(external_lib, key))
 
 
 def load_hf_config(model_config: ModelConfig, role: str = "actor", key: str = "actor_rollout_ref.model"):

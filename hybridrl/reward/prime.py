@@ -25,6 +25,7 @@ from hybridrl.reward.manager import (
     register_reward_manager,
     reward_fn_error,
 )
+from hybridrl.utils import plugins
 
 __all__ = ["PrimeRewardManager"]
 
@@ -38,9 +39,11 @@ class _SampleTimeout(BaseException):
 _WORKER_FN: Callable | None = None
 
 
-def _init_worker(payload: bytes) -> None:
+def _init_worker(payload: bytes, env: dict[str, str] | None = None) -> None:
     import cloudpickle
 
+    os.environ.update(env or {})
+    plugins.import_worker_libs()  # the run's model.external_lib modules, before the score function loads
     global _WORKER_FN
     _WORKER_FN = cloudpickle.loads(payload)
 
@@ -138,7 +141,10 @@ class PrimeRewardManager(RewardManager):
             if self.mp_start_method == "forkserver":  # the server imports this module (and torch) once
                 ctx.set_forkserver_preload([__name__])
             pool = cf.ProcessPoolExecutor(
-                max_workers=self.num_workers, mp_context=ctx, initializer=_init_worker, initargs=(payload,)
+                max_workers=self.num_workers,
+                mp_context=ctx,
+                initializer=_init_worker,
+                initargs=(payload, plugins.worker_env()),
             )
             self._warm_up(pool)
             self._pool = pool

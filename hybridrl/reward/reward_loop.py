@@ -42,6 +42,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.reward.genrm import TIMEOUT_KEY, GenRMClient, GenRMServer, attach_client, wants_router
 from hybridrl.reward.rm import place_on_last_token, rm_inputs, token_lists
 from hybridrl.reward.rm_server import RewardModelServer
+from hybridrl.utils import plugins
 from hybridrl.utils.batch_ops import row_parts
 
 
@@ -128,6 +129,7 @@ class RewardLoopWorker:
         server: Any = None,
         num_threads: int | None = None,
     ) -> None:
+        plugins.import_worker_libs()  # the driver's model.external_lib modules (named error if one fails)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config, self.reward_fn, self.server = config, reward_fn, server
@@ -243,7 +245,7 @@ class RewardLoopManager:
         unique = f"hybridrl_{name}_{os.getpid()}_{next(_ACTOR_IDS)}"
         from hybridrl.utils import deadlines  # the driver's trainer.*_timeout_s in these processes too
 
-        env = {"env_vars": deadlines.worker_env()}
+        env = {"env_vars": {**deadlines.worker_env(), **plugins.worker_env()}}
         return ray.remote(cls).options(num_cpus=0, name=unique, runtime_env=env).remote(*args)
 
     def _start_servers(self, config: RewardModelConfig, slots: int, num_threads: int | None) -> list[Any]:

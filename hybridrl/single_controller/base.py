@@ -32,6 +32,7 @@ from hybridrl.single_controller.dispatch import (
     register_dispatch_mode,
 )
 from hybridrl.single_controller.mesh import MeshCoord, MeshLayout
+from hybridrl.utils import plugins
 from hybridrl.utils.device import get_device_name, get_visible_devices_keyword
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,10 @@ class Worker:
     """
 
     def __init__(self) -> None:
+        # The user's `model.external_lib` modules the driver handed over (already imported when the
+        # process started, through Ray's setup hook): one that cannot be imported here fails this
+        # worker's start, naming the key and the module (hybridrl.utils.plugins).
+        plugins.import_worker_libs()
         # Every worker starts from the same torch seed, whatever its process did before (a Ray
         # worker process arrives with a random one): weights that transformers initialises afresh
         # (a critic's value head, init_from_scratch) are then the same on every rank and in every

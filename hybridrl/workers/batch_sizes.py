@@ -9,12 +9,12 @@ the fix. The config classes themselves are in `hybridrl.config.roles`, `PerRankB
 
 from __future__ import annotations
 
+from hybridrl import algos
 from hybridrl.config.batch import PerRankBatchSizes
 from hybridrl.config.roles import (
     ACTOR_KEY,
     CHECKPOINT_CONTENTS,
     CRITIC_KEY,
-    LOSS_AGG_MODES,
     LR_SCHEDULER_TYPES,
     ActorConfig,
     CheckpointConfig,
@@ -30,8 +30,9 @@ def _check_common(key: str, *, strategy: str, loss_agg_mode: str, ulysses: int, 
         raise ValueError(f"{key}.strategy={strategy!r} is not supported; use one of {all_spellings()}")
     if int(ulysses) != ulysses or ulysses < 1:
         raise ValueError(f"{key}.ulysses_sequence_parallel_size={ulysses}: use an integer >= 1")
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"{key}.loss_agg_mode={loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+    modes = algos.list_loss_agg_modes()  # the registry, with the user's external_lib modes
+    if loss_agg_mode not in modes:
+        raise ValueError(f"{key}.loss_agg_mode={loss_agg_mode!r} is not one of {modes}")
     if epochs < 1:
         raise ValueError(f"{key}.ppo_epochs must be >= 1, got {epochs}")
 

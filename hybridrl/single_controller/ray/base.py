@@ -35,7 +35,7 @@ from hybridrl.single_controller.worker_group import (
     WorkerGroupError,
     WorkerHungError,
 )
-from hybridrl.utils import deadlines
+from hybridrl.utils import deadlines, plugins
 from hybridrl.utils.cpus import thread_env
 
 __all__ = [
@@ -435,6 +435,7 @@ class RayWorkerGroup(WorkerGroup):
             env_vars = {
                 **omp_env,
                 **deadlines.worker_env(),  # trainer.step_timeout_s / reward_timeout_s in the worker
+                **plugins.worker_env(),  # the driver's model.external_lib modules, imported by the worker
                 **user_env_vars,
                 "OMP_NUM_THREADS": threads,
                 "HYBRIDRL_NUM_THREADS": threads,

@@ -32,12 +32,17 @@ def compose_async_config(overrides: list[str] | None = None) -> DictConfig:
     return cfg
 
 
-def run_async(cfg: DictConfig | dict | None = None) -> dict[str, float]:
-    """Load and validate the config, start Ray and both worker pools, train; returns final val metrics."""
-    return run_async_config(load_async_config(cfg))
+def run_async(
+    cfg: DictConfig | dict | None = None, *, role_worker_mapping=None, trainer_cls=None
+) -> dict[str, float]:
+    """Load and validate the config, start Ray and both worker pools, train; returns final val metrics.
+
+    role_worker_mapping / trainer_cls: the user's worker classes by role (trainer/ppo/roles.py) and
+    a subclass of AsyncPPOTrainer, as in main_ppo.run_ppo."""
+    return run_async_config(load_async_config(cfg), role_worker_mapping, trainer_cls)
 
 
-def run_async_config(config: AsyncPPOConfig) -> dict[str, float]:
+def run_async_config(config: AsyncPPOConfig, role_worker_mapping=None, trainer_cls=None) -> dict[str, float]:
     if config.trainer.max_restarts:
         raise ConfigError(
             f"trainer.max_restarts={config.trainer.max_restarts}: restarting after a dead worker is done by "
@@ -46,7 +51,7 @@ def run_async_config(config: AsyncPPOConfig) -> dict[str, float]:
         )
     init_ray(config)
     with sigterm_raises():  # SIGTERM runs the cleanup (tracker, workers) instead of ending at once
-        trainer = build_async_trainer(config)
+        trainer = build_async_trainer(config, role_worker_mapping, trainer_cls)
         return fit_and_report(trainer, trainer.async_workers, config)
 
 

@@ -36,6 +36,7 @@ from hybridrl.trainer.async_ppo.dynamic_sampling import dynamic_sampling
 from hybridrl.trainer.async_ppo.weight_update import WeightPublisher
 from hybridrl.trainer.ppo.batch_steps import attach_reward_extra
 from hybridrl.trainer.ppo.metrics import timer
+from hybridrl.trainer.ppo.roles import Role, check_trainer_cls, mapped_class
 from hybridrl.trainer.ppo.setup import prepare_run, trainer_of
 from hybridrl.trainer.ppo.teachers import start_teacher_pool, teacher_role_classes, teacher_views
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
@@ -126,10 +127,17 @@ def _pools(config: AsyncPPOConfig, gpu: bool) -> tuple[RayResourcePool, RayResou
     return train_pool, rollout_pool
 
 
-def _train_classes(config: AsyncPPOConfig, world: int, threads: int | None, peak_flops: float | None) -> dict:
+def _train_classes(
+    config: AsyncPPOConfig,
+    world: int,
+    threads: int | None,
+    peak_flops: float | None,
+    role_worker_mapping=None,
+) -> dict:
     """{role: RayClassWithInitArgs} colocated on the training slots (actor [+ ref], critic, reward model)."""
     arr = config.actor_rollout_ref
-    actor_cls, critic_cls, reward_cls = worker_classes(config)  # one class per role, as in main_ppo
+    # one class per role, as in main_ppo
+    actor_cls, critic_cls, reward_cls = worker_classes(config, role_worker_mapping)
     dims = actor_dims(config, world, with_rollout=False)
     use_ref = config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
     classes = {
@@ -155,19 +163,27 @@ def _train_classes(config: AsyncPPOConfig, world: int, threads: int | None, peak
     return classes
 
 
-def start_async_workers(config: AsyncPPOConfig, peak_flops: float | None = None) -> AsyncWorkers:
+def start_async_workers(
+    config: AsyncPPOConfig, peak_flops: float | None = None, role_worker_mapping=None
+) -> AsyncWorkers:
     """Two resource pools: training slots (actor [+ ref], critic, reward model colocated) and
     rollout slots (one disaggregated rollout-only ActorRolloutRefWorker each). Both groups build
-    their models concurrently."""
+    their models concurrently. role_worker_mapping: the user's classes (trainer/ppo/roles.py;
+    Role.Rollout: the rollout pool's, a subclass of the class it replaces)."""
     from hybridrl.async_rollout.partial import PartialRolloutWorker
     from hybridrl.workers.engine_workers import ActorRolloutRefWorker
 
     # partial rollout: a worker whose generation a weight update can interrupt
     rollout_cls = PartialRolloutWorker if config.async_training.partial_rollout else ActorRolloutRefWorker
+    rollout_cls = mapped_class(role_worker_mapping, Role.Rollout, rollout_cls)
     gpu = use_gpu(config)
     train_pool, rollout_pool = _pools(config, gpu)
     classes = _train_classes(
-        config, train_pool.world_size, None if gpu else train_pool.num_threads, peak_flops
+        config,
+        train_pool.world_size,
+        None if gpu else train_pool.num_threads,
+        peak_flops,
+        role_worker_mapping,
     )
     train_group = RayWorkerGroup(
         train_pool, create_colocated_worker_cls(classes), name_prefix="hybridrl_train"
@@ -362,10 +378,15 @@ class AsyncPPOTrainer(RayPPOTrainer):
 
 
 # ---------------------------------------------------------------------------------------- build
-def build_async_trainer(config: AsyncPPOConfig) -> AsyncPPOTrainer:
-    """Tokenizer, data, rewards, tracker, the two worker pools and the trainer (workers last)."""
+def build_async_trainer(
+    config: AsyncPPOConfig, role_worker_mapping=None, trainer_cls=None
+) -> AsyncPPOTrainer:
+    """Tokenizer, data, rewards, tracker, the two worker pools and the trainer (workers last).
+    role_worker_mapping / trainer_cls: the user's classes (see main_async.run_async)."""
+    trainer_cls = check_trainer_cls(trainer_cls or AsyncPPOTrainer, AsyncPPOTrainer)
+    worker_classes(config, role_worker_mapping)  # a wrong class fails before anything starts
     run = prepare_run(config)
-    workers = start_async_workers(config)
+    workers = start_async_workers(config, role_worker_mapping=role_worker_mapping)
     workers.reward_loop = start_reward_loop(
         config, run.reward_fn, run.val_reward_fn
     )  # scores chunks as they finish
@@ -373,4 +394,4 @@ def build_async_trainer(config: AsyncPPOConfig) -> AsyncPPOTrainer:
         f"[hybridrl.async] {workers.actor_rollout.world_size} training slot(s), {n_rollout_workers(config)} "
         f"rollout slot(s) in {n_rollout_engines(config)} engine(s), max_head_offpolicyness={config.async_training.max_head_offpolicyness}"
     )
-    return trainer_of(AsyncPPOTrainer, config, run, workers)
+    return trainer_of(trainer_cls, config, run, workers)

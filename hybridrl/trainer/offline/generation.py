@@ -17,14 +17,15 @@ from hybridrl.config.roles import ModelConfig
 from hybridrl.data.builtin_task import ensure_builtin_data
 from hybridrl.data.rl_dataset import as_messages, compute_position_ids, read_rows, render_prompt
 from hybridrl.models.builtin import resolve_model_path
-from hybridrl.models.hf import import_external_libs, load_tokenizer
+from hybridrl.models.hf import load_tokenizer
 from hybridrl.protocol import DataProto
+from hybridrl.rollout.base import list_rollouts
 from hybridrl.trainer.offline.checks import check_model_folder, check_output_path
+from hybridrl.utils import plugins
 from hybridrl.utils.config_loader import ConfigError, load_structured
 from hybridrl.utils.device import get_torch_device
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
-ROLLOUT_NAMES = ("hf", "vllm")
 
 
 @dataclass
@@ -39,12 +40,16 @@ class GenDataSection:
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+# registered engines this single-process generator does not run (sglang is not wired here)
+UNSUPPORTED_ROLLOUTS = ("sglang",)
+
+
 @dataclass
 class GenModelSection:
     path: str = "builtin:tiny"
     tokenizer_path: str | None = None
     trust_remote_code: bool = False
-    external_lib: str | None = None
+    external_lib: Any = None  # a module name or a list of them (hybridrl.utils.plugins)
 
 
 @dataclass
@@ -87,8 +92,14 @@ def load_generation_config(cfg: DictConfig | dict | list[str] | None = None) -> 
         GenerationConfig, cfg, "hybridrl/trainer/config/generation.yaml", CONFIG_DIR / "generation.yaml"
     )
     r, d = config.rollout, config.data
-    if r.name not in ROLLOUT_NAMES:
-        raise ConfigError(f"rollout.name={r.name!r} is not one of {list(ROLLOUT_NAMES)}")
+    # The user's modules first: rollout.name is checked against the rollout registry they may extend.
+    plugins.import_external_libs(plugins.external_lib_entries(config, ["model"]))
+    known = [n for n in list_rollouts() if n not in UNSUPPORTED_ROLLOUTS]
+    if r.name not in known:
+        raise ConfigError(
+            f"rollout.name={r.name!r} is not a registered rollout engine; registered: {known}. Register one "
+            "with @register_rollout in a module named by model.external_lib, or fix the name"
+        )
     for key, value in (
         ("data.n_samples", d.n_samples),
         ("data.batch_size", d.batch_size),
@@ -233,7 +244,6 @@ def run_generation(cfg: DictConfig | dict | list[str] | None = None) -> str:
         rows = rows[: d.max_samples]
     output = d.output_path or os.path.join("outputs", f"{Path(str(path)).stem}_responses.parquet")
     check_output_path(output, "data.output_path")  # written last: refuse a bad one before generating
-    import_external_libs(m.external_lib)
     check_model_folder(m.path, "model.path")
     model_path = resolve_model_path(m.path, key="model.path")
     tok_path = resolve_model_path(m.tokenizer_path, key="model.tokenizer_path") if m.tokenizer_path else None

@@ -22,6 +22,7 @@ from hybridrl.config.roles import ActorConfig, CriticConfig, ModelConfig, RefCon
 from hybridrl.config.rollout import RolloutConfig
 from hybridrl.trainer.ppo.config_checks import run_config_checks
 from hybridrl.trainer.ppo.prefix_auto import resolve_prefix_grouper
+from hybridrl.trainer.ppo.registry_checks import validate_registered_choices
 from hybridrl.trainer.ppo.reward_kwargs import RewardManagerSection
 from hybridrl.trainer.ppo.sections import (
     AlgorithmConfig,
@@ -33,6 +34,7 @@ from hybridrl.trainer.ppo.sections import (
     TrainerConfig,
 )
 from hybridrl.trainer.ppo.startup_checks import check_data_lengths, check_startup_values
+from hybridrl.utils import plugins
 from hybridrl.utils.config_loader import ConfigError, load_structured, warn_once
 from hybridrl.utils.deadlines import check_keys as check_deadline_keys
 from hybridrl.utils.profiler import GlobalProfilerConfig
@@ -93,6 +95,8 @@ def load_config(
 
     node = OmegaConf.create(as_node(cfg))  # a copy: the caller's config is not changed
     explicit_keys = apply_verl_layout(node, explicit_keys, schema_node(PPOConfig))
+    # The user's modules first: the choices below are checked against registries they may extend.
+    plugins.import_external_libs(plugins.external_lib_entries(node))
     try:
         config: PPOConfig = load_structured(PPOConfig, node, keys_doc)
     except ConfigError:
@@ -237,13 +241,8 @@ def _check_group_size(estimator: str, n: int) -> None:
 
 
 def _validate_choices(config: PPOConfig) -> None:
-    d, arr, tr = config.data, config.actor_rollout_ref, config.trainer
-    _check_choice("algorithm.adv_estimator", config.algorithm.adv_estimator, algos.list_adv_estimators())
-    _check_choice(
-        "actor_rollout_ref.actor.policy_loss.loss_mode",
-        arr.actor.policy_loss.loss_mode,
-        algos.list_policy_losses(),
-    )
+    d, tr = config.data, config.trainer
+    validate_registered_choices(config)  # estimator, losses, rollout, engines, ... (after external_lib)
     _check_choice("data.truncation", d.truncation, ["error", "left", "right", "middle"])
     _check_choice("trainer.resume_mode", tr.resume_mode, ["auto", "disable", "resume_path"])
     _check_choice("trainer.device", tr.device, ["auto", "cpu", "cuda"])
@@ -252,7 +251,6 @@ def _validate_choices(config: PPOConfig) -> None:
             f"trainer.constant_reward_warn_steps={tr.constant_reward_warn_steps} must be >= 0: the "
             "number of steps in a row with identical rewards before the warning (0 turns it off)"
         )
-    _check_choice("actor_rollout_ref.rollout.name", arr.rollout.name, ["hf", "vllm", "sglang"])
     check_deadline_keys(tr)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -10,10 +11,13 @@ from hybridrl.trainer.ppo.config import PPOConfig
 from hybridrl.trainer.ppo.restarts import run_with_restarts
 from hybridrl.trainer.ppo.sections import AsyncTrainingConfig
 from hybridrl.trainer.ppo.setup import build_trainer
+from hybridrl.trainer.ppo.trainer import RayPPOTrainer
+from hybridrl.utils import plugins
 from hybridrl.utils.shutdown import sigterm_raises
 
 
-def run_ppo_config(config: PPOConfig) -> dict[str, float]:
+def run_ppo_config(config: PPOConfig, role_worker_mapping=None, trainer_cls=None) -> dict[str, float]:
+    """Train `config` (checked); the user's worker / trainer classes where given (see main_ppo.run_ppo)."""
     if config.async_training != AsyncTrainingConfig():
         print(
             "hybridrl: async_training.* is set but main_ppo trains synchronously and ignores it; "
@@ -22,11 +26,19 @@ def run_ppo_config(config: PPOConfig) -> dict[str, float]:
         )
 
     with sigterm_raises():  # SIGTERM runs the cleanup (tracker, workers) instead of ending at once
-        return run_with_restarts(config, _attempt)  # trainer.max_restarts: again after a dead / hung worker
+        attempt = functools.partial(
+            _attempt, role_worker_mapping=role_worker_mapping, trainer_cls=trainer_cls
+        )
+        return run_with_restarts(config, attempt)  # trainer.max_restarts: again after a dead / hung worker
 
 
-def _attempt(config: PPOConfig) -> dict[str, float]:
-    trainer = build_trainer(config, init_ray=_init_ray)  # data and rewards are checked before Ray starts
+def _attempt(config: PPOConfig, role_worker_mapping=None, trainer_cls=None) -> dict[str, float]:
+    trainer = build_trainer(  # data and rewards are checked before Ray starts
+        config,
+        init_ray=_init_ray,
+        role_worker_mapping=role_worker_mapping,
+        trainer_cls=trainer_cls or RayPPOTrainer,
+    )
     return fit_and_report(trainer, trainer.workers, config)
 
 
@@ -52,8 +64,10 @@ def _init_ray(config: PPOConfig) -> None:
 
 def merge_runtime_env(ours: dict, user: dict) -> dict:
     """veRL's `ray_kwargs.ray_init.runtime_env` merged with hybridrl's: env_vars are merged (the
-    user's win), every other field (working_dir, py_executable, pip...) is the user's."""
-    merged = {k: v for k, v in user.items() if k != "env_vars"}
+    user's win), every other field (working_dir, py_executable, pip, worker_process_setup_hook...)
+    is the user's where the user sets it, else ours."""
+    merged = {k: v for k, v in ours.items() if k != "env_vars"}
+    merged.update({k: v for k, v in user.items() if k != "env_vars"})
     merged["env_vars"] = {
         **ours.get("env_vars", {}),
         **{k: str(v) for k, v in user.get("env_vars", {}).items()},
@@ -83,7 +97,10 @@ def start_ray(cpus_needed: float, ray_init=None) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = os.environ.get("RAY_ADDRESS")
     user_env = dict(ray_init.runtime_env) if ray_init is not None else {}
-    kwargs: dict = {"runtime_env": merge_runtime_env({"env_vars": env}, user_env), "log_to_driver": True}
+    ours: dict = {"env_vars": {**env, **plugins.worker_env()}}
+    if plugins.worker_env():  # every worker process of the job imports model.external_lib when it starts
+        ours["worker_process_setup_hook"] = plugins.SETUP_HOOK
+    kwargs: dict = {"runtime_env": merge_runtime_env(ours, user_env), "log_to_driver": True}
     if address:
         # Inside `ray job submit` the job may carry its own runtime_env: merge ours into it.
         os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")

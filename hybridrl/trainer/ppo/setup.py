@@ -26,11 +26,12 @@ from hybridrl.trainer.ppo.data_checks import check_data_files
 from hybridrl.trainer.ppo.genrm_config import genrm_reward_kwargs
 from hybridrl.trainer.ppo.plugin_checks import check_plugins, wrap_reward_errors
 from hybridrl.trainer.ppo.reward_kwargs import reward_manager_class, reward_manager_kwargs
+from hybridrl.trainer.ppo.roles import check_trainer_cls
 from hybridrl.trainer.ppo.startup_checks import check_first_rows, check_model_inputs, read_model_config
 from hybridrl.trainer.ppo.step_floors import measure_step_floors
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 from hybridrl.trainer.ppo.vlm_setup import load_run_processor
-from hybridrl.trainer.ppo.workers import start_reward_loop, start_workers, use_gpu, uses_ray
+from hybridrl.trainer.ppo.workers import start_reward_loop, start_workers, use_gpu, uses_ray, worker_classes
 from hybridrl.utils import deadlines
 from hybridrl.utils.deadlines import RewardWithDeadline
 from hybridrl.utils.flops import get_peak_flops
@@ -207,8 +208,14 @@ def prepare_run(config: PPOConfig) -> RunParts:
     return RunParts(tokenizer, train_loader, val_loader, reward_fn, val_reward_fn, tracker)
 
 
-def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
-    """Everything a run needs, in order; workers start last (they are the slow part)."""
+def build_trainer(
+    config: PPOConfig, init_ray=None, role_worker_mapping=None, trainer_cls: type = RayPPOTrainer
+) -> RayPPOTrainer:
+    """Everything a run needs, in order; workers start last (they are the slow part).
+
+    role_worker_mapping / trainer_cls: the user's worker and trainer classes (trainer/ppo/roles.py)."""
+    check_trainer_cls(trainer_cls, RayPPOTrainer)
+    worker_classes(config, role_worker_mapping)  # a wrong class fails before anything starts
 
     checkpoints = RunCheckpoints(config)
     checkpoints.plan_resume()  # another run's checkpoint folder is refused before anything starts
@@ -216,9 +223,9 @@ def build_trainer(config: PPOConfig, init_ray=None) -> RayPPOTrainer:
     peak = _peak_flops(config)
     if init_ray is not None and uses_ray(config):
         init_ray(config)
-    workers = start_workers(config, peak_flops=peak)
+    workers = start_workers(config, peak_flops=peak, role_worker_mapping=role_worker_mapping)
     workers.reward_loop = start_reward_loop(config, run.reward_fn, run.val_reward_fn)
-    trainer = trainer_of(RayPPOTrainer, config, run, workers)
+    trainer = trainer_of(trainer_cls, config, run, workers)
     trainer.checkpoints = checkpoints
     trainer.floors = measure_step_floors(config)  # trainer.log_floors: perf/floor/* each step
     return trainer

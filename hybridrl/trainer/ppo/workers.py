@@ -16,6 +16,7 @@ from hybridrl.single_controller.backend import resolve_backend
 from hybridrl.single_controller.local import LocalWorkerGroup
 from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
+from hybridrl.trainer.ppo.roles import Role, mapped_class
 from hybridrl.trainer.ppo.teachers import start_teacher_pool, teacher_role_classes, teacher_views
 from hybridrl.utils.device import is_cuda_available
 from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes, normalize_critic_batch_sizes
@@ -54,9 +55,10 @@ def use_gpu(config) -> bool:
     return dev == "cuda" or (dev == "auto" and is_cuda_available())
 
 
-def worker_classes(config) -> tuple[type, type, type]:
+def worker_classes(config, role_worker_mapping=None) -> tuple[type, type, type]:
     """(ActorRolloutRef, Critic, RewardModel) worker classes: one per role, whatever the engine
-    (`*.strategy`); checks first that colocated roles agree on their Megatron layout (docs/megatron.md)."""
+    (`*.strategy`), or the user's subclasses from `role_worker_mapping` (trainer/ppo/roles.py);
+    checks first that colocated roles agree on their Megatron layout (docs/megatron.md)."""
     from hybridrl.workers.engine_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
     arr = config.actor_rollout_ref
@@ -69,7 +71,11 @@ def worker_classes(config) -> tuple[type, type, type]:
             else ("fsdp", None),
         }
     )
-    return ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+    return (
+        mapped_class(role_worker_mapping, Role.ActorRollout, ActorRolloutRefWorker),
+        mapped_class(role_worker_mapping, Role.Critic, CriticWorker),
+        mapped_class(role_worker_mapping, Role.RewardModel, RewardModelWorker),
+    )
 
 
 def actor_dims(config, world: int, with_rollout: bool = True) -> ParallelDims:
@@ -79,9 +85,11 @@ def actor_dims(config, world: int, with_rollout: bool = True) -> ParallelDims:
     return ParallelDims.for_role(world, arr.actor, "actor_rollout_ref.actor", rollout_tp=tp)
 
 
-def role_classes(config, world: int, threads: int | None, peak_flops: float | None) -> dict[str, Any]:
+def role_classes(
+    config, world: int, threads: int | None, peak_flops: float | None, role_worker_mapping=None
+) -> dict[str, Any]:
     """{role name: RayClassWithInitArgs} of the roles this run needs, for `world` slots."""
-    actor_cls, critic_cls, reward_cls = worker_classes(config)
+    actor_cls, critic_cls, reward_cls = worker_classes(config, role_worker_mapping)
     arr, n = config.actor_rollout_ref, config.actor_rollout_ref.rollout.n
     use_ref = config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
     dims = actor_dims(config, world)
@@ -135,12 +143,13 @@ def support_role_classes(
     return classes
 
 
-def start_workers(config, peak_flops: float | None = None) -> WorkerGroups:
-    """Reserve `nnodes x n_gpus_per_node` slots, start the colocated workers, build their models."""
+def start_workers(config, peak_flops: float | None = None, role_worker_mapping=None) -> WorkerGroups:
+    """Reserve `nnodes x n_gpus_per_node` slots, start the colocated workers (the user's classes of
+    `role_worker_mapping` where given), build their models."""
     tr = config.trainer
     gpu = use_gpu(config)
     threads = max(1, int(tr.cpus_per_worker)) if not gpu else None
-    classes = role_classes(config, tr.nnodes * tr.n_gpus_per_node, threads, peak_flops)
+    classes = role_classes(config, tr.nnodes * tr.n_gpus_per_node, threads, peak_flops, role_worker_mapping)
     spec = create_colocated_worker_cls(classes)
     apply_nsight(config, spec, gpu)
     group, pool = _start_group(config, spec, gpu, threads)

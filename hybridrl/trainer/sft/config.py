@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from hybridrl.config.megatron import MegatronConfig
 from hybridrl.config.roles import FSDPConfig
 from hybridrl.models.builtin import BUILTIN_MODEL_ALIASES
+from hybridrl.utils import plugins
 from hybridrl.utils.config_loader import ConfigError, load_structured
 
 CONFIG_DIR = Path(__file__).parent.parent / "config"
@@ -76,7 +77,7 @@ class SFTModelSection:
     partial_pretrain: str = "builtin:tiny"
     tokenizer_path: str | None = None
     trust_remote_code: bool = False
-    external_lib: str | None = None
+    external_lib: Any = None  # a module name or a list of them (hybridrl.utils.plugins)
     override_config: dict[str, Any] = field(default_factory=dict)
     enable_gradient_checkpointing: bool = False
     lora_rank: int = 0
@@ -171,6 +172,8 @@ def load_sft_config(cfg: DictConfig | dict | list[str] | None = None) -> SFTConf
         ConfigError: an unknown key, a value of the wrong type, or an inconsistent setting.
     """
     config: SFTConfig = load_structured(SFTConfig, cfg, SFT_KEYS_DOC, CONFIG_DIR / "sft_trainer.yaml")
+    # The user's modules first: model.strategy / model_engine are checked against the engine registry.
+    plugins.import_external_libs(plugins.external_lib_entries(config, ["model"]))
     fill_presets(config)
     apply_model_engine(config)
     validate_sft_config(config)
