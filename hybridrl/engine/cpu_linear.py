@@ -15,9 +15,8 @@ b (out,)):
     bias grad     db = sum over rows of dY
 
 Equal to F.linear up to float rounding (~1e-6 relative; tests/engine/test_cpu_linear.py).
-Measured (docs/performance.md, session 17): the model's linear shapes forward + backward 0.82-0.86x
-F.linear's time; the ~100M bench model's update step with the shared-prompt forward 0.95x; the
-padded forward + backward with the head, `bench/cpu_gemm.py --train`, 0.96x. `install_onednn_linear` swaps the class of each exact `nn.Linear`
+`bench/cpu_gemm.py --train` measures it against F.linear (the model's linear shapes, and the
+padded forward + backward with the head); docs/benchmarks.md has the current numbers. `install_onednn_linear` swaps the class of each exact `nn.Linear`
 to `OneDnnTrainLinear`, which takes this path only where it applies (CPU, float32 input and
 weight, plain tensors, a product of >= 2**25 multiply-adds and a weight of >= 2**17 elements,
 where the call overhead no longer loses, not inside torch.compile) and F.linear elsewhere; the

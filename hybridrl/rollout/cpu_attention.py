@@ -11,9 +11,8 @@ On CPU torch's flash kernel takes `enable_gqa` with a mask. `gqa_sdpa_attention`
 SDPA attention with that one change: on CPU, with GQA, it calls SDPA with `enable_gqa=True`
 and the mask as it is (same causal rule as transformers'); anything else (another device, no
 GQA, paged caches, position biases, attention outputs) goes to transformers' own function.
-Measured on the 2-core AVX-512 EPYC, 2 threads, the real-vocabulary ~100M model (12 heads, 4 KV
-heads), 16 rows, 256 new tokens from prompts left-padded to 53: 72.8 ms per decode step with
-transformers' path, of which 13.5 ms of K/V copies (docs/performance.md, session 18).
+`bench/rollout_generation.py --engines hf,hf-repeatkv --left-pad K` measures it against
+transformers' path (which copies every K/V head per query head under a mask).
 
 `install_cpu_gqa_attention(model)` switches a text model on CPU from `sdpa` to it (registered
 with transformers' attention and mask interfaces under `ATTN_NAME`, the mask built as for

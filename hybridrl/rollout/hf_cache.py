@@ -9,9 +9,8 @@ positions and hands out views of the filled part; only when the buffer is full, 
 rebuilt by a method that copies (`batch_select_indices`, `batch_repeat_interleave`, `reset`), is a
 new buffer made. The views are what `DynamicLayer` would hold (same values; `crop` and the other
 methods work on them unchanged), so the attention computes the same numbers and the rollout the
-same tokens (tests/rollout/test_hf_cache.py). Measured on the 2-core AVX-512 EPYC
-(real100m, 16 rows, 53 + 256 tokens, oneDNN decode layers, alternating): 0.87-0.93x the time of
-`generate` with the concatenating cache (docs/performance.md, session 17).
+same tokens (tests/rollout/test_hf_cache.py), without copying the whole cache at every step
+(`bench/rollout_generation.py` measures generation).
 
 `growing_cache(model, reserve)` builds a `DynamicCache` from the model's config with every plain
 `DynamicLayer` replaced by a `GrowingLayer` (sliding-window and other layer kinds are kept), or

@@ -2,9 +2,8 @@
 
 `model.generate(do_sample=True)` draws each token with `torch.multinomial(probs, 1)`, which on
 CPU draws an exponential random number for every entry of the (B, V) probabilities and takes
-argmax(p / q): with a 32k vocabulary and 16 rows that is 0.5M draws, ~25 ms per decode step on
-the 2-core CPU, more than the attention of a 100M model (bench/rollout_generation.py; profile in
-docs/performance.md). Inverse-CDF sampling draws from the same distribution with B uniforms:
+argmax(p / q): with a 32k vocabulary and 16 rows that is 0.5M draws per decode step, more work
+than the attention of a 100M model (bench/rollout_generation.py measures generation). Inverse-CDF sampling draws from the same distribution with B uniforms:
 
     p = softmax(warp(logits)),  c_j = sum_{i <= j} p_i  (float64),  u ~ U[0, 1) * c_V,
     token = min { j : c_j > u }
