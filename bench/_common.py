@@ -1,8 +1,8 @@
 """Shared pieces of the benchmarks in bench/: machine facts, memory sampling, the ~30M model, stats.
 
 Nothing here is imported by the library. Every benchmark prints the date, the machine and the load
-average next to its numbers, because these machines are shared and noisy (DESIGN.md principle 10:
-ratios are measured side by side in one run, never asserted in tests).
+average next to its numbers, because these machines are shared and noisy (ratios are measured side
+by side in one run, never asserted in tests).
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def fmt(x: float | None, digits: int = 3) -> str:
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """A GitHub-markdown table (pastes straight into docs/performance.md)."""
+    """A GitHub-markdown table (pastes straight into docs/benchmarks.md)."""
     cols = list(zip(*([list(headers)] + [list(r) for r in rows])))
     widths = [max(len(str(c)) for c in col) for col in cols]
     print("| " + " | ".join(str(h).ljust(w) for h, w in zip(headers, widths)) + " |")

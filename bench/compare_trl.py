@@ -6,7 +6,7 @@ at most `--response-length` new tokens, temperature 1, AdamW lr `--lr` (betas 0.
 weight decay 0.01, constant schedule, grad-norm clip 1.0), one optimizer step per RL step, fp32,
 no KL term, exact-match reward on the number after "####". Same objective: token-mean
 ("dapo") aggregation over the step's response tokens, advantages (r - mean_G) / std_G, PPO clip
-0.2, one epoch (the mapping of every knob is in docs/performance.md).
+0.2, one epoch (the mapping of every knob is in this script's runners).
 
 Each run is a fresh child process with ONE torch thread (hybridrl: the Ray driver plus one worker
 process, `trainer.cpus_per_worker=1`). The runners alternate every round so machine drift hits

@@ -3,7 +3,7 @@
 One forward + backward of `forward_log_probs` (the actor update's pass, with entropy) on the
 real-vocabulary model of bench/real_model.py (~100M Qwen2, 32k vocabulary): 16 rows of a ~53-token
 prompt and `--response-length` response tokens. Prints seconds per pass and the peak of the
-process's resident memory growth for each path, and the ratios (DESIGN.md principle 10).
+process's resident memory growth for each path, and the ratios.
 
 `--variants fused,keep` compares the chunked head recomputing its logits in the backward (`fused`,
 `lm_head.KEEP_LOGITS_BYTES = 0`) with the chunked head keeping them (`keep`, 1 GiB budget), and

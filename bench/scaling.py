@@ -63,7 +63,7 @@ def configs(axes: list[str], base_prompts: int, base_len: int) -> list[tuple[str
         )
         # Random weights (model.init_from_scratch) rarely emit EOS, so responses run (nearly) to the limit:
         # this is the cost of longer responses. (rollout.ignore_eos=true would be the direct way, but the
-        # HF engine does not honour it yet: see docs/performance.md.)
+        # HF engine does not honour it yet: see docs/benchmarks.md.)
         for k in (1, 2, 4):
             out.append(
                 (

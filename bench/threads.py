@@ -6,7 +6,7 @@ Each variant is a fresh child process that runs forward + backward + AdamW steps
     t<N>          N torch threads (OpenMP's default wait policy: idle threads spin for a while)
     t<N>_passive  N threads with OMP_WAIT_POLICY=PASSIVE (idle threads sleep instead of spinning)
 With `--compete K` K one-thread matmul loops run beside every measurement (a loaded machine).
-Ratios are to t1 per round; the load average is printed with every row (DESIGN.md principle 10).
+Ratios are to t1 per round; the load average is printed with every row.
 
 Run:
     python bench/threads.py                       # t1, t2, t2_passive, 3 rounds x 4 s

@@ -7,7 +7,7 @@ switch between FSDP2 training and generation on the same devices (the hybrid eng
 import os
 
 # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. Spinning threads made two
-# torch threads 0.3x as fast as one on a loaded machine, sleeping ones 1.8x (docs/performance.md).
+# torch threads slower than one on a busy machine, sleeping ones faster (bench/threads.py measures it).
 # It matters when the worker runs in this process (trainer.backend=local); a value you set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

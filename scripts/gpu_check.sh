@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU path of hybridrl end to end for a few steps, then one table of what passed.
 # Budget: <= ~8 minutes on one GPU (each check has its own timeout). Untested on GPU: written for
-# the first session that is lent one. Without a GPU (or a package) each check prints SKIP and why.
+# the first run on a GPU machine. Without a GPU (or a package) each check prints SKIP and why.
 #
 #   bash scripts/gpu_check.sh            # from the repository root, in the project's virtualenv
 #   GPU_CHECK_TIMEOUT=150 bash scripts/gpu_check.sh

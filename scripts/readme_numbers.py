@@ -42,6 +42,7 @@ METRICS = {
 PPO = [sys.executable, "-m", "hybridrl.trainer.main_ppo"]
 FILE_LOG = "trainer.logger=[console,file]"
 N = r"(?:\d+(?:\.\d+)?%?)"  # a quoted number: 0.635 or 63.5%
+BENCH = "docs/benchmarks.md"
 
 
 @dataclass
@@ -82,86 +83,92 @@ def parts(out: Path) -> list[Part]:
     ]
     ws = ("warm_start/warm_start.json", "stop_step")
     return [
-        Part("quickstart", "README.md (Measured on a 2-core CPU); docs/performance.md",
+        Part("quickstart", "README.md and docs/benchmarks.md (results tables)",
              [*PPO, FILE_LOG], {"acc": {0: 0.315, 150: 0.65, 400: 0.64, "peak": 0.68}},
-             [("README.md", rf"from {g('acc_0')} to {g('acc_150')}\s+greedy validation accuracy by step 150 "
-                            rf"and peaks at {g('acc_peak')} \(step 375\)"),
-              ("README.md", rf"the same curve to the step \({g('acc_0')} -> {g('acc_150')} at step 150, "
-                            rf"peak {g('acc_peak')} at step 375, {g('acc_400')} at step 400\)")]),
-        Part("gae", "README.md (ALGO=gae bash recipes/quickstart/run.sh)",
+             [("README.md", rf"GRPO, zero-argument run \| greedy val {g('acc_0')} -> {g('acc_150')} at step 150, "
+                            rf"peak {g('acc_peak')} \(step 375\)"),
+              (BENCH, rf"greedy val {g('acc_0')} -> {g('acc_150')} at step 150, peak {g('acc_peak')} \(step 375\), "
+                      rf"{g('acc_400')} at step 400")]),
+        Part("gae", "README.md and docs/benchmarks.md (ALGO=gae bash recipes/quickstart/run.sh)",
              ["bash", "recipes/quickstart/run.sh", FILE_LOG], {"acc": {100: 0.655, "peak": 0.73}},
-             [("README.md", rf"the PPO\+critic \(GAE\) recipe reached {g('acc_100')} at step 100 and "
-                            rf"peaked at {g('acc_peak')}")],
+             [(f, rf"PPO with a critic \(GAE\) \| greedy val {g('acc_100')} at step 100, peak {g('acc_peak')}")
+              for f in ("README.md", BENCH)],
              env={"ALGO": "gae"}),
-        Part("sft", "README.md SFT row; docs/sft.md",
+        Part("sft", "README.md and docs/benchmarks.md SFT rows; docs/sft.md",
              [sys.executable, "-m", "hybridrl.trainer.main_sft", FILE_LOG, f"trainer.log_dir={d('sft')}"],
              {"sft_acc": {0: 0.315, "last": 0.98}, "sft_loss": {0: 0.2769, "last": 0.0507}},
-             [("README.md", rf"no-arg SFT: {g('sft_acc_0')} -> {g('sft_acc_last')} greedy in 256 steps"),
-              ("README.md", rf"SFT {g('sft_acc_0')} -> {g('sft_acc_last')} \(\d+m\d+s\)"),
+             [("README.md", rf"greedy {g('sft_acc_0')} -> {g('sft_acc_last')} in 256 steps"),
+              (BENCH, rf"greedy {g('sft_acc_0')} -> {g('sft_acc_last')}; validation loss {g('sft_loss_0')} -> "
+                      rf"{g('sft_loss_last')}"),
               ("docs/sft.md", rf"tokenizer fixed \(af3ee03, 2026-12-02\) \| {g('sft_loss_0')} \| {g('sft_acc_0')} \|"
                               rf"[^\n]*\n\| after 256 steps, default threads, 2026-12-02 [^|]*\| {g('sft_loss_last')} "
                               rf"\| {g('sft_acc_last')} \|")]),
-        Part("async", "docs/async.md (recipes/async/run.sh)",
+        Part("async", "README.md, docs/benchmarks.md, docs/async.md (recipes/async/run.sh)",
              ["bash", "recipes/async/run.sh"], {"acc": {0: 0.315, 200: 0.63}},
-             [("docs/async.md", rf"validation accuracy {g('acc_0')} -> {g('acc_200')}\s+at step 200")]),
-        Part("genrm", "docs/genrm.md (bash recipes/genrm/run.sh)",
+             [("docs/async.md", rf"validation accuracy {g('acc_0')} -> {g('acc_200')}\s+at step 200"),
+              *[(f, rf"asynchronous GRPO[^|\n]*\| greedy val {g('acc_0')} -> {g('acc_200')} at step 200")
+                for f in ("README.md", BENCH)]]),
+        Part("genrm", "docs/genrm.md, docs/benchmarks.md (bash recipes/genrm/run.sh)",
              ["bash", "recipes/genrm/run.sh", FILE_LOG],
              {"acc": {0: 0.315, 10: 0.41, 20: 0.43, 30: 0.395, 40: 0.445}},
-             [("docs/genrm.md", "".join(rf"\| {s} \| {g(f'acc_{s}')} \|[^\n]*\n" for s in (0, 10, 20, 30, 40)))],
+             [("docs/genrm.md", "".join(rf"\| {s} \| {g(f'acc_{s}')} \|[^\n]*\n" for s in (0, 10, 20, 30, 40))),
+              (BENCH, rf"greedy val {g('acc_0')} -> {g('acc_40')} in 40 steps")],
              env={"WORK": d("genrm/work")}),
-        Part("distillation", "README.md; docs/distillation.md (bash recipes/distillation/run.sh, its run.sh row)",
+        Part("distillation", "README.md, docs/benchmarks.md (bash recipes/distillation/run.sh)",
              ["bash", "recipes/distillation/run.sh"], {"acc": {0: 0.315, 100: 0.84, 150: 0.875}},
-             [("README.md", rf"greedy val {g('acc_0')} at step 0, {g('acc_100')} at step 100, {g('acc_150')} at step\s+150")],
+             [("README.md", rf"on-policy distillation \| greedy val {g('acc_0')} -> {g('acc_150')} at step 150"),
+              (BENCH, rf"greedy val {g('acc_0')} at step 0, {g('acc_100')} at step 100, {g('acc_150')} at step 150")],
              env={"OUT": d("distillation")}),
-        Part("vlm", "README.md VLM row; docs/vlm.md (bash recipes/vlm/run.sh)",
+        Part("vlm", "README.md, docs/benchmarks.md VLM rows; docs/vlm.md (bash recipes/vlm/run.sh)",
              ["bash", "recipes/vlm/run.sh", FILE_LOG], {"vlm_acc": {0: 0.2, "last": 0.719}},
-             [("README.md", rf"greedy val {g('vlm_acc_0')} -> {g('vlm_acc_last')} in a 2.3 min run"),
+             [*[(f, rf"greedy val {g('vlm_acc_0')} -> {g('vlm_acc_last')} in a 2.3 min run") for f in ("README.md", BENCH)],
               ("docs/vlm.md", rf"greedy validation accuracy {g('vlm_acc_0')} -> {g('vlm_acc_last')} within")],
              env={"OUT": d("vlm/work")}),
-        Part("agent", "README.md agent row; docs/agent.md (as shipped: 60 GRPO steps)",
+        Part("agent", "README.md, docs/benchmarks.md agent rows; docs/agent.md (as shipped: 60 GRPO steps)",
              ["bash", "recipes/agent/run.sh"],
              {"agent_acc": {0: 0.0, 5: 0.0, 10: 0.88, 15: 0.905, 60: 0.94, "min10": 0.88}, "ws_step": {"last": 424}},
-             [("README.md", rf"warm start target reached at step {g('ws_step_last')} \(seed 0"),
-              ("README.md", rf"the shipped 60 GRPO steps: greedy val {g('agent_acc_0_5')} \(steps 0, 5\) -> "
-                            rf"{g('agent_acc_10')} at step 10 -> {g('agent_acc_15')} at step 15 -> "
-                            rf"{g('agent_acc_60')} at step 60 \(at least {g('agent_acc_min10')} at every"),
+             [("README.md", rf"calculator agent \(tool calls\) \| greedy val {g('agent_acc_0')} -> {g('agent_acc_60')} at step 60"),
+              (BENCH, rf"warm start target reached at step {g('ws_step_last')}; greedy val {g('agent_acc_0_5')} \(steps 0, 5\) "
+                      rf"-> {g('agent_acc_10')} \(step 10\) -> {g('agent_acc_15')} \(step 15\) -> {g('agent_acc_60')} "
+                      rf"\(step 60\), never below {g('agent_acc_min10')} from step 10"),
               ("docs/agent.md", rf"greedy validation \*\*{g('agent_acc_0_5')} \(steps 0, 5\) -> {g('agent_acc_10')} "
                                 rf"\(step 10\) -> {g('agent_acc_15')} \(step 15\) -> {g('agent_acc_60')} \(step 60\)\*\*,\s+"
                                 rf"never below {g('agent_acc_min10')} from step 10")],
              env={"AGENT_OUT": d("agent"), "AGENT_STEPS": "60"}, metrics="logs/main_ppo/metrics.jsonl",
              json={"ws_step": ws}),
-        Part("agent_server", "README.md rollout-server row; docs/agent.md (AGENT_STEPS=20)",
+        Part("agent_server", "docs/benchmarks.md rollout-server row; docs/agent.md (AGENT_STEPS=20)",
              ["bash", "-c", "test -f \"$AGENT_SFT/warm_start.json\" || python recipes/agent/warm_start.py "
               "--out \"$AGENT_SFT\"; bash recipes/agent_server/run.sh"],
              {"agent_acc": {0: 0.0, 10: 0.885, 15: 0.905, 20: 0.88}},
-             [("README.md", rf"its own calculator\): greedy val {g('agent_acc_0')} -> {g('agent_acc_10')} "
-                            rf"at step 10"),
+             [(BENCH, rf"rollout server \(20 steps\) \| greedy val {g('agent_acc_0')} -> {g('agent_acc_10')} at step 10"),
               ("docs/agent.md", rf"fix\*\*: `AGENT_STEPS=20 [^\n]*\*\*{g('agent_acc_0')} \(steps 0, 5\) -> "
                                 rf"{g('agent_acc_10')} at step 10\*\*, {g('agent_acc_15')} at step 15 and {g('agent_acc_20')} at step 20")],
              env={"AGENT_OUT": d("agent_server"), "AGENT_SFT": d("agent/warm_start"), "AGENT_STEPS": "20"},
              metrics="logs/metrics.jsonl"),
-        Part("agent_async", "README.md agent row; docs/agent.md (AGENT_TRAINER=main_async, 20 steps)",
+        Part("agent_async", "docs/benchmarks.md agent rows; docs/agent.md (AGENT_TRAINER=main_async, 20 steps)",
              ["bash", "recipes/agent/run.sh"], {"agent_acc": {0: 0.0, 5: 0.0, 10: 0.81, 15: 0.885, 20: 0.915}},
-             [("README.md", rf"main_async learns too \({g('agent_acc_0_5')} \(steps 0, 5\) -> {g('agent_acc_10')} "
-                            rf"at step 10 -> {g('agent_acc_20')} at step 20"),
+             [(BENCH, rf"main_async \(20 steps\) \| greedy val {g('agent_acc_0_5')} \(steps 0, 5\) -> {g('agent_acc_10')} "
+                      rf"\(step 10\) -> {g('agent_acc_20')} \(step 20\)"),
               ("docs/agent.md", rf"validation \*\*{g('agent_acc_0_5')} \(steps 0, 5\) -> {g('agent_acc_10')} \(step 10\) "
                                 rf"-> {g('agent_acc_15')} \(step 15\) -> {g('agent_acc_20')} \(step 20\)\*\* through\s+main_async")],
              env={"AGENT_OUT": d("agent"), "AGENT_TRAINER": "main_async", "AGENT_STEPS": "20"},
              metrics="../agent/logs/main_async/metrics.jsonl"),  # AGENT_OUT: the agent part's warm start
-        Part("megatron", "docs/megatron.md (acceptance command: TP=2 Megatron actor, vLLM rollout)",
+        Part("megatron", "docs/megatron.md, docs/benchmarks.md (TP=2 Megatron actor, vLLM rollout)",
              [*PPO, FILE_LOG, "actor_rollout_ref.actor.strategy=megatron",
               "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", *vllm_tp, "trainer.test_freq=20"],
              {"acc": {0: 0.315, 20: 0.47, 40: 0.495}},
              [("docs/megatron.md", rf"rerun on the final code: {g('acc_0')} -> {g('acc_20')} -> "
-                                   rf"{g('acc_40')} at steps 0/20/40")],
+                                   rf"{g('acc_40')} at steps 0/20/40"),
+              (BENCH, rf"greedy val {g('acc_0')} -> {g('acc_20')} -> {g('acc_40')} at steps 0/20/40")],
              needs=("megatron.core", "vllm")),
-        Part("tp", "docs/performance.md section 5 (vLLM rollout TP=2)",
+        Part("tp", "docs/benchmarks.md (vLLM rollout TP=2)",
              [*PPO, FILE_LOG, *vllm_tp, "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "trainer.test_freq=10"],
              {"acc": {0: 0.315, 10: 0.415, 20: 0.445, 30: 0.49, 40: 0.51}},
-             [("docs/performance.md", rf"greedy validation accuracy {g('acc_0')} \(step 0\) -> {g('acc_10')} "
-                                      rf"\(10\)\s+-> {g('acc_20')} \(20\) -> \*\*{g('acc_30')} \(30\)\*\* -> "
-                                      rf"{g('acc_40')} \(40\)")],
+             [(BENCH, rf"greedy validation accuracy {g('acc_0')} \(step 0\) -> {g('acc_10')} "
+                      rf"\(10\)\s+-> {g('acc_20')} \(20\) -> \*\*{g('acc_30')} \(30\)\*\* -> {g('acc_40')} \(40\)"),
+              (BENCH, rf"greedy val {g('acc_0')} \(step 0\) -> {g('acc_10')} \(10\) -> {g('acc_20')} \(20\) -> "
+                      rf"{g('acc_30')} \(30\) -> {g('acc_40')} \(40\)")],
              needs=("vllm",)),
     ]  # fmt: skip
 

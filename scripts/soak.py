@@ -1,4 +1,4 @@
-"""Soak run: many steps of the zero-argument task with frequent checkpoints (issue 30's target).
+"""Soak run: many steps of the zero-argument task with frequent checkpoints.
 
     nice -n 15 python scripts/soak.py --steps 2000 --save-freq 50 --keep 2 --workdir /tmp/soak
 

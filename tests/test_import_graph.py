@@ -114,7 +114,7 @@ def test_no_private_name_imported_from_another_module():
 # of the layers below its own, never one above (function-level imports count too). A package of
 # hybridrl/ that is not listed here fails the test, so a new one is placed on purpose.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("hybridrl", "model_merger"),  # the package root and `python -m hybridrl.model_merger`
+    ("hybridrl", "model_merger", "console"),  # the package root, `python -m hybridrl.model_merger`, the console commands
     ("trainer",),  # the entry modules and the loops behind them
     ("async_rollout",),  # the asynchronous rollout manager (AReaL-style), over the workers
     ("workers",),  # the Ray worker classes that compose the packages below

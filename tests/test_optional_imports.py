@@ -38,13 +38,14 @@ def _canon(name: str) -> str:
 
 
 def base_requirements() -> list[str]:
-    """The requirement strings of the README's install: requirements.txt + setup.py's `test` extra."""
+    """The requirement strings of the README's install: requirements.txt + pyproject's `test` extra."""
+    import tomllib
+
     lines = (ROOT / "requirements.txt").read_text().splitlines()
-    reqs = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-    for node in ast.walk(ast.parse((ROOT / "setup.py").read_text())):
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EXTRAS" for t in node.targets):
-            return reqs + list(ast.literal_eval(node.value)["test"])
-    raise AssertionError("setup.py defines no EXTRAS dict with a 'test' extra")
+    reqs = [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "test" in extras, "pyproject.toml defines no 'test' extra"
+    return reqs + list(extras["test"])
 
 
 def provided_modules(requirements: Iterable[str]) -> set[str]:

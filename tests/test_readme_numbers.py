@@ -49,10 +49,19 @@ def test_every_learning_claim_of_the_readme_has_a_part(rn, tmp_path):
 
 
 def test_a_changed_number_is_caught(rn, tmp_path):
-    (tmp_path / "README.md").write_text(
-        (ROOT / "README.md").read_text().replace("peaked at 73%", "peaked at 71%")
-    )
+    (tmp_path / "docs").mkdir()
+    readme = (ROOT / "README.md").read_text()
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
     gae = next(p for p in rn.parts(tmp_path) if p.name == "gae")
+    # changed in one file only: the two files disagree
+    (tmp_path / "README.md").write_text(readme.replace("peak 73%", "peak 71%"))
+    (tmp_path / "docs" / "benchmarks.md").write_text(bench)
+    with pytest.raises(
+        ValueError, match="gae: docs/benchmarks.md quotes acc at peak as 0.73, another file as 0.71"
+    ):
+        rn.cited(gae, tmp_path)
+    # changed in both: they agree with each other, not with what readme_numbers.py re-runs
+    (tmp_path / "docs" / "benchmarks.md").write_text(bench.replace("peak 73%", "peak 71%"))
     assert rn.cited(gae, tmp_path)[0]["acc"]["peak"] == pytest.approx(0.71) != gae.quoted["acc"]["peak"]
     (tmp_path / "README.md").write_text("no numbers here")
     with pytest.raises(ValueError, match="gae: the quote pattern matches README.md 0 times"):

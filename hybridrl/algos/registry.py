@@ -1,4 +1,4 @@
-"""A name -> implementation map, one per plug point (shared/DESIGN.md principle 2).
+"""A name -> implementation map, one per plug point.
 
 The trainer picks an advantage estimator, a policy loss, a KL estimator and a loss-aggregation
 mode by the name written in the config. Each plug point owns one `Registry`; all entries of a

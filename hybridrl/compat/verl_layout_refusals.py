@@ -48,9 +48,9 @@ PROFILERS = (
     "critic.profiler",
 )
 ROLLOUT = f"{ARR}.rollout"
-VLM = "multimodal data is issue 24 (vision-language RL); text data does not read it"
+VLM = "multimodal data is for vision-language RL (docs/vlm.md); text data does not read it"
 NO_ENTROPY = "changes nothing here: that role computes no entropy (as in veRL)"
-MEGATRON_FSDP = (  # measured 2026-12-02 on megatron-core 0.16.1, CPU torch 2.13, 2 gloo ranks
+MEGATRON_FSDP = (  # checked on megatron-core 0.16.1, CPU torch 2.13, 2 gloo ranks
     "Megatron-FSDP is not implemented (Megatron uses its DDP here): megatron-core 0.16.1's FullyShardedDataParallel "
     "is CUDA-only and cannot be tested on the CPU machines (it builds 'cuda:<device>' devices, 'Invalid device string: "
     "cuda:cpu' at megatron_fsdp.py:184, and a device_type='cuda' DeviceMesh, 'Torch not compiled with CUDA enabled' "

@@ -222,7 +222,7 @@ def _check(ok: bool, key: str, value: Any, want: str) -> None:
 
 
 def validate_rollout_config(cfg: RolloutConfig) -> None:
-    """Fail early, naming the key and the fix (shared/DESIGN.md, house style 4)."""
+    """Fail early, naming the key and the fix."""
     _check(cfg.mode in ("sync", "async", "server"), "mode", cfg.mode, "use 'sync', 'async' or 'server'")
     _check(
         cfg.mode != "server" or cfg.tensor_model_parallel_size == 1,

@@ -187,8 +187,7 @@ def install_decode_gemm(
     tests); `form`: one of DECODE_GEMM_FORMS (`auto`: oneDNN where available, `resolve_form`).
     Subclasses of nn.Linear (quantised, LoRA, ...) keep their own forward and are skipped, and so
     are layers whose weight is below the bound at every thread count (the form could never run
-    there; the per-call check alone cost the built-in tiny model's generation ~4%,
-    docs/performance.md session 18).
+    there, and the per-call check alone costs a small model's generation time).
     """
     if max_rows < 0:
         raise ValueError(f"install_decode_gemm: max_rows must be >= 0, got {max_rows}")

@@ -65,7 +65,7 @@ def default_attn_implementation(
     """'eager' for a trained role (actor, critic) computing in bf16/fp16 on CPU, else None.
 
     On CPU PyTorch's bf16 SDPA backward is several times slower than fp32's for short sequences;
-    eager attention cut the 30M model's bf16 update by ~16% (docs/performance.md). An
+    eager attention makes a bf16 update faster there (`bench/mfu.py --dtype bf16 --attn eager`). An
     `override_config.attn_implementation` set by the user always wins.
     """
     if role not in ("actor", "critic") or "attn_implementation" in (model_config.override_config or {}):
@@ -182,9 +182,8 @@ def compile_decoder_layers(module: nn.Module, fsdp_config: FSDPConfig) -> int:
     Called before `fully_shard` (torchtitan's order: each compiled block is then sharded). In place
     (`nn.Module.compile`), so parameter names, state dicts and checkpoints are those of the eager
     model. `dynamic=True`: one graph for every sequence length, where a static graph recompiles
-    at each new response length (10.8 s for the ~100M bench model). Measured in
-    bench/compile_layers.py (docs/performance.md): the update's step 0.79x the eager one at 48 new
-    tokens, 16 s of compile on the first step.
+    at each new response length. `bench/compile_layers.py` measures the step against the eager one,
+    with the compile time and the steps it takes to earn it back.
     """
     classes = _layer_classes(module, fsdp_config)
     layers = [m for m in module.modules() if type(m).__name__ in classes]

@@ -4,7 +4,7 @@ Every worker on the node then reads the weights from RAM instead of the (network
 copy is made once per source folder and reused while the source is unchanged.
 
 /dev/shm is shared by every user of the machine, so a copy is trusted only after a check
-(issue 30), never by its path alone:
+never by its path alone:
 
 * the root folder (``HYBRIDRL_SHM_DIR``, default ``/dev/shm/hybridrl_models``) must belong to this
   user and be writable by nobody else (it is created with mode 0700);

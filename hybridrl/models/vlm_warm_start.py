@@ -69,7 +69,7 @@ def format_warm_start(
         model_dir: a folder from :func:`hybridrl.models.vlm.build_tiny_vlm` (overwritten).
         steps, seed, lr, batch_size: the supervised loop (rows from the task's "warm" split).
         num_threads: torch threads meanwhile (restored after; None: as they are). More than one is
-            many times slower as soon as anything else runs on the cores (NOTES-cpu: 10-35x).
+            many times slower as soon as anything else runs on the cores (bench/threads.py).
 
     Returns:
         {"steps", "seconds", "final_loss"}.

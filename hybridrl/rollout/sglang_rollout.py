@@ -4,7 +4,7 @@ UNTESTED ON GPU: written against SGLang's public offline-engine API (`sglang.Eng
 args)`, `engine.generate(input_ids=..., sampling_params=..., return_logprob=...)`,
 `engine.update_weights_from_tensor(named_tensors, flush_cache=...)`,
 `engine.release_memory_occupation()` / `resume_memory_occupation()`, `engine.shutdown()`);
-SGLang is CUDA-only (shared/NOTES-cpu.md), so none of this ran on the CPU machines. The tests
+SGLang is CUDA-only, so none of this ran on the CPU machines. The tests
 skip cleanly without sglang.
 
 Differences from VLLMRollout worth knowing:

@@ -4,7 +4,7 @@ A single-slot run needs no second process: the worker object is built in the dri
 group method calls it directly, with the same dispatch and collect functions as the Ray backend
 (`WorkerGroup._call`), so trainer code is unchanged. What it saves is the start-up of Ray (its
 GCS, raylet and worker processes) and of a worker process that imports torch, transformers and the
-engines again (docs/performance.md, "Start-up"). Colocated classes (`create_colocated_worker_cls`)
+engines again (`bench/startup.py` measures both backends). Colocated classes (`create_colocated_worker_cls`)
 work as with Ray: `spawn(roles)` gives per-role views.
 
 The worker sees the environment a Ray worker of a one-slot group sees: RANK=0, WORLD_SIZE=1,

@@ -1,4 +1,4 @@
-"""Tool callbacks off the generation loop, each with a deadline (issue 30).
+"""Tool callbacks off the generation loop, each with a deadline.
 
 The agent loop's event loop also drives generation, so a tool must never hold it. Every tool
 callback (`create`, `execute`, `calc_reward`, `release`) runs on a private event loop in a daemon

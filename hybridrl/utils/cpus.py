@@ -5,7 +5,7 @@ leaving one core to the driver and Ray's own processes when there are cores to s
 (`auto_cpus_per_worker`). An explicit positive integer always wins. With more than one thread a
 worker also gets `OMP_WAIT_POLICY=PASSIVE` (`thread_env`): OpenMP's default lets idle threads spin,
 which made two threads 3x slower than one on a loaded 2-core machine, while sleeping threads made
-two threads 1.8x faster than one there (bench/threads.py, docs/performance.md).
+two threads 1.8x faster than one there (bench/threads.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The one place that knows about device kinds (shared/DESIGN.md, "Devices").
+"""The one place that knows about device kinds.
 
 Everything device-specific (device name, distributed backend, visible-devices variable,
 process-group creation with a timeout) goes through these helpers, so the rest of the code

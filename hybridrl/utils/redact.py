@@ -1,4 +1,4 @@
-"""Secrets out of every logged config (config.json, TensorBoard, wandb, MLflow; issue 30).
+"""Secrets out of every logged config (config.json, TensorBoard, wandb, MLflow).
 
 `redact_config(config)` returns a copy in which:
 

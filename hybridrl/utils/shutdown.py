@@ -1,4 +1,4 @@
-"""SIGTERM runs the driver's cleanup (issue 30).
+"""SIGTERM runs the driver's cleanup.
 
 Python's default for SIGTERM ends the process at once: no ``finally`` runs, so the tracker is
 not closed and Ray actors, placement groups and vLLM engines of a local Ray are left to die with

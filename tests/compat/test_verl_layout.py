@@ -148,7 +148,7 @@ def test_min_lr_becomes_the_same_floor_as_min_lr_ratio():
         )
 
 
-# the keys issue 23 lists: (a value hybridrl takes, a value it refuses)
+# veRL layout keys: (a value hybridrl takes, a value it refuses)
 LISTED = [
     (f"{ARR}.actor.fsdp_config.use_orig_params", "False", None),
     (f"{ARR}.actor.optim.optimizer", "AdamW", "SGD"),

@@ -58,7 +58,7 @@ def test_profiler_validation_dump_and_checkpoint_keys(tmp_path):
         ],
         tmp_path,
     )
-    # loaded, then deleted once the next checkpoint (step 3) was saved: never the only copy (issue 30)
+    # loaded, then deleted once the next checkpoint (step 3) was saved: never the only copy
     assert not (ckpt / "global_step_2").exists()
     assert (ckpt / "global_step_3").exists() and (ckpt / "global_step_1").exists()
 

@@ -1,4 +1,4 @@
-"""Every row of the train/val files is checked before Ray (issue 30): a bad row in the middle of a
+"""Every row of the train/val files is checked before Ray: a bad row in the middle of a
 file fails at start-up naming the key, the file, the row, the column and the fix."""
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_a_bad_row_fails_prepare_run_before_ray(tmp_path):
 
 def test_the_arrow_check_imports_no_pandas(tmp_path):
     """The whole-file check of the default run stays off `pyarrow.compute`, whose first call imports
-    pandas (~0.2 s of the 1.5 s start-up budget, issue 27); and it still tells good files from bad."""
+    pandas (part of the start-up budget); and it still tells good files from bad."""
     import subprocess
     import sys
 

@@ -1,4 +1,4 @@
-"""A crafted torch.distributed.checkpoint `.metadata` must not run code (issue 30, item 6).
+"""A crafted torch.distributed.checkpoint `.metadata` must not run code.
 
 A real DCP checkpoint is written with `dcp.save`; its `.metadata` is then replaced by a pickle
 whose reduction calls `os.mkdir` (a visible side effect). model_merger's shard reader and the

@@ -1,4 +1,4 @@
-"""Deadlines (issue 30): a hung (alive) worker and a hanging reward function end with a message
+"""Deadlines: a hung (alive) worker and a hanging reward function end with a message
 naming the key, within seconds (small timeouts set here)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Exposure (issue 30): no secret in a logged config, the embedded Ray on 127.0.0.1 only,
+"""Exposure: no secret in a logged config, the embedded Ray on 127.0.0.1 only,
 SIGTERM runs the driver's cleanup, and the prime pool is not forked from the driver."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A hanging interaction (a simulated user) ends its trajectory, never the step (issue 30).
+"""A hanging interaction (a simulated user) ends its trajectory, never the step.
 
 Real tool agent, real HF engine and the built-in model; the interaction is loaded from a veRL-format
 yaml (`multi_turn.interaction_config_path`) and its calls hang: a blocking `time.sleep` inside

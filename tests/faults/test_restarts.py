@@ -1,4 +1,4 @@
-"""`trainer.max_restarts` (issue 30): a worker process killed mid-run (a real SIGKILL of the Ray
+"""`trainer.max_restarts`: a worker process killed mid-run (a real SIGKILL of the Ray
 actor's process), the driver tears the worker groups down, starts them again and resumes from the
 last checkpoint; the run ends with the same final step count and a final model that loads.
 """

@@ -1,4 +1,4 @@
-"""A served reward model that never answers ends the call naming the key (issue 30).
+"""A served reward model that never answers ends the call naming the key.
 
 The reward loop's call of a reward-model replica (`reward_loop._call`, what `RewardLoopWorker`
 runs for every chunk) waits `reward_model.rollout.request_timeout_s`: a real Ray actor whose

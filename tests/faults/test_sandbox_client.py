@@ -1,4 +1,4 @@
-"""The SandboxFusion client against misbehaving real HTTP servers (issue 30): a server that trickles
+"""The SandboxFusion client against misbehaving real HTTP servers: a server that trickles
 its answer ends at the total deadline, an oversized answer is refused, a sandbox that restarts is
 waited for, and file:// URLs are refused."""
 

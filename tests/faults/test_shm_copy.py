@@ -1,4 +1,4 @@
-"""`model.use_shm`: the shared-memory copy is checked (owner, size, hash) before each use (issue 30).
+"""`model.use_shm`: the shared-memory copy is checked (owner, size, hash) before each use.
 
 Real copies of the built-in model folder under a real folder (in /dev/shm when it exists);
 another user's files are made with a real `chown` (needs root; skipped otherwise).

@@ -1,4 +1,4 @@
-"""Start-up checks of main_sft, main_generation and main_eval (issue 30), one bad value per row:
+"""Start-up checks of main_sft, main_generation and main_eval, one bad value per row:
 each fails before a process group, a model or a generation starts, with a message naming the key."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The start-up validation sweep, one bad value per row (issue 30; docs/reliability.md lists it).
+"""The start-up validation sweep, one bad value per row (docs/reliability.md lists it).
 
 Three tiers, each row must fail with a message that names the key:
 

@@ -1,4 +1,4 @@
-"""Start-up validation (issue 30): mistakes found before Ray starts, naming the key and the fix."""
+"""Start-up validation: mistakes found before Ray starts, naming the key and the fix."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hanging tools become data, never a hang (issue 30): a blocking call inside `async def execute`,
+"""Hanging tools become data, never a hang: a blocking call inside `async def execute`,
 an overrunning sync `@function_tool`, and a `create` / `calc_reward` / `release` that never return,
 on the real tool agent with the real HF engine and the built-in model (tool_timeout_s=0.5)."""
 

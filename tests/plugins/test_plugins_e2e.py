@@ -180,7 +180,6 @@ run_ppo(config, role_worker_mapping={Role.ActorRollout: my_algo.NormWorker}, tra
 
 def _initial_norm() -> float:
     from hybridrl.config.roles import ModelConfig
-
     from hybridrl.models.builtin import resolve_model_path
     from hybridrl.models.hf import build_hf_model
 

@@ -129,7 +129,7 @@ def test_megatron_is_off():
 
 
 def test_threshold_is_between_the_measured_sizes():
-    # measured: no gain at ~30M, a gain at ~100M (docs/performance.md)
+    # measured: no gain at ~30M, a gain at ~100M (bench/compile_layers.py)
     assert estimate_params(MODEL_30M) < MIN_PARAMS < estimate_params(REAL100M)
     assert not auto_decision(_config(), MODEL_30M, on_gpu=False)[0]
 

@@ -1,4 +1,4 @@
-"""Every config leaf is honoured or refused (issue 13).
+"""Every config leaf is honoured or refused.
 
 For each shipped yaml (ppo, sft, generation, evaluation) and its typed schema, every leaf must be
 either read by the code of that entry point (its name appears as an attribute read `x.<name>`

@@ -1,7 +1,7 @@
 """The few shims megatron-core 0.16 needs to run on CPU over gloo (applied only without CUDA).
 
-megatron-core has no CPU device path: `use_cpu_initialization` covers weight init only. Measured
-on this project's CPU machines (shared/NOTES-cpu.md, "Megatron-core on CPU"), two shims suffice:
+megatron-core has no CPU device path: `use_cpu_initialization` covers weight init only. On
+CPU machines two shims suffice:
 
 1. `apply_cpu_shims()` (once per process): `torch.cuda.current_device()` returns "cpu". Megatron
    allocates with `device=torch.cuda.current_device()` in the model itself (attention buffers,

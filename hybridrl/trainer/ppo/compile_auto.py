@@ -3,7 +3,7 @@
 `compile_layers=true` compiles every decoder layer of the actor with `torch.compile(dynamic=True)`
 (engine/fsdp.compile_decoder_layers). Whether that pays depends on the model and on the
 length of the run, so `null` (hybridrl's default for the actor; veRL has no such key) turns it on
-only where it was measured to pay (docs/performance.md, bench/compile_layers.py and
+only where it was measured to pay (bench/compile_layers.py and
 bench/compare_trl.py --variants compiled, 2 CPU cores, fp32):
 
 - ~100M-parameter Qwen2 (real100m), padded forward: the update 0.79x eager at 48 new tokens,

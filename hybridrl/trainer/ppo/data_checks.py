@@ -198,7 +198,7 @@ def _arrow_rows_ok(table: Any, spec: RowSpec) -> bool:
     """Whether every row passes, computed on the arrow columns (False: look row by row).
 
     Uses arrow's buffers and plain Python, not `pyarrow.compute`: the first compute call imports
-    pandas (0.2 s of the default run's 1.5 s start-up, docs/performance.md), for checks this cheap.
+    pandas (a noticeable part of the default run's start-up, bench/startup.py), for checks this cheap.
     """
     import numpy as np
     import pyarrow as pa

@@ -8,7 +8,7 @@ engine, without Ulysses SP, on a model the grouper supports (`prefix_group.model
 no sliding-window attention, a forward that passes the layout down to attention; of the
 vision-language models, Qwen2-VL, Qwen2.5-VL and Qwen3-VL). Otherwise it
 is off. The decision and its reason are printed once; the config then holds a plain bool, so the
-workers see what the driver decided. Measured gain: docs/performance.md, docs/config.md.
+workers see what the driver decided. Measured gain: bench/prefix_grouper.py (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Start-up checks of values that would fail (or do nothing) only after Ray and the workers started.
 
-Each raises a ConfigError naming the key and the fix, before Ray starts (issue 30's validation
+Each raises a ConfigError naming the key and the fix, before Ray starts (the validation
 sweep; more checks live in config.py, the dataset loader and the model resolver; the list of
 what is covered is in docs/reliability.md). Two entry points:
 

@@ -350,4 +350,4 @@ def validate_sft_config(config: SFTConfig) -> None:
         )
     from hybridrl.trainer.sft.checks import check_sft_values
 
-    check_sft_values(config)  # the remaining ranges and names (issue 30's start-up sweep)
+    check_sft_values(config)  # the remaining ranges and names (the start-up sweep)
