@@ -40,7 +40,7 @@ from hybridrl.rollout.base import (
     register_rollout,
 )
 from hybridrl.rollout.config import RolloutConfig
-from hybridrl.rollout.weight_sync import iter_buckets
+from hybridrl.weight_sync.buckets import iter_buckets
 
 __all__ = ["SGLangRollout"]
 

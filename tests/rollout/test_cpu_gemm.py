@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from rollout_testlib import make_prompts, plain_generate
 from torch import nn
 
-from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights
+from hybridrl.rollout import RolloutConfig, create_rollout
 from hybridrl.rollout.cpu_gemm import (
     DecodeGemmLinear,
     decode_gemm_applies,
@@ -27,6 +27,7 @@ from hybridrl.rollout.cpu_gemm import (
     uninstall_decode_gemm,
     use_weight_first,
 )
+from hybridrl.weight_sync import sync_weights
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
 FORMS = [pytest.param("onednn", marks=needs_onednn), "weight_first"]
