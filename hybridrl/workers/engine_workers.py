@@ -3,9 +3,9 @@
 
 * `ActorRolloutRefWorker(model, actor, ref, rollout, role)` — role in actor / rollout / ref /
   actor_rollout / actor_rollout_ref. With both actor and rollout it is the *hybrid engine*: it
-  trains with its training engine (`*.strategy` / `model_engine`: FSDP2, Megatron, ...) and,
-  before each generation, streams the gathered weights into its rollout engine on the same device
-  (vLLM, SGLang or plain HF generate). `disaggregated=True` gives the asynchronous trainer's two
+  trains with its training engine (`*.strategy` / `model_engine`: FSDP2, Megatron, ...) and, at
+  the trainer's `sync_rollout_weights` stage, streams the gathered weights into its rollout engine
+  on the same device (vLLM, SGLang or plain HF generate). `disaggregated=True` gives the asynchronous trainer's two
   modes: role="rollout", a rollout engine alone on its slot with versioned weights
   (`load_weights`), no process group (with rollout TP > 1 the rollout group's own, for the TP
   engines); an actor role without a rollout engine, whose weights go
