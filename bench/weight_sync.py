@@ -40,7 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rollout_generation import build_model_dir, count_params  # noqa: E402
 
 from hybridrl.models.weight_map import to_torch_dtype  # noqa: E402
-from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights  # noqa: E402
+from hybridrl.rollout import RolloutConfig, create_rollout  # noqa: E402
+from hybridrl.weight_sync import sync_weights  # noqa: E402
 
 
 def best_of(fn, repeats: int) -> float:

@@ -54,7 +54,8 @@ def _rank_main(rank: int, path: str, dtype_name: str, repeats: int, port: int, q
 
     from hybridrl.engine.full_params import iter_full_params
     from hybridrl.models.weight_map import to_torch_dtype
-    from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights
+    from hybridrl.rollout import RolloutConfig, create_rollout
+    from hybridrl.weight_sync import sync_weights
 
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=600))
     dtype = to_torch_dtype(dtype_name)

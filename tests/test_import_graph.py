@@ -118,12 +118,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer",),  # the entry modules and the loops behind them
     ("async_rollout",),  # the asynchronous rollout manager (AReaL-style), over the workers
     ("workers",),  # the Ray worker classes that compose the packages below
-    ("weight_sync",),  # every weight movement from a training engine to a rollout engine
     ("agent",),  # agent loops, interactions and their HTTP server
     ("tools",),  # tool classes, their loading and veRL's tool API
     ("reward",),  # reward managers, scorers, judges, reward models
     ("rollout",),  # rollout engines (hf, vllm, sglang)
     ("engine",),  # training engines (FSDP2, Megatron)
+    ("weight_sync",),  # every weight movement from a training engine to a rollout engine
     ("models",),  # model / tokenizer loading, the built-in model, weight-name maps
     ("data",),  # datasets, samplers, tasks
     ("config",),  # the typed config dataclasses every layer above reads
@@ -135,15 +135,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("utils",),  # helpers: config loading, io, devices, tracking, FLOPs, floors
     ("cpu",),  # CPU-only speed paths (oneDNN, GEMM, attention, KV cache, sampler); torch only
 )
-
-# Imports that run up from workers/ into async_rollout/ (the collective weight group's mixin and
-# its payload check); they leave with the move of weight movement into weight_sync/, and this set
-# is emptied then.
-PENDING_ON_WEIGHT_SYNC = {
-    ("hybridrl.workers.engine_workers", "hybridrl.async_rollout.collective"),
-    ("hybridrl.workers.engine_workers", "hybridrl.async_rollout.collective_worker"),
-}
-
 
 def _package(module: str) -> str:
     parts = module.split(".")
@@ -189,6 +180,5 @@ def test_no_import_runs_up_the_layers():
     bad = [
         f"{a} imports {b} ({_package(a)} is below {_package(b)})"
         for a, b in upward_imports()
-        if (a, b) not in PENDING_ON_WEIGHT_SYNC
     ]
     assert not bad, f"{len(bad)} imports run up the layers:\n" + "\n".join(bad)

@@ -1,4 +1,4 @@
-"""Rollout (generation) engines of the hybrid engine and the weight sync into them.
+"""Rollout (generation) engines of the hybrid engine (the weight sync into them: hybridrl.weight_sync).
 
 `get_rollout_class(config.name)` imports an engine only when it is asked for, so importing
 hybridrl never imports vllm or sglang. See base.py for the batch contract.
@@ -18,7 +18,6 @@ from hybridrl.rollout.base import (
     register_rollout,
     resolve_sampling,
 )
-from hybridrl.rollout.weight_sync import iter_buckets, sync_weights
 
 __all__ = [
     "BaseRollout",
@@ -32,9 +31,7 @@ __all__ = [
     "create_rollout",
     "derive_seed",
     "get_rollout_class",
-    "iter_buckets",
     "list_rollouts",
     "register_rollout",
     "resolve_sampling",
-    "sync_weights",
 ]

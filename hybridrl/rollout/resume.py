@@ -44,6 +44,7 @@ from hybridrl.rollout.base import (
 )
 
 __all__ = [
+    "PartialRollout",
     "PARTIAL_KEYS",
     "chunk_partial_columns",
     "fresh_partial_columns",
@@ -229,3 +230,40 @@ def unfinished_group_prefixes(out: DataProto, n: int) -> dict[int, dict[str, np.
             cols["partial_done"][j] = bool(done[r])
         back[i] = cols if any(lengths[r] for r in rows) else None
     return back
+
+
+class PartialRollout:
+    """A rollout engine whose resumable generation a weight update can interrupt: the partial
+    rollout mode of a disaggregated rollout worker (workers/engine_workers.py).
+
+    The worker asks `request_abort(v, its version)` from its control thread while `generate` runs
+    in its main one; a generation whose version is below v then stops at its next decode step.
+
+    Args:
+        rollout: the worker's rollout engine (a BaseRollout with `abort_requested` support).
+    """
+
+    def __init__(self, rollout: Any) -> None:
+        self.rollout = rollout
+        self.abort_below = -1  # abort a generation whose policy version is below this
+        self.aborts = 0  # generations that stopped early
+
+    def request_abort(self, version: int, policy_version: int) -> bool:
+        """Abort generations older than `version`; True if one may be running now."""
+        self.abort_below = max(self.abort_below, int(version))
+        return self.abort_below > policy_version
+
+    def generate(self, prompts: DataProto, policy_version: int) -> DataProto:
+        """`generate_resumable` with this mode's abort callback; meta_info "worker_aborts" counts
+        the generations cut short so far."""
+        # the callback is set for this call only: validation and the ReMax baseline run on the same
+        # engine and must never be cut short by a pending abort
+        self.rollout.abort_requested = lambda: self.abort_below > policy_version
+        try:
+            out = generate_resumable(self.rollout, prompts, policy_version)
+        finally:
+            self.rollout.abort_requested = None
+        if getattr(self.rollout, "last_generate_aborted", False):
+            self.aborts += 1
+        out.meta_info["worker_aborts"] = self.aborts
+        return out

@@ -40,7 +40,7 @@ from hybridrl.rollout.base import (
     SleepTracker,
     register_rollout,
 )
-from hybridrl.rollout.weight_sync import iter_buckets
+from hybridrl.weight_sync.buckets import iter_buckets
 
 __all__ = ["SGLangRollout"]
 

@@ -3,13 +3,15 @@
 
 * `ActorRolloutRefWorker(model, actor, ref, rollout, role)` — role in actor / rollout / ref /
   actor_rollout / actor_rollout_ref. With both actor and rollout it is the *hybrid engine*: it
-  trains with its training engine (`*.strategy` / `model_engine`: FSDP2, Megatron, ...) and,
-  before each generation, streams the gathered weights into its rollout engine on the same device
-  (vLLM, SGLang or plain HF generate). `disaggregated=True` gives the asynchronous trainer's two
+  trains with its training engine (`*.strategy` / `model_engine`: FSDP2, Megatron, ...) and, at
+  the trainer's `sync_rollout_weights` stage, streams the gathered weights into its rollout engine
+  on the same device (vLLM, SGLang or plain HF generate). `disaggregated=True` gives the asynchronous trainer's two
   modes: role="rollout", a rollout engine alone on its slot with versioned weights
   (`load_weights`), no process group (with rollout TP > 1 the rollout group's own, for the TP
   engines); an actor role without a rollout engine, whose weights go
-  out through `publish_weights`.
+  out through `publish_weights` or `broadcast_weights`. `partial_rollout=True` (a disaggregated
+  rollout worker) lets a weight update interrupt a running generation (`abort_generation`).
+  Every weight movement is the `weights` component's (hybridrl/weight_sync/component.py).
 * `CriticWorker(config)` — value model, on the engine of `critic.strategy`.
 * `RewardModelWorker(config)` — learned reward model (sequence classification).
 
@@ -25,19 +27,21 @@ import time
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 
 from hybridrl.agent.runner import AgentLoopRunner, uses_agent_loops
-from hybridrl.async_rollout.collective_worker import CollectiveWeightsMixin
 from hybridrl.config.batch import PerRankBatchSizes
 from hybridrl.config.roles import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from hybridrl.config.rollout import RolloutConfig
 from hybridrl.engine.base import EngineBuildSpec, TrainEngine, canonical_engine_name, get_engine
-from hybridrl.models.weight_map import to_torch_dtype
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import Worker, register
 from hybridrl.single_controller.dispatch import Dispatch, make_mesh_dispatch
+from hybridrl.utils import deadlines
 from hybridrl.utils.device import init_process_group
+from hybridrl.weight_sync.collective import GroupSpec
+from hybridrl.weight_sync.component import WeightSync, rollout_state_copy
 from hybridrl.workers.parallel_dims import ParallelDims
 from hybridrl.workers.profiling import StepProfiling
 
@@ -67,7 +71,7 @@ def _setup_process(num_threads: int | None, timeout_s: float | None = None) -> N
     init_process_group(timeout_s=timeout_s or _PG_TIMEOUT_S)
 
 
-class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
+class ActorRolloutRefWorker(StepProfiling, Worker):
     """Policy training, rollout generation and the frozen reference, colocated on one slot.
 
     Args:
@@ -80,7 +84,14 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         peak_flops: one device's peak FLOP/s for `perf/mfu/actor` (None: not reported).
         dims: the driver's ParallelDims of the actor (None: derived here from the config).
         disaggregated: the asynchronous trainer's modes (see the module docstring).
+        partial_rollout: a disaggregated rollout worker whose generation a weight update can
+            interrupt (`async_training.partial_rollout`; `abort_generation`).
     """
+
+    # partial rollout's `abort_generation` runs in a concurrency group of its own, i.e. while
+    # `generate_sequences` executes; every other call stays in the default group, one at a time
+    # and in submission order, so a weight update still lands between two generate calls
+    ray_concurrency_groups = {"control": 1}
 
     def __init__(
         self,
@@ -96,6 +107,7 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         dims: ParallelDims | None = None,
         disaggregated: bool = False,
         distillation: Any = None,
+        partial_rollout: bool = False,
     ) -> None:
         super().__init__()
         self.distillation = distillation  # distillation.distillation_loss when on (the actor's loss term)
@@ -112,6 +124,10 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         self.dims = dims
         if disaggregated and self._is_actor:
             self._is_rollout = False  # the rollout engines live in their own workers
+        if partial_rollout and not (disaggregated and role == "rollout"):
+            raise ValueError(
+                "partial_rollout=True is a mode of the disaggregated rollout worker (role='rollout')"
+            )
         # disaggregated rollout: the weights from model.path are version 0 (-1: a dummy load format)
         self.policy_version = -1 if self.rollout_config.is_dummy_load else 0
         self.busy_s = 0.0
@@ -120,7 +136,9 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         self.pg_timeout_s = pg_timeout_s
         self.peak_flops = peak_flops
         self.actor_engine = self.actor = self.ref_engine = self.ref_policy = self.rollout = None
-        self._weights_stale = True
+        self.weights = WeightSync(self.rank, model, self.rollout_config)
+        self.partial = None  # rollout/resume.py's PartialRollout once the engine exists (partial_rollout)
+        self._partial_rollout = partial_rollout
         self._lora_self_ref = False
         self._agent_runner = None
         self._tp_group = None
@@ -131,6 +149,7 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
     def init_model(self) -> None:
         """Build the actor / reference on their training engine and the rollout engine on this rank."""
         from hybridrl.models.builtin import resolve_model_path
+        from hybridrl.rollout.parallel import weight_loader_for
         from hybridrl.workers.actor import PPOActor
 
         self.model_config.validate()
@@ -154,6 +173,9 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
                 a, self.actor_engine, batch_sizes=self.actor_batch_sizes, peak_flops=self.peak_flops,
                 distillation=self.distillation,
             )  # fmt: skip
+            self.weights.attach_training(
+                self.actor_engine, weight_loader_for(self.rollout_config.load_format, a.strategy)
+            )
         if self._is_ref:
             self._lora_self_ref = self._is_actor and (
                 self.model_config.lora_rank > 0 or bool(self.model_config.lora_adapter_path)
@@ -211,7 +233,9 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         from hybridrl.utils.device import get_device_name
 
         rc = self.rollout_config
-        self._weight_loader = weight_loader_for(rc.load_format, self.actor_config.strategy)
+        weight_loader_for(
+            rc.load_format, self.actor_config.strategy
+        )  # fails on a format the actor cannot feed
         dims = ParallelDims(
             self.world_size, rollout_tp=rc.tensor_model_parallel_size, key="actor_rollout_ref"
         )
@@ -225,24 +249,23 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
             self.actor_engine.tokenizer if self.actor_engine is not None else None
         ) or load_tokenizer(self.model_config)
         self.rollout = create_rollout(rc, model_path, tokenizer)
-        self._weights_stale = self.actor_engine is not None
+        self.weights.attach_rollout(self.rollout)
+        if self._partial_rollout:
+            from hybridrl.rollout.resume import PartialRollout
 
-    def _sync_rollout_weights(self) -> dict[str, float]:
-        """The hybrid-engine switch: the training engine gathers its shards into full tensors, one
-        bucket at a time (load_format's loader: "dtensor" buckets, the "hf" full state dict, or the
-        "megatron" TP/PP gather), and the engine of each TP rank loads its slice; per-rank bytes and
-        seconds come back as metrics."""
-        from hybridrl.rollout.weight_sync import per_rank_sync_metrics, sync_weights
+            self.partial = PartialRollout(self.rollout)
 
-        if not self._weights_stale or self.actor_engine is None:
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def sync_rollout_weights(self) -> dict[str, float]:
+        """The hybrid-engine switch, as a stage of its own: if the actor changed since the last
+        sync, its training engine gathers its shards into full tensors one bucket at a time (the
+        rollout's loader: "dtensor" buckets, the "hf" full state dict, or the "megatron" TP/PP
+        gather) and the engine of each TP rank loads its slice (weight_sync/component.py). Every
+        rank must call it (the gather is a collective). Returns this rank's `weight_sync/*` metrics
+        and `timing_s/update_weights` ({} when nothing changed or there is no rollout engine)."""
+        if self.rollout is None:
             return {}
-        self.actor_engine.onload()
-        dtype = to_torch_dtype(self.rollout_config.dtype)
-        named = self.actor_engine.iter_params(dtype=dtype, loader=self._weight_loader)
-        metrics = sync_weights(self.rollout, named)
-        self.actor_engine.offload()
-        self._weights_stale = False
-        return {**metrics, **per_rank_sync_metrics(metrics)}
+        return self.weights.wake_and_sync()
 
     # -------------------------------------------------------------- generate
     @register(dispatch_mode=ON_ROLLOUT_MESH)
@@ -260,15 +283,14 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         return self._generate(prompts)
 
     def _generate(self, prompts: DataProto) -> DataProto:
-        """generate_sequences' body: weight sync if stale, generation, memory release, timings."""
+        """generate_sequences' body: wake-up, generation, memory release, timings. The trainers
+        sync the weights at a stage of their own (`sync_rollout_weights`); a worker driven by hand
+        whose actor changed since is synced here first, so no caller generates with old weights."""
         from hybridrl.rollout.parallel import check_same_rows
-        from hybridrl.rollout.weight_sync import wake_and_sync
 
         timing: dict[str, float] = {}
         t0 = time.perf_counter()
-        sync = wake_and_sync(
-            self.rollout, self._sync_rollout_weights, self.rollout_config.multi_stage_wake_up
-        )
+        sync = self.weights.wake_and_sync()
         timing["update_weights"] = sync.get("timing_s/update_weights", 0.0)
         if self._tp_group is not None:
             check_same_rows(
@@ -304,7 +326,10 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         return out
 
     def _rollout_generate(self, prompts: DataProto) -> DataProto:
-        """Plain single-turn generation, or the agent loops (multi_turn / agent_name rows)."""
+        """Plain single-turn generation, the agent loops (multi_turn / agent_name rows), or partial
+        rollout's resumable generation (rows that carry the partial columns, rollout/resume.py)."""
+        if self.partial is not None and "partial_done" in prompts.non_tensor_batch:
+            return self.partial.generate(prompts, self.policy_version)
         if not uses_agent_loops(self.rollout_config, prompts):
             return self.rollout.generate_sequences(prompts)
         if self._relay_group is None:
@@ -393,7 +418,7 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         self.actor_engine.onload(with_optimizer=True)
         metrics = self.actor.update_policy(data, temperature=self.rollout_config.temperature)
         self.actor_engine.offload()
-        self._weights_stale = True
+        self.weights.mark_changed()
         return DataProto(meta_info={"metrics": metrics})
 
     # ----------------------------------------------------------- checkpoints
@@ -418,7 +443,7 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
         extra = (state or {}).get("extra") or {}
         if self.rollout is not None and "rollout_calls" in extra:
             self.rollout.num_generate_calls = int(extra["rollout_calls"])
-        self._weights_stale = True
+        self.weights.mark_changed()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, target_dir: str) -> None:
@@ -437,44 +462,88 @@ class ActorRolloutRefWorker(CollectiveWeightsMixin, StepProfiling, Worker):
             On rank 0: {"version": version, "weights": [(hf_name, cpu tensor in rollout dtype)],
             "gather_s": seconds}; None on the other ranks.
         """
-        if self.actor_engine is None:
-            raise RuntimeError("publish_weights needs the actor; init_model has not run")
-        t0 = time.perf_counter()
-        self.actor_engine.onload()
-        dtype = to_torch_dtype(self.rollout_config.dtype)
-        weights = []
-        for name, tensor in self.actor_engine.iter_params(dtype=dtype):
-            if self.rank == 0:
-                weights.append((name, tensor.detach().to("cpu")))
-        self.actor_engine.offload()
-        if self.rank != 0:
-            return None
-        return {"version": int(version), "weights": weights, "gather_s": time.perf_counter() - t0}
+        return self.weights.publish(version)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def open_weight_group(self, world_size: int, timeout_s: float) -> tuple[str, int] | None:
+        """Trainer rank 0: host the weight-update group's TCPStore on a free port; returns (host,
+        port) there, None on the other ranks."""
+        return self.weights.open_group(world_size, timeout_s)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def join_weight_group(self, spec: GroupSpec, first_rank: int) -> float | None:
+        """Join the weight-update group as group rank `first_rank + self.rank` (every member must
+        call this at about the same time: the backend's rendezvous needs all of them).
+
+        Args:
+            spec: from the driver (host and port from `open_weight_group`).
+            first_rank: 0 on the training group (only its rank 0 joins), 1 on the rollout group.
+
+        Returns:
+            Seconds the join took (None on training ranks > 0).
+        """
+        return self.weights.join_group(spec, first_rank)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def broadcast_weights(self, version: int, tp_shards: bool = True) -> dict[str, float] | None:
+        """Disaggregated trainer: gather the full parameters (every rank must call this, as for
+        publish_weights); rank 0 sends them to the rollout workers in buckets of
+        rollout.update_weights_bucket_megabytes: to a TP > 1 rollout of a model tp_shards.py knows,
+        each TP rank gets only its slices; otherwise (or `tp_shards=False`, the reference path of
+        tests and bench/async_weight_update.py) every worker gets the full tensors.
+
+        Returns:
+            On rank 0: {"version", "bytes" (all buckets), "rank_bytes" (what one rollout worker
+            receives), "buckets", "send_s" (packing + transfers), "total_s" (gather included)};
+            None on the other ranks.
+        """
+        return self.weights.broadcast(version, tp_shards)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_weights(self, payload: dict[str, Any], version: int) -> float:
         """Disaggregated rollout: load what `publish_weights` returned, or (a collective payload)
-        the version the weight-update group delivered (CollectiveWeightsMixin); returns the seconds
-        taken, waiting for a collective update included."""
-        from hybridrl.async_rollout.collective import is_collective_payload
-        from hybridrl.rollout.weight_sync import sync_weights
-
+        the version the weight-update group delivered; returns the seconds taken, waiting for a
+        collective update included."""
         if self.rollout is None:
             raise RuntimeError(f"load_weights called on a worker with role={self.role!r} (no rollout)")
-        collective = is_collective_payload(payload)
-        if not collective and (payload is None or "weights" not in payload):
-            raise ValueError(
-                "load_weights: payload must be publish_weights()'s rank-0 result {'weights': ...}"
-            )
-        t0 = time.perf_counter()
-        named = self._collective_weights(int(version)) if collective else iter(payload["weights"])
-        sync_weights(self.rollout, named)
-        if collective:
-            self._collective_loaded(int(version))
+        elapsed = self.weights.load(payload, int(version))
         self.policy_version = int(version)
-        elapsed = time.perf_counter() - t0
         self.busy_s += elapsed
         return elapsed
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def received_weight_bytes(self) -> dict[int, int]:
+        """Rollout worker: the bytes the weight-update group delivered, by version (tests, bench)."""
+        return self.weights.received_bytes()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the rollout engine's weights (to check an update: tests, bench)."""
+        return rollout_state_copy(self.rollout)
+
+    @ray.method(concurrency_group="control")
+    def abort_generation(self, version: int, ready: list[Any] | None = None) -> bool:
+        """Partial rollout: stop a generation older than `version` at its next decode step (runs
+        in the "control" concurrency group, i.e. while generate_sequences executes).
+
+        At a weight update the manager queues `load_weights(payload, v)` and calls this: once the
+        new weights exist (it waits for `ready`, the payload's ObjectRefs, without fetching them)
+        a generation running with a version older than v returns its tokens so far; load_weights
+        runs next, and the unfinished rows continue in a later call from their prefix. An abort
+        that arrives after its generation finished does nothing (the version is then >= v).
+
+        Returns:
+            True if a generation older than `version` may be running.
+        """
+        if self.partial is None:
+            raise RuntimeError(
+                "abort_generation: this rollout worker was started without partial_rollout=True "
+                "(async_training.partial_rollout)"
+            )
+        if ready:  # bounded: one payload that never comes must not block the one control thread
+            what = f"rollout worker {self.rank} abort_generation (version {version}): the weight payload"
+            deadlines.wait_refs(list(ready), what=what)
+        return self.partial.request_abort(int(version), self.policy_version)
 
 
 class CriticWorker(StepProfiling, Worker):

@@ -114,7 +114,8 @@ def _agent_tp_checks(rank: int, world: int, model_dir: str, result_path: str) ->
     import torch.distributed as dist
 
     from hybridrl.agent.runner import AgentLoopRunner
-    from hybridrl.rollout import create_rollout, sync_weights
+    from hybridrl.rollout import create_rollout
+    from hybridrl.weight_sync import sync_weights
 
     faulthandler.dump_traceback_later(300, exit=True)  # a relay hang fails with the stacks
     os.environ.update(

@@ -229,7 +229,7 @@ def test_eta0_tp2_rollout_equals_tp1_step_for_step(tmp_path):
     two = E2E.run_async([*TP_RUN, *_tp(2)], tmp_path / "tp2")
     assert one.consumed_versions == two.consumed_versions == [[0] * 4, [1] * 4, [2] * 4]
     assert all(r["async/weight_update/mbytes"] > 0 for r in two.history)
-    # each TP rank received only its slices (async_rollout/tp_shards.py): about half the model
+    # each TP rank received only its slices (weight_sync/tp_shards.py): about half the model
     sliced = [
         r["async/weight_update/mbytes_per_rollout_worker"] / r["async/weight_update/mbytes"]
         for r in two.history

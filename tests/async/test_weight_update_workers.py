@@ -9,7 +9,7 @@ import torch
 
 from hybridrl.trainer.async_ppo.config import load_async_config
 from hybridrl.trainer.async_ppo.launch import compose_async_config
-from hybridrl.trainer.async_ppo.weight_update import WeightPublisher
+from hybridrl.weight_sync.publisher import WeightPublisher
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]  # ~1 min on 2 shared cores
 

@@ -26,7 +26,8 @@ from hybridrl.cpu.decode_gemm import (
     uninstall_decode_gemm,
     use_weight_first,
 )
-from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights
+from hybridrl.rollout import RolloutConfig, create_rollout
+from hybridrl.weight_sync import sync_weights
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
 FORMS = [pytest.param("onednn", marks=needs_onednn), "weight_first"]

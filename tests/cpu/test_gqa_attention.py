@@ -12,7 +12,8 @@ from transformers import Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hybridrl.cpu.gqa_attention import ATTN_NAME, gqa_sdpa_attention, install_cpu_gqa_attention
-from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights
+from hybridrl.rollout import RolloutConfig, create_rollout
+from hybridrl.weight_sync import sync_weights
 
 TEXTS = ["12+34=", "7+1=", "abc", "9", "88*2=", "x"]
 T = 10

@@ -7,8 +7,9 @@ import pytest
 import torch
 from rollout_testlib import make_prompts
 
-from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights
+from hybridrl.rollout import RolloutConfig, create_rollout
 from hybridrl.rollout.hf_prefix import distinct_rows, shared_prefill
+from hybridrl.weight_sync import sync_weights
 
 # GRPO's layout: each prompt repeated n = 3 times, rows of different lengths (left padding)
 GROUPED = [t for t in ["12+34=", "7+1=", "abc+de"] for _ in range(3)]

@@ -8,8 +8,9 @@ import pytest
 import torch
 from rollout_testlib import EOS_ID, PAD_ID, make_prompts
 
-from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights
+from hybridrl.rollout import RolloutConfig, create_rollout
 from hybridrl.rollout.hf import HFRollout
+from hybridrl.weight_sync import sync_weights
 
 TEXTS = ["12+34=", "7+1=", "abc", "9"]
 T = 10

@@ -10,7 +10,7 @@ import torch
 from hybridrl.config.rollout import RolloutConfig
 from hybridrl.rollout.base import SleepTracker
 from hybridrl.rollout.hf import HFRollout
-from hybridrl.rollout.weight_sync import sync_weights, wake_and_sync
+from hybridrl.weight_sync.colocated import sync_weights, wake_and_sync
 
 
 class RecordingHF(HFRollout):

@@ -10,8 +10,9 @@ import pytest
 import torch
 from rollout_testlib import AbortAfter, carry_partial, make_prompts, with_partial
 
-from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights
+from hybridrl.rollout import RolloutConfig, create_rollout
 from hybridrl.rollout.resume import PARTIAL_KEYS, generate_resumable
+from hybridrl.weight_sync import sync_weights
 
 TEXTS = ["12+34=", "7+1=", "abc", "9"]
 T = 12

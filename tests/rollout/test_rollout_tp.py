@@ -183,7 +183,8 @@ def _tp_checks(rank: int, world: int, model_dir: str, result_path: str) -> None:
     import torch.distributed as dist
     from rollout_testlib import make_prompts
 
-    from hybridrl.rollout import create_rollout, sync_weights
+    from hybridrl.rollout import create_rollout
+    from hybridrl.weight_sync import sync_weights
 
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)

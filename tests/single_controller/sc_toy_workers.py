@@ -6,6 +6,7 @@ import os
 import time
 from typing import Any
 
+import ray
 import torch
 
 from hybridrl.protocol import DataProto
@@ -273,3 +274,25 @@ class ToyMeshWorker(Worker):
     def pop_seen(self) -> list[list[int]]:
         seen, self.seen = self.seen, []
         return seen
+
+
+class ControlledWorker(Worker):
+    """A role with a Ray concurrency group: `release` runs while `block` holds the default group."""
+
+    ray_concurrency_groups = {"control": 1}
+
+    def __init__(self) -> None:
+        import threading
+
+        super().__init__()
+        self._released = threading.Event()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def block(self, timeout_s: float) -> bool:
+        """Wait (in the default group) until `release` runs; True if it did within timeout_s."""
+        return self._released.wait(timeout_s)
+
+    @ray.method(concurrency_group="control")
+    def release(self) -> bool:
+        self._released.set()
+        return True

@@ -86,3 +86,23 @@ def test_failing_constructor_names_rank_and_cause(ray_session):
             RayWorkerGroup(pool, RayClassWithInitArgs(BrokenInit), name_prefix="broken")
     finally:
         pool.remove()
+
+
+def test_a_colocated_role_keeps_its_concurrency_group(ray_session):
+    """A role's Ray concurrency group (partial rollout's `abort_generation` uses one) survives
+    colocation: its control method runs while the default group is busy with another call."""
+    from sc_toy_workers import ControlledWorker
+
+    cls = create_colocated_worker_cls(
+        {"actor": RayClassWithInitArgs(ToyActor, scale=1), "rollout": RayClassWithInitArgs(ControlledWorker)}
+    )
+    pool = RayResourcePool([1], use_gpu=False, cpus_per_slot=0.25, name_prefix="coloc_cg")
+    wg = RayWorkerGroup(pool, cls, name_prefix="coloc_cg")
+    try:
+        actor = wg.workers[0]
+        blocked = actor.rollout_block.remote(30.0)  # holds the default group until released
+        assert ray_session.get(actor.rollout_release.remote(), timeout=20)  # the control group runs now
+        assert ray_session.get(blocked, timeout=20) is True
+    finally:
+        wg.shutdown()
+        pool.remove()

@@ -108,6 +108,11 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
                 )
             attrs[prefixed] = _forwarder(role, name, fn)
     attrs["_hybridrl_role_classes"] = role_classes
+    groups = {}  # the roles' Ray concurrency groups (a forwarded method keeps its group)
+    for cls in role_classes.values():
+        groups.update(getattr(cls, "ray_concurrency_groups", None) or {})
+    if groups:
+        attrs["ray_concurrency_groups"] = groups
     attrs["__doc__"] = "Colocated worker with roles: " + ", ".join(
         f"{r} ({c.__name__})" for r, c in role_classes.items()
     )

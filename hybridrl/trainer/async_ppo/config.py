@@ -27,7 +27,7 @@ and the placement of the rollout workers (their own Ray resource pool):
                                               each response from its prefix (HF engine)
     weight_update_mode                        object_store (Ray object store) or collective (a
                                               broadcast over a gloo/NCCL group of trainer rank 0 and
-                                              the rollout workers; weight_update.py)
+                                              the rollout workers; weight_sync/publisher.py)
     weight_update_timeout_s                   deadline of that group's creation and of each broadcast
 
 The training workers use trainer.nnodes x trainer.n_gpus_per_node slots as in synchronous mode.
@@ -149,7 +149,7 @@ def validate_async_config(config: AsyncPPOConfig) -> None:
 
 
 def _validate_weight_update(config: AsyncPPOConfig) -> None:
-    from hybridrl.async_rollout.collective import MODES
+    from hybridrl.weight_sync.collective import MODES
 
     at = config.async_training
     if at.weight_update_mode not in MODES:

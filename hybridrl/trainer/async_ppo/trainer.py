@@ -6,10 +6,10 @@ The fit loop is RayPPOTrainer's, stage for stage; three stages change:
                         up to eta older policies, never more), then score it as usual
     old log-prob        recompute_logprob: the trainer's current policy gives the proximal
                         log-probs (old_log_probs); otherwise the behaviour log-probs are used
-    update actor        update, then publish the new weights to the rollout workers (trainer
-                        rank 0 gathers -> object store or a broadcast over the weight-update
-                        group -> every rollout worker, between chunks: weight_update.py)
-                        and top up the prompt queue
+    sync weights        publish the new weights to the rollout workers (trainer rank 0
+                        gathers -> object store or a broadcast over the weight-update group ->
+                        every rollout worker, between chunks: hybridrl/weight_sync/publisher.py)
+                        and top up the prompt queue; fit's first call starts the rollout loop
 
 The decoupled loss gets the behaviour log-probs from the batch key `rollout_log_probs`, which the
 actor passes as `behave_log_prob` (hybridrl/workers/actor.py).
@@ -33,7 +33,6 @@ from hybridrl.single_controller.ray.base import (
 from hybridrl.single_controller.ray.colocate import create_colocated_worker_cls
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, n_rollout_engines, n_rollout_workers
 from hybridrl.trainer.async_ppo.dynamic_sampling import dynamic_sampling
-from hybridrl.trainer.async_ppo.weight_update import WeightPublisher
 from hybridrl.trainer.ppo.batch_steps import attach_reward_extra
 from hybridrl.trainer.ppo.metrics import timer
 from hybridrl.trainer.ppo.roles import Role, check_trainer_cls, mapped_class
@@ -42,13 +41,13 @@ from hybridrl.trainer.ppo.teachers import start_teacher_pool, teacher_role_class
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 from hybridrl.trainer.ppo.workers import (
     WorkerGroups,
-    actor_dims,
+    actor_class,
     start_reward_loop,
     support_role_classes,
     use_gpu,
     worker_classes,
 )
-from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
+from hybridrl.weight_sync.publisher import WeightPublisher
 
 __all__ = ["AsyncPPOTrainer", "AsyncWorkers", "build_async_trainer", "start_async_workers"]
 
@@ -135,29 +134,9 @@ def _train_classes(
     role_worker_mapping=None,
 ) -> dict:
     """{role: RayClassWithInitArgs} colocated on the training slots (actor [+ ref], critic, reward model)."""
-    arr = config.actor_rollout_ref
     # one class per role, as in main_ppo
     actor_cls, critic_cls, reward_cls = worker_classes(config, role_worker_mapping)
-    dims = actor_dims(config, world, with_rollout=False)
-    use_ref = config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
-    classes = {
-        "actor": RayClassWithInitArgs(
-            actor_cls,
-            model=arr.model,
-            actor=arr.actor,
-            ref=arr.ref,
-            rollout=arr.rollout,
-            role="actor_rollout_ref" if use_ref else "actor",
-            actor_batch_sizes=normalize_actor_batch_sizes(
-                arr.actor, rollout_n=arr.rollout.n, dp_size=dims.data_ranks
-            ),
-            num_threads=threads,
-            peak_flops=peak_flops,
-            dims=dims,
-            disaggregated=True,
-            distillation=config.distillation.distillation_loss if config.distillation.enabled else None,
-        )
-    }
+    classes = {"actor": actor_class(config, actor_cls, world, threads, peak_flops, disaggregated=True)}
     classes.update(support_role_classes(config, critic_cls, reward_cls, world, threads, peak_flops))
     classes.update(teacher_role_classes(config, actor_cls, threads))  # colocated teachers, as main_ppo
     return classes
@@ -170,12 +149,9 @@ def start_async_workers(
     rollout slots (one disaggregated rollout-only ActorRolloutRefWorker each). Both groups build
     their models concurrently. role_worker_mapping: the user's classes (trainer/ppo/roles.py;
     Role.Rollout: the rollout pool's, a subclass of the class it replaces)."""
-    from hybridrl.async_rollout.partial import PartialRolloutWorker
     from hybridrl.workers.engine_workers import ActorRolloutRefWorker
 
-    # partial rollout: a worker whose generation a weight update can interrupt
-    rollout_cls = PartialRolloutWorker if config.async_training.partial_rollout else ActorRolloutRefWorker
-    rollout_cls = mapped_class(role_worker_mapping, Role.Rollout, rollout_cls)
+    rollout_cls = mapped_class(role_worker_mapping, Role.Rollout, ActorRolloutRefWorker)
     gpu = use_gpu(config)
     train_pool, rollout_pool = _pools(config, gpu)
     classes = _train_classes(
@@ -199,6 +175,8 @@ def start_async_workers(
             role="rollout",
             num_threads=None if gpu else rollout_pool.num_threads,
             disaggregated=True,
+            # a worker whose generation a weight update can interrupt (abort_generation)
+            partial_rollout=config.async_training.partial_rollout,
         ),
         name_prefix="hybridrl_rollout",
     )
@@ -304,17 +282,32 @@ class AsyncPPOTrainer(RayPPOTrainer):
 
     # ------------------------------------------------------------------ manager
     def _started_manager(self) -> AsyncRolloutManager:
-        """Start the rollout loop on first use (after a checkpoint, if any, was loaded)."""
+        """The rollout loop, started with the current version on first use (fit's first
+        `sync_weights`, after a checkpoint, if any, was loaded)."""
         if not self._manager_started:
             self.manager.start(self._policy_version, self._publish(self._policy_version, start=False))
             self._manager_started = True
             self._feed()
         return self.manager
 
+    def sync_weights(self, metrics: dict | None = None, timing: dict | None = None) -> None:
+        """Stage: publish the policy's current version to the rollout workers and top up the
+        prompt queue (non-blocking; weight_sync/publisher.py: object store or the collective group).
+        fit's first call starts the rollout loop with the current version instead. The previous
+        update's `async/weight_update/*` metrics (checked by this publish) go into `metrics`."""
+        if not self._manager_started:
+            self._started_manager()
+            return
+        with timer("publish_weights", timing if timing is not None else {}):
+            self._publish(self._policy_version)
+        if metrics is not None:
+            metrics.update(self.weights.metrics)
+        self._feed()
+
     def _publish(self, version: int, start: bool = True):
-        """Start the update to `version` (non-blocking; weight_update.py: object store or collective)
-        and hand its payload to the manager. The previous update is checked first, so a failure
-        there surfaces here with its traceback."""
+        """Start the update to `version` (non-blocking: object store or collective) and hand its
+        payload to the manager. The previous update is checked first, so a failure there
+        surfaces here with its traceback."""
         lost = self._manager_started and self.manager.stats()["async/worker_failures"] > 0
         payload = self.weights.publish(version, workers_lost=lost)
         if start:
@@ -366,11 +359,7 @@ class AsyncPPOTrainer(RayPPOTrainer):
 
     def _update_actor(self, batch: DataProto, metrics: dict, timing: dict) -> None:
         super()._update_actor(batch, metrics, timing)
-        self._policy_version += 1
-        with timer("publish_weights", timing):
-            self._publish(self._policy_version)
-        metrics.update(self.weights.metrics)  # the previous update's (checked by this publish)
-        self._feed()
+        self._policy_version += 1  # one version per step (the next sync_weights publishes it)
         rows = batch.batch["response_mask"]
         if "rollout_log_probs" in batch.batch.keys() and "old_log_probs" in batch.batch.keys():
             diff = (batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"]).abs()

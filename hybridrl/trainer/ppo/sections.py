@@ -239,5 +239,5 @@ class AsyncTrainingConfig:
     rollout_cpus_per_worker: float = 1
     chunk_size: int | None = None
     partial_rollout: bool = False
-    weight_update_mode: str = "collective"  # or "object_store" (hybridrl/async_rollout/collective.py)
+    weight_update_mode: str = "collective"  # or "object_store" (hybridrl/weight_sync/collective.py)
     weight_update_timeout_s: float = 300.0

@@ -1,8 +1,9 @@
 """The PPO fit loop on the Ray driver: one named call per stage.
 
+    sync weights (once, before the first generation)
     generate -> (ReMax greedy baseline) -> reward -> (DAPO group filter) -> balance -> old log-prob
-    -> ref log-prob -> values -> advantage -> critic update -> actor update -> validate
-    -> checkpoint -> log
+    -> ref log-prob -> values -> advantage -> critic update -> actor update -> sync weights
+    -> validate -> checkpoint -> log
 
 Every stage is a call on a worker group or a pure function from `hybridrl.algos`; the driver never
 touches model weights.
@@ -24,7 +25,6 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from hybridrl import algos
 from hybridrl.agent.runner import agent_step_metrics
 from hybridrl.protocol import DataProto
-from hybridrl.rollout.weight_sync import weight_sync_step_metrics
 from hybridrl.trainer.ppo.batch_steps import (
     apply_rollout_correction,
     attach_reward_extra,
@@ -54,6 +54,7 @@ from hybridrl.utils.safe_dcp import check_dcp_tree
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
+from hybridrl.weight_sync.colocated import weight_sync_step_metrics
 
 
 def old_log_prob_is_redundant(config: Any) -> bool:
@@ -140,6 +141,7 @@ class RayPPOTrainer:
         cfg = self.config.trainer
         self._warn_if_never_saving()
         self._load_checkpoint()
+        self.sync_weights()  # the rollout engines start from the actor's (or the checkpoint's) weights
         self._last_save_time = time.monotonic()
         if self.val_loader is not None and cfg.val_before_train:
             val = self._validate()
@@ -165,6 +167,7 @@ class RayPPOTrainer:
                 batch = self._compute_advantage(batch, metrics, timing)
                 self._update_critic(batch, metrics, timing)
                 self._update_actor(batch, metrics, timing)
+                self.sync_weights(metrics, timing)  # the updated actor into the rollout engines
                 self._update_sampler(batch)
                 self._dump_rollouts(batch)
             profiler.end(self.global_steps)
@@ -211,7 +214,6 @@ class RayPPOTrainer:
         with timer("gen", timing):
             out = self.workers.actor_rollout.generate_sequences(gen_in)
         timing.update(out.meta_info.pop("timing", {}))
-        self._sync_metrics = weight_sync_step_metrics(out.meta_info.get("metrics", {}))
         batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
         batch = batch.union(out)
         if self.config.algorithm.adv_estimator == "remax":
@@ -397,6 +399,21 @@ class RayPPOTrainer:
             out = self.workers.actor_rollout.update_actor(batch)
         metrics.update(reduce_metrics(out.meta_info["metrics"]))
 
+    def sync_weights(self, metrics: dict | None = None, timing: dict | None = None) -> None:
+        """Stage: the actor's weights into the rollout engines. In the hybrid engine every rank
+        gathers its shards and loads them into the engine of its own process, bucket by bucket
+        (hybridrl/weight_sync); nothing moves when the actor did not change since the last sync
+        (critic warm-up). fit calls it before the first generation and after every actor update;
+        `weight_sync/*` (per-rank bytes and seconds, min / max) go into `metrics`."""
+        with timer("update_weights", timing if timing is not None else {}):
+            per_rank = self.workers.actor_rollout.sync_rollout_weights()
+        if metrics is not None:
+            merged: dict[str, list] = defaultdict(list)
+            for rank_metrics in per_rank:
+                for key, value in rank_metrics.items():
+                    merged[key].append(value)
+            metrics.update(weight_sync_step_metrics(merged))
+
     # ------------------------------------------------------------ validation
     def _maybe_validate(self, metrics: dict, timing: dict) -> None:
         freq = self.config.trainer.test_freq
@@ -556,7 +573,6 @@ class RayPPOTrainer:
         metrics.update(agent_step_metrics(batch))
         metrics.update(compute_timing_metrics(batch, timing, getattr(self, "floors", None)))  # log_floors
         metrics.update(compute_throughout_metrics(batch, timing, self.workers.actor_rollout.world_size))
-        metrics.update(self.__dict__.pop("_sync_metrics", {}))  # the step's weight sync, per-rank min / max
         metrics.update(self.workers.reward_loop.pop_metrics() if self.workers.reward_loop else {})  # GenRM
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch

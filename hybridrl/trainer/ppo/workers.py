@@ -85,30 +85,45 @@ def actor_dims(config, world: int, with_rollout: bool = True) -> ParallelDims:
     return ParallelDims.for_role(world, arr.actor, "actor_rollout_ref.actor", rollout_tp=tp)
 
 
+def actor_class(
+    config,
+    actor_cls: type,
+    world: int,
+    threads: int | None,
+    peak_flops: float | None,
+    disaggregated: bool = False,
+) -> RayClassWithInitArgs:
+    """The actor worker of a run on `world` slots: main_ppo's hybrid engine (actor + rollout
+    [+ ref]) or, `disaggregated`, main_async's training actor [+ ref] (its rollout engines live
+    in workers of their own)."""
+    arr = config.actor_rollout_ref
+    use_ref = config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
+    dims = actor_dims(config, world, with_rollout=not disaggregated)
+    return RayClassWithInitArgs(
+        actor_cls,
+        model=arr.model,
+        actor=arr.actor,
+        ref=arr.ref,
+        rollout=arr.rollout,
+        role="actor_rollout_ref" if use_ref else ("actor" if disaggregated else "actor_rollout"),
+        actor_batch_sizes=normalize_actor_batch_sizes(
+            arr.actor, rollout_n=arr.rollout.n, dp_size=dims.data_ranks
+        ),
+        num_threads=threads,
+        pg_timeout_s=arr.nccl_timeout,
+        peak_flops=peak_flops,
+        dims=dims,
+        disaggregated=disaggregated,
+        distillation=config.distillation.distillation_loss if config.distillation.enabled else None,
+    )
+
+
 def role_classes(
     config, world: int, threads: int | None, peak_flops: float | None, role_worker_mapping=None
 ) -> dict[str, Any]:
     """{role name: RayClassWithInitArgs} of the roles this run needs, for `world` slots."""
     actor_cls, critic_cls, reward_cls = worker_classes(config, role_worker_mapping)
-    arr, n = config.actor_rollout_ref, config.actor_rollout_ref.rollout.n
-    use_ref = config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
-    dims = actor_dims(config, world)
-    classes = {
-        "actor_rollout": RayClassWithInitArgs(
-            actor_cls,
-            model=arr.model,
-            actor=arr.actor,
-            ref=arr.ref,
-            rollout=arr.rollout,
-            role="actor_rollout_ref" if use_ref else "actor_rollout",
-            actor_batch_sizes=normalize_actor_batch_sizes(arr.actor, rollout_n=n, dp_size=dims.data_ranks),
-            num_threads=threads,
-            pg_timeout_s=config.actor_rollout_ref.nccl_timeout,
-            peak_flops=peak_flops,
-            dims=dims,
-            distillation=config.distillation.distillation_loss if config.distillation.enabled else None,
-        )
-    }
+    classes = {"actor_rollout": actor_class(config, actor_cls, world, threads, peak_flops)}
     classes.update(support_role_classes(config, critic_cls, reward_cls, world, threads, peak_flops))
     classes.update(teacher_role_classes(config, actor_cls, threads))
     return classes

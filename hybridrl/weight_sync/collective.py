@@ -32,6 +32,10 @@ rank; the receiver hands vLLM a full-shape tensor holding its slice (`tp_shards.
 other model (or `tp_shards=False`) takes the full broadcast and the engines' loaders slice, as in
 the colocated sync. Each update starts with a header `{update}/head` that says which.
 
+Metadata: the tables, heads and end markers in the store are JSON of a fixed shape (wire.py),
+checked field by field on every read. The store listens on the node's address; a value that is
+not such metadata is refused with an error that names the store, never executed.
+
 Deadlines: the group's creation (store connection and the backend's rendezvous) and every
 broadcast end after `async_training.weight_update_timeout_s`, with an error naming that key and
 the fallback (`weight_update_mode=object_store`).
@@ -39,7 +43,6 @@ the fallback (`weight_update_mode=object_store`).
 
 from __future__ import annotations
 
-import pickle
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -50,8 +53,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridrl.async_rollout.tp_shards import Shard, TPLayout, shard_of, unshard
-from hybridrl.rollout.weight_sync import iter_buckets, tensor_nbytes
+from hybridrl.weight_sync import wire
+from hybridrl.weight_sync.buckets import BufferPool, iter_buckets, pack_bucket, tensor_nbytes, unpack_bucket
+from hybridrl.weight_sync.tp_shards import Shard, TPLayout, shard_of, unshard
 
 __all__ = [
     "MODES",
@@ -65,14 +69,11 @@ __all__ = [
     "is_collective_payload",
     "materialize",
     "open_store",
-    "pack_bucket",
-    "unpack_bucket",
 ]
 
 MODE_KEY = "async_training.weight_update_mode"
 TIMEOUT_KEY = "async_training.weight_update_timeout_s"
 MODES = ("object_store", "collective")
-_ALIGN = 64  # byte alignment of each tensor in a packed bucket (any dtype's view is valid)
 _POLL_S = 0.5  # how often a waiting receiver checks whether it should stop
 _FALLBACK = f"or set {MODE_KEY}=object_store (weights through the Ray object store)"
 
@@ -120,70 +121,6 @@ def open_store(world_size: int, timeout_s: float) -> tuple[Any, str, int]:
         host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
     return store, host, store.port
-
-
-# ---------------------------------------------------------------------------------------- buckets
-class BufferPool:
-    """Byte buffers to reuse across updates (the same bucket sizes come back every update, and
-    writing into memory that is already mapped is about twice as fast as into fresh pages)."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, str], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get((nbytes, str(device)))
-            if free:
-                return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def put(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.setdefault((buf.numel(), str(buf.device)), []).append(buf)
-
-
-def pack_bucket(
-    bucket: list[tuple[str, torch.Tensor]], device: torch.device, pool: BufferPool | None = None
-) -> tuple[torch.Tensor, list[tuple[str, str, tuple[int, ...], int]]]:
-    """Pack a bucket's tensors into one byte buffer.
-
-    Args:
-        bucket: `(name, tensor)` pairs (any dtypes and shapes).
-        device: where the buffer lives (the broadcast's device).
-        pool: where the buffer comes from (None: a new one).
-
-    Returns:
-        (buffer: (nbytes,) uint8, table: `(name, dtype name, shape, byte offset)` per tensor; each
-        offset is a multiple of 64 bytes).
-    """
-    table, offset = [], 0
-    for name, t in bucket:
-        table.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
-        offset += -(-tensor_nbytes(t) // _ALIGN) * _ALIGN
-    buf = (
-        pool.get(offset, device)
-        if pool is not None
-        else torch.empty(offset, dtype=torch.uint8, device=device)
-    )
-    for (_, t), (_, _, shape, off) in zip(bucket, table):
-        buf[off : off + tensor_nbytes(t)].view(t.dtype).view(shape).copy_(t.detach())
-    return buf, table
-
-
-def unpack_bucket(
-    buf: torch.Tensor, table: list[tuple[str, str, tuple[int, ...], int]]
-) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of a packed bucket, as views of `buf` (no copy)."""
-    out = []
-    for name, dtype_name, shape, off in table:
-        dtype = getattr(torch, dtype_name)
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        out.append((name, buf[off : off + nbytes].view(dtype).view(shape)))
-    return out
 
 
 @dataclass
@@ -322,9 +259,7 @@ class WeightGroup:
         seq, self._seq = self._seq, self._seq + 1
         t0 = time.perf_counter()
         tp = 1 if layout is None else layout.tp
-        self.meta.set(
-            f"{seq}/head", pickle.dumps({"version": int(version), "tp": tp, "sharded": layout is not None})
-        )
+        self.meta.set(f"{seq}/head", wire.encode_head(version, tp, layout is not None))
         if layout is None:
             nbytes, buckets = self._send_full(named, seq, version, bucket_bytes)
             rank_bytes = nbytes
@@ -346,12 +281,12 @@ class WeightGroup:
         for bucket in iter_buckets(named, bucket_bytes):
             buf, table = pack_bucket([(n, t.to(self.device)) for n, t in bucket], self.device, self._pool)
             bucket.clear()
-            self.meta.set(f"{seq}/{i}", pickle.dumps({"table": table, "nbytes": buf.numel()}))
+            self.meta.set(f"{seq}/{i}", wire.encode_bucket(table, buf.numel()))
             self._broadcast(buf, f"bucket {i} of version {version} ({buf.numel() / 2**20:.1f} MiB)")
             nbytes += buf.numel()
             self._pool.put(buf)  # the broadcast is done with it
             i += 1
-        self.meta.set(f"{seq}/{i}", pickle.dumps(None))  # end of this update
+        self.meta.set(f"{seq}/{i}", wire.encode_end())  # end of this update
         return nbytes, i
 
     def _tp_members(self, tp: int) -> list[list[int]]:
@@ -382,10 +317,7 @@ class WeightGroup:
                 [(n, p.to(self.device)) for n, p, _, _ in bucket], self.device, self._pool
             )
             places = {j: (full, s.dim, s.start) for j, (_, _, s, full) in enumerate(bucket) if s is not None}
-            self.meta.set(
-                f"{seq}/{r}/{counts[r]}",
-                pickle.dumps({"table": table, "nbytes": buf.numel(), "places": places}),
-            )
+            self.meta.set(f"{seq}/{r}/{counts[r]}", wire.encode_bucket(table, buf.numel(), places))
             what = f"bucket {counts[r]} of TP rank {r}, version {version} ({buf.numel() / 2**20:.1f} MiB)"
             works = [self.pg.send([buf], dst, 0) for dst in members[r]] if buf.numel() else []
             inflight.append((works, buf, what))
@@ -413,13 +345,29 @@ class WeightGroup:
         for r in range(len(members)):
             if pending[r]:
                 flush(r)
-            self.meta.set(f"{seq}/{r}/{counts[r]}", pickle.dumps(None))  # end of this rank's update
+            self.meta.set(f"{seq}/{r}/{counts[r]}", wire.encode_end())  # end of this rank's update
         while inflight:
             done()
         return sent, sum(counts)
 
-    def _next_table(self, key: str, stop: threading.Event | None) -> Any:
-        """The table under `key`, waiting for it (forever, in _POLL_S rounds, until `stop`)."""
+    def _read(self, key: str, decode: Any) -> Any:
+        """The store's value under `key`, decoded and checked by `decode` (wire.py).
+
+        Raises:
+            wire.WeightMetadataError: the value is not metadata trainer rank 0 wrote (refused, never run).
+        """
+        try:
+            return decode(self.meta.get(key), key)
+        except wire.WeightMetadataError as err:
+            raise wire.WeightMetadataError(
+                f"{MODE_KEY}=collective: {self.who} refused the weight metadata in the group's store at "
+                f"{self.spec.host}:{self.spec.port}: {err}. Only trainer rank 0 writes there, as JSON; another "
+                "process that can reach this port wrote to it. Nothing it wrote was run. Keep the port reachable "
+                f"from the cluster's nodes only, {_FALLBACK}"
+            ) from None
+
+    def _next_head(self, key: str, stop: threading.Event | None) -> dict | None:
+        """The update head under `key`, waiting for it (forever, in _POLL_S rounds, until `stop`)."""
         while stop is None or not stop.is_set():
             try:
                 self.meta.wait([key], timedelta(seconds=_POLL_S))
@@ -427,14 +375,14 @@ class WeightGroup:
                 if "timeout" not in str(err).lower():
                     raise
                 continue
-            return pickle.loads(self.meta.get(key))
+            return self._read(key, wire.decode_head)
         return None
 
     def receive(self, stop: threading.Event | None = None, pool: BufferPool | None = None) -> Received | None:
         """Ranks >= 1: the next update (Received); None if `stop` was set first. Buffers come from
         `pool` when given."""
         seq = self._seq
-        head = self._next_table(f"{seq}/head", stop)
+        head = self._next_head(f"{seq}/head", stop)
         if head is None:
             return None
         self._seq += 1
@@ -447,7 +395,7 @@ class WeightGroup:
             )
         prefix = f"{seq}/{self.tp_rank}/" if head["sharded"] else f"{seq}/"
         got = Received(version, [], [], 0)
-        meta = pickle.loads(self.meta.get(f"{prefix}0"))  # set before the update's first transfer
+        meta = self._read(f"{prefix}0", wire.decode_bucket)  # set before the update's first transfer
         while meta is not None:
             n = meta["nbytes"]
             buf = (
@@ -460,14 +408,14 @@ class WeightGroup:
                 self._broadcast(buf, what)
             elif n:
                 self._wait(self.pg.recv([buf], 0, 0), what)
-            places = meta.get("places", {})
+            places = meta["places"]
             got.named.extend(
                 (name, t, places.get(j)) for j, (name, t) in enumerate(unpack_bucket(buf, meta["table"]))
             )
             got.buffers.append(buf)
             got.nbytes += n
             # the next table was set before the transfer it precedes
-            meta = pickle.loads(self.meta.get(f"{prefix}{len(got.buffers)}"))
+            meta = self._read(f"{prefix}{len(got.buffers)}", wire.decode_bucket)
         return got
 
 

@@ -1,4 +1,4 @@
-"""Streaming weight sync from the training side into a rollout engine, in bounded buckets.
+"""The colocated weight sync: the training side's tensors into the rollout engine of the same process.
 
 The training side produces `(hf_name, full_tensor)` pairs one at a time (the FSDP engine's
 `iter_full_params` all-gathers a bucket of parameters per collective and yields them in order).
@@ -6,71 +6,25 @@ The training side produces `(hf_name, full_tensor)` pairs one at a time (the FSD
 buckets of at most `bucket_megabytes` (a tensor larger than that forms its own bucket), then
 streams each bucket to `rollout.update_weights`. So at most one bucket of gathered tensors is
 alive on the sender, and the engine consumes the stream without building a full state dict.
+A disaggregated rollout worker loads what it received the same way (component.py).
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
+from hybridrl.weight_sync.buckets import iter_buckets, tensor_nbytes
+
 __all__ = [
-    "iter_buckets",
-    "layer_of",
     "per_rank_sync_metrics",
     "sync_weights",
-    "tensor_nbytes",
     "wake_and_sync",
+    "weight_sync_step_metrics",
 ]
-
-_LAYER = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
-
-
-def tensor_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def layer_of(name: str) -> str | None:
-    """'model.layers.3.mlp.up_proj.weight' -> 'model.layers.3'; None outside the decoder layers."""
-    m = _LAYER.search(name)
-    return m.group(0).strip(".") if m else None
-
-
-def iter_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, by_layer: bool = False
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a stream of named tensors into consecutive buckets of at most `bucket_bytes`.
-
-    Order is preserved; a tensor bigger than `bucket_bytes` is a bucket of its own; no bucket
-    is empty. With `by_layer` (veRL's `rollout.layered_summon`) a bucket also never spans two
-    decoder layers, so at most one layer's gathered weights are held at a time.
-
-    Args:
-        named_tensors: `(name, tensor)` pairs, pulled lazily.
-        bucket_bytes: the byte budget of one bucket (> 0).
-        by_layer: start a new bucket where the decoder layer changes.
-
-    Yields:
-        lists of `(name, tensor)` pairs.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size, layer = 0, None
-    for name, tensor in named_tensors:
-        n = tensor_nbytes(tensor)
-        new_layer = by_layer and bucket and layer_of(name) != layer
-        if bucket and (size + n > bucket_bytes or new_layer):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += n
-        layer = layer_of(name)
-    if bucket:
-        yield bucket
 
 
 def sync_weights(

@@ -1,12 +1,12 @@
-"""main_async's weight path, on the driver: how each new version reaches the rollout workers
-(`async_training.weight_update_mode`, docs/async.md "Weight updates").
+"""The driver's side of the asynchronous trainer's weight path: how each new version reaches the
+rollout workers (`async_training.weight_update_mode`, docs/async.md "Weight updates").
 
 * `object_store`: every training rank gathers; rank 0 returns the tensors, which Ray keeps in
   its object store; each rollout worker's `load_weights(ref, v)` fetches and loads them.
 * `collective`: a process group of trainer rank 0 and every rollout worker
-  (hybridrl/async_rollout/collective.py), built once before the first update; every training rank
-  gathers and rank 0 sends the buckets (to TP > 1 engines each TP rank only its slices, where
-  async_rollout/tp_shards.py knows the model); each worker's receiver thread stages them and its
+  (collective.py), built once before the first update; every training rank gathers and rank 0
+  sends the buckets (to TP > 1 engines each TP rank only its slices, where tp_shards.py knows
+  the model); each worker's receiver thread stages them and its
   `load_weights(collective_payload(v), v)` loads them.
 
 Both are non-blocking for the driver: `publish(v)` starts the gather and returns the payload the
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridrl.async_rollout.collective import TIMEOUT_KEY, GroupSpec, collective_payload
 from hybridrl.single_controller.ray.base import gather_refs
 from hybridrl.utils.device import get_dist_backend
+from hybridrl.weight_sync.collective import TIMEOUT_KEY, GroupSpec, collective_payload
 
 __all__ = ["WeightPublisher"]
 

@@ -1,4 +1,4 @@
-"""The collective weight-update group (hybridrl/async_rollout/collective.py): a real TCPStore and a
+"""The collective weight-update group (hybridrl/weight_sync/collective.py): a real TCPStore and a
 real ProcessGroupGloo between threads of this process (each member its own group rank), no Ray."""
 
 from __future__ import annotations
@@ -10,15 +10,14 @@ import time
 import pytest
 import torch
 
-from hybridrl.async_rollout.collective import (
+from hybridrl.weight_sync.buckets import pack_bucket, unpack_bucket
+from hybridrl.weight_sync.collective import (
     MODE_KEY,
     TIMEOUT_KEY,
     GroupSpec,
     WeightGroup,
     WeightReceiver,
     open_store,
-    pack_bucket,
-    unpack_bucket,
 )
 
 
