@@ -99,14 +99,21 @@ def check_startup_values(config: Any) -> None:
     if critic:
         at_least_one("critic.ppo_epochs", config.critic.ppo_epochs, "passes over each batch per step")
     steps = config.trainer.total_training_steps
-    if steps is None:
-        at_least_one("trainer.total_epochs", config.trainer.total_epochs, "passes over the training data")
-    elif isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    epochs = config.trainer.total_epochs
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ConfigError(
+            f"trainer.total_epochs={epochs!r} must be an integer >= 1 (passes over the training data; "
+            "trainer.total_training_steps, when set, gives the step count); e.g. trainer.total_epochs=1, or "
+            "trainer.val_only=true for a run that only validates"
+        )
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ConfigError(
             f"trainer.total_training_steps={steps!r} must be an integer >= 1; set it to null to train "
             "trainer.total_epochs passes over the data instead (a value <= 0 would be replaced silently)"
         )
     _check_actor(arr.actor, "actor_rollout_ref.actor")
+    in_range("trainer.preemption_grace_s", config.trainer.preemption_grace_s, 0, None, "seconds; 0: no save")
+    in_range("trainer.esi_redundant_time", config.trainer.esi_redundant_time, 0, None, "seconds of margin")
     if critic:
         _check_batches(config.critic, "critic")
         _check_optim(config.critic.optim, "critic.optim")
