@@ -55,6 +55,7 @@ from hybridrl.utils.safe_dcp import check_dcp_tree
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from hybridrl.utils.shutdown import PREEMPTION
+from hybridrl.utils.storage import named_storage_faults
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
 
 
@@ -509,14 +510,14 @@ class RayPPOTrainer:
         """
         started = time.monotonic()
         ckpts = self._checkpoints()
-        tmp = ckpts.begin_save(self.global_steps)
-        parts = {"actor": self._group_size(self.workers.actor_rollout)}
-        self.workers.actor_rollout.save_checkpoint(os.path.join(tmp, "actor"), self.global_steps)
-        if self.use_critic:
-            parts["critic"] = self._group_size(self.workers.critic)
-            self.workers.critic.save_checkpoint(os.path.join(tmp, "critic"), self.global_steps)
-        torch.save(state if state is not None else self.driver_state(), os.path.join(tmp, "data.pt"))
-        final = ckpts.finish_save(self.global_steps, parts)
+        with ckpts.saving(self.global_steps) as tmp:  # free space checked, storage faults named
+            parts = {"actor": self._group_size(self.workers.actor_rollout)}
+            self.workers.actor_rollout.save_checkpoint(os.path.join(tmp, "actor"), self.global_steps)
+            if self.use_critic:
+                parts["critic"] = self._group_size(self.workers.critic)
+                self.workers.critic.save_checkpoint(os.path.join(tmp, "critic"), self.global_steps)
+            torch.save(state if state is not None else self.driver_state(), os.path.join(tmp, "data.pt"))
+            final = ckpts.finish_save(self.global_steps, parts)
         self.step_guard.saved(time.monotonic() - started)
         return final
 
@@ -594,14 +595,22 @@ class RayPPOTrainer:
             if isinstance(v, (int, float, np.floating, np.integer)) or (torch.is_tensor(v) and v.numel() == 1)
         }
         self.history.append(clean)
-        self.tracker.log(clean, step=self.global_steps)
+        where = getattr(self.tracker, "log_dir", None) or "the trackers' folders"
+        with named_storage_faults(
+            "writing the metrics (trainer.logger)", where, last_good=self._checkpoints().last_good()
+        ):
+            self.tracker.log(clean, step=self.global_steps)
 
     def _dump_rollouts(self, batch: DataProto) -> None:
         out_dir = self.config.trainer.rollout_data_dir
         if not out_dir:
             return
         rows = decode_samples(self.tokenizer, batch, batch.batch["token_level_scores"].sum(-1).tolist())
-        write_jsonl(out_dir, self.global_steps, rows)
+        last_good = self._checkpoints().last_good()
+        with named_storage_faults(
+            "writing the rollout dump (trainer.rollout_data_dir)", out_dir, last_good=last_good
+        ):
+            write_jsonl(out_dir, self.global_steps, rows)
 
 
 # ---------------------------------------------------------------- helpers
