@@ -103,9 +103,16 @@ class Preemption:
         if self.requested or not self._armed:
             for s in self.SIGNALS:  # a further signal ends a stuck cleanup
                 signal.signal(s, signal.SIG_DFL)
-            why = "a second signal" if self.requested else "not inside the training loop"
+            why = (
+                "a second signal"
+                if self.requested
+                else "no save on preemption: outside the training loop, a run that writes no checkpoints, "
+                "or trainer.preemption_grace_s=0"
+            )
             print(
-                f"[hybridrl] {name} ({why}): stopping; closing the tracker and the workers", file=sys.stderr
+                f"[hybridrl] {name}: stopping; closing the tracker and the workers ({why})",
+                file=sys.stderr,
+                flush=True,
             )
             raise SystemExit(128 + signum)
         self.signum, self.received_at = signum, time.monotonic()
