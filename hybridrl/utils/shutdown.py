@@ -60,6 +60,7 @@ class Preemption:
         self.signum: int | None = None  # the signal received, once one was
         self.received_at: float | None = None  # time.monotonic() of it
         self._armed = False
+        self._installed = False  # inside preemption_saves
         self._last_good: Callable[[], str | None] = lambda: None
 
     @property
@@ -77,9 +78,16 @@ class Preemption:
         return self.grace_s - (time.monotonic() - self.received_at)
 
     def arm(self, last_good: Callable[[], str | None]) -> None:
-        """From now on a signal asks the loop to save; ``last_good()`` names the newest checkpoint."""
+        """From now on a signal asks the loop to save; ``last_good()`` names the newest checkpoint.
+
+        The handlers are installed again: ``ray.init`` in the driver replaces the SIGTERM handler
+        with Ray's own (which exits with status 1, saving nothing and skipping the cleanup).
+        """
         self._armed = self.grace_s > 0
         self._last_good = last_good
+        if self._installed and threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                signal.signal(s, self._on_signal)
 
     def disarm(self) -> None:
         self._armed = False
@@ -151,6 +159,7 @@ def preemption_saves(grace_s: float) -> Iterator[Preemption]:
     PREEMPTION.grace_s = float(grace_s)
     previous = {s: signal.signal(s, PREEMPTION._on_signal) for s in Preemption.SIGNALS}
     previous_alarm = signal.signal(signal.SIGALRM, PREEMPTION._on_alarm)
+    PREEMPTION._installed = True
     try:
         yield PREEMPTION
     finally:
@@ -159,3 +168,4 @@ def preemption_saves(grace_s: float) -> Iterator[Preemption]:
             signal.signal(s, handler)
         signal.signal(signal.SIGALRM, previous_alarm)
         PREEMPTION.disarm()
+        PREEMPTION._installed = False

@@ -112,3 +112,53 @@ def test_esi_expiry_close_saves_every_step(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP", str(time.time() + 3600))
     _run(tmp_path / "far", "logs", [*ARGS, "trainer.esi_redundant_time=0"])
     assert ck.list_checkpoints(str(tmp_path / "far" / "ckpt")) == [3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["sigterm", "sigusr1"])
+def test_a_signal_from_outside_on_the_ray_backend(tmp_path, signum):
+    """`python -m hybridrl.trainer.main_ppo` on the Ray backend, signalled from outside once step 1
+    is logged: exit 128 + signal within the grace period, a checkpoint of the last completed step,
+    and the same command resumes to the uninterrupted run's numbers."""
+    import json
+    import time
+
+    from tests.e2e.ppo_runs import SMALL, read_metrics
+    from tests.e2e.test_resume import _finish, _launch
+
+    args = [*SMALL, "trainer.total_training_steps=3", "trainer.save_freq=10", "trainer.test_freq=-1"]
+    args += ["trainer.backend=ray"]
+    _finish(_launch(tmp_path / "a_ckpt", tmp_path / "a_logs", args))
+    full = _by_step(r for r in read_metrics(tmp_path / "a_logs" / "metrics.jsonl") if "actor/pg_loss" in r)
+
+    ckpt, logs = tmp_path / "b_ckpt", tmp_path / "b_logs"
+    proc = _launch(ckpt, logs, args)
+    deadline = time.time() + 400
+    while not any("actor/pg_loss" in json.loads(line) for line in _lines(logs / "metrics.jsonl")):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-3000:]
+        time.sleep(0.05)
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    out, _ = proc.communicate(timeout=120)
+    took = time.monotonic() - sent
+    text = out.decode(errors="replace")
+    print({"signal": signal.Signals(signum).name, "exit_s": round(took, 2), "code": proc.returncode})
+    assert proc.returncode == 128 + signum, text[-6000:]
+    assert took < 25, text[-3000:]
+    saved = ck.latest_pointer(str(ckpt))
+    assert saved in (1, 2) and ck.verify(ck.step_dir(str(ckpt), saved)) is None, text[-3000:]
+    assert f"saved {ck.step_dir(str(ckpt), saved)}" in text
+
+    _finish(_launch(ckpt, tmp_path / "c_logs", args))
+    resumed = _by_step(r for r in read_metrics(tmp_path / "c_logs" / "metrics.jsonl") if "actor/pg_loss" in r)
+    assert sorted(resumed) == list(range(saved + 1, 4))
+    for step, row in resumed.items():
+        assert row == full[step], (step, row, full[step])
+
+
+def _lines(path):
+    try:
+        with open(path) as f:
+            return [line for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
