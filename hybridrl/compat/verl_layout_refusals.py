@@ -248,7 +248,6 @@ def _other_leaves() -> list[Leaf]:
             (True, False),
             "hybridrl has one synchronous trainer (main_async: the asynchronous one)",
         ),
-        Leaf("trainer.esi_redundant_time", (0,), "no elastic-instance save deadline"),
         Leaf(
             "algorithm.filter_groups.max_inflight_gen_batches", (1,), "generation batches run one at a time"
         ),

@@ -37,6 +37,7 @@ class ToolLoop:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._beat = 0.0
+        self._thread: threading.Thread | None = None
         self.abandoned = 0  # loops given up because a tool blocked them
 
     def _ensure(self) -> asyncio.AbstractEventLoop:
@@ -51,6 +52,7 @@ class ToolLoop:
         self._lock = threading.Lock()
         self._loop = None
         self._beat = 0.0
+        self._thread = None
 
     def _start(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.new_event_loop()
@@ -60,9 +62,13 @@ class ToolLoop:
             asyncio.set_event_loop(loop)
             loop.call_soon(ready.set)
             loop.call_soon(self._heartbeat, loop)
-            loop.run_forever()
+            try:
+                loop.run_forever()
+            finally:
+                _finish_loop(loop)
 
-        threading.Thread(target=run, name="hybridrl-tool-loop", daemon=True).start()
+        self._thread = threading.Thread(target=run, name="hybridrl-tool-loop", daemon=True)
+        self._thread.start()
         ready.wait()  # cannot hang: the loop's first callback sets it (nothing runs before it)
         self._beat = time.monotonic()
         return loop
@@ -71,6 +77,20 @@ class ToolLoop:
         if loop is self._loop:
             self._beat = time.monotonic()
             loop.call_later(_BEAT_S, self._heartbeat, loop)
+
+    def close(self, wait_s: float = 1.0) -> None:
+        """Stop the tool loop: its unfinished calls are cancelled and awaited, not left pending."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+        thread = getattr(self, "_thread", None)
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(loop.stop)
+        except RuntimeError:  # closed meanwhile
+            return
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)  # a tool blocking the loop keeps it: the daemon thread dies with the process
 
     def stalled_s(self) -> float:
         """Seconds since the tool loop last ran its heartbeat."""
@@ -111,11 +131,33 @@ class ToolLoop:
         fut = asyncio.run_coroutine_threadsafe(call(), loop)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if fut.cancelled() and loop is not self._loop and not (task and task.cancelling()):
+                raise RuntimeError(
+                    f"{what} was stopped: the tools' event loop it ran on was abandoned because another "
+                    "tool call blocked it"
+                ) from None
+            raise
         except asyncio.TimeoutError:
             fut.cancel()
             if self.stalled_s() >= min(timeout_s, 1.0):
                 self._abandon(loop, what, timeout_s)
             raise
+
+
+def _finish_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """After a tool loop stopped (abandoned, or at exit): cancel the calls still on it and let them
+    end, so that no task is destroyed pending; their callers get the cancellation."""
+    try:
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()
 
 
 tool_loop = ToolLoop()

@@ -155,6 +155,8 @@ RESUMABLE_KEYS = (
     "trainer.step_timeout_s",
     "trainer.reward_timeout_s",
     "trainer.max_restarts",
+    "trainer.preemption_grace_s",
+    "trainer.esi_redundant_time",
     "actor_rollout_ref.nccl_timeout",
     "ray_kwargs",
     "global_profiler",

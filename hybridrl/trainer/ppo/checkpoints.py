@@ -16,13 +16,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from hybridrl.trainer.ppo.teachers import teacher_meta
 from hybridrl.utils import checkpointing as ck
+from hybridrl.utils import storage
 
 __all__ = ["CheckpointDirError", "RunCheckpoints"]
 
@@ -125,6 +128,35 @@ class RunCheckpoints:
             self._delete_after_save = path
 
     # ------------------------------------------------------------------------- save
+    def last_good(self) -> str | None:
+        """The newest complete checkpoint of the folder (what the latest file names), or None."""
+        step = ck.latest_pointer(self.root)
+        path = ck.step_dir(self.root, step) if step else None
+        return path if path and os.path.isdir(path) else None
+
+    @contextlib.contextmanager
+    def saving(self, step: int) -> Iterator[str]:
+        """`begin_save` + storage faults named: yields the `.tmp` folder to write (and finish) in.
+
+        Before writing, the free space is checked against the previous checkpoint's size; a failed
+        write (full disk, I/O error, permission, vanished mount) removes the partial folder and
+        raises StorageError naming the folder, the bytes needed and free, and the last good
+        checkpoint (untouched: the latest file still names it).
+        """
+        last_good = self.last_good()
+        needed = storage.dir_size(last_good) if last_good else 0
+        what = f"saving checkpoint step {step}"
+        storage.check_free_space(self.root, needed, what, last_good)
+        tmp = None
+        try:
+            with storage.named_storage_faults(what, self.root, needed=needed or None, last_good=last_good):
+                tmp = self.begin_save(step)
+                yield tmp
+        except BaseException:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
     def begin_save(self, step: int) -> str:
         """A clean `global_step_N.tmp` for the workers to write into; returns its path."""
         tmp = ck.tmp_step_dir(self.root, step)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -13,7 +14,8 @@ from hybridrl.trainer.ppo.sections import AsyncTrainingConfig
 from hybridrl.trainer.ppo.setup import build_trainer
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 from hybridrl.utils import plugins
-from hybridrl.utils.shutdown import sigterm_raises
+from hybridrl.utils.run_lock import RunLock
+from hybridrl.utils.shutdown import preemption_saves
 
 
 def run_ppo_config(config: PPOConfig, role_worker_mapping=None, trainer_cls=None) -> dict[str, float]:
@@ -25,11 +27,19 @@ def run_ppo_config(config: PPOConfig, role_worker_mapping=None, trainer_cls=None
             file=sys.stderr,
         )
 
-    with sigterm_raises():  # SIGTERM runs the cleanup (tracker, workers) instead of ending at once
-        attempt = functools.partial(
-            _attempt, role_worker_mapping=role_worker_mapping, trainer_cls=trainer_cls
-        )
+    tr = config.trainer
+    attempt = functools.partial(_attempt, role_worker_mapping=role_worker_mapping, trainer_cls=trainer_cls)
+    # SIGTERM / SIGUSR1: the step is finished or abandoned, saved, and the cleanup (tracker, workers) runs
+    with preemption_saves(tr.preemption_grace_s), run_folder_lock(config):
         return run_with_restarts(config, attempt)  # trainer.max_restarts: again after a dead / hung worker
+
+
+def run_folder_lock(config: PPOConfig):
+    """The run folder's lock (one writing run per trainer.default_local_dir); none for val_only runs."""
+    tr = config.trainer
+    if tr.val_only:
+        return contextlib.nullcontext()
+    return RunLock(tr.default_local_dir, label=f"{tr.project_name}/{tr.experiment_name}")
 
 
 def _attempt(config: PPOConfig, role_worker_mapping=None, trainer_cls=None) -> dict[str, float]:

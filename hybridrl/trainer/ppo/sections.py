@@ -203,6 +203,10 @@ class TrainerConfig:
     max_restarts: int = (
         0  # after a dead / hung worker: restart the workers, resume (hybridrl.trainer.ppo.restarts)
     )
+    # SIGTERM / SIGUSR1: finish or abandon the step, save it and exit within this many seconds
+    # (hybridrl.trainer.ppo.preemption); 0: exit at once without saving
+    preemption_grace_s: float = 25.0
+    esi_redundant_time: float = 0.0  # veRL: save every step once the instance's expiry is this close
 
 
 @dataclass

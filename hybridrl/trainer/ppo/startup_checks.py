@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -99,14 +100,21 @@ def check_startup_values(config: Any) -> None:
     if critic:
         at_least_one("critic.ppo_epochs", config.critic.ppo_epochs, "passes over each batch per step")
     steps = config.trainer.total_training_steps
-    if steps is None:
-        at_least_one("trainer.total_epochs", config.trainer.total_epochs, "passes over the training data")
-    elif isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    epochs = config.trainer.total_epochs
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ConfigError(
+            f"trainer.total_epochs={epochs!r} must be an integer >= 1 (passes over the training data; "
+            "trainer.total_training_steps, when set, gives the step count); e.g. trainer.total_epochs=1, or "
+            "trainer.val_only=true for a run that only validates"
+        )
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ConfigError(
             f"trainer.total_training_steps={steps!r} must be an integer >= 1; set it to null to train "
             "trainer.total_epochs passes over the data instead (a value <= 0 would be replaced silently)"
         )
     _check_actor(arr.actor, "actor_rollout_ref.actor")
+    in_range("trainer.preemption_grace_s", config.trainer.preemption_grace_s, 0, None, "seconds; 0: no save")
+    in_range("trainer.esi_redundant_time", config.trainer.esi_redundant_time, 0, None, "seconds of margin")
     if critic:
         _check_batches(config.critic, "critic")
         _check_optim(config.critic.optim, "critic.optim")
@@ -327,7 +335,7 @@ def check_model_inputs(config: Any, tokenizer: Any, model_cfg: dict | None) -> N
 
     Raises:
         ConfigError: the tokenizer has ids the model's embedding lacks. Prompt + response longer
-            than the model's positions only warns (RoPE models may run past it; veRL allows it).
+            than the model's positions: see `check_positions`.
     """
     if model_cfg is None:
         return
@@ -340,13 +348,53 @@ def check_model_inputs(config: Any, tokenizer: Any, model_cfg: dict | None) -> N
             f"has {len(tokenizer)} tokens, more than the model's vocab_size={vocab} ({cfg_file}): ids past it "
             "would index outside the embedding; set actor_rollout_ref.model.tokenizer_path to the model's own tokenizer"
         )
+    check_positions(config, {**text, **dict(config.actor_rollout_ref.model.override_config or {})}, cfg_file)
+
+
+_WARNED_POSITIONS: set[tuple] = set()
+_EXTENDING_ROPE = {"linear", "dynamic", "yarn", "longrope", "llama3", "ntk"}
+
+
+def check_positions(config: Any, text: dict, cfg_file: str) -> None:
+    """Prompt + response must fit the model's positions: refused when it does not, warned once when
+    the model's RoPE scaling (`rope_scaling`, also from `model.override_config`) extends them far enough.
+
+    Raises:
+        ConfigError: data.max_prompt_length + data.max_response_length > max_position_embeddings and no
+            RoPE scaling covers the difference.
+    """
     positions = text.get("max_position_embeddings")
     d = config.data
-    if isinstance(positions, int) and d.max_prompt_length + d.max_response_length > positions:
-        print(
-            f"[hybridrl] warning: data.max_prompt_length={d.max_prompt_length} + data.max_response_length="
-            f"{d.max_response_length} exceeds the model's max_position_embeddings={positions} ({cfg_file})"
-        )
+    needed = d.max_prompt_length + d.max_response_length
+    if not isinstance(positions, int) or needed <= positions:
+        return
+    numbers = (
+        f"data.max_prompt_length={d.max_prompt_length} + data.max_response_length={d.max_response_length} = "
+        f"{needed} tokens exceed the model's max_position_embeddings={positions} ({cfg_file})"
+    )
+    scaling = text.get("rope_scaling")
+    scaling = dict(scaling) if isinstance(scaling, Mapping) else {}
+    kind = str(scaling.get("rope_type", scaling.get("type", "")))
+    factor = scaling.get("factor")
+    if kind in _EXTENDING_ROPE and isinstance(factor, (int, float)):
+        base = scaling.get("original_max_position_embeddings") or positions
+        extended = float("inf") if kind == "dynamic" else base * factor
+        if needed <= extended:
+            key = (cfg_file, needed, positions, kind, factor)
+            if key not in _WARNED_POSITIONS:
+                _WARNED_POSITIONS.add(key)
+                print(
+                    f"[hybridrl] warning: {numbers}; the model's rope_scaling ({kind}, factor {factor:g}) "
+                    f"extends them to {extended:g}: positions past {positions} rely on that extension"
+                )
+            return
+    raise ConfigError(
+        f"{numbers}: positions past {positions} were never trained and give garbage for most models. Lower "
+        "data.max_prompt_length / data.max_response_length to fit, use a model with a longer context, or, "
+        "for a RoPE model meant to be extended, set actor_rollout_ref.model.override_config.rope_scaling "
+        f"(e.g. {{rope_type: yarn, factor: {-(-needed // positions)}, original_max_position_embeddings: "
+        f"{positions}}})"
+    )
 
 
 def check_first_rows(train_loader: Any, val_loader: Any) -> None:

@@ -45,6 +45,7 @@ from hybridrl.trainer.ppo.metrics import (
     timer,
 )
 from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
+from hybridrl.trainer.ppo.preemption import StepGuard
 from hybridrl.trainer.ppo.profiling import StepProfilerDriver
 from hybridrl.trainer.ppo.reward_guard import ConstantRewardGuard
 from hybridrl.trainer.ppo.teachers import teacher_step
@@ -53,6 +54,8 @@ from hybridrl.utils import checkpointing
 from hybridrl.utils.safe_dcp import check_dcp_tree
 from hybridrl.utils.safe_io import load_state_file
 from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from hybridrl.utils.shutdown import PREEMPTION
+from hybridrl.utils.storage import named_storage_faults
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
 from hybridrl.weight_sync.colocated import weight_sync_step_metrics
 
@@ -134,6 +137,7 @@ class RayPPOTrainer:
         self.history: list[dict[str, float]] = []
         self.checkpoints: RunCheckpoints | None = None  # set by setup.build_trainer (checked before Ray)
         self.reward_guard = ConstantRewardGuard(config.trainer.constant_reward_warn_steps, algo.adv_estimator)
+        self.step_guard = StepGuard(self)  # SIGTERM / SIGUSR1: finish or abandon the step, save, exit
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -150,14 +154,27 @@ class RayPPOTrainer:
                 return val
         progress = _progress_bar(cfg.progress_bar, self.total_training_steps, self.global_steps)
         profiler = StepProfilerDriver(self.config, self.workers)
+        self.step_guard.arm()
+        try:
+            self._fit_steps(progress, profiler)
+        finally:
+            self.step_guard.disarm()
+        progress.close()
+        return self.last_val_metrics
+
+    def _fit_steps(self, progress, profiler) -> None:
+        guard = self.step_guard
         while self.global_steps < self.total_training_steps:
+            guard.begin_step()
             self.global_steps += 1
+            guard.check()
             metrics: dict[str, Any] = {}
             timing: dict[str, float] = {}
             self._gen_batches_this_step = 0
             profiler.begin(self.global_steps)
             with timer("step", timing):
                 batch = trim_right_padding(self._rollout_and_score(metrics, timing))
+                guard.check()
                 self.reward_guard.observe(batch.batch["token_level_scores"])
                 self._balance_batch(batch, metrics)
                 batch = self._compute_old_log_prob(batch, metrics, timing)
@@ -165,19 +182,20 @@ class RayPPOTrainer:
                 batch = teacher_step(self, batch, metrics, timing)  # on-policy distillation
                 batch = self._compute_values(batch, timing)
                 batch = self._compute_advantage(batch, metrics, timing)
+                guard.check()  # the last point before the workers' state changes
                 self._update_critic(batch, metrics, timing)
                 self._update_actor(batch, metrics, timing)
                 self.sync_weights(metrics, timing)  # the updated actor into the rollout engines
                 self._update_sampler(batch)
                 self._dump_rollouts(batch)
             profiler.end(self.global_steps)
+            guard.end_step()
             self._maybe_validate(metrics, timing)
             self._maybe_save_checkpoint(timing)
             self._log_step(batch, metrics, timing)
             progress.update(1)
             progress.set_postfix(_postfix(metrics))
-        progress.close()
-        return self.last_val_metrics
+            guard.after_step()
 
     # ---------------------------------------------------------------- stages
     def _next_prompt_batch(self) -> DataProto:
@@ -418,7 +436,7 @@ class RayPPOTrainer:
     def _maybe_validate(self, metrics: dict, timing: dict) -> None:
         freq = self.config.trainer.test_freq
         last = self.global_steps >= self.total_training_steps
-        if self.val_loader is None or freq <= 0 and not last:
+        if self.val_loader is None or freq <= 0 and not last or PREEMPTION.requested:
             return
         if last or self.global_steps % freq == 0:
             with timer("testing", timing):
@@ -477,7 +495,8 @@ class RayPPOTrainer:
         last = self.global_steps >= self.total_training_steps
         by_steps = tr.save_freq > 0 and self.global_steps % tr.save_freq == 0
         by_time = tr.save_freq_secs > 0 and time.monotonic() - self._last_save_time >= tr.save_freq_secs
-        if by_steps or by_time or (last and (tr.save_freq > 0 or tr.save_freq_secs > 0)):
+        forced = self.step_guard.must_save()  # preempted, or veRL's trainer.esi_redundant_time
+        if by_steps or by_time or forced or (last and (tr.save_freq > 0 or tr.save_freq_secs > 0)):
             with timer("save_checkpoint", timing):
                 self.save_checkpoint()
             self._last_save_time = time.monotonic()
@@ -490,24 +509,34 @@ class RayPPOTrainer:
                 "checkpoint, a crash loses it; set trainer.save_freq=<steps> or trainer.save_freq_secs=<s>"
             )
 
-    def save_checkpoint(self) -> str:
-        """Write `global_step_N` (workers' parts + driver state), verified and durable (checkpoints.py)."""
-        ckpts = self._checkpoints()
-        tmp = ckpts.begin_save(self.global_steps)
-        parts = {"actor": self._group_size(self.workers.actor_rollout)}
-        self.workers.actor_rollout.save_checkpoint(os.path.join(tmp, "actor"), self.global_steps)
-        if self.use_critic:
-            parts["critic"] = self._group_size(self.workers.critic)
-            self.workers.critic.save_checkpoint(os.path.join(tmp, "critic"), self.global_steps)
-        state = {
+    def driver_state(self) -> dict:
+        """What a checkpoint holds of the driver: step, data position, RNG states, KL controller."""
+        return {
             "global_steps": self.global_steps,
             "epoch": self._epoch,
             "dataloader": self.train_loader.state_dict(),
             "kl_ctrl": self.kl_ctrl_in_reward.state_dict() if self.kl_ctrl_in_reward else None,
             "rng": get_rng_state(),
         }
-        torch.save(state, os.path.join(tmp, "data.pt"))
-        return ckpts.finish_save(self.global_steps, parts)
+
+    def save_checkpoint(self, state: dict | None = None) -> str:
+        """Write `global_step_N` (workers' parts + driver state), verified and durable (checkpoints.py).
+
+        Args:
+            state: the driver state to write (default: `driver_state()` now).
+        """
+        started = time.monotonic()
+        ckpts = self._checkpoints()
+        with ckpts.saving(self.global_steps) as tmp:  # free space checked, storage faults named
+            parts = {"actor": self._group_size(self.workers.actor_rollout)}
+            self.workers.actor_rollout.save_checkpoint(os.path.join(tmp, "actor"), self.global_steps)
+            if self.use_critic:
+                parts["critic"] = self._group_size(self.workers.critic)
+                self.workers.critic.save_checkpoint(os.path.join(tmp, "critic"), self.global_steps)
+            torch.save(state if state is not None else self.driver_state(), os.path.join(tmp, "data.pt"))
+            final = ckpts.finish_save(self.global_steps, parts)
+        self.step_guard.saved(time.monotonic() - started)
+        return final
 
     @staticmethod
     def _group_size(group) -> int:
@@ -582,14 +611,22 @@ class RayPPOTrainer:
             if isinstance(v, (int, float, np.floating, np.integer)) or (torch.is_tensor(v) and v.numel() == 1)
         }
         self.history.append(clean)
-        self.tracker.log(clean, step=self.global_steps)
+        where = getattr(self.tracker, "log_dir", None) or "the trackers' folders"
+        with named_storage_faults(
+            "writing the metrics (trainer.logger)", where, last_good=self._checkpoints().last_good()
+        ):
+            self.tracker.log(clean, step=self.global_steps)
 
     def _dump_rollouts(self, batch: DataProto) -> None:
         out_dir = self.config.trainer.rollout_data_dir
         if not out_dir:
             return
         rows = decode_samples(self.tokenizer, batch, batch.batch["token_level_scores"].sum(-1).tolist())
-        write_jsonl(out_dir, self.global_steps, rows)
+        last_good = self._checkpoints().last_good()
+        with named_storage_faults(
+            "writing the rollout dump (trainer.rollout_data_dir)", out_dir, last_good=last_good
+        ):
+            write_jsonl(out_dir, self.global_steps, rows)
 
 
 # ---------------------------------------------------------------- helpers
