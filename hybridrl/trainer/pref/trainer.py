@@ -264,9 +264,10 @@ class RewardModelTrainer(_PairTrainer):
             raise ConfigError(
                 f"the reward head must output one score (num_labels=1), got {head.out_features}"
             )
-        if head.bias is not None:
+        if head.bias is not None:  # the pairwise loss does not depend on it; the export has none
             with torch.no_grad():
-                head.bias.zero_()  # the pairwise loss never moves it; the export drops it (export.py)
+                head.bias.zero_()
+            head.bias.requires_grad_(False)  # frozen: AdamW would turn rounding noise into steps
 
     def _metric_names(self) -> list[str]:
         return ["loss", "accuracy", "margin", "chosen_reward", "rejected_reward"]
