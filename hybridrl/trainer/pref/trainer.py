@@ -35,7 +35,7 @@ from hybridrl.engine.update_loop import UpdatePerf
 from hybridrl.protocol import DataProto
 from hybridrl.trainer.pref.export import export_reward_model
 from hybridrl.trainer.sft.data import IndexDataset
-from hybridrl.trainer.sft.engine import _role_section, sft_lr_factor, sft_model_config, use_lr_schedule
+from hybridrl.trainer.sft.engine import sft_lr_factor, sft_model_config, use_lr_schedule
 from hybridrl.trainer.sft.trainer import SFTTrainer
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.device import get_torch_device
@@ -53,7 +53,11 @@ def build_pref_engine(config: Any, role: str, *, path: str | None = None, traine
     """(engine, parallel dims) of the `model` section as `role` ("critic": the reward model with its
     per-token head; "actor": the policy; "ref": a frozen copy), on every rank (a collective)."""
     o = config.optim
-    section = _role_section(config)
+    section = config.model
+    if section.fsdp_config.cpu_offload or section.fsdp_config.offload_params:  # veRL SFT's names
+        section = dataclasses.replace(
+            section, fsdp_config=dataclasses.replace(section.fsdp_config, offload_policy=True)
+        )
     entry = get_engine(section.strategy, "model.strategy")
     dims = ParallelDims.for_role(dist.get_world_size(), section, "model")
     model_config = sft_model_config(config)
