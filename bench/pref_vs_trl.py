@@ -3,7 +3,8 @@
 Workload (both libraries): the built-in preference pairs (a correct and a wrong answer to the
 built-in task's question; prompts as chat messages, rendered with the model's chat template), the
 built-in tiny model, `--batch` pairs per optimizer step in one micro-batch, AdamW lr `--lr`, fp32,
-one torch thread, no validation, no checkpoints. Each library runs with its own defaults otherwise:
+one torch thread, no validation, no checkpoints (TRL's bf16 autocast and gradient checkpointing,
+on by default in its configs, are turned off to match). Each library runs with its own defaults otherwise:
 DPO's reference log-probs are precomputed before training in hybridrl and computed beside every
 step in TRL (its `precompute_ref_log_probs=False` default).
 
@@ -124,7 +125,7 @@ def run_trl(kind: str, steps: int, batch: int, lr: float, out: str) -> None:
         output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True, per_device_train_batch_size=batch,
         max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, save_strategy="no",
         logging_steps=10**6, adam_beta2=0.95, weight_decay=0.01, max_grad_norm=1.0, dataloader_num_workers=0,
-        seed=1,
+        seed=1, bf16=False, gradient_checkpointing=False,
     )  # fmt: skip
     if kind == "rm":
         from trl import RewardConfig, RewardTrainer
