@@ -11,8 +11,8 @@
 set -euo pipefail
 OUT=${OUT:-checkpoints/rlhf}
 POLICY_STEP=${POLICY_STEP:-32}
-RM_EPOCHS=${RM_EPOCHS:-2}
-PPO_STEPS=${PPO_STEPS:-100}
+RM_EPOCHS=${RM_EPOCHS:-5}
+PPO_STEPS=${PPO_STEPS:-60}
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 
 # the built-in preference pairs (their paths, written once)
@@ -25,10 +25,10 @@ python -m hybridrl.trainer.main_sft trainer.default_local_dir="$OUT/sft" trainer
 
 python -m hybridrl.trainer.main_rm model.partial_pretrain="$OUT/sft/global_step_256/huggingface" \
   data.train_files="$PREF_TRAIN" data.val_files="$PREF_VAL" \
-  data.train_batch_size=64 data.micro_batch_size_per_gpu=64 optim.lr=1e-3 \
+  optim.lr=1e-4 \
   trainer.total_epochs="$RM_EPOCHS" trainer.default_local_dir="$OUT/rm" trainer.resume_mode=disable
 
 python -m hybridrl.trainer.main_ppo actor_rollout_ref.model.path="$OUT/sft/global_step_${POLICY_STEP}/huggingface" \
   reward_model.enable=true reward_model.model.path="$OUT/rm/reward_model" \
   reward_model.model.fsdp_config.model_dtype=fp32 \
-  trainer.total_training_steps="$PPO_STEPS" trainer.experiment_name=rlhf_rm_reward "$@"
+  trainer.total_training_steps="$PPO_STEPS" trainer.test_freq=10 trainer.experiment_name=rlhf_rm_reward "$@"

@@ -31,8 +31,18 @@ __all__ = ["DPOConfig", "RMConfig", "load_pref_config"]
 KINDS = ("rm", "dpo")
 # Values for keys left null: built-in tiny model / any other model (TRL's defaults).
 PRESETS = {
-    ("rm", True): {"optim.lr": 1e-3, "data.train_batch_size": 64, "data.micro_batch_size_per_gpu": 64},
-    ("rm", False): {"optim.lr": 1e-5, "data.train_batch_size": 64, "data.micro_batch_size_per_gpu": 8},
+    ("rm", True): {
+        "optim.lr": 1e-4,
+        "data.train_batch_size": 64,
+        "data.micro_batch_size_per_gpu": 64,
+        "trainer.total_epochs": 5,
+    },
+    ("rm", False): {
+        "optim.lr": 1e-5,
+        "data.train_batch_size": 64,
+        "data.micro_batch_size_per_gpu": 8,
+        "trainer.total_epochs": 1,
+    },
     ("dpo", True): {"optim.lr": 2e-4, "data.train_batch_size": 64, "data.micro_batch_size_per_gpu": 64},
     ("dpo", False): {"optim.lr": 1e-6, "data.train_batch_size": 64, "data.micro_batch_size_per_gpu": 8},
 }
@@ -79,7 +89,7 @@ class DPOLossSection:
 class RMTrainerSection(SFTTrainerSection):
     project_name: str = "hybridrl-rm"
     experiment_name: str = "rm"
-    total_epochs: int = 1
+    total_epochs: int | None = None  # preset: 5 for the built-in model, else 1
 
 
 @dataclass
