@@ -3,6 +3,8 @@
     hybridrl-ppo       python -m hybridrl.trainer.main_ppo          PPO, GRPO and relatives
     hybridrl-async     python -m hybridrl.trainer.main_async        asynchronous (AReaL-style) PPO
     hybridrl-sft       python -m hybridrl.trainer.main_sft          supervised fine-tuning
+    hybridrl-rm        python -m hybridrl.trainer.main_rm           reward-model training on preference pairs
+    hybridrl-dpo       python -m hybridrl.trainer.main_dpo          DPO, IPO, SimPO on preference pairs
     hybridrl-generate  python -m hybridrl.trainer.main_generation   N responses per prompt, to parquet
     hybridrl-eval      python -m hybridrl.trainer.main_eval         score generated responses offline
     hybridrl-merge     python -m hybridrl.model_merger              checkpoint -> Hugging Face model
@@ -20,6 +22,8 @@ COMMANDS = {
     "hybridrl-ppo": "hybridrl.trainer.main_ppo",
     "hybridrl-async": "hybridrl.trainer.main_async",
     "hybridrl-sft": "hybridrl.trainer.main_sft",
+    "hybridrl-rm": "hybridrl.trainer.main_rm",
+    "hybridrl-dpo": "hybridrl.trainer.main_dpo",
     "hybridrl-generate": "hybridrl.trainer.main_generation",
     "hybridrl-eval": "hybridrl.trainer.main_eval",
     "hybridrl-merge": "hybridrl.model_merger",
@@ -44,6 +48,14 @@ def async_ppo() -> int:
 
 def sft() -> int:
     return _run(COMMANDS["hybridrl-sft"])
+
+
+def reward_model() -> int:
+    return _run(COMMANDS["hybridrl-rm"])
+
+
+def dpo() -> int:
+    return _run(COMMANDS["hybridrl-dpo"])
 
 
 def generation() -> int:

@@ -8,6 +8,7 @@ hidden behind a function-level import fails here just like a module-level one. I
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "hybridrl"
@@ -114,7 +115,11 @@ def test_no_private_name_imported_from_another_module():
 # of the layers below its own, never one above (function-level imports count too). A package of
 # hybridrl/ that is not listed here fails the test, so a new one is placed on purpose.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("hybridrl", "model_merger", "console"),  # the package root, `python -m hybridrl.model_merger`, the console commands
+    (
+        "hybridrl",
+        "model_merger",
+        "console",
+    ),  # the package root, `python -m hybridrl.model_merger`, the console commands
     ("trainer",),  # the entry modules and the loops behind them
     ("async_rollout",),  # the asynchronous rollout manager (AReaL-style), over the workers
     ("workers",),  # the Ray worker classes that compose the packages below
@@ -135,6 +140,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("utils",),  # helpers: config loading, io, devices, tracking, FLOPs, floors
     ("cpu",),  # CPU-only speed paths (oneDNN, GEMM, attention, KV cache, sampler); torch only
 )
+
 
 def _package(module: str) -> str:
     parts = module.split(".")
@@ -177,8 +183,41 @@ def test_the_layer_check_flags_an_upward_import_and_only_that():
 
 
 def test_no_import_runs_up_the_layers():
-    bad = [
-        f"{a} imports {b} ({_package(a)} is below {_package(b)})"
-        for a, b in upward_imports()
-    ]
+    bad = [f"{a} imports {b} ({_package(a)} is below {_package(b)})" for a, b in upward_imports()]
     assert not bad, f"{len(bad)} imports run up the layers:\n" + "\n".join(bad)
+
+
+def test_every_hybridrl_import_names_a_module_that_exists():
+    """A moved module leaves no import of its old path behind (in the library, its tests, bench/ and
+    recipes/): every `import hybridrl.x` / `from hybridrl.x import y` names a module or package of the
+    tree, and `y` is a module, or a name the module defines or imports."""
+    repo = ROOT.parent
+    files = [
+        p for d in ("hybridrl", "tests", "bench", "recipes", "scripts") for p in (repo / d).rglob("*.py")
+    ]
+    bad = []
+    for path in files:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [(a.name, None) for a in node.names if a.name.startswith("hybridrl")]
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and not node.level
+                and (node.module or "").startswith("hybridrl")
+            ):
+                targets = [(node.module, a.name) for a in node.names]
+            else:
+                continue
+            for module, name in targets:
+                if module not in MODULES:
+                    bad.append(
+                        f"{path.relative_to(repo)}:{node.lineno} imports {module}, which does not exist"
+                    )
+                elif name and name != "*" and f"{module}.{name}" not in MODULES:
+                    source = MODULES[module].read_text()
+                    if not re.search(rf"\b{re.escape(name)}\b", source):
+                        bad.append(
+                            f"{path.relative_to(repo)}:{node.lineno} imports {name} from {module}, which has no such name"
+                        )
+    assert not bad, "\n".join(bad)

@@ -17,6 +17,8 @@ import pytest
         ("hybridrl.trainer.main_ppo", "adv_estimator"),
         ("hybridrl.trainer.main_async", "max_head_offpolicyness"),
         ("hybridrl.trainer.main_sft", "partial_pretrain"),
+        ("hybridrl.trainer.main_rm", "rejected_key"),
+        ("hybridrl.trainer.main_dpo", "precompute_ref_log_probs"),
         ("hybridrl.trainer.main_generation", "n_samples"),
         ("hybridrl.trainer.main_eval", "reward_model_key"),
         ("hybridrl.model_merger", "{merge,test}"),

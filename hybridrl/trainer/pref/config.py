@@ -1,0 +1,215 @@
+"""The configs of `main_rm` (reward-model training) and `main_dpo` (preference optimisation).
+
+Both share SFT's `model`, `optim` and `trainer` sections (veRL's sft_trainer.yaml names, see
+trainer/sft/config.py) and a preference `data` section (TRL's column names); `rm.*` and `dpo.*`
+hold the loss settings. `load_pref_config(kind, cfg)` merges schema <- rm_trainer.yaml /
+dpo_trainer.yaml <- `cfg`, fills the presets and validates; problems raise ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from hybridrl.algos.preference import DPO_LOSS_TYPES
+from hybridrl.trainer.sft.config import (
+    CONFIG_DIR,
+    SFTGenerationEvalSection,
+    SFTModelSection,
+    SFTOptimSection,
+    SFTTrainerSection,
+    is_builtin_model,
+    uses_megatron,
+    validate_sft_config,
+)
+from hybridrl.utils.config_loader import ConfigError, load_structured
+
+__all__ = ["DPOConfig", "RMConfig", "load_pref_config"]
+
+KINDS = ("rm", "dpo")
+# Values for keys left null: built-in tiny model / any other model (TRL's defaults).
+PRESETS = {
+    ("rm", True): {
+        "optim.lr": 1e-4,
+        "data.train_batch_size": 64,
+        "data.micro_batch_size_per_gpu": 64,
+        "trainer.total_epochs": 5,
+    },
+    ("rm", False): {
+        "optim.lr": 1e-5,
+        "data.train_batch_size": 64,
+        "data.micro_batch_size_per_gpu": 8,
+        "trainer.total_epochs": 1,
+    },
+    ("dpo", True): {"optim.lr": 2e-4, "data.train_batch_size": 64, "data.micro_batch_size_per_gpu": 64},
+    ("dpo", False): {"optim.lr": 1e-6, "data.train_batch_size": 64, "data.micro_batch_size_per_gpu": 8},
+}
+
+
+@dataclass
+class PrefDataSection:
+    train_files: Any = None  # None -> the built-in preference pairs
+    val_files: Any = None  # None -> the built-in held-out pairs when training on the built-in ones
+    builtin_data_dir: str | None = None
+    prompt_key: str = "prompt"  # absent from the files: the implicit-prompt layout
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    margin_key: str | None = None  # rm only: a numeric column of per-pair margins
+    max_prompt_length: int = 512
+    max_length: int = 1024
+    truncation: str = "error"  # error | right
+    train_batch_size: int | None = None  # pairs per optimizer step, over all ranks
+    micro_batch_size_per_gpu: int | None = None  # pairs per forward/backward on one rank
+    use_chat_template: bool = True
+    chat_template: str | None = None
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    train_max_samples: int = -1
+    val_max_samples: int = -1
+    shuffle: bool = True
+
+
+@dataclass
+class RMLossSection:
+    center_rewards_coefficient: float = 0.0
+
+
+@dataclass
+class DPOLossSection:
+    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo | simpo
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    precompute_ref_log_probs: bool = True  # false: the reference forward runs beside every step
+    ref_model_path: str | None = None  # None: model.partial_pretrain (with LoRA: the frozen base)
+
+
+@dataclass
+class RMTrainerSection(SFTTrainerSection):
+    project_name: str = "hybridrl-rm"
+    experiment_name: str = "rm"
+    total_epochs: int | None = None  # preset: 5 for the built-in model, else 1
+
+
+@dataclass
+class DPOTrainerSection(SFTTrainerSection):
+    project_name: str = "hybridrl-dpo"
+    experiment_name: str = "dpo"
+    total_epochs: int = 1
+
+
+@dataclass
+class RMConfig:
+    data: PrefDataSection = field(default_factory=PrefDataSection)
+    model: SFTModelSection = field(default_factory=SFTModelSection)
+    optim: SFTOptimSection = field(default_factory=SFTOptimSection)
+    trainer: RMTrainerSection = field(default_factory=RMTrainerSection)
+    rm: RMLossSection = field(default_factory=RMLossSection)
+    model_engine: str | None = None
+
+
+@dataclass
+class DPOConfig:
+    data: PrefDataSection = field(default_factory=PrefDataSection)
+    model: SFTModelSection = field(default_factory=SFTModelSection)
+    optim: SFTOptimSection = field(default_factory=SFTOptimSection)
+    trainer: DPOTrainerSection = field(default_factory=DPOTrainerSection)
+    generation_eval: SFTGenerationEvalSection = field(default_factory=SFTGenerationEvalSection)
+    dpo: DPOLossSection = field(default_factory=DPOLossSection)
+    model_engine: str | None = None
+
+
+SCHEMAS = {"rm": (RMConfig, "rm_trainer.yaml"), "dpo": (DPOConfig, "dpo_trainer.yaml")}
+
+
+def load_pref_config(kind: str, cfg: DictConfig | dict | list[str] | None = None) -> RMConfig | DPOConfig:
+    """The typed, preset-filled and validated config of `kind` ("rm" or "dpo")."""
+    schema, yaml_name = SCHEMAS[kind]
+    config = load_structured(schema, cfg, f"hybridrl/trainer/config/{yaml_name}", CONFIG_DIR / yaml_name)
+    preset = PRESETS[(kind, is_builtin_model(config.model.partial_pretrain))]
+    for dotted, value in preset.items():
+        section, name = dotted.split(".")
+        if getattr(getattr(config, section), name) is None:
+            setattr(getattr(config, section), name, value)
+    validate_pref_config(kind, config)
+    return config
+
+
+class _SFTView:
+    """The attributes validate_sft_config reads, from a preference config (shared checks, one place)."""
+
+    def __init__(self, config: Any) -> None:
+        from hybridrl.trainer.sft.config import SFTDataSection
+
+        d = config.data
+        self.data = SFTDataSection(
+            train_files=d.train_files if d.train_files is not None else "builtin",
+            max_length=d.max_length,
+            train_batch_size=d.train_batch_size,
+            micro_batch_size_per_gpu=d.micro_batch_size_per_gpu,
+            train_max_samples=d.train_max_samples,
+            val_max_samples=d.val_max_samples,
+        )
+        self.model, self.optim, self.trainer, self.model_engine = (
+            config.model,
+            config.optim,
+            config.trainer,
+            config.model_engine,
+        )
+        self.generation_eval = getattr(config, "generation_eval", SFTGenerationEvalSection(enable=False))
+
+
+def validate_pref_config(kind: str, config: Any) -> None:
+    """Start-up checks that need no files or processes; each error names the key and the fix."""
+    d = config.data
+    if d.train_files is None and not is_builtin_model(config.model.partial_pretrain):
+        raise ConfigError(
+            "data.train_files is not set; point it at parquet/jsonl file(s) with the "
+            f"'{d.chosen_key}'/'{d.rejected_key}' columns (the built-in pairs only fit model.partial_pretrain=builtin:tiny)"
+        )
+    if d.truncation not in ("error", "right"):
+        raise ConfigError(f"data.truncation={d.truncation!r} is not one of ['error', 'right']")
+    if not 1 <= d.max_prompt_length < d.max_length:
+        raise ConfigError(
+            f"data.max_prompt_length={d.max_prompt_length} must be >= 1 and below data.max_length={d.max_length}"
+        )
+    validate_sft_config(_SFTView(config))
+    if config.model_engine is not None or uses_megatron(config):
+        from hybridrl.engine.base import canonical_engine_name
+
+        name = canonical_engine_name(config.model_engine or config.model.strategy, "model_engine")
+        if name != "dp":
+            raise ConfigError(
+                f"main_{kind} trains on the FSDP2 engine only (model.strategy=fsdp2); the Megatron engine has no "
+                "preference loop here yet: set model.strategy=fsdp2"
+            )
+    if kind == "rm":
+        if d.margin_key is not None and not d.margin_key:
+            raise ConfigError("data.margin_key is empty; name the margin column or leave it null")
+        if config.model.lora_rank > 0:
+            raise ConfigError(
+                "model.lora_rank > 0 with main_rm: a LoRA reward model (adapter + trained head) is not built here "
+                "yet; train the full model (model.lora_rank=0)"
+            )
+        if config.rm.center_rewards_coefficient < 0:
+            raise ConfigError(
+                f"rm.center_rewards_coefficient must be >= 0, got {config.rm.center_rewards_coefficient}"
+            )
+        return
+    if d.margin_key is not None:
+        raise ConfigError("data.margin_key is a reward-model setting; main_dpo has no margin: leave it null")
+    p = config.dpo
+    if p.loss_type not in DPO_LOSS_TYPES:
+        raise ConfigError(f"dpo.loss_type={p.loss_type!r} is not one of {list(DPO_LOSS_TYPES)}")
+    if not p.beta > 0:
+        raise ConfigError(f"dpo.beta must be > 0, got {p.beta}")
+    if not 0 <= p.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {p.label_smoothing}")
+    if p.loss_type == "ipo" and p.label_smoothing:
+        raise ConfigError("dpo.label_smoothing applies to the sigmoid and simpo losses, not ipo: set it to 0")
+    if p.ref_model_path and config.model.lora_rank > 0:
+        raise ConfigError(
+            "dpo.ref_model_path with model.lora_rank > 0: with LoRA the reference is the frozen base model; "
+            "leave dpo.ref_model_path null"
+        )

@@ -1,0 +1,230 @@
+"""main_rm / main_dpo on the built-in tiny model: short runs, export into main_ppo's reward-model
+loader, exact resume, the reference paths of DPO, and the start-up errors.
+
+One process group (gloo, world 1) for the module; each run is a few steps on a handful of pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from hybridrl.data.builtin_task import write_parquet
+from hybridrl.data.preference import make_preference_rows, pad_pairs
+from hybridrl.trainer.pref.config import load_pref_config
+from hybridrl.trainer.pref.data import check_model_head, load_pref_datasets
+from hybridrl.trainer.pref.launch import run_pref_config
+from hybridrl.trainer.sft.launch import init_distributed
+from hybridrl.utils.config_loader import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="module")
+def pair_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pairs")
+    train = write_parquet(make_preference_rows(16, 0, "train"), root / "train.parquet")
+    val = write_parquet(make_preference_rows(6, 1, "val"), root / "val.parquet")
+    return train, val
+
+
+def config(kind, pair_files, out, **extra):
+    train, val = pair_files
+    overrides = {
+        "data": {
+            "train_files": train,
+            "val_files": val,
+            "train_batch_size": 8,
+            "micro_batch_size_per_gpu": 4,
+        },
+        "trainer": {"default_local_dir": str(out), "total_epochs": 1, "val_before_train": False, "seed": 3},
+    }
+    for dotted, value in extra.items():
+        section, key = dotted.split("__")
+        overrides.setdefault(section, {})[key] = value
+    return load_pref_config(kind, overrides)
+
+
+def make_trainer(cfg):
+    from hybridrl.trainer.pref.trainer import DPOTrainer, RewardModelTrainer
+
+    tok, train, val, val_files = load_pref_datasets(cfg)
+    init_distributed(cfg)
+    cls = RewardModelTrainer if hasattr(cfg, "rm") else DPOTrainer
+    return cls(cfg, train, val, tok, val_files)
+
+
+def weights(trainer):
+    return {k: v.detach().clone() for k, v in trainer.engine.module.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# main_rm
+# ----------------------------------------------------------------------------------------------
+def test_rm_run_exports_a_reward_model_main_ppo_loads(pair_files, tmp_path):
+    from hybridrl.config.roles import RewardModelConfig, RewardModelModelConfig
+
+    from hybridrl.engine.forward import forward_scores
+    from hybridrl.models.hf import build_hf_model
+    from hybridrl.reward.rm import model_config_of
+
+    cfg = config("rm", pair_files, tmp_path, trainer__save_freq=2)
+    metrics = run_pref_config("rm", cfg)
+    assert set(metrics) >= {
+        "val/loss",
+        "val/accuracy",
+        "val/margin",
+        "val/chosen_reward",
+        "val/rejected_reward",
+    }
+    assert 0.0 <= metrics["val/accuracy"] <= 1.0 and math.isfinite(metrics["val/loss"])
+    assert json.loads((tmp_path / "latest_checkpointed_iteration.txt").read_text() or "0") == 2
+    out = tmp_path / "reward_model"
+    ckpt_hf = tmp_path / "global_step_2" / "huggingface"
+    assert json.loads((out / "config.json").read_text())["architectures"] == [
+        "Qwen2ForSequenceClassification"
+    ]
+    # main_ppo's reward-model loader (the RewardModel worker's) takes the folder as it is
+    rm_cfg = RewardModelConfig(enable=True, model=RewardModelModelConfig(path=str(out)))
+    module = build_hf_model(model_config_of(rm_cfg), role="reward", key="reward_model.model")
+    ckpt = build_hf_model(
+        model_config_of(RewardModelConfig(model=RewardModelModelConfig(path=str(ckpt_hf)))), role="reward"
+    )
+    for (name, a), (_, b) in zip(module.state_dict().items(), ckpt.state_dict().items()):
+        assert torch.equal(a, b), name
+    # its scores are the trainer's validation scores: the pairwise loss / accuracy recomputed from them
+    tok, _, val, _ = load_pref_datasets(cfg)
+    batch = pad_pairs([val[i] for i in range(len(val))], tok.pad_token_id)
+    with torch.no_grad():
+        s = forward_scores(module, batch)
+        hf = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    torch.testing.assert_close(s, hf, atol=1e-5, rtol=0)
+    n = len(val)
+    loss = torch.nn.functional.softplus(-(s[:n] - s[n:])).mean()
+    assert loss.item() == pytest.approx(metrics["val/loss"], abs=1e-5)
+    assert (s[:n] > s[n:]).float().mean().item() == pytest.approx(metrics["val/accuracy"], abs=1e-6)
+
+
+def test_rm_resume_is_exact(pair_files, tmp_path):
+    full = make_trainer(config("rm", pair_files, tmp_path / "a", trainer__total_epochs=2))
+    full.fit()
+    expected = weights(full)
+    cut = make_trainer(
+        config("rm", pair_files, tmp_path / "b", trainer__total_epochs=2, trainer__save_freq=2)
+    )
+    cut.fit(stop_at_step=2)
+    resumed = make_trainer(config("rm", pair_files, tmp_path / "b", trainer__total_epochs=2))
+    resumed.fit()
+    assert resumed.global_step == full.global_step == 4
+    got = weights(resumed)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], atol=0, rtol=0, msg=k)
+
+
+# ----------------------------------------------------------------------------------------------
+# main_dpo
+# ----------------------------------------------------------------------------------------------
+def test_dpo_first_step_loss_is_log2_and_ref_paths_agree(pair_files, tmp_path):
+    """At step 0 the policy is the reference: h = 0, loss = log 2. Precomputed and live reference
+    log-probs give the same training, step for step."""
+    runs = {}
+    for pre in (True, False):
+        t = make_trainer(
+            config(
+                "dpo",
+                pair_files,
+                tmp_path / str(pre),
+                dpo__precompute_ref_log_probs=pre,
+                generation_eval__enable=False,
+            )
+        )
+        t.fit()
+        runs[pre] = (weights(t), t)
+    first = runs[True][1]
+    assert first.total_steps == 2
+    for k, v in runs[True][0].items():
+        torch.testing.assert_close(runs[False][0][k], v, atol=1e-6, rtol=0, msg=k)
+    fresh = make_trainer(config("dpo", pair_files, tmp_path / "fresh", generation_eval__enable=False))
+    m = fresh._forward_backward(fresh._rank_rows(list(range(8))))
+    assert m["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert m["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_dpo_lora_reference_is_the_frozen_base(pair_files, tmp_path):
+    t = make_trainer(
+        config(
+            "dpo",
+            pair_files,
+            tmp_path,
+            model__lora_rank=4,
+            dpo__loss_type="ipo",
+            generation_eval__enable=False,
+        )
+    )
+    table = t.precompute_reference(t.train_dataset)
+    t.fit()
+    again = t.precompute_reference(t.train_dataset)  # the base, after the adapter trained
+    torch.testing.assert_close(again, table, atol=1e-5, rtol=0)
+
+
+def test_simpo_runs_without_reference(pair_files, tmp_path):
+    t = make_trainer(
+        config("dpo", pair_files, tmp_path, dpo__loss_type="simpo", generation_eval__enable=False)
+    )
+    metrics = t.fit()
+    assert t.ref_engine is None and not t._ref_cache and math.isfinite(metrics["val/loss"])
+
+
+# ----------------------------------------------------------------------------------------------
+# start-up errors
+# ----------------------------------------------------------------------------------------------
+def test_bad_pairs_fail_before_anything_starts(tmp_path, pair_files):
+    rows = make_preference_rows(8, 0, "train")
+    rows[5]["rejected"] = rows[5]["chosen"]
+    bad = write_parquet(rows, tmp_path / "bad.parquet")
+    cfg = config("rm", (bad, None), tmp_path)
+    with pytest.raises(ConfigError, match="row 5: chosen equals rejected"):
+        load_pref_datasets(cfg)
+    missing = write_parquet([{"prompt": "1+1=", "chosen": "#### 2"}] * 8, tmp_path / "missing.parquet")
+    with pytest.raises(ConfigError, match="rejected"):
+        load_pref_datasets(config("dpo", (missing, None), tmp_path))
+
+
+def test_model_without_a_classification_form_is_refused(tmp_path, pair_files):
+    folder = tmp_path / "vit"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    cfg = config("rm", pair_files, tmp_path, model__partial_pretrain=str(folder))
+    with pytest.raises(ConfigError, match="no sequence-classification class"):
+        check_model_head(cfg)
+
+
+@pytest.mark.parametrize(
+    "kind, extra, match",
+    [
+        ("rm", {"model__strategy": "megatron"}, "FSDP2 engine only"),
+        ("rm", {"model__lora_rank": 4}, "LoRA reward model"),
+        ("dpo", {"dpo__loss_type": "hinge"}, "dpo.loss_type"),
+        ("dpo", {"dpo__beta": 0.0}, "dpo.beta"),
+        ("dpo", {"dpo__label_smoothing": 0.5}, "label_smoothing"),
+        ("dpo", {"data__margin_key": "m"}, "margin"),
+        ("dpo", {"data__max_prompt_length": 2048}, "max_prompt_length"),
+    ],
+)
+def test_config_errors(pair_files, tmp_path, kind, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        config(kind, pair_files, tmp_path, **extra)
+
+
+def test_no_args_configs_load():
+    for kind in ("rm", "dpo"):
+        cfg = load_pref_config(kind, None)
+        assert cfg.data.train_files is None and cfg.model.partial_pretrain == "builtin:tiny"
+    assert os.path.basename(load_pref_config("rm").trainer.default_local_dir) == "rm"
