@@ -1,0 +1,306 @@
+"""The single controller's own cost as workers, batch and length grow: a PPO step's data flow, no model.
+
+One PPO step of the synchronous trainer (hybridrl/trainer/ppo/trainer.py, `fit`), stage by stage,
+through the real single controller: a `RayWorkerGroup` of W Ray actors, `@register` dispatch
+(`DP_COMPUTE_PROTO`: split the batch over the ranks, concatenate the results), `DataProto`, and the
+advantage estimators of `hybridrl.algos` on the driver. The workers hold no model: each method
+returns tensors of the shapes and dtypes the real worker returns (responses and masks int64,
+log-probs / values / scores float32), so what is measured is what the controller itself costs:
+
+    generate_sequences  prompts (B, P) out; input_ids / attention_mask / position_ids (B, P+T),
+                        responses / response_mask (B, T), rollout_log_probs (B, T) back
+    compute_rm_score    the whole batch out; rm_scores (B, T) back
+    compute_log_prob    the whole batch out; old_log_probs, entropys (B, T) back
+    compute_ref_log_prob  the whole batch out; ref_log_prob (B, T) back
+    compute_values      (GAE) the whole batch out; values (B, T) back
+    advantages          on the driver (GRPO: group statistics; GAE: the reverse scan)
+    update_critic       (GAE) the whole batch out; metrics back
+    update_actor        the whole batch out; metrics back
+
+Printed per configuration (workers W, sequences B, response tokens T): the bytes that pass through
+the driver per step (tensors sent to and received from the workers), the driver's peak RSS, and the
+control-plane seconds per step (the step's wall time less the time the workers spent building their
+outputs), each the median over the measured steps; then the factor each grows by per doubling of
+W, B and T. Each configuration runs in a fresh process so that its peak RSS is its own.
+
+    python bench/controller_scale.py                                     # a small grid
+    python bench/controller_scale.py --workers 2,8,32 --batch 1024 --length 1024
+    python bench/controller_scale.py --workers 8 --batch 1024,2048,4096,8192 --length 4096 --estimator gae
+    python bench/controller_scale.py --workers 8 --nodes 2               # a 2-node ray.cluster_utils cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+os.environ.update({k: v for k, v in C.ONE_THREAD_ENV.items() if k not in os.environ})
+
+
+# ----------------------------------------------------------------------------------- one config
+def _worker_class():
+    """The simulated colocated worker (actor, rollout, reference, critic and reward model in one
+    process, as hybridrl colocates roles that share a device slot)."""
+    import torch
+
+    from hybridrl.protocol import DataProto
+    from hybridrl.single_controller import Dispatch, Worker, register
+
+    class SimulatedWorker(Worker):
+        def __init__(self, response_length: int) -> None:
+            super().__init__()
+            self.T = response_length
+            self.busy_s = 0.0
+
+        def _out(self, tensors: dict, metrics: dict | None = None) -> DataProto:
+            return DataProto.from_dict(tensors, meta_info={"metrics": metrics} if metrics else None)
+
+        def _f32(self, b: int) -> torch.Tensor:
+            return torch.full((b, self.T), -1.0, dtype=torch.float32)
+
+        def _timed(self, fn, data):
+            t0 = time.perf_counter()
+            out = fn(len(data), data)
+            self.busy_s += time.perf_counter() - t0
+            return out
+
+        @register(Dispatch.DP_COMPUTE_PROTO)
+        def generate_sequences(self, prompts: DataProto) -> DataProto:
+            def build(b, data):
+                p = data.batch["input_ids"]
+                responses = torch.ones((b, self.T), dtype=torch.int64)
+                mask = torch.ones((b, p.shape[1] + self.T), dtype=torch.int64)
+                return self._out(
+                    {
+                        "prompts": p,
+                        "responses": responses,
+                        "input_ids": torch.cat([p, responses], dim=1),
+                        "attention_mask": mask,
+                        "position_ids": mask.cumsum(-1) - 1,
+                        "response_mask": torch.ones((b, self.T), dtype=torch.int64),
+                        "rollout_log_probs": self._f32(b),
+                    }
+                )
+
+            return self._timed(build, prompts)
+
+        @register(Dispatch.DP_COMPUTE_PROTO)
+        def compute_rm_score(self, data: DataProto) -> DataProto:
+            return self._timed(lambda b, _: self._out({"rm_scores": self._f32(b)}), data)
+
+        @register(Dispatch.DP_COMPUTE_PROTO)
+        def compute_log_prob(self, data: DataProto) -> DataProto:
+            return self._timed(
+                lambda b, _: self._out({"old_log_probs": self._f32(b), "entropys": self._f32(b)}), data
+            )
+
+        @register(Dispatch.DP_COMPUTE_PROTO)
+        def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+            return self._timed(lambda b, _: self._out({"ref_log_prob": self._f32(b)}), data)
+
+        @register(Dispatch.DP_COMPUTE_PROTO)
+        def compute_values(self, data: DataProto) -> DataProto:
+            return self._timed(lambda b, _: self._out({"values": self._f32(b)}), data)
+
+        @register(Dispatch.DP_COMPUTE_PROTO)
+        def update_critic(self, data: DataProto) -> DataProto:
+            return self._timed(lambda b, d: self._out({}, {"critic/vf_loss": [float(len(d))]}), data)
+
+        @register(Dispatch.DP_COMPUTE_PROTO)
+        def update_actor(self, data: DataProto) -> DataProto:
+            return self._timed(lambda b, d: self._out({}, {"actor/pg_loss": [float(len(d))]}), data)
+
+        @register(Dispatch.ONE_TO_ALL)
+        def take_busy_s(self) -> float:
+            busy, self.busy_s = self.busy_s, 0.0
+            return busy
+
+    return SimulatedWorker
+
+
+def nbytes(data) -> int:
+    """Bytes of a DataProto's tensors and numpy arrays (object arrays: their pickled size)."""
+    import pickle
+
+    total = sum(t.numel() * t.element_size() for t in data.batch.values()) if data.batch is not None else 0
+    for arr in data.non_tensor_batch.values():
+        total += len(pickle.dumps(arr)) if arr.dtype == object else arr.nbytes
+    return total
+
+
+def run_one(workers: int, batch: int, length: int, prompt_length: int, n: int, estimator: str,
+            steps: int, nodes: int) -> dict:  # fmt: skip
+    """One configuration in this process: start Ray and the group, run `steps` PPO steps' data flow."""
+    import numpy as np
+    import ray
+    import torch
+
+    from hybridrl import algos
+    from hybridrl.protocol import DataProto
+    from hybridrl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    torch.set_num_threads(1)
+    cpus = os.cpu_count() or 2
+    cluster = None
+    if nodes > 1:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster()
+        per_node = math.ceil(workers / nodes)
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=max(1, cpus // nodes))
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    else:
+        per_node = workers
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    slot_cpus = min(1.0, cpus / workers) * 0.99
+    pool = RayResourcePool([per_node] * (nodes if nodes > 1 else 1), use_gpu=False, cpus_per_slot=slot_cpus)
+    wg = RayWorkerGroup(
+        pool, RayClassWithInitArgs(_worker_class(), response_length=length), name_prefix="sim"
+    )
+    rss_start_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    def call(method: str, data: DataProto, moved: dict) -> DataProto:
+        moved["out"] += nbytes(data)
+        out = getattr(wg, method)(data)
+        moved["in"] += nbytes(out)
+        return out
+
+    results = []
+    for step in range(steps + 1):  # step 0 warms up
+        moved = {"out": 0, "in": 0}
+        t0 = time.perf_counter()
+        prompts = torch.ones((batch // n, prompt_length), dtype=torch.int64)
+        pmask = torch.ones_like(prompts)
+        b = DataProto.from_dict(
+            {"input_ids": prompts, "attention_mask": pmask, "position_ids": pmask.cumsum(-1) - 1},
+            non_tensors={"uid": np.array([f"{step}-{i}" for i in range(batch // n)], dtype=object)},
+        ).repeat(repeat_times=n, interleave=True)
+        gen_in = b.select(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        out = call("generate_sequences", gen_in, moved)
+        b.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        b = b.union(out)
+        b = b.union(call("compute_rm_score", b, moved))
+        b.batch["token_level_scores"] = b.batch["rm_scores"]
+        b = b.union(call("compute_log_prob", b, moved))
+        b = b.union(call("compute_ref_log_prob", b, moved))
+        if estimator == "gae":
+            b = b.union(call("compute_values", b, moved))
+        b.batch["token_level_rewards"] = b.batch["token_level_scores"]
+        adv, ret = algos.get_adv_estimator_fn(estimator)(
+            b.batch["token_level_rewards"],
+            b.batch["response_mask"],
+            index=b.non_tensor_batch["uid"],
+            values=b.batch["values"] if "values" in b.batch.keys() else None,
+            gamma=1.0,
+            lam=1.0,
+        )
+        b.batch["advantages"], b.batch["returns"] = adv, ret
+        if estimator == "gae":
+            call("update_critic", b, moved)
+        call("update_actor", b, moved)
+        wall = time.perf_counter() - t0
+        busy = max(wg.take_busy_s())
+        if step:
+            results.append({"wall_s": wall, "worker_s": busy, "bytes": moved["out"] + moved["in"], **moved})
+        del b, out
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    wg.shutdown()
+    ray.shutdown()
+    if cluster is not None:
+        cluster.shutdown()
+    med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    return {
+        "workers": workers, "batch": batch, "length": length, "nodes": nodes, "estimator": estimator,
+        "bytes_per_step": med["bytes"], "bytes_out": med["out"], "bytes_in": med["in"],
+        "control_s": max(med["wall_s"] - med["worker_s"], 0.0), "wall_s": med["wall_s"],
+        "peak_rss_mib": peak_kib / 1024, "rss_after_start_mib": rss_start_kib / 1024,
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ the grid
+def _slopes(rows: list[dict], axis: str, keys: tuple[str, ...]) -> list[str]:
+    """Growth factor per doubling of `axis`, between neighbouring rows that differ only in it."""
+    others = [a for a in ("workers", "batch", "length", "nodes", "estimator") if a != axis]
+    lines = []
+    for _, group in itertools.groupby(sorted(rows, key=lambda r: [r[a] for a in others] + [r[axis]]),
+                                      key=lambda r: [r[a] for a in others]):  # fmt: skip
+        group = list(group)
+        for a, b in zip(group, group[1:]):
+            doublings = math.log2(b[axis] / a[axis])
+            if doublings <= 0:
+                continue
+            f = {k: (b[k] / a[k]) ** (1 / doublings) if a[k] > 0 else float("nan") for k in keys}
+            lines.append(
+                f"  {axis} {a[axis]} -> {b[axis]}: "
+                + ", ".join(f"{k} x{v:.2f}" for k, v in f.items())
+                + f"  (at workers={b['workers']} batch={b['batch']} length={b['length']})"
+            )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", default="2,8", help="comma list of worker counts")
+    ap.add_argument("--batch", default="256,1024", help="comma list of sequences per step (prompts x n)")
+    ap.add_argument("--length", default="512", help="comma list of response lengths (tokens)")
+    ap.add_argument("--prompt-length", type=int, default=256)
+    ap.add_argument("--n", type=int, default=8, help="responses per prompt (GRPO group size)")
+    ap.add_argument("--estimator", default="grpo", choices=["grpo", "gae"])
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per configuration (after 1 warm-up)")
+    ap.add_argument("--nodes", type=int, default=1, help=">1: a multi-node ray.cluster_utils.Cluster")
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        w, b, t = (int(x) for x in args.one.split(","))
+        print(
+            "ROW "
+            + json.dumps(run_one(w, b, t, args.prompt_length, args.n, args.estimator, args.steps, args.nodes))
+        )
+        return
+
+    print(json.dumps(C.machine_info()), "load", C.load_average())
+    rows = []
+    grid = itertools.product(*(map(int, s.split(",")) for s in (args.workers, args.batch, args.length)))
+    for w, b, t in grid:
+        cmd = [sys.executable, __file__, "--one", f"{w},{b},{t}", "--prompt-length", str(args.prompt_length),
+               "--n", str(args.n), "--estimator", args.estimator, "--steps", str(args.steps),
+               "--nodes", str(args.nodes)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
+        if proc.returncode or line is None:
+            print(f"workers={w} batch={b} length={t}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")
+            continue
+        rows.append(json.loads(line[4:]))
+        r = rows[-1]
+        print(
+            f"workers {w:4d}  batch {b:5d}  length {t:5d}  | driver MB/step {r['bytes_per_step'] / 1e6:9.1f}"
+            f"  peak RSS MiB {r['peak_rss_mib']:7.0f}  control s/step {r['control_s']:7.3f}"
+            f"  (wall {r['wall_s']:.3f})",
+            flush=True,
+        )
+    keys = ("bytes_per_step", "peak_rss_mib", "control_s")
+    print("growth per doubling:")
+    for axis in ("workers", "batch", "length"):
+        for line in _slopes(rows, axis, keys):
+            print(line)
+    print("load", C.load_average())
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
