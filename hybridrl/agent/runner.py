@@ -337,8 +337,8 @@ def build_agent_output(
     for i, o in enumerate(outputs):
         turn_scores[i] = list(o.extra_fields.get("turn_scores", []))
     non_tensor["turn_scores"] = turn_scores
-    if any("env_reward" in o.extra_fields for o in outputs):  # environments' rewards for the scorer
-        non_tensor["extra_info"] = _with_env_rewards(non_tensor.get("extra_info"), outputs)
+    if any("env_reward" in o.extra_fields for o in outputs):  # environments' rewards (hybridrl.env)
+        non_tensor["env_reward"] = np.array([o.extra_fields.get("env_reward") for o in outputs], dtype=object)
     if any("multi_modal_inputs" in o.extra_fields for o in outputs):  # a VLM run: prompt + tool images
         mm = np.empty(bsz, dtype=object)
         prompt_mm = prompts.non_tensor_batch.get("multi_modal_inputs")
@@ -348,19 +348,6 @@ def build_agent_output(
     meta = dict(prompts.meta_info)
     meta["metrics"] = {**meta.get("metrics", {}), **summarize(outputs)}
     return DataProto.from_dict(tensors, non_tensor, meta)
-
-
-def _with_env_rewards(extra_info: Any, outputs: list[AgentLoopOutput]) -> np.ndarray:
-    """Each row's extra_info (a new dict per row: rows of one group share the original) with
-    `env_reward` and `env_turn_rewards` of the rows that played an environment (hybridrl.env)."""
-    out = np.empty(len(outputs), dtype=object)
-    for i, o in enumerate(outputs):
-        old = extra_info[i] if extra_info is not None and isinstance(extra_info[i], dict) else {}
-        out[i] = dict(old)
-        if "env_reward" in o.extra_fields:
-            out[i]["env_reward"] = o.extra_fields["env_reward"]
-            out[i]["env_turn_rewards"] = list(o.extra_fields.get("turn_scores", []))
-    return out
 
 
 def summarize(outputs: list[AgentLoopOutput]) -> dict[str, float]:

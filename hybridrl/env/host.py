@@ -38,9 +38,39 @@ def _context():
     with _CONTEXT_LOCK:
         if _CONTEXT is None:
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["hybridrl.env.host", "hybridrl.env.base"])
+            # "__main__": the server imports the main module once (as __mp_main__), else every episode
+            # process would (a Ray worker's main module takes seconds to import)
+            ctx.set_forkserver_preload(["__main__", "hybridrl.env.host", "hybridrl.env.base"])
             _CONTEXT = ctx
         return _CONTEXT
+
+
+_SERVER_READY = threading.Event()
+_SERVER_START_S = 600.0
+
+
+def _ready() -> None:
+    """The first process from the fork server: it exists once the server has imported its modules."""
+
+
+def _ensure_server() -> None:
+    """Start the fork server and wait until it forks (its first start imports torch: slow, and not
+    the environment's time)."""
+    with _CONTEXT_LOCK:
+        if _SERVER_READY.is_set():
+            return
+    ctx = _context()
+    with _CONTEXT_LOCK:
+        if not _SERVER_READY.is_set():
+            proc = ctx.Process(target=_ready, daemon=True)
+            proc.start()
+            proc.join(_SERVER_START_S)
+            if proc.exitcode != 0:
+                raise EnvironmentFault(
+                    "error",
+                    f"the environments' fork server did not start (first process exit code {proc.exitcode})",
+                )
+            _SERVER_READY.set()
 
 
 def _serve(conn, module: str, qualname: str, kwargs: dict[str, Any]) -> None:
@@ -90,8 +120,16 @@ class EpisodeProcess:
 
     @classmethod
     async def start(
-        cls, env_cls: type, kwargs: dict[str, Any], name: str, timeout_s: float
+        cls,
+        env_cls: type,
+        kwargs: dict[str, Any],
+        name: str,
+        timeout_s: float,
+        start_timeout_s: float = 120.0,
     ) -> EpisodeProcess:
+        """A new episode process with `env_cls(**kwargs)` built in it (within `start_timeout_s`: a
+        start competes for the CPU with the rollout); its calls then have `timeout_s` each."""
+        await asyncio.to_thread(_ensure_server)
         ctx = _context()
         parent, child = ctx.Pipe()
         proc = ctx.Process(
@@ -99,8 +137,9 @@ class EpisodeProcess:
         )
         await asyncio.to_thread(proc.start)
         child.close()
-        episode = cls(proc, parent, name, timeout_s)
+        episode = cls(proc, parent, name, start_timeout_s)
         await episode._reply("start")
+        episode.timeout_s = timeout_s
         return episode
 
     async def _reply(self, what: str) -> Any:

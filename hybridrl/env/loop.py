@@ -7,14 +7,17 @@ generated (mask 1), each observation is appended as a user turn rendered by the 
 (when set), or when the response budget runs out.
 
 The environment runs in a process of its own (hybridrl.env.host) with a deadline per call:
-`timeout_s` (default 30 s), set as a constructor argument in `rollout.agent.agent_loop_config_path`
-(`- {name: env_agent, _target_: hybridrl.env.loop.EnvAgentLoop, timeout_s: 10}`). A fault (it raised, passed the deadline,
-returned malformed output, or could not start) ends the trajectory: the sample's reward is 0, the
-error is logged, and the metrics count it (`agent/env_errors`, `env_timeouts`, `env_malformed`).
+`timeout_s` (default 30 s; `start_timeout_s`, default 120 s, for starting the process and building
+the environment), constructor arguments set in `rollout.agent.agent_loop_config_path`
+(`- {name: env_agent, _target_: hybridrl.env.loop.EnvAgentLoop, timeout_s: 10}`). A fault (it
+raised, passed the deadline, returned malformed output, or could not start) ends the trajectory:
+the sample's reward is 0, the error is logged, and the metrics count it (`agent/env_errors`,
+`env_timeouts`, `env_malformed`).
 
 Outputs: `reward_score` = the sum of the step rewards (0 after a fault), `turn_scores` = the step
-rewards; the runner puts them into the row's `extra_info` as `env_reward` / `env_turn_rewards`
-(the `hybridrl/env` data source's scorer reads them).
+rewards; the runner adds the column `env_reward`, and the reward manager shows both to the score
+function in the row's `extra_info` as `env_reward` / `env_turn_rewards` (the `hybridrl/env` data
+source's scorer returns them).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class EnvAgentLoop(AgentLoopBase):
         self.mt = context.config.multi_turn
         self.renderer = ToolTurnRenderer(context.tokenizer)
         self.timeout_s = float(kwargs.get("timeout_s", DEFAULT_TIMEOUT_S))
+        self.start_timeout_s = float(kwargs.get("start_timeout_s", 120.0))
         if not self.timeout_s > 0:
             raise ValueError(f"env_agent timeout_s must be > 0, got {self.timeout_s}")
 
@@ -74,7 +78,7 @@ class EnvAgentLoop(AgentLoopBase):
         turns, truncated, prompt = 0, False, list(prompt_ids)
         episode = None
         try:
-            episode = await EpisodeProcess.start(env_cls, kwargs, name, self.timeout_s)
+            episode = await EpisodeProcess.start(env_cls, kwargs, name, self.timeout_s, self.start_timeout_s)
             obs = await episode.reset(_plain_row(row))
             prompt = self._prompt(prompt, row.get("raw_prompt"), obs)
             while True:

@@ -14,6 +14,7 @@ from hybridrl.agent.runner import AgentLoopRunner
 from hybridrl.env.guess_number import GuessNumber, make_rows
 from hybridrl.env.host import EnvironmentFault, EpisodeProcess
 from hybridrl.protocol import DataProto
+from hybridrl.reward.manager import decode_samples
 from hybridrl.reward.scorers import default_compute_score
 from hybridrl.rollout.config import RolloutConfig
 
@@ -63,6 +64,7 @@ def batch(tokenizer, envs, agent_name="env_agent_2s"):
         "extra_info": extra,
         "agent_name": np.array([agent_name] * len(envs), dtype=object),
         "data_source": np.array(["hybridrl/env"] * len(envs), dtype=object),
+        "reward_model": np.array([{"ground_truth": ""}] * len(envs), dtype=object),
     }
     tensors = {
         "input_ids": enc["input_ids"],
@@ -75,12 +77,14 @@ def batch(tokenizer, envs, agent_name="env_agent_2s"):
 def test_turns_masks_and_rewards(runner, tokenizer):
     out = runner.generate_sequences(batch(tokenizer, ["test_counting"] * 4))
     b, T = out.batch, out.batch["responses"].shape[1]
-    assert any(len(e["env_turn_rewards"]) == 3 for e in out.non_tensor_batch["extra_info"])
+    samples = decode_samples(tokenizer, out)  # what the reward manager gives the score function
+    assert any(len(s.extra_info["env_turn_rewards"]) == 3 for s in samples)
     for i in range(len(out)):
         valid = int(b["attention_mask"][i, -T:].sum())
         ids, mask = b["responses"][i, :valid].tolist(), b["response_mask"][i, :valid].tolist()
         env_text = tokenizer.decode([t for t, m in zip(ids, mask) if m == 0])
-        extra = out.non_tensor_batch["extra_info"][i]
+        extra = samples[i].extra_info
+        assert extra["index"] == i  # the row's own extra_info, with the episode's rewards added
         turns = len(extra["env_turn_rewards"])
         if turns == 3:  # every assistant turn ended with EOS: the episode ran to its end
             assert env_text == "<|user|>step1<|assistant|><|user|>step2<|assistant|>"
@@ -98,7 +102,7 @@ def test_faults_become_data_and_are_counted(runner, tokenizer):
         runner.generate_sequences(batch(tokenizer, envs))  # a name no one registered is a config error
     out = runner.generate_sequences(batch(tokenizer, envs[:4]))
     assert time.monotonic() - start < 60  # the hanging one ended at its 2 s deadline
-    rewards = [e["env_reward"] for e in out.non_tensor_batch["extra_info"]]
+    rewards = list(out.non_tensor_batch["env_reward"])
     assert rewards[1:] == [0.0, 0.0, 0.0]
     m = out.meta_info["metrics"]
     assert m["agent/env_errors/mean"] == pytest.approx(1 / 4)
