@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrl.agent.runner import AgentLoopRunner
+from hybridrl.agent.runner import AgentLoopRunner, agent_step_metrics
 from hybridrl.env.guess_number import GuessNumber, make_rows
 from hybridrl.env.host import EnvironmentFault, EpisodeProcess
 from hybridrl.protocol import DataProto
@@ -108,6 +108,8 @@ def test_faults_become_data_and_are_counted(runner, tokenizer):
     assert m["agent/env_errors/mean"] == pytest.approx(1 / 4)
     assert m["agent/env_timeouts/mean"] == pytest.approx(1 / 4)
     assert m["agent/env_malformed/mean"] == pytest.approx(1 / 4)
+    step = agent_step_metrics(out)  # what the trainer logs
+    assert (step["env/errors"], step["env/timeouts"], step["env/malformed"]) == (1.0, 1.0, 1.0)
 
 
 def test_episode_process_deadline_and_errors():
