@@ -123,6 +123,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer",),  # the entry modules and the loops behind them
     ("async_rollout",),  # the asynchronous rollout manager (AReaL-style), over the workers
     ("workers",),  # the Ray worker classes that compose the packages below
+    ("env",),  # environments (reset / step), their episode processes and their agent loop
     ("agent",),  # agent loops, interactions and their HTTP server
     ("tools",),  # tool classes, their loading and veRL's tool API
     ("reward",),  # reward managers, scorers, judges, reward models
@@ -138,7 +139,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("algos",),  # pure tensor functions and their registries
     ("report",),  # plots of a run's metrics file (`python -m hybridrl.report`)
     ("utils",),  # helpers: config loading, io, devices, tracking, FLOPs, floors
-    ("cpu",),  # CPU-only speed paths (oneDNN, GEMM, attention, KV cache, sampler); torch only
+    ("cpu", "sandbox"),  # CPU-only speed paths (torch only); the local code sandbox (stdlib only)
 )
 
 

@@ -157,6 +157,7 @@ _LOOPS: dict[str, Callable[..., AgentLoopBase]] = {}
 _LAZY_LOOPS = {
     "tool_agent": "hybridrl.agent.tool_agent",
     "external_agent": "hybridrl.agent.server.external_loop",
+    "env_agent": "hybridrl.env.loop",
 }
 
 

@@ -48,6 +48,7 @@ from hybridrl.tools.tool_loading import load_tools
 
 __all__ = ["AgentLoopRunner", "agent_loops_configured", "agent_step_metrics", "uses_agent_loops"]
 
+ENV_FAULTS = ("env_errors", "env_timeouts", "env_malformed")  # per-row counts of hybridrl.env faults
 ROW_METRICS = ("num_turns", "tool_calls", "tool_errors", "tool_timeouts", "agent_truncated")
 
 
@@ -337,6 +338,10 @@ def build_agent_output(
     for i, o in enumerate(outputs):
         turn_scores[i] = list(o.extra_fields.get("turn_scores", []))
     non_tensor["turn_scores"] = turn_scores
+    if any("env_reward" in o.extra_fields for o in outputs):  # environments' rewards (hybridrl.env)
+        non_tensor["env_reward"] = np.array([o.extra_fields.get("env_reward") for o in outputs], dtype=object)
+        for key in ENV_FAULTS:
+            non_tensor[key] = np.array([int(o.metrics.get(key, 0)) for o in outputs], dtype=object)
     if any("multi_modal_inputs" in o.extra_fields for o in outputs):  # a VLM run: prompt + tool images
         mm = np.empty(bsz, dtype=object)
         prompt_mm = prompts.non_tensor_batch.get("multi_modal_inputs")
@@ -367,6 +372,7 @@ def agent_step_metrics(batch: DataProto) -> dict[str, float]:
     nt = batch.non_tensor_batch
     if "num_turns" not in nt or "tool_calls" not in nt:
         return {}
+    env = {f"env/{k[4:]}": float(np.asarray(nt[k], dtype=np.float64).sum()) for k in ENV_FAULTS if k in nt}
     turns = np.asarray(nt["num_turns"], dtype=np.float64)
     calls = float(np.asarray(nt["tool_calls"], dtype=np.float64).sum())
     errors = float(np.asarray(nt["tool_errors"], dtype=np.float64).sum())
@@ -380,4 +386,5 @@ def agent_step_metrics(batch: DataProto) -> dict[str, float]:
         "tool/timeouts": timeouts,
         "tool/error_rate": (errors + timeouts) / max(calls, 1.0),
         "agent/truncated_ratio": float(np.asarray(nt["agent_truncated"], dtype=np.float64).mean()),
+        **env,  # environment faults over the batch: env/errors, env/timeouts, env/malformed
     }

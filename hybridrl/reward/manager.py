@@ -181,6 +181,20 @@ def _valid_ids(ids: torch.Tensor, valid: torch.Tensor) -> list[list[int]]:
     ]
 
 
+def _extra_info(data: DataProto, extra: Any, env_reward: Any, i: int) -> Any:
+    """Row i's extra_info; for a row that played an environment, a copy with `env_reward` and
+    `env_turn_rewards` (its step rewards) added."""
+    info = None if extra is None else extra[i]
+    if env_reward is None or env_reward[i] is None:
+        return info
+    turns = data.non_tensor_batch.get("turn_scores")
+    return {
+        **(dict(info) if isinstance(info, Mapping) else {}),
+        "env_reward": float(env_reward[i]),
+        "env_turn_rewards": [] if turns is None else list(turns[i]),
+    }
+
+
 def decode_samples(tokenizer: Any, data: DataProto, reward_fn_key: str = "data_source") -> list[RewardSample]:
     """Decode prompts and responses (valid tokens only, special tokens skipped) into RewardSamples.
 
@@ -207,6 +221,7 @@ def decode_samples(tokenizer: Any, data: DataProto, reward_fn_key: str = "data_s
     sources = _column(data, reward_fn_key, "data.reward_fn_key")
     reward_model = _column(data, "reward_model", "reward_model.ground_truth from preprocessing")
     extra = data.non_tensor_batch.get("extra_info")
+    env_reward = data.non_tensor_batch.get("env_reward")  # rows that played an environment (hybridrl.env)
     samples = []
     for i in range(n):
         rm = reward_model[i]
@@ -222,7 +237,7 @@ def decode_samples(tokenizer: Any, data: DataProto, reward_fn_key: str = "data_s
                 prompt=prompt_strs[i],
                 response=response_strs[i],
                 ground_truth=rm["ground_truth"],
-                extra_info=None if extra is None else extra[i],
+                extra_info=_extra_info(data, extra, env_reward, i),
                 response_length=int(lengths[i]),
                 last_index=int(last[i]),
             )

@@ -6,9 +6,9 @@ import json
 
 import pandas as pd
 import pytest
-from hybridrl.data.builtin_score import compute_score
 from transformers import AutoTokenizer
 
+from hybridrl.data.builtin_score import compute_score
 from hybridrl.data.preference import (
     PreferenceDataConfig,
     PreferenceDataset,

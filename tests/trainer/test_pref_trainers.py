@@ -70,7 +70,6 @@ def weights(trainer):
 # ----------------------------------------------------------------------------------------------
 def test_rm_run_exports_a_reward_model_main_ppo_loads(pair_files, tmp_path):
     from hybridrl.config.roles import RewardModelConfig, RewardModelModelConfig
-
     from hybridrl.engine.forward import forward_scores
     from hybridrl.models.hf import build_hf_model
     from hybridrl.reward.rm import model_config_of

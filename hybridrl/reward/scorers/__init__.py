@@ -15,6 +15,7 @@ data_source                                                 scorer
 ``HuggingFaceH4/MATH-500``, ``math``                        (1.0 / 0.0)
 ``math_dapo``, ``aime2024``, ``aime2025``                   :func:`.math.compute_score_dapo`
                                                             (dict, score 1.0 / -1.0)
+``hybridrl/env`` (rows that played an environment)          :mod:`.environment` (the episode reward)
 ==========================================================  ==================================
 
 Add a data source with :func:`register_scorer`::
@@ -32,8 +33,9 @@ from typing import Any
 from hybridrl.data import builtin_score, long_task, visual_task
 from hybridrl.data.agent_task import AGENT_DATA_SOURCE
 from hybridrl.data.builtin_task import BUILTIN_DATA_SOURCE
-from hybridrl.reward.scorers import gsm8k
+from hybridrl.reward.scorers import environment, gsm8k
 from hybridrl.reward.scorers import math as math_scorer
+from hybridrl.reward.scorers.environment import ENV_DATA_SOURCE
 
 # A scorer: (solution_str, ground_truth, extra_info) -> float, or a dict with at least "score".
 Scorer = Callable[[str, Any, "dict | None"], "float | dict"]
@@ -107,5 +109,6 @@ register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "Hugging
     math_scorer.compute_score
 )
 register_scorer("math_dapo", "aime2024", "aime2025")(math_scorer.compute_score_dapo)
+register_scorer(ENV_DATA_SOURCE)(environment.compute_score)
 
 __all__ = ["Scorer", "default_compute_score", "get_scorer", "register_scorer", "registered_data_sources"]

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.algos.preference import bradley_terry_loss, dpo_loss, sequence_log_probs
+from hybridrl.config.roles import OptimConfig
 from hybridrl.data.preference import pad_pairs
 from hybridrl.data.sampler import ResumableSampler, RLDataLoader
 from hybridrl.engine.base import EngineBuildSpec, LogProbRequest, ValueRequest, get_engine
@@ -40,7 +41,6 @@ from hybridrl.trainer.sft.trainer import SFTTrainer
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.device import get_torch_device
 from hybridrl.utils.safe_io import load_state_file
-from hybridrl.config.roles import OptimConfig
 from hybridrl.workers.parallel_dims import ParallelDims
 
 __all__ = ["DPOTrainer", "RewardModelTrainer", "build_pref_engine"]
