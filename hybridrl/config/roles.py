@@ -39,18 +39,18 @@ class OptimConfig:
     `lr_scheduler_type`, and `lr_decay_style` its Megatron optimizer's (renamed onto it at load).
     """
 
-    lr: float = 1e-6
-    lr_warmup_steps: int = -1
-    lr_warmup_steps_ratio: float = 0.0
-    lr_scheduler_type: str = "constant"
-    warmup_style: str | None = None
-    min_lr_ratio: float = 0.0
-    num_cycles: float = 0.5
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    total_training_steps: int = -1
+    lr: float = 1e-6  # peak learning rate
+    lr_warmup_steps: int = -1  # linear warm-up steps; > 0 wins over lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0  # warm-up as a fraction of total_training_steps
+    lr_scheduler_type: str = "constant"  # after warm-up: constant, cosine, linear or inverse_square_root
+    warmup_style: str | None = None  # veRL's older name of lr_scheduler_type (wins when set)
+    min_lr_ratio: float = 0.0  # decaying schedules end at lr * min_lr_ratio
+    num_cycles: float = 0.5  # cosine schedule: cosine cycles over the decay (0.5: one half-wave)
+    weight_decay: float = 0.01  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    clip_grad: float = 1.0  # clip the gradient's global norm to this (grad_clip wins when set)
+    total_training_steps: int = -1  # set by the trainer (the schedule's length)
 
     @property
     def scheduler_type(self) -> str:
@@ -61,8 +61,8 @@ class OptimConfig:
 class MixedPrecisionConfig:
     """FSDP2 MixedPrecisionPolicy: compute in `param_dtype`, reduce gradients in `reduce_dtype`."""
 
-    param_dtype: str = "bf16"
-    reduce_dtype: str = "fp32"
+    param_dtype: str = "bf16"  # dtype the forward and backward compute in
+    reduce_dtype: str = "fp32"  # dtype gradients are reduced in
     buffer_dtype: str = "fp32"  # accepted for veRL compatibility; FSDP2 keeps buffers as loaded
 
 
@@ -73,8 +73,9 @@ class WrapPolicyConfig:
     min_num_params is accepted for veRL compatibility; FSDP2 sharding here is per decoder layer.
     """
 
+    # module classes sharded one by one (null: _no_split_modules)
     transformer_layer_cls_to_wrap: list[str] | None = None
-    min_num_params: int = 0
+    min_num_params: int = 0  # veRL's size-based wrap; only 0 is accepted
 
 
 @dataclass
@@ -108,16 +109,16 @@ class FSDPConfig:
     unchanged. hybridrl's own key.
     """
 
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    offload_policy: bool = False
-    reshard_after_forward: bool | None = None
-    forward_prefetch: bool = False
-    shard_one_rank: bool | None = None
-    compile_layers: bool | None = False
-    onednn_linear: bool | None = None
-    fsdp_size: int = -1
-    model_dtype: str = "fp32"
+    param_offload: bool = False  # keep the parameters in host memory between calls (accelerators)
+    optimizer_offload: bool = False  # keep the optimizer state in host memory between updates
+    offload_policy: bool = False  # FSDP2's CPUOffloadPolicy (parameters live on the CPU)
+    reshard_after_forward: bool | None = None  # free gathered parameters after forward; null: auto
+    forward_prefetch: bool = False  # each layer's forward prefetches the next layer's all-gather
+    shard_one_rank: bool | None = None  # wrap with FSDP2 on a one-rank mesh too; null: auto
+    compile_layers: bool | None = False  # torch.compile each decoder layer; null: decided at start-up
+    onednn_linear: bool | None = None  # CPU float32 linears through oneDNN; null: on where available
+    fsdp_size: int = -1  # ranks per shard group (-1: all ranks)
+    model_dtype: str = "fp32"  # dtype of the master weights (and of the optimizer)
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)
 
@@ -126,7 +127,9 @@ class FSDPConfig:
 class CheckpointConfig:
     """What a checkpoint holds: 'model', 'optimizer', 'extra' (lr scheduler, RNG), 'hf_model'."""
 
+    # what a checkpoint saves: model, optimizer, extra, hf_model
     save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    # what a resume loads from it
     load_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
 
 
@@ -139,12 +142,12 @@ class PolicyLossRolloutCorrection:
     rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold: see hybridrl.algos.rollout_rs.
     """
 
-    loss_type: str = "ppo_clip"
-    rollout_is: str | None = None
-    rollout_is_threshold: float = 2.0
-    rollout_is_batch_normalize: bool = False
-    rollout_rs: str | None = None
-    rollout_rs_threshold: Any = None
+    loss_type: str = "ppo_clip"  # ppo_clip or reinforce (copied from algorithm.rollout_correction)
+    rollout_is: str | None = None  # null, token or sequence importance weights
+    rollout_is_threshold: float = 2.0  # upper bound of the importance weights
+    rollout_is_batch_normalize: bool = False  # rescale the weights to mean 1 over the batch
+    rollout_rs: str | None = None  # null, token, sequence or geometric rejection sampling
+    rollout_rs_threshold: Any = None  # rejection bounds: 'lower_upper' or one number U
 
 
 @dataclass
@@ -159,16 +162,16 @@ class PolicyLossConfig:
     schema has them on the actor (`actor.tau_pos`), see ActorConfig.sapo_taus.
     """
 
-    loss_mode: str = "vanilla"
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 0.1
-    behave_imp_weight_cap: float | None = None
-    dro_beta: float | None = None
-    tau_pos: float | None = None
-    tau_neg: float | None = None
+    loss_mode: str = "vanilla"  # registry name of the policy loss (vanilla, gspo, clip_cov, ...)
+    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of tokens removed from the loss
+    clip_cov_lb: float = 1.0  # clip_cov: lower bound of the covariance of candidate tokens
+    clip_cov_ub: float = 5.0  # clip_cov: upper bound of the covariance of candidate tokens
+    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens that get the KL penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: coefficient of that penalty
+    behave_imp_weight_cap: float | None = None  # decoupled: drop tokens whose behaviour weight exceeds it
+    dro_beta: float | None = None  # dro: penalty coefficient (required with that loss)
+    tau_pos: float | None = None  # sapo: gate temperature of positive advantages (same as actor.tau_pos)
+    tau_neg: float | None = None  # sapo: gate temperature of negative advantages (same as actor.tau_neg)
     rollout_correction: PolicyLossRolloutCorrection = field(default_factory=PolicyLossRolloutCorrection)
 
 
@@ -179,7 +182,7 @@ class PolicyLossConfig:
 class FusedKernelOptions:
     """`model.fused_kernel_options`: impl_backend of the fused log-prob path (torch)."""
 
-    impl_backend: str = "torch"
+    impl_backend: str = "torch"  # torch only (no Triton kernel here)
 
 
 @dataclass
@@ -208,28 +211,28 @@ class ModelConfig:
       fused_kernel_options.impl_backend: torch only (veRL's triton kernel does not exist here).
     """
 
-    path: str | None = "builtin:tiny"
-    tokenizer_path: str | None = None
-    trust_remote_code: bool = False
+    path: str | None = "builtin:tiny"  # Hugging Face folder, hub id, or builtin:tiny (the shipped tiny model)
+    tokenizer_path: str | None = None  # tokenizer to load (null: the model's path)
+    trust_remote_code: bool = False  # allow the model's and tokenizer's remote code
+    # set on the Hugging Face config before the model is built
     override_config: dict[str, Any] = field(default_factory=dict)
     external_lib: Any = None  # a module name or a list of them (hybridrl.utils.plugins)
-    enable_gradient_checkpointing: bool = False
-    enable_activation_offload: bool = False
-    use_remove_padding: bool = False
+    enable_gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
+    enable_activation_offload: bool = False  # keep activations saved for backward in CPU memory
+    use_remove_padding: bool = False  # packed forward of the valid tokens only (Ulysses needs it)
     use_fused_kernels: bool = True  # veRL: False; see the docstring
     fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
-    use_liger: bool = False
-    use_shm: bool = False
-    init_from_scratch: bool = False
-    lora_rank: int = 0
-    lora_alpha: int = 16
-    target_modules: Any = "all-linear"
+    use_liger: bool = False  # Liger kernels; not implemented here, only false is accepted
+    use_shm: bool = False  # copy the local model folder under /dev/shm and load it from there
+    init_from_scratch: bool = False  # build the architecture from path's config with random weights
+    lora_rank: int = 0  # > 0: train a LoRA adapter of this rank (0: full fine-tuning)
+    lora_alpha: int = 16  # LoRA scaling alpha
+    target_modules: Any = "all-linear"  # LoRA: modules that get adapters (all-linear or a list of names)
     exclude_modules: Any = None  # LoRA: modules without adapters (a regex, or a list of names)
-    lora_adapter_path: str | None = (
-        None  # a saved PEFT adapter to start from (replaces lora_rank/alpha/targets)
-    )
-    custom_chat_template: str | None = None
-    torch_dtype: str | None = None
+    # a saved PEFT adapter to start from (replaces lora_rank/alpha/targets)
+    lora_adapter_path: str | None = None
+    custom_chat_template: str | None = None  # a chat template that replaces the tokenizer's
+    torch_dtype: str | None = None  # dtype the weights load in (and the master weights); null: model_dtype
     mtp: MtpConfig = field(default_factory=MtpConfig)  # veRL's model.mtp (Megatron actor only)
 
     def validate(self, key: str = "actor_rollout_ref.model") -> None:
@@ -306,35 +309,35 @@ class ActorConfig:
     1.0 / 1.05, used when null); `policy_loss.tau_pos / tau_neg` is the other spelling.
     """
 
-    strategy: str = "fsdp"
-    ppo_mini_batch_size: int = 256
+    strategy: str = "fsdp"  # training engine: fsdp / fsdp2 (FSDP2) or megatron
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step over all ranks (times rollout.n rows)
     ppo_micro_batch_size: int | None = None  # deprecated global size: converted to the per-GPU key
-    ppo_micro_batch_size_per_gpu: int | None = None
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    ppo_epochs: int = 1
-    shuffle: bool = False
-    data_loader_seed: int | None = None
-    grad_clip: float | None = None
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float = 3.0
+    ppo_micro_batch_size_per_gpu: int | None = None  # rows per forward/backward on one rank
+    use_dynamic_bsz: bool = False  # pack micro-batches by tokens (ppo_max_token_len_per_gpu)
+    ppo_max_token_len_per_gpu: int = 16384  # token budget of a micro-batch with use_dynamic_bsz
+    ppo_epochs: int = 1  # passes of the update over each batch
+    shuffle: bool = False  # shuffle rows before splitting mini-batches (needs data_loader_seed)
+    data_loader_seed: int | None = None  # seed of that shuffle
+    grad_clip: float | None = None  # veRL's older key; overrides optim.clip_grad when set
+    clip_ratio: float = 0.2  # PPO clip range epsilon
+    clip_ratio_low: float | None = None  # lower clip range (null: clip_ratio)
+    clip_ratio_high: float | None = None  # upper clip range (null: clip_ratio)
+    clip_ratio_c: float = 3.0  # dual-clip bound of negative advantages (> 1)
     tau_pos: float | None = None  # veRL: 1.0 (SAPO_TAUS)
     tau_neg: float | None = None  # veRL: 1.05
-    loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    loss_agg_mode: str = "token-mean"  # how token losses are averaged: token-mean, seq-mean-token-sum, ...
+    entropy_coeff: float = 0.0  # weight of the entropy bonus in the loss
+    use_kl_loss: bool = False  # add a KL-to-reference term to the actor loss
+    kl_loss_coef: float = 0.001  # weight of that KL term
+    kl_loss_type: str = "low_var_kl"  # KL estimator of that term (low_var_kl, k1, k2, k3, ...)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     freeze_vision_tower: bool = False  # a vision-language actor: the vision encoder is not trained
-    use_torch_compile: bool = False
-    ulysses_sequence_parallel_size: int = 1
-    entropy_from_logits_with_chunking: bool = False
-    entropy_checkpointing: bool = False
-    calculate_sum_pi_squared: bool = False
-    skip_on_policy_old_log_prob: bool = True
+    use_torch_compile: bool = False  # torch.compile the log-prob / entropy kernels
+    ulysses_sequence_parallel_size: int = 1  # Ulysses sequence-parallel group size (1: off)
+    entropy_from_logits_with_chunking: bool = False  # compute the entropy 2048 positions at a time
+    entropy_checkpointing: bool = False  # recompute the entropy in backward instead of storing it
+    calculate_sum_pi_squared: bool = False  # old-log-prob pass also returns sum_v pi(v)^2 per token
+    skip_on_policy_old_log_prob: bool = True  # skip the old-log-prob pass when exactly on-policy
     use_prefix_grouper: Any = "auto"  # true / false / auto (veRL: false); auto: trainer/ppo/prefix_auto.py
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -394,14 +397,14 @@ class RefConfig:
     (as in veRL), so this changes no number today.
     """
 
-    strategy: str = "fsdp"
+    strategy: str = "fsdp"  # engine of the reference: fsdp / fsdp2 or megatron
     log_prob_micro_batch_size: int | None = None  # deprecated global size
-    log_prob_micro_batch_size_per_gpu: int | None = None
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
-    ulysses_sequence_parallel_size: int = 1
-    use_torch_compile: bool = False
-    entropy_from_logits_with_chunking: bool = False
+    log_prob_micro_batch_size_per_gpu: int | None = None  # rows per reference forward on one rank
+    log_prob_use_dynamic_bsz: bool = False  # pack reference forwards by tokens
+    log_prob_max_token_len_per_gpu: int = 16384  # token budget of a forward with dynamic batch size
+    ulysses_sequence_parallel_size: int = 1  # Ulysses group size (must equal the actor's with KL)
+    use_torch_compile: bool = False  # torch.compile the log-prob / entropy kernels (as the actor's key)
+    entropy_from_logits_with_chunking: bool = False  # as the actor's key; the ref pass computes no entropy
     fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
