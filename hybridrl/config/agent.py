@@ -43,29 +43,29 @@ SANITY_MODES = ("strict", "ignore_strippable", "disable")
 class MultiTurnConfig:
     """`actor_rollout_ref.rollout.multi_turn`: tools and turn limits of the tool agent."""
 
-    enable: bool = False
-    max_assistant_turns: int | None = None
-    max_user_turns: int | None = None
-    max_parallel_calls: int = 1
-    max_tool_response_length: int = 256
-    tool_response_truncate_side: str = "middle"
-    tool_config_path: str | None = None
-    interaction_config_path: str | None = None
-    function_tool_path: str | None = None
-    tool_timeout_s: float = 30.0
+    enable: bool = False  # route generation through the agent loops (tools, turns)
+    max_assistant_turns: int | None = None  # stop a trajectory after N assistant turns (null: no limit)
+    max_user_turns: int | None = None  # stop after N tool-response / user turns (null: no limit)
+    max_parallel_calls: int = 1  # tool calls executed per assistant turn (the first N)
+    max_tool_response_length: int = 256  # a longer tool response (characters) is cut
+    tool_response_truncate_side: str = "middle"  # where it is cut: left, right or middle
+    tool_config_path: str | None = None  # veRL's tool yaml
+    interaction_config_path: str | None = None  # veRL's interaction yaml (a simulated user)
+    function_tool_path: str | None = None  # a Python file whose @function_tool functions become tools
+    tool_timeout_s: float = 30.0  # seconds a tool call may take before it counts as a timeout
     interaction_timeout_s: float = 60.0
-    format: str = "hermes"
-    tokenization_sanity_check_mode: str = "strict"
+    format: str = "hermes"  # tool-call format the policy writes (hermes)
+    tokenization_sanity_check_mode: str = "strict"  # strict, ignore_strippable or disable
 
 
 @dataclass
 class AgentConfig:
     """`actor_rollout_ref.rollout.agent`: which agent loop runs a row, and concurrency."""
 
-    default_agent_loop: str = "single_turn_agent"
-    agent_loop_config_path: str | None = None
-    max_concurrent_trajectories: int = 256
-    batch_wait_ms: float = 2.0
+    default_agent_loop: str = "single_turn_agent"  # agent loop of rows without an agent_name column
+    agent_loop_config_path: str | None = None  # yaml list of {name, _target_} agent loops
+    max_concurrent_trajectories: int = 256  # trajectories in flight per rollout replica
+    batch_wait_ms: float = 2.0  # how long the batching queue waits for more requests
 
 
 def _check(ok: bool, key: str, value: Any, want: str) -> None:

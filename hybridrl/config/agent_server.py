@@ -29,7 +29,7 @@ _KEY = "actor_rollout_ref.rollout.agent_server"
 class AgentServerConfig:
     """See the module docstring."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # address the OpenAI-compatible endpoint listens on
     port: int = 8000
     max_in_flight: int = 256
     reward_source: str = "task"

@@ -68,27 +68,30 @@ KEY = "actor_rollout_ref.rollout"
 class SamplingOverrides:
     """`actor_rollout_ref.rollout.val_kwargs`: sampling used when `meta_info["validate"]` is set."""
 
-    top_k: int = -1
-    top_p: float = 1.0
-    temperature: float = 0.0
-    n: int = 1
-    do_sample: bool = False
+    top_k: int = -1  # validation: top-k (<= 0: off)
+    top_p: float = 1.0  # validation: nucleus top-p (1: off)
+    temperature: float = 0.0  # validation: temperature (0: greedy)
+    n: int = 1  # validation: responses per prompt
+    do_sample: bool = False  # validation: sample (false: greedy)
 
 
 @dataclass
 class EngineKwargs:
     """`actor_rollout_ref.rollout.engine_kwargs`: extra keyword arguments passed to the engine."""
 
+    # extra keyword arguments of vllm.LLM (win over the top-level keys)
     vllm: dict[str, Any] = field(default_factory=dict)
-    sglang: dict[str, Any] = field(default_factory=dict)
+    sglang: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of the SGLang engine
 
 
 @dataclass
 class CheckpointEngineConfig:
     """`actor_rollout_ref.rollout.checkpoint_engine`: how trained weights reach the engine."""
 
-    backend: str = "naive"
+    backend: str = "naive"  # naive only (the colocated in-process, bucketed weight sync)
+    # when set: replaces rollout.update_weights_bucket_megabytes
     update_weights_bucket_megabytes: int | None = None
+    # veRL's backend options; not read (the naive backend has none)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -106,10 +109,11 @@ class ServerConfig:
     server process to come up) has no counterpart: the engine starts in-process; refused if changed.
     """
 
-    timeout: float = 60.0
-    max_attempts: int = 3
-    retry_delay: float = 2.0
-    max_connections: int = 1000
+    timeout: float = 60.0  # seconds one request may wait and run before it is retried
+    max_attempts: int = 3  # tries per request, then the step fails
+    retry_delay: float = 2.0  # seconds between tries
+    max_connections: int = 1000  # requests in flight at once
+    # veRL's server start-up wait; only 300 is accepted (in-process engine)
     max_start_wait_time: float = 300.0
 
 
@@ -118,9 +122,9 @@ class TraceConfig:
     """`actor_rollout_ref.rollout.trace`: trace agent-loop trajectories (backend: mlflow | null;
     weave is refused), with decoded text when token2text (hybridrl.agent.trace)."""
 
-    backend: str | None = None
-    token2text: bool = False
-    max_samples_per_step_per_worker: int | None = None
+    backend: str | None = None  # trajectory tracing: mlflow or null (off)
+    token2text: bool = False  # also record the decoded text of the traced tokens
+    max_samples_per_step_per_worker: int | None = None  # trajectories traced per step and worker (null: all)
     # hybridrl: the MLflow experiment and the experiment_name tag (the yaml links them to
     # trainer.project_name / trainer.experiment_name, as veRL does).
     project_name: str | None = None
@@ -135,47 +139,48 @@ TRACE_BACKENDS = (None, "mlflow")
 class RolloutConfig:
     """`actor_rollout_ref.rollout`: which engine generates, and how."""
 
-    name: str = "vllm"
-    mode: str = "sync"
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    do_sample: bool = True
-    n: int = 1
-    prompt_length: int = 512
-    response_length: int = 512
-    dtype: str = "bfloat16"
-    gpu_memory_utilization: float = 0.5
-    ignore_eos: bool = False
-    enforce_eager: bool = True
-    free_cache_engine: bool = True
-    load_format: str = "dummy"
-    tensor_model_parallel_size: int = 1
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 1024
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    disable_log_stats: bool = True
-    scheduling_policy: str = "fcfs"
-    logprobs_mode: str = "processed_logprobs"
+    name: str = "vllm"  # generation engine: vllm, sglang or hf (Hugging Face generate)
+    mode: str = "sync"  # sync (engine directly), async (agent loops) or server (external agents)
+    temperature: float = 1.0  # sampling temperature (0: greedy)
+    top_k: int = -1  # top-k sampling (<= 0: off)
+    top_p: float = 1.0  # nucleus sampling top-p (1: off)
+    do_sample: bool = True  # sample (false: greedy)
+    n: int = 1  # responses sampled per prompt (the trainer repeats each prompt n times)
+    prompt_length: int = 512  # longest prompt in tokens (<= 0 at start-up: data.max_prompt_length)
+    response_length: int = 512  # most tokens per response (<= 0: data.max_response_length)
+    dtype: str = "bfloat16"  # dtype of the engine's weights: bfloat16, float16 or float32
+    gpu_memory_utilization: float = 0.5  # vLLM / SGLang GPU memory fraction
+    ignore_eos: bool = False  # keep generating past end-of-sequence tokens
+    enforce_eager: bool = True  # vLLM: no CUDA graphs; SGLang: disable_cuda_graph
+    free_cache_engine: bool = True  # put the engine to sleep (free its memory) between rollouts
+    load_format: str = "dummy"  # dummy: random weights until the first sync; auto/hf/safetensors: load
+    tensor_model_parallel_size: int = 1  # tensor-parallel size of one engine replica
+    max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step
+    max_num_seqs: int = 1024  # vLLM: sequences per engine step
+    max_model_len: int | None = None  # engine context length (null: prompt_length + response_length)
+    enable_chunked_prefill: bool = True  # vLLM engine argument
+    enable_prefix_caching: bool = True  # vLLM argument; hf: one prefill per distinct prompt row
+    disable_log_stats: bool = True  # vLLM engine argument
+    scheduling_policy: str = "fcfs"  # vLLM scheduling: fcfs or priority
+    logprobs_mode: str = "processed_logprobs"  # vLLM: which log-probs the engine returns
+    # vLLM: batch sizes captured as CUDA graphs (null: vLLM's)
     cudagraph_capture_sizes: list[int] | None = None
-    log_prob_micro_batch_size: int | None = None
-    log_prob_micro_batch_size_per_gpu: int | None = None
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
-    calculate_log_probs: bool = False
-    seed: int = 0
+    log_prob_micro_batch_size: int | None = None  # deprecated global size: converted to the per-GPU key
+    log_prob_micro_batch_size_per_gpu: int | None = None  # rows per forward of the actor's old-log-prob pass
+    log_prob_use_dynamic_bsz: bool = False  # pack the old-log-prob forwards by tokens
+    log_prob_max_token_len_per_gpu: int = 16384  # token budget of those forwards with dynamic batch size
+    calculate_log_probs: bool = False  # the engine also returns its log-probs (rollout_log_probs)
+    seed: int = 0  # base seed of the engine's sampling
     engine_kwargs: EngineKwargs = field(default_factory=EngineKwargs)
     val_kwargs: SamplingOverrides = field(default_factory=SamplingOverrides)
-    update_weights_bucket_megabytes: int = 512
+    update_weights_bucket_megabytes: int = 512  # size of the weight-sync buckets
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     layered_summon: bool = False  # weight-sync buckets end at decoder-layer boundaries
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
-    over_sample_rate: float = 0.0
-    multi_stage_wake_up: bool = False
-    sglang_rollout_mode: str = "engine"
+    over_sample_rate: float = 0.0  # agent loops: abort the slowest fraction of trajectories
+    multi_stage_wake_up: bool = False  # wake the weights, sync, then the KV cache (lower peak memory)
+    sglang_rollout_mode: str = "engine"  # engine, or server (requests through a batching queue)
     server: ServerConfig = field(default_factory=ServerConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)  # trainer/ppo/profiling.py
