@@ -199,13 +199,13 @@ class MtpConfig:
     enable_train: bool = False
     enable_rollout: bool = False
     detach_encoder: bool = False
-    mtp_loss_scaling_factor: float = 0.1
+    mtp_loss_scaling_factor: float = 0.1  # weight of the MTP loss with enable_train
     speculative_algorithm: str = "EAGLE"
-    speculative_num_steps: int = 3
-    speculative_eagle_topk: int = 1
-    speculative_num_draft_tokens: int = 4
+    speculative_num_steps: int = 3  # SGLang speculative decoding: draft steps
+    speculative_eagle_topk: int = 1  # SGLang speculative decoding: EAGLE top-k
+    speculative_num_draft_tokens: int = 4  # SGLang speculative decoding: draft tokens
     method: str = "mtp"
-    num_speculative_tokens: int = 1
+    num_speculative_tokens: int = 1  # vLLM speculative_config: tokens proposed per step
 
 
 def validate_mtp(

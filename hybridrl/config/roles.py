@@ -429,25 +429,26 @@ class CriticModelConfig(ModelConfig):
 class CriticConfig:
     """`critic`: the value model, `AutoModelForTokenClassification` with one label."""
 
-    strategy: str = "fsdp"
-    rollout_n: int = 1
+    strategy: str = "fsdp"  # training engine: fsdp / fsdp2 (FSDP2) or megatron
+    rollout_n: int = 1  # responses per prompt; follows actor_rollout_ref.rollout.n
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_mini_batch_size: int = 256
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step over all ranks (times rollout.n rows)
     ppo_micro_batch_size: int | None = None  # deprecated global sizes
-    forward_micro_batch_size: int | None = None
-    ppo_micro_batch_size_per_gpu: int | None = None
+    forward_micro_batch_size: int | None = None  # deprecated global size: converted to the per-GPU key
+    ppo_micro_batch_size_per_gpu: int | None = None  # rows per forward/backward of the update on one rank
+    # rows per value forward on one rank (null: the update's)
     forward_micro_batch_size_per_gpu: int | None = None
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 32768
-    forward_max_token_len_per_gpu: int = 32768
-    ppo_epochs: int = 1
-    shuffle: bool = False
-    data_loader_seed: int | None = None
-    grad_clip: float | None = None
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
-    ulysses_sequence_parallel_size: int = 1
+    use_dynamic_bsz: bool = False  # pack micro-batches by tokens instead of rows
+    ppo_max_token_len_per_gpu: int = 32768  # token budget of an update micro-batch with use_dynamic_bsz
+    forward_max_token_len_per_gpu: int = 32768  # token budget of a value forward with use_dynamic_bsz
+    ppo_epochs: int = 1  # passes of the update over each batch
+    shuffle: bool = False  # shuffle rows before splitting mini-batches (needs data_loader_seed)
+    data_loader_seed: int | None = None  # seed of that shuffle
+    grad_clip: float | None = None  # veRL's older key; overrides optim.clip_grad when set
+    cliprange_value: float = 0.5  # clip range of the value update around the old values
+    loss_agg_mode: str = "token-mean"  # how token losses are averaged (as the actor's key)
+    ulysses_sequence_parallel_size: int = 1  # Ulysses sequence-parallel group size (1: off)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -461,13 +462,14 @@ class CriticConfig:
 class RewardModelModelConfig:
     """`reward_model.model`: an `AutoModelForSequenceClassification` with one label."""
 
-    input_tokenizer: str | None = None
-    path: str | None = None
+    input_tokenizer: str | None = None  # tokenizer that decodes the policy's tokens (null: the policy's)
+    path: str | None = None  # Hugging Face folder or hub id of the reward model
     external_lib: Any = None  # a module name or a list of them (hybridrl.utils.plugins)
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # allow the reward model's remote code
+    # set on the Hugging Face config before the model is built
     override_config: dict[str, Any] = field(default_factory=dict)
-    use_remove_padding: bool = False
-    use_shm: bool = False
+    use_remove_padding: bool = False  # packed forward of the valid tokens only
+    use_shm: bool = False  # veRL's key; only false is accepted
     fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
 
 
@@ -484,19 +486,19 @@ class RewardRolloutConfig:
     """
 
     name: str = "hf"  # veRL: required (???); hybridrl's CPU default is hf
-    dtype: str = "bfloat16"
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
+    dtype: str = "bfloat16"  # the serving engine's weight dtype
+    gpu_memory_utilization: float = 0.5  # vLLM GPU memory fraction
+    enforce_eager: bool = True  # vLLM: no CUDA graphs
     tensor_model_parallel_size: int = 1  # veRL: 2
-    max_model_len: int | None = None
-    prompt_length: int = 2048
-    response_length: int = 2048
+    max_model_len: int | None = None  # longest reward-model input (null: prompt + response length)
+    prompt_length: int = 2048  # prompt part of the default max_model_len
+    response_length: int = 2048  # response part of the default max_model_len
     # sampling defaults of a generative reward model (GenRM: enable + custom_reward_function.path);
     # the custom function's client may override them per request (hybridrl/reward/genrm.py)
     temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    do_sample: bool = True
+    top_k: int = -1  # GenRM sampling top-k (<= 0: off)
+    top_p: float = 1.0  # GenRM sampling top-p
+    do_sample: bool = True  # GenRM: sample (false: greedy)
     n: int = 1
     request_timeout_s: float = (
         300.0  # hybridrl: a reward-model score / GenRM request not answered in time fails naming this key
@@ -512,9 +514,9 @@ class SandboxFusionConfig:
     """`reward_model.sandbox_fusion`: code data sources scored on a SandboxFusion service
     (hybridrl/reward/scorers/sandbox_fusion.py); url null: off."""
 
-    url: str | None = None
+    url: str | None = None  # SandboxFusion run_code endpoint (null: off)
     max_concurrent: int = 64  # requests in flight per scoring process
-    memory_limit_mb: int = 1024
+    memory_limit_mb: int = 1024  # memory limit of each run, in MB
 
 
 @dataclass
@@ -529,19 +531,20 @@ class RewardModelConfig:
     `custom_reward_function.reward_kwargs` (both may be set if they agree).
     """
 
-    enable: bool = False
-    strategy: str = "fsdp"
+    enable: bool = False  # score with a learned reward model
+    strategy: str = "fsdp"  # veRL's key; only fsdp is accepted
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     micro_batch_size: int | None = None  # deprecated global size
-    micro_batch_size_per_gpu: int | None = None
-    max_length: int | None = None
-    use_dynamic_bsz: bool = False
-    forward_max_token_len_per_gpu: int = 32768
-    reward_manager: str = "naive"
+    micro_batch_size_per_gpu: int | None = None  # rows per reward-model forward on one rank
+    max_length: int | None = None  # the re-tokenized RM input is truncated to this (null: no limit)
+    use_dynamic_bsz: bool = False  # veRL's key; only false is accepted
+    forward_max_token_len_per_gpu: int = 32768  # veRL's key; only the default is accepted
+    reward_manager: str = "naive"  # registered reward manager: naive, prime, dapo or batch
+    # reward manager's keyword arguments; the rest go to the score function
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    launch_reward_fn_async: bool = False
-    use_reward_loop: bool = False
-    num_workers: int = 1
+    launch_reward_fn_async: bool = False  # veRL's key; only false is accepted
+    use_reward_loop: bool = False  # score through veRL's reward loop (num_workers Ray actors)
+    num_workers: int = 1  # reward-loop workers
     rollout: RewardRolloutConfig = field(default_factory=RewardRolloutConfig)
     sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
-    ulysses_sequence_parallel_size: int = 1
+    ulysses_sequence_parallel_size: int = 1  # veRL's key; only 1 is accepted

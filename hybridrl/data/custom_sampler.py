@@ -54,8 +54,8 @@ VERL_SAMPLER_ALIASES = {
 class SamplerConfig:
     """`data.sampler`: a user sampler class (both null: hybridrl's resumable shuffle sampler)."""
 
-    class_path: str | None = None
-    class_name: str | None = None
+    class_path: str | None = None  # file of a user sampler class (null: the resumable shuffle sampler)
+    class_name: str | None = None  # name of that class
 
 
 class AbstractSampler(Sampler[int]):

@@ -31,11 +31,12 @@ CONTENTS = ("cpu", "cuda", "memory", "shapes", "stack")
 class ProfilerConfig:
     """`<role>.profiler`: whether this role is profiled, on which ranks (tool/save_path: global)."""
 
-    tool: str | None = None
-    enable: bool = False
-    all_ranks: bool = False
-    ranks: list[int] = field(default_factory=list)
-    save_path: str | None = None
+    tool: str | None = None  # null, or the same as global_profiler.tool
+    enable: bool = False  # profile this role at global_profiler.steps
+    all_ranks: bool = False  # profile every rank of the role
+    ranks: list[int] = field(default_factory=list)  # ranks to profile when all_ranks is false
+    save_path: str | None = None  # trace folder (null: global_profiler.save_path)
+    # per-tool options (torch.contents: cpu, cuda, memory, shapes, stack)
     tool_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -43,10 +44,11 @@ class ProfilerConfig:
 class GlobalProfilerConfig:
     """`global_profiler`: the tool, the steps to profile and where the traces go."""
 
-    tool: str | None = None
-    steps: list[int] | None = None
-    profile_continuous_steps: bool = False
-    save_path: str = "outputs/profile"
+    tool: str | None = None  # torch, nsys, npu or torch_memory (null: off)
+    steps: list[int] | None = None  # training steps to profile
+    profile_continuous_steps: bool = False  # one session over consecutive chosen steps
+    save_path: str = "outputs/profile"  # where the traces are written
+    # options of the nsys / torch_memory tools
     global_tool_config: dict[str, Any] = field(default_factory=dict)
 
 

@@ -44,7 +44,7 @@ from hybridrl.workers.parallel_dims import ParallelDims
 
 @dataclass
 class ActorRolloutRefConfig:
-    hybrid_engine: bool = True
+    hybrid_engine: bool = True  # veRL's key; only true is accepted (always colocated)
     nccl_timeout: int = 600  # seconds; the workers' process-group timeout
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)

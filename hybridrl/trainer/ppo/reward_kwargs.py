@@ -39,8 +39,8 @@ class RewardManagerSection:
       the same constructor and `__call__(data, return_dict=False)`).
     """
 
-    source: str = "register"
-    name: str | None = None
+    source: str = "register"  # register (the registry) or importlib (reward_manager.module)
+    name: str | None = None  # registered manager; null: reward_model.reward_manager
     module: RewardManagerModule = field(default_factory=RewardManagerModule)
 
 

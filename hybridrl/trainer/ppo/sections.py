@@ -238,17 +238,18 @@ class AsyncTrainingConfig:
     (synchronous) ignores the section.
     """
 
+    # groups queued or generating (null: (eta + 1) x consumer batch)
     max_concurrent_rollouts: int | None = None
-    queue_size: int | None = None
-    consumer_batch_size: int | None = None
-    max_head_offpolicyness: int = 1
-    recompute_logprob: bool = True
-    use_decoupled_loss: bool = True
-    behave_imp_weight_cap: float | None = 5.0
-    rollout_nnodes: int = 1
-    rollout_n_gpus_per_node: int = 1
-    rollout_cpus_per_worker: float = 1
-    chunk_size: int | None = None
-    partial_rollout: bool = False
+    queue_size: int | None = None  # bound of the input and output queues (null: 16 x concurrent)
+    consumer_batch_size: int | None = None  # groups per trainer step (null: data.train_batch_size)
+    max_head_offpolicyness: int = 1  # eta: most policy versions generation may run ahead
+    recompute_logprob: bool = True  # recompute old log-probs before each update
+    use_decoupled_loss: bool = True  # AReaL's decoupled PPO loss
+    behave_imp_weight_cap: float | None = 5.0  # drop tokens whose behaviour weight exceeds this
+    rollout_nnodes: int = 1  # machines of the rollout workers
+    rollout_n_gpus_per_node: int = 1  # rollout slots per machine
+    rollout_cpus_per_worker: float = 1  # CPU cores per rollout slot
+    chunk_size: int | None = None  # groups per generate call (null: consumer batch / engines)
+    partial_rollout: bool = False  # abort at each weight update, continue from the prefix
     weight_update_mode: str = "collective"  # or "object_store" (hybridrl/weight_sync/collective.py)
     weight_update_timeout_s: float = 300.0
