@@ -58,23 +58,25 @@ MEGATRON_STRATEGY = "megatron"
 class MegatronConfig:
     """veRL's `actor_rollout_ref.actor.megatron` (and `ref.megatron`, `critic.megatron`)."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # tensor-parallel size (TP)
+    pipeline_model_parallel_size: int = 1  # pipeline-parallel size (PP, 1F1B schedule)
+    # interleaved virtual stages per PP rank (null: off)
     virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = True
-    param_offload: bool = False
-    grad_offload: bool = False
-    optimizer_offload: bool = False
-    use_mbridge: bool = False
-    seed: int = 42
+    context_parallel_size: int = 1  # context-parallel size (CP)
+    expert_model_parallel_size: int = 1  # expert parallelism; only 1 is accepted (no MoE)
+    expert_tensor_parallel_size: int | None = None  # expert TP; only null or 1 is accepted
+    sequence_parallel: bool = False  # sequence-parallel norms at TP > 1 (ignored at TP = 1)
+    use_distributed_optimizer: bool = True  # Megatron's DistributedOptimizer
+    param_offload: bool = False  # no-op on CPU; refused on GPU
+    grad_offload: bool = False  # no-op on CPU; refused on GPU
+    optimizer_offload: bool = False  # no-op on CPU; refused on GPU
+    use_mbridge: bool = False  # accepted; HF <-> Megatron always goes through hybridrl's bridge
+    seed: int = 42  # seed of the init and of Megatron's RNG tracker
+    # fields set on the TransformerConfig
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
-    use_dist_checkpointing: bool = False
-    dist_checkpointing_path: str | None = None
-    dtype: str = "bfloat16"
+    use_dist_checkpointing: bool = False  # read the initial weights from a Megatron dist checkpoint
+    dist_checkpointing_path: str | None = None  # that checkpoint's folder
+    dtype: str = "bfloat16"  # parameter dtype: bfloat16 or float32 (float16 refused)
 
     @property
     def model_parallel_size(self) -> int:

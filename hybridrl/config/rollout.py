@@ -128,7 +128,7 @@ class TraceConfig:
     # hybridrl: the MLflow experiment and the experiment_name tag (the yaml links them to
     # trainer.project_name / trainer.experiment_name, as veRL does).
     project_name: str | None = None
-    experiment_name: str | None = None
+    experiment_name: str | None = None  # MLflow experiment_name tag (the yaml links trainer.experiment_name)
 
 
 SGLANG_ROLLOUT_MODES = ("engine", "server")

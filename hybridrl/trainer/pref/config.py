@@ -52,22 +52,23 @@ PRESETS = {
 class PrefDataSection:
     train_files: Any = None  # None -> the built-in preference pairs
     val_files: Any = None  # None -> the built-in held-out pairs when training on the built-in ones
-    builtin_data_dir: str | None = None
+    builtin_data_dir: str | None = None  # where the built-in pairs are written when the files are null
     prompt_key: str = "prompt"  # absent from the files: the implicit-prompt layout
-    chosen_key: str = "chosen"
-    rejected_key: str = "rejected"
+    chosen_key: str = "chosen"  # column of the preferred completion
+    rejected_key: str = "rejected"  # column of the rejected completion
     margin_key: str | None = None  # rm only: a numeric column of per-pair margins
-    max_prompt_length: int = 512
-    max_length: int = 1024
+    max_prompt_length: int = 512  # longest rendered prompt in tokens (a longer one is an error)
+    max_length: int = 1024  # longest prompt + completion + EOS in tokens
     truncation: str = "error"  # error | right
     train_batch_size: int | None = None  # pairs per optimizer step, over all ranks
     micro_batch_size_per_gpu: int | None = None  # pairs per forward/backward on one rank
-    use_chat_template: bool = True
-    chat_template: str | None = None
+    use_chat_template: bool = True  # render the prompt with the tokenizer's chat template
+    chat_template: str | None = None  # a chat template that replaces the tokenizer's
+    # extra keyword arguments of tokenizer.apply_chat_template
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    train_max_samples: int = -1
-    val_max_samples: int = -1
-    shuffle: bool = True
+    train_max_samples: int = -1  # keep only the first N training pairs (-1: all)
+    val_max_samples: int = -1  # keep only the first N validation pairs (-1: all)
+    shuffle: bool = True  # shuffle the training pairs each epoch (seed: trainer.seed)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class RMLossSection:
 @dataclass
 class DPOLossSection:
     loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo | simpo
-    beta: float = 0.1
+    beta: float = 0.1  # the loss's beta (strength of the implicit KL to the reference)
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     precompute_ref_log_probs: bool = True  # false: the reference forward runs beside every step
@@ -87,16 +88,16 @@ class DPOLossSection:
 
 @dataclass
 class RMTrainerSection(SFTTrainerSection):
-    project_name: str = "hybridrl-rm"
-    experiment_name: str = "rm"
+    project_name: str = "hybridrl-rm"  # project name for the trackers and the checkpoint folder
+    experiment_name: str = "rm"  # run name for the trackers and the checkpoint folder
     total_epochs: int | None = None  # preset: 5 for the built-in model, else 1
 
 
 @dataclass
 class DPOTrainerSection(SFTTrainerSection):
-    project_name: str = "hybridrl-dpo"
-    experiment_name: str = "dpo"
-    total_epochs: int = 1
+    project_name: str = "hybridrl-dpo"  # project name for the trackers and the checkpoint folder
+    experiment_name: str = "dpo"  # run name for the trackers and the checkpoint folder
+    total_epochs: int = 1  # passes over the training pairs
 
 
 @dataclass
@@ -106,7 +107,7 @@ class RMConfig:
     optim: SFTOptimSection = field(default_factory=SFTOptimSection)
     trainer: RMTrainerSection = field(default_factory=RMTrainerSection)
     rm: RMLossSection = field(default_factory=RMLossSection)
-    model_engine: str | None = None
+    model_engine: str | None = None  # veRL's engine switch: sets model.strategy (fsdp, fsdp2, dp, megatron)
 
 
 @dataclass
@@ -117,7 +118,7 @@ class DPOConfig:
     trainer: DPOTrainerSection = field(default_factory=DPOTrainerSection)
     generation_eval: SFTGenerationEvalSection = field(default_factory=SFTGenerationEvalSection)
     dpo: DPOLossSection = field(default_factory=DPOLossSection)
-    model_engine: str | None = None
+    model_engine: str | None = None  # veRL's engine switch: sets model.strategy (fsdp, fsdp2, dp, megatron)
 
 
 SCHEMAS = {"rm": (RMConfig, "rm_trainer.yaml"), "dpo": (DPOConfig, "dpo_trainer.yaml")}

@@ -38,17 +38,18 @@ SFTConfigError = ConfigError  # the name SFT code used before the loaders were u
 @dataclass
 class SFTMultiTurnConfig:
     enable: bool = False
-    messages_key: str = "messages"
+    messages_key: str = "messages"  # column holding the conversation ({role, content} messages)
 
 
 @dataclass
 class SFTDataSection:
     train_files: Any = None  # str | list[str]; None -> the built-in task's SFT train file
     val_files: Any = None  # None -> the built-in task's SFT val file when training on it
-    builtin_data_dir: str | None = None
+    builtin_data_dir: str | None = None  # where the built-in task's files are written when files are null
     prompt_key: str = "prompt"
     response_key: str = "response"
-    prompt_dict_keys: list[str] | None = None
+    prompt_dict_keys: list[str] | None = None  # the prompt column holds a dict: the path of keys to the text
+    # the response column holds a dict: the path of keys to the text
     response_dict_keys: list[str] | None = None
     multiturn: SFTMultiTurnConfig = field(default_factory=SFTMultiTurnConfig)
     max_length: int = 1024
@@ -56,12 +57,13 @@ class SFTDataSection:
     train_batch_size: int | None = None
     micro_batch_size_per_gpu: int | None = None
     micro_batch_size: int | None = None  # veRL's removed global key: rejected with a hint
-    use_chat_template: bool = True
-    chat_template: str | None = None
+    use_chat_template: bool = True  # render the prompt with the tokenizer's chat template
+    chat_template: str | None = None  # a chat template that replaces the tokenizer's
+    # extra keyword arguments of tokenizer.apply_chat_template
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    train_max_samples: int = -1
-    val_max_samples: int = -1
-    shuffle: bool = True
+    train_max_samples: int = -1  # keep only the first N training rows (-1: all)
+    val_max_samples: int = -1  # keep only the first N validation rows (-1: all)
+    shuffle: bool = True  # shuffle the training rows each epoch (seed: trainer.seed)
 
 
 @dataclass
@@ -76,14 +78,15 @@ class SFTFSDPConfig(FSDPConfig):
 class SFTModelSection:
     partial_pretrain: str = "builtin:tiny"
     tokenizer_path: str | None = None
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # allow the model's and tokenizer's remote code
     external_lib: Any = None  # a module name or a list of them (hybridrl.utils.plugins)
+    # set on the Hugging Face config before the model is built
     override_config: dict[str, Any] = field(default_factory=dict)
-    enable_gradient_checkpointing: bool = False
+    enable_gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
     lora_rank: int = 0
-    lora_alpha: int = 16
-    target_modules: Any = "all-linear"
-    use_liger: bool = False
+    lora_alpha: int = 16  # LoRA scaling alpha
+    target_modules: Any = "all-linear"  # LoRA: modules that get adapters (all-linear or a list of names)
+    use_liger: bool = False  # Liger kernels; not implemented here, only false is accepted
     strategy: str = "fsdp2"  # the training engine: fsdp / fsdp2 / dp (FSDP2) or megatron; see model_engine
     fsdp_config: SFTFSDPConfig = field(default_factory=SFTFSDPConfig)
     megatron: MegatronConfig = field(default_factory=lambda: MegatronConfig(dtype="float32"))
@@ -91,45 +94,48 @@ class SFTModelSection:
 
 @dataclass
 class SFTOptimSection:
-    optimizer: str = "AdamW"
+    optimizer: str = "AdamW"  # AdamW only
     lr: float | None = None
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.01  # AdamW weight decay
     lr_warmup_steps: int = -1
-    lr_warmup_steps_ratio: float = 0.1
-    clip_grad: float = 1.0
+    lr_warmup_steps_ratio: float = 0.1  # warm-up as a fraction of the steps (when lr_warmup_steps <= 0)
+    clip_grad: float = 1.0  # clip the gradient's global norm to this
     lr_scheduler: str = "cosine"
-    min_lr_ratio: float = 0.0
-    num_cycles: float = 0.5
+    min_lr_ratio: float = 0.0  # the schedule's floor: lr * min_lr_ratio
+    num_cycles: float = 0.5  # cosine schedule: cosine cycles over the decay
     stable_ratio: float = 0.9
 
 
 @dataclass
 class SFTCheckpointSection:
+    # what a checkpoint saves: model, optimizer, extra, hf_model
     save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra", "hf_model"])
+    # what a resume loads from it
     load_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
 
 
 @dataclass
 class SFTTrainerSection:
+    # the checkpoint root folder
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
-    project_name: str = "hybridrl-sft"
-    experiment_name: str = "sft"
+    project_name: str = "hybridrl-sft"  # project name for the trackers and the checkpoint folder
+    experiment_name: str = "sft"  # run name for the trackers and the checkpoint folder
     logger: Any = field(default_factory=lambda: ["console"])
     log_dir: str | None = None
-    total_epochs: int = 4
+    total_epochs: int = 4  # passes over the training data
     total_training_steps: int | None = None
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = True
     resume_mode: str = "auto"
-    resume_from_path: str | None = None
-    max_ckpt_to_keep: int | None = None
+    resume_from_path: str | None = None  # the checkpoint to resume from with resume_mode=resume_path
+    max_ckpt_to_keep: int | None = None  # keep the newest N checkpoints (null or 0: all)
     checkpoint: SFTCheckpointSection = field(default_factory=SFTCheckpointSection)
-    nnodes: int = 1
+    nnodes: int = 1  # machines in the run
     n_gpus_per_node: int | None = None
-    seed: int = 1
+    seed: int = 1  # random seed (model init, data shuffle)
     device: str = "auto"
 
 
@@ -138,10 +144,10 @@ class SFTGenerationEvalSection:
     """Greedy accuracy on the validation prompts (needs data_source and ground-truth columns)."""
 
     enable: bool = True
-    max_samples: int = 200
-    max_new_tokens: int = 32
-    batch_size: int = 64
-    data_source_key: str = "data_source"
+    max_samples: int = 200  # validation rows scored at most
+    max_new_tokens: int = 32  # tokens generated per prompt
+    batch_size: int = 64  # prompts per generation batch
+    data_source_key: str = "data_source"  # column naming each row's data source (picks the scorer)
     ground_truth_key: str = "ground_truth"  # a column, or a dotted path such as reward_model.ground_truth
 
 
@@ -153,7 +159,7 @@ class SFTConfig:
     trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
     generation_eval: SFTGenerationEvalSection = field(default_factory=SFTGenerationEvalSection)
     # veRL's newest engine switch ("dp" / "fsdp", "megatron"): sets model.strategy (null: leave it)
-    model_engine: str | None = None
+    model_engine: str | None = None  # veRL's engine switch: sets model.strategy (fsdp, fsdp2, dp, megatron)
 
 
 # ----------------------------------------------------------------------------------------------
