@@ -84,18 +84,19 @@ class DistillationLossConfig:
     log_prob_min_clamp: float | None = None
     use_policy_gradient: bool = False
     policy_loss_mode: str = "vanilla"
-    clip_ratio: float = 0.2
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
+    clip_ratio: float = 0.2  # use_policy_gradient: clip range of the surrogate
+    clip_ratio_low: float = 0.2  # use_policy_gradient: lower clip range
+    clip_ratio_high: float = 0.2  # use_policy_gradient: upper clip range
 
 
 @dataclass
 class DistillationConfig:
     """veRL's `distillation` section. `teachers()` gives the resolved teachers by key."""
 
-    enabled: bool = False
+    enabled: bool = False  # turn on-policy distillation from the teacher(s) on
     n_gpus_per_node: int = 8
     nnodes: int = 0
+    # teachers by name: key, model_path, num_replicas, inference
     teacher_models: dict[str, TeacherModelConfig] = field(
         default_factory=lambda: {DEFAULT_TEACHER: TeacherModelConfig()}
     )

@@ -28,7 +28,7 @@ CONFIG_DIR = Path(__file__).parent.parent / "config"
 @dataclass
 class EvalDataSection:
     path: Any = None
-    prompt_key: str = "prompt"
+    prompt_key: str = "prompt"  # accepted; the scoring reads no prompt column
     response_key: str = "responses"
     data_source_key: str = "data_source"
     reward_model_key: str = "reward_model"
@@ -38,7 +38,8 @@ class EvalDataSection:
 @dataclass
 class EvalRewardFunctionSection:
     path: str | None = None
-    name: str = "compute_score"
+    name: str = "compute_score"  # name of the score function in that file
+    # extra keyword arguments passed to the score function
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

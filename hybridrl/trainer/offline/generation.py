@@ -37,6 +37,7 @@ class GenDataSection:
     batch_size: int = 128
     max_samples: int = -1
     use_chat_template: bool = True
+    # extra keyword arguments of tokenizer.apply_chat_template
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -47,8 +48,8 @@ UNSUPPORTED_ROLLOUTS = ("sglang",)
 @dataclass
 class GenModelSection:
     path: str = "builtin:tiny"
-    tokenizer_path: str | None = None
-    trust_remote_code: bool = False
+    tokenizer_path: str | None = None  # tokenizer to load (null: the model's path)
+    trust_remote_code: bool = False  # allow the model's and tokenizer's remote code
     external_lib: Any = None  # a module name or a list of them (hybridrl.utils.plugins)
 
 
@@ -57,13 +58,13 @@ class GenRolloutSection:
     name: str = "hf"
     temperature: float = 1.0
     top_k: int = -1
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling top-p (1: off)
     do_sample: bool = True
     prompt_length: int = 512
     response_length: int = 512
     dtype: str = "fp32"
-    seed: int = 0
-    ignore_eos: bool = False
+    seed: int = 0  # seed of the sampling
+    ignore_eos: bool = False  # keep generating past end-of-sequence tokens
     gpu_memory_utilization: float = 0.5
     tensor_model_parallel_size: int = 1
     enforce_eager: bool = True
@@ -73,7 +74,7 @@ class GenRolloutSection:
 
 @dataclass
 class GenTrainerSection:
-    nnodes: int = 1
+    nnodes: int = 1  # only 1: generation runs in this one process
     n_gpus_per_node: int = 1
     device: str = "auto"
 
