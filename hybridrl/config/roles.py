@@ -43,7 +43,7 @@ class OptimConfig:
     lr_warmup_steps: int = -1  # linear warm-up steps; > 0 wins over lr_warmup_steps_ratio
     lr_warmup_steps_ratio: float = 0.0  # warm-up as a fraction of total_training_steps
     lr_scheduler_type: str = "constant"  # after warm-up: constant, cosine, linear or inverse_square_root
-    warmup_style: str | None = None  # veRL's older name of lr_scheduler_type (wins when set)
+    warmup_style: str | None = None  # veRL's other spelling of lr_scheduler_type (wins when set)
     min_lr_ratio: float = 0.0  # decaying schedules end at lr * min_lr_ratio
     num_cycles: float = 0.5  # cosine schedule: cosine cycles over the decay (0.5: one half-wave)
     weight_decay: float = 0.01  # AdamW weight decay
@@ -311,14 +311,14 @@ class ActorConfig:
 
     strategy: str = "fsdp"  # training engine: fsdp / fsdp2 (FSDP2) or megatron
     ppo_mini_batch_size: int = 256  # prompts per optimizer step over all ranks (times rollout.n rows)
-    ppo_micro_batch_size: int | None = None  # deprecated global size: converted to the per-GPU key
+    ppo_micro_batch_size: int | None = None  # a global size: divided by the ranks into the per-GPU key
     ppo_micro_batch_size_per_gpu: int | None = None  # rows per forward/backward on one rank
     use_dynamic_bsz: bool = False  # pack micro-batches by tokens (ppo_max_token_len_per_gpu)
     ppo_max_token_len_per_gpu: int = 16384  # token budget of a micro-batch with use_dynamic_bsz
     ppo_epochs: int = 1  # passes of the update over each batch
     shuffle: bool = False  # shuffle rows before splitting mini-batches (needs data_loader_seed)
     data_loader_seed: int | None = None  # seed of that shuffle
-    grad_clip: float | None = None  # veRL's older key; overrides optim.clip_grad when set
+    grad_clip: float | None = None  # veRL's other spelling of optim.clip_grad (wins when set)
     clip_ratio: float = 0.2  # PPO clip range epsilon
     clip_ratio_low: float | None = None  # lower clip range (null: clip_ratio)
     clip_ratio_high: float | None = None  # upper clip range (null: clip_ratio)
@@ -435,7 +435,7 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = 256  # prompts per optimizer step over all ranks (times rollout.n rows)
     ppo_micro_batch_size: int | None = None  # deprecated global sizes
-    forward_micro_batch_size: int | None = None  # deprecated global size: converted to the per-GPU key
+    forward_micro_batch_size: int | None = None  # a global size: divided by the ranks into the per-GPU key
     ppo_micro_batch_size_per_gpu: int | None = None  # rows per forward/backward of the update on one rank
     # rows per value forward on one rank (null: the update's)
     forward_micro_batch_size_per_gpu: int | None = None
@@ -445,7 +445,7 @@ class CriticConfig:
     ppo_epochs: int = 1  # passes of the update over each batch
     shuffle: bool = False  # shuffle rows before splitting mini-batches (needs data_loader_seed)
     data_loader_seed: int | None = None  # seed of that shuffle
-    grad_clip: float | None = None  # veRL's older key; overrides optim.clip_grad when set
+    grad_clip: float | None = None  # veRL's other spelling of optim.clip_grad (wins when set)
     cliprange_value: float = 0.5  # clip range of the value update around the old values
     loss_agg_mode: str = "token-mean"  # how token losses are averaged (as the actor's key)
     ulysses_sequence_parallel_size: int = 1  # Ulysses sequence-parallel group size (1: off)

@@ -165,7 +165,7 @@ class RolloutConfig:
     logprobs_mode: str = "processed_logprobs"  # vLLM: which log-probs the engine returns
     # vLLM: batch sizes captured as CUDA graphs (null: vLLM's)
     cudagraph_capture_sizes: list[int] | None = None
-    log_prob_micro_batch_size: int | None = None  # deprecated global size: converted to the per-GPU key
+    log_prob_micro_batch_size: int | None = None  # a global size: divided by the ranks into the per-GPU key
     log_prob_micro_batch_size_per_gpu: int | None = None  # rows per forward of the actor's old-log-prob pass
     log_prob_use_dynamic_bsz: bool = False  # pack the old-log-prob forwards by tokens
     log_prob_max_token_len_per_gpu: int = 16384  # token budget of those forwards with dynamic batch size

@@ -126,11 +126,11 @@ class AlgorithmConfig:
     pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
     # Rollout importance sampling (rollout vs training policy mismatch correction).
     rollout_is: bool = False
-    rollout_is_threshold: float | None = None  # legacy rollout IS: upper bound U of the weights (null: none)
-    rollout_is_threshold_lower: float | None = None  # legacy rollout IS: lower bound of mask mode (null: 1/U)
-    rollout_is_level: str = "token"  # legacy rollout IS: token, sequence or geometric weights
-    rollout_is_mode: str = "truncate"  # legacy rollout IS: truncate (min(w, U)) or mask (0 outside bounds)
-    # legacy rollout IS: a token ratio below it zeroes its response
+    rollout_is_threshold: float | None = None  # with rollout_is: upper bound U of the weights (null: none)
+    rollout_is_threshold_lower: float | None = None  # with rollout_is: lower bound of mask mode (null: 1/U)
+    rollout_is_level: str = "token"  # with rollout_is: token, sequence or geometric weights
+    rollout_is_mode: str = "truncate"  # with rollout_is: truncate (min(w, U)) or mask (0 outside bounds)
+    # with rollout_is: a token ratio below it zeroes its response
     rollout_is_veto_threshold: float | None = None
     # GDPO (adv_estimator=gdpo): the reward components, keys of the dict the score function returns
     # (its per-row extras), each normalised in its group before the weighted sum (weights: all 1).
