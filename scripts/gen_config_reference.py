@@ -67,7 +67,17 @@ def entry_points() -> list[tuple[str, type, str]]:
 @cache
 def field_comments(cls: type) -> dict[str, str]:
     """{field: comment} from the class source: the comment on the field's line, else the comment
-    lines right above it."""
+    lines right above it; a field the class inherits takes its base class's comment."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            out.update({k: v for k, v in _own_field_comments(base).items() if v})
+    out.update({k: v for k, v in _own_field_comments(cls).items() if v or k not in out})
+    return out
+
+
+def _own_field_comments(cls: type) -> dict[str, str]:
+    """{field: comment} of the fields written in `cls` itself."""
     try:
         lines, _ = inspect.getsourcelines(cls)
     except (OSError, TypeError):

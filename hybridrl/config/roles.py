@@ -198,7 +198,7 @@ class ModelConfig:
     exclude_modules: LoRA: modules that get no adapter (veRL's key, PEFT's `exclude_modules`): a
       regex matched against the full module name (e.g. '.*visual.*' keeps a VLM's vision tower
       without adapters), or a list of names matched exactly or as a name suffix; null: none.
-    use_shm: accepted for veRL compatibility; loading always reads `path` directly.
+    use_shm: copy a local model folder under /dev/shm once and load it from there (veRL's key).
     enable_activation_offload: tensors saved for backward by the training forward (actor, critic)
       live in CPU memory until backward (models/activation_offload.py; moves nothing on CPU).
     torch_dtype: the dtype the weights are loaded in (Hugging Face's `torch_dtype`); when set it
