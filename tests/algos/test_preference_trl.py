@@ -7,14 +7,9 @@ to 1e-5. Our side is the path main_rm / main_dpo take: the engines' forward func
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 import torch
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e .[bench])"
-)
 
 PAIRS = [
     {"prompt": "12+34=", "chosen": "#### 46", "rejected": "#### 45"},
@@ -55,6 +50,8 @@ def trl_args(cls, tmp_path, **kw):
 
 
 def test_reward_loss_and_gradients_equal_trl(tok, batch, tmp_path):
+    pytest.importorskip("datasets", reason="datasets is not installed (pip install -e .[bench])")
+    pytest.importorskip("trl", reason="trl is not installed (pip install -e .[bench])")
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
     from trl import RewardConfig, RewardTrainer
@@ -97,6 +94,8 @@ def test_reward_loss_and_gradients_equal_trl(tok, batch, tmp_path):
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_dpo_losses_and_gradients_equal_trl(tok, batch, tmp_path, loss_type):
+    pytest.importorskip("datasets", reason="datasets is not installed (pip install -e .[bench])")
+    pytest.importorskip("trl", reason="trl is not installed (pip install -e .[bench])")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
