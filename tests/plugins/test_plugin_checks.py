@@ -61,8 +61,14 @@ def restore_registries():
     engines = list(engine_base.ENGINE_NAMES)
     yield
     for table, before in zip(tables, saved):
-        table.clear()
-        table.update(before)
+        if isinstance(table, dict):
+            # keep what hybridrl itself registered meanwhile (a built-in engine imported on first use)
+            builtin = {k: v for k, v in table.items() if getattr(v, "__module__", "").startswith("hybridrl.")}
+            table.clear()
+            table.update({**builtin, **before})
+        else:
+            table.clear()
+            table.update(before)
     for name in [n for n in engine_base.ENGINE_NAMES if n not in engines]:
         engine_base.unregister_engine(name)
 
