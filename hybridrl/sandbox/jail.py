@@ -169,14 +169,16 @@ def enter_namespaces(plan: ChildPlan) -> None:
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = plan.new_root
     _mount("none", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    # the private /tmp first: a read-only tree that lives under the host's /tmp (a virtualenv
+    # there) gets its mount point inside it instead of being hidden by it
+    os.makedirs(root + "/tmp")
+    _mount("none", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={plan.tmp_mb}m,mode=1777")
     for path in plan.read_only:
         _bind(path, trees[path], root + path, read_only=True)
     for link, target in plan.symlinks:
         os.symlink(target, root + link)
     for dev in DEVICES:
         _bind(dev, trees[dev], root + dev, read_only=False, is_dir=False)
-    os.makedirs(root + "/tmp")
-    _mount("none", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={plan.tmp_mb}m,mode=1777")
     os.makedirs(root + INSIDE)
     _bind(plan.work_dir, trees[plan.work_dir], root + INSIDE, read_only=False)
     _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
