@@ -59,11 +59,18 @@ def restore_registries():
     ]
     saved = [t.copy() for t in tables]
     engines = list(engine_base.ENGINE_NAMES)
+    modules_before = set(sys.modules)
     yield
     for table, before in zip(tables, saved):
         if isinstance(table, dict):
-            # keep what hybridrl itself registered meanwhile (a built-in engine imported on first use)
-            builtin = {k: v for k, v in table.items() if getattr(v, "__module__", "").startswith("hybridrl.")}
+            # keep what hybridrl itself registered meanwhile (a built-in engine imported on first use):
+            # entries whose defining module was first imported during the test. A user's name bound
+            # to a hybridrl function (``register_adv_est("x")(grpo_fn)``) is not one of them.
+            def _builtin(value) -> bool:
+                module = getattr(value, "__module__", "") or ""
+                return module.startswith("hybridrl.") and module not in modules_before
+
+            builtin = {k: v for k, v in table.items() if k not in before and _builtin(v)}
             table.clear()
             table.update({**builtin, **before})
         else:
