@@ -139,6 +139,8 @@ def test_generation_config_errors(tiny, tmp_path):
 # evaluation with hand-derived values
 # ----------------------------------------------------------------------------------------------
 def _responses_file(path, rows) -> str:
+    """Rows as main_generation writes them: a distinct prompt per row unless a row names its own."""
+    rows = [{"prompt": [{"role": "user", "content": f"question {i}"}], **row} for i, row in enumerate(rows)]
     pd.DataFrame(rows).to_parquet(path)
     return str(path)
 
@@ -219,6 +221,45 @@ def test_eval_errors_name_the_problem(tmp_path):
     rows = [{"data_source": "hybridrl/arith", "reward_model": {"answer": "2"}, "responses": ["#### 2"]}]
     with pytest.raises(ValueError, match="row 0.*no key 'ground_truth'"):
         run_eval({"data": {"path": _responses_file(tmp_path / "g.parquet", rows)}})
+
+
+def test_eval_groups_the_rows_of_one_prompt(tmp_path):
+    """data.prompt_key: rows with the same prompt are one group for best@N and maj@N."""
+    rm = {"style": "rule", "ground_truth": "4"}
+    same = [{"role": "user", "content": "2 + 2?"}]
+    rows = [
+        {
+            "prompt": same,
+            "data_source": "hybridrl/arith",
+            "reward_model": rm,
+            "responses": ["#### 4", "#### 5"],
+        },
+        {
+            "prompt": same,
+            "data_source": "hybridrl/arith",
+            "reward_model": rm,
+            "responses": ["#### 5", "#### 5"],
+        },
+    ]
+    path = _responses_file(tmp_path / "r.parquet", rows)
+    grouped = run_eval({"data": {"path": path}})["summary"]["hybridrl/arith"]
+    # one group of four responses: one correct -> best 1; "#### 5" wins the vote 3:1 -> maj 0
+    assert grouped == {"mean@4": 0.25, "best@4": 1.0, "maj@4": 0.0}
+    # without a prompt column each row is its own group of two
+    per_row = run_eval({"data": {"path": path, "prompt_key": None}})["summary"]["hybridrl/arith"]
+    assert per_row == {"mean@2": 0.25, "best@2": 0.5, "maj@2": 0.5}
+
+
+def test_eval_missing_prompt_column_names_the_key(tmp_path):
+    rows = [{"data_source": "hybridrl/arith", "reward_model": {"ground_truth": "2"}, "responses": ["#### 2"]}]
+    path = tmp_path / "p.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    with pytest.raises(KeyError, match=r"p\.parquet.*no column 'prompt'"):
+        run_eval({"data": {"path": str(path)}})
+    assert (
+        run_eval({"data": {"path": str(path), "prompt_key": None}})["summary"]["hybridrl/arith"]["mean@1"]
+        == 1.0
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ CONFIG_DIR = Path(__file__).parent.parent / "config"
 @dataclass
 class EvalDataSection:
     path: Any = None
-    prompt_key: str = "prompt"  # accepted; the scoring reads no prompt column
+    # the prompt column: rows with the same prompt form one group for best@N / maj@N;
+    # null -> the file has no prompt column and every row is its own group
+    prompt_key: str | None = "prompt"
     response_key: str = "responses"
     data_source_key: str = "data_source"
     reward_model_key: str = "reward_model"
@@ -85,6 +87,23 @@ def _ground_truth(row: dict, config: EvalConfig, where: str) -> Any:
     return value
 
 
+def _prompt_id(value: Any) -> str:
+    """A hashable identity of a prompt cell: a string, or chat messages (lists/dicts, numpy arrays)."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return json.dumps([_plain(v) for v in value], sort_keys=True, default=str)
+    return json.dumps(_plain(value), sort_keys=True, default=str)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 def score_rows(
     rows: list[dict], config: EvalConfig, score_fn: Callable
 ) -> tuple[list, list, dict[str, list]]:
@@ -95,8 +114,10 @@ def score_rows(
     """
     d = config.data
     sources, uids, rewards, preds, extras = [], [], [], [], []
+    groups: dict[str, int] = {}
     for i, row in enumerate(rows):
         where = f"data.path row {i}"
+        uid = i if d.prompt_key is None else groups.setdefault(_prompt_id(row[d.prompt_key]), len(groups))
         responses = _responses(row[d.response_key], where, d.response_key)
         source, truth = row[d.data_source_key], _ground_truth(row, config, where)
         for text in responses:
@@ -109,7 +130,7 @@ def score_rows(
                     f"{where}: the reward function returned a dict without 'score': {sorted(info)}"
                 )
             sources.append(source)
-            uids.append(i)
+            uids.append(uid)
             rewards.append(float(info.pop("score")))
             preds.append(info.pop("pred", text))
             extras.append(info)
@@ -237,7 +258,8 @@ def run_eval(cfg: DictConfig | dict | list[str] | None = None) -> dict[str, Any]
 
     config = load_eval_config(cfg)
     d, c = config.data, config.custom_reward_function
-    rows, _ = read_rows(d.path, "data.path", [d.response_key, d.data_source_key, d.reward_model_key])
+    columns = [d.response_key, d.data_source_key, d.reward_model_key]
+    rows, _ = read_rows(d.path, "data.path", columns if d.prompt_key is None else [d.prompt_key, *columns])
     score_fn = load_custom_reward_fn(c.path, c.name, c.reward_kwargs) or default_compute_score
     check_eval_inputs(config, score_fn, rows)  # before any row is scored
     sources, uids, infos = score_rows(rows, config, score_fn)
