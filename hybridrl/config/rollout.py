@@ -23,7 +23,8 @@ Notes on a few keys:
   per distinct prompt row of a micro-batch and shares its key/value cache with the row's repeats
   (GRPO's n samples of a prompt; rollout/hf_prefix.py).
 - `checkpoint_engine`: veRL's newer home of the weight-sync settings. `backend` must be `naive`
-  (the in-process, bucketed sync of the colocated engine, the only one here);
+  (the in-process, bucketed sync of the colocated engine, the only one here) and `engine_kwargs`
+  must stay empty (the naive backend takes no options);
   `update_weights_bucket_megabytes`, when set, is the bucket size (it replaces the older
   top-level key of the same name).
 - `log_prob_micro_batch_size`: veRL's deprecated global size, converted to
@@ -47,6 +48,7 @@ Notes on a few keys:
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +93,8 @@ class CheckpointEngineConfig:
     backend: str = "naive"  # naive only (the colocated in-process, bucketed weight sync)
     # when set: replaces rollout.update_weights_bucket_megabytes
     update_weights_bucket_megabytes: int | None = None
-    # veRL's backend options; not read (the naive backend has none)
+    # veRL's per-backend constructor options ({backend: {...}}); must stay empty: the naive backend
+    # takes none here (its bucket size is update_weights_bucket_megabytes)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -221,6 +224,11 @@ class RolloutConfig:
         return self.max_model_len or (self.prompt_length + self.response_length)
 
 
+def _has_options(per_backend: Any) -> bool:
+    """True when {backend: {option: value}} sets any option (empty per-backend sections are none)."""
+    return any(not isinstance(v, Mapping) or len(v) > 0 for v in dict(per_backend or {}).values())
+
+
 def _check(ok: bool, key: str, value: Any, want: str) -> None:
     if not ok:
         raise ValueError(f"{KEY}.{key}={value!r} is invalid: {want}.")
@@ -306,6 +314,14 @@ def _validate_engine_options(cfg: RolloutConfig) -> None:
         cfg.checkpoint_engine.backend,
         f"use one of {CHECKPOINT_ENGINE_BACKENDS} (the colocated in-process sync; veRL's nccl/nixl "
         "backends move weights between separate rollout and trainer GPUs, not available here)",
+    )
+    _check(
+        not _has_options(cfg.checkpoint_engine.engine_kwargs),
+        "checkpoint_engine.engine_kwargs",
+        dict(cfg.checkpoint_engine.engine_kwargs),
+        "the naive backend takes no constructor options here; leave it empty (the bucket size is "
+        "checkpoint_engine.update_weights_bucket_megabytes; main_async's collective sync is set with "
+        "async_training.* keys)",
     )
     _check(
         cfg.scheduling_policy in ("fcfs", "priority"),

@@ -118,6 +118,16 @@ def test_checkpoint_engine_bucket_size_replaces_the_top_level_key():
         _check(["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"])
 
 
+def test_checkpoint_engine_options_are_refused_not_ignored():
+    """veRL passes engine_kwargs[backend] to the backend's constructor; the naive backend takes none here."""
+    key = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs"
+    _check([f"{key}={{naive: {{}}}}"])  # an empty section sets nothing
+    with pytest.raises(ConfigError, match="checkpoint_engine.engine_kwargs.*takes no constructor options"):
+        _check([f"{key}={{naive: {{is_master: true}}}}"])
+    with pytest.raises(ConfigError, match="checkpoint_engine.engine_kwargs"):
+        _check([f"+{key}.nccl.rebuild_group=true"])
+
+
 def test_rollout_correction_needs_rollout_log_probs_and_one_spelling():
     with pytest.raises(ConfigError, match="calculate_log_probs=True"):
         _check(["algorithm.rollout_correction.rollout_is=token"])
