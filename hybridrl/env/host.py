@@ -15,6 +15,7 @@ import asyncio
 import importlib
 import math
 import multiprocessing
+import sys
 import threading
 import traceback
 from typing import Any
@@ -38,11 +39,24 @@ def _context():
     with _CONTEXT_LOCK:
         if _CONTEXT is None:
             ctx = multiprocessing.get_context("forkserver")
-            # "__main__": the server imports the main module once (as __mp_main__), else every episode
-            # process would (a Ray worker's main module takes seconds to import)
-            ctx.set_forkserver_preload(["__main__", "hybridrl.env.host", "hybridrl.env.base"])
+            ctx.set_forkserver_preload(
+                ["__main__", *_main_module_name(), "hybridrl.env.host", "hybridrl.env.base"]
+            )
             _CONTEXT = ctx
         return _CONTEXT
+
+
+def _main_module_name() -> list[str]:
+    """The main module's import name when it was started with `python -m` (e.g. main_ppo).
+
+    Every process from the fork server runs the main module again (as `__mp_main__`). The server
+    imports a main *script* once by itself ("__main__" above; a Ray worker's), but not a main module
+    run with `-m`: preloading it by name puts its imports (torch, transformers) in the server, so an
+    episode re-runs only the module's own lines instead of importing the whole stack again.
+    """
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    return [name] if name and name != "__main__" and not name.endswith(".__main__") else []
 
 
 _SERVER_READY = threading.Event()

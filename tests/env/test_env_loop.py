@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
 import envs_for_tests  # noqa: F401 - registers the test environments
@@ -132,3 +135,39 @@ def test_episode_process_deadline_and_errors():
     assert {r["agent_name"] for r in rows} == {"env_agent"} and all(
         1 <= r["extra_info"]["secret"] <= 8 for r in rows
     )
+
+
+MAIN_MODULE = """
+import asyncio
+import heavy_for_env_test  # noqa: F401  (stands in for torch and transformers)
+
+from hybridrl.env.guess_number import GuessNumber
+from hybridrl.env.host import EpisodeProcess
+
+
+async def play():
+    for _ in range(3):
+        ep = await EpisodeProcess.start(GuessNumber, {"high": 8}, "guess_number", 60.0)
+        await ep.reset({"extra_info": {"secret": 2}})
+        await ep.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(play())
+"""
+
+
+def test_episodes_of_a_python_m_program_do_not_import_its_modules_again(tmp_path):
+    """The fork server preloads a `python -m` main module's imports: each import of the heavy module
+    appends its process id, so the program and the server write one line each, the episodes none."""
+    (tmp_path / "heavy_for_env_test.py").write_text(
+        "import os\nwith open(os.environ['IMPORT_LOG'], 'a') as f:\n    f.write(f'{os.getpid()}\\n')\n"
+    )
+    (tmp_path / "main_for_env_test.py").write_text(MAIN_MODULE)
+    log = tmp_path / "imports.log"
+    env = {**os.environ, "IMPORT_LOG": str(log), "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    subprocess.run(
+        [sys.executable, "-m", "main_for_env_test"], cwd=tmp_path, env=env, check=True, timeout=300
+    )
+    pids = log.read_text().split()
+    assert len(pids) == 2, f"the heavy module was imported by {len(pids)} processes: {pids}"
