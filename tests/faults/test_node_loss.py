@@ -23,7 +23,10 @@ import pytest
 from hybridrl.utils import checkpointing as ck
 from tests.e2e.ppo_runs import SMALL, read_metrics
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # a 3-node cluster starts in ~30-60 s on 2 loaded cores
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),
+]  # a 3-node cluster starts in ~30-60 s on 2 loaded cores
 
 _TAG = f"nodes-{uuid.uuid4().hex[:8]}"
 
@@ -68,9 +71,12 @@ def cluster():
     c.shutdown()
 
 
-def _drive(c, tmp_path, extra: list[str], add_back: bool) -> subprocess.CompletedProcess:
-    """Run main_ppo on the cluster in a subprocess; remove a worker node when its reward function
-    asks (and add one back 2 s later). The cluster is driven from this process's main thread."""
+def _drive(
+    c, tmp_path, extra: list[str], add_back: bool, entry: str = "main_ppo", pick=None
+) -> subprocess.CompletedProcess:
+    """Run `entry` on the cluster in a subprocess; remove a worker node (`pick(c)`, default the first
+    one that is not the head) when its reward function asks (and add one back 2 s later). The cluster
+    is driven from this process's main thread."""
     env = {
         **os.environ,
         "RAY_ADDRESS": c.address,
@@ -87,7 +93,8 @@ def _drive(c, tmp_path, extra: list[str], add_back: bool) -> subprocess.Complete
         assert time.monotonic() < deadline
         time.sleep(0.1)
     if proc.poll() is None:
-        node = c.removable.pop(0)
+        node = pick(c) if pick else c.removable[0]
+        c.removable.remove(node)
         (tmp_path / "node").write_text(node.node_id)
         c.remove_node(node)
         (tmp_path / "removed").touch()
@@ -104,16 +111,20 @@ def _drive(c, tmp_path, extra: list[str], add_back: bool) -> subprocess.Complete
     return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
 
 
+THREE_RANKS = [  # main_ppo: one rank on each of the 3 nodes; 3 prompts x 4 answers = 4 rows per rank
+    "trainer.nnodes=3",
+    "data.train_batch_size=3",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "critic.ppo_micro_batch_size_per_gpu=4",
+]
+
+
 def _overrides(tmp_path, extra):
     fn = tmp_path / "remover.py"
     fn.write_text(REMOVER)
     return [
         "trainer.backend=ray",
-        "trainer.nnodes=3",
-        "data.train_batch_size=3",  # 3 x 4 rows: 4 per rank
-        "actor_rollout_ref.actor.ppo_mini_batch_size=3",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "critic.ppo_micro_batch_size_per_gpu=4",
         "trainer.n_gpus_per_node=1",
         "trainer.total_training_steps=3",
         "trainer.save_freq=1",
@@ -168,7 +179,7 @@ def test_a_lost_node_is_named_with_its_ranks(cluster, tmp_path):
 
 
 def test_the_run_restarts_when_the_node_comes_back_and_finishes(cluster, tmp_path):
-    done = _drive(cluster, tmp_path, ["trainer.max_restarts=1"], add_back=True)
+    done = _drive(cluster, tmp_path, [*THREE_RANKS, "trainer.max_restarts=1"], add_back=True)
     assert done.returncode == 0, done.stderr[-4000:]
     node = (tmp_path / "node").read_text()
     assert "restart 1/1 (trainer.max_restarts): NodeLostError" in done.stderr, done.stderr[-4000:]
@@ -183,9 +194,11 @@ def test_the_run_restarts_when_the_node_comes_back_and_finishes(cluster, tmp_pat
 def test_without_the_node_the_run_stops_naming_it_and_leaves_nothing(cluster, tmp_path):
     import ray
 
-    done = _drive(
-        cluster, tmp_path, ["trainer.max_restarts=1", "trainer.resources_timeout_s=5"], add_back=False
-    )
+    extra = [*THREE_RANKS, "trainer.max_restarts=1", "trainer.resources_timeout_s=5"]
+    try:
+        done = _drive(cluster, tmp_path, extra, add_back=False)
+    finally:
+        cluster.removable.append(cluster.add_node(num_cpus=1))  # the next test gets 3 nodes again
     node = (tmp_path / "node").read_text()
     assert done.returncode != 0, done.stdout[-3000:]
     err = done.stderr
@@ -201,3 +214,47 @@ def test_without_the_node_the_run_stops_naming_it_and_leaves_nothing(cluster, tm
         assert [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"] == []
     finally:
         ray.shutdown()
+
+
+def _rollout_node(c):
+    """A worker node holding one of main_async's rollout ranks (the raylet its actor process descends
+    from); the rank goes into ``c.picked_rank``."""
+    raylets = {n.all_processes["raylet"][0].process.pid: n for n in c.removable}
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+            if (
+                env.get("HYBRIDRL_FAULT_TAG") != _TAG
+                or env.get("HYBRIDRL_WORKER_GROUP") != "hybridrl_rollout"
+            ):
+                continue
+            parents = [q.pid for q in p.parents()]
+        except (psutil.Error, OSError):
+            continue
+        for pid in parents:
+            if pid in raylets:
+                c.picked_rank = int(env["RANK"])
+                return raylets[pid]
+    raise AssertionError("no rollout rank of this run on a removable node")
+
+
+def test_async_rollout_pool_loses_a_node_and_goes_on_with_the_others(cluster, tmp_path):
+    """main_async, 1 training slot and 2 rollout slots on 3 nodes: the node of a rollout rank leaves
+    mid-run; its worker is dropped with a line naming the node, and the run finishes on the other."""
+    extra = [
+        "trainer.nnodes=1",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "async_training.rollout_nnodes=2",
+        "async_training.rollout_n_gpus_per_node=1",
+    ]
+    done = _drive(cluster, tmp_path, extra, add_back=True, entry="main_async", pick=_rollout_node)
+    node = (tmp_path / "node").read_text()
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = done.stdout + done.stderr
+    assert f"node {node[:12]}" in out and f"group 'hybridrl_rollout' ranks [{cluster.picked_rank}]" in out, (
+        out[-4000:]
+    )
+    assert "1 left" in out
+    assert ck.list_checkpoints(str(tmp_path / "ckpt"))[-1] == 3
+    assert _our_actor_processes() == []
