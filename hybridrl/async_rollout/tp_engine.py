@@ -28,6 +28,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError
 
+from hybridrl.single_controller.ray.nodes import node_lost_error
+
 __all__ = ["EngineHandle", "call_failure", "engine_handles", "worker_label"]
 
 _WATCH_S = 0.2  # how often the watcher looks at the calls in flight
@@ -193,4 +195,7 @@ def call_failure(handle: Any, err: BaseException, settle_s: float = _SETTLE_S) -
         if handle.rank_died:
             return True, str(handle.failure)
         return False, f"{handle.failure}:\n{handle.error_text}"
-    return isinstance(err, RayActorError), str(err)
+    lost = node_lost_error(
+        err, "rollout", -1, "generate_sequences", advice=False
+    )  # its whole node left the cluster
+    return isinstance(err, RayActorError), str(lost or err)

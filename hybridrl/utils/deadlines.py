@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 STEP_KEY = "trainer.step_timeout_s"
+RESOURCES_KEY = "trainer.resources_timeout_s"
 REWARD_KEY = "trainer.reward_timeout_s"
 _DEFAULT_STEP_S = 3600.0
 STEP_ENV, REWARD_ENV = "HYBRIDRL_STEP_TIMEOUT_S", "HYBRIDRL_REWARD_TIMEOUT_S"
@@ -140,6 +141,7 @@ def check_keys(trainer_config: Any) -> tuple[float, float]:
         step = check_timeout(trainer_config.step_timeout_s, STEP_KEY, allow_zero=False)
         reward = check_timeout(trainer_config.reward_timeout_s, REWARD_KEY, allow_zero=True)
         check_max_restarts(getattr(trainer_config, "max_restarts", 0))
+        check_timeout(getattr(trainer_config, "resources_timeout_s", 1.0), RESOURCES_KEY, allow_zero=False)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return step, reward

@@ -169,3 +169,4 @@ def preemption_saves(grace_s: float) -> Iterator[Preemption]:
         signal.signal(signal.SIGALRM, previous_alarm)
         PREEMPTION.disarm()
         PREEMPTION._installed = False
+        PREEMPTION.signum = PREEMPTION.received_at = None  # a later loop in this process starts afresh

@@ -28,6 +28,7 @@ else `outputs/{project_name}/{experiment_name}`.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from hybridrl.utils.redact import redact_config
+from hybridrl.utils.storage import named_storage_faults
 
 __all__ = ["Tracking", "sanitize_metrics", "SUPPORTED_BACKENDS"]
 
@@ -164,12 +166,29 @@ class _File:
         self.path = os.path.join(log_dir, metrics_file)
         self.generations_path = os.path.join(log_dir, "generations.jsonl")
         if config is not None:
-            with open(os.path.join(log_dir, "config.json"), "w") as f:
-                json.dump(config, f, indent=1, default=str)
+            with named_storage_faults("writing the file logger's config.json (trainer.logger=file)", log_dir):
+                with open(os.path.join(log_dir, "config.json"), "w") as f:
+                    json.dump(config, f, indent=1, default=str)
 
     def _append(self, path: str, row: dict) -> None:
-        with open(path, "a") as f:  # reopened each time: a crashed run keeps every finished line
-            f.write(json.dumps(row, default=str, allow_nan=False) + "\n")
+        """One JSON line; on a full disk (or another storage fault) the file is cut back to its last
+        whole line and a StorageError names the folder."""
+        line = (json.dumps(row, default=str, allow_nan=False) + "\n").encode()
+        what = f"writing the file logger's {os.path.basename(path)} (trainer.logger=file)"
+        with named_storage_faults(what, os.path.dirname(path), needed=len(line)):
+            # reopened each time: a crashed run keeps every finished line
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                size = os.fstat(fd).st_size
+                try:
+                    written = os.write(fd, line)
+                    if written != len(line):
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+                except OSError:
+                    os.ftruncate(fd, size)  # no half line: the file stays valid JSON lines
+                    raise
+            finally:
+                os.close(fd)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._append(self.path, {"step": step, **{k: _json_value(v) for k, v in metrics.items()}})

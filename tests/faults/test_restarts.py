@@ -125,3 +125,53 @@ def test_restart_policy_only_retries_dead_or_hung_workers(tmp_path):
     assert seen == [1]
     with pytest.raises(ConfigError, match=r"trainer.max_restarts=-1 must be an integer >= 0"):
         compose_config(["trainer.max_restarts=-1"], tmp_path)
+
+
+def test_a_lost_node_restarts_and_stops_naming_it_when_the_slots_do_not_come_back(tmp_path, capfd):
+    """The loop after a NodeLostError (fast): the restart names the node; a restart whose pools are
+    not granted stops with the node, the key and the newest checkpoint; an entry point's own
+    restartable error (main_async: every rollout worker lost) restarts too."""
+    from hybridrl.async_rollout.records import RolloutWorkersLostError
+    from hybridrl.single_controller.ray.nodes import NodeLostError, ResourcesUnavailableError
+    from hybridrl.trainer.ppo.restarts import RESTARTABLE
+
+    config = compose_config(["trainer.max_restarts=2", "trainer.resources_timeout_s=7"], tmp_path)
+    root = config.trainer.default_local_dir
+    os.makedirs(root)
+    with open(os.path.join(root, ck.LATEST_FILE), "w") as f:
+        f.write("4")
+    lost = NodeLostError("node gone", group="hybridrl/actor_rollout", rank=1, method="update_actor")
+    lost.node_id, lost.node_ip, lost.lost = "abcdef0123456789", "10.0.0.7", {"hybridrl": [1, 2]}
+    seen = []
+
+    def attempt(cfg):
+        seen.append(cfg.trainer.resume_mode)
+        if len(seen) == 1:
+            raise lost
+        raise ResourcesUnavailableError("the cluster did not grant [1, 1, 1] slots")
+
+    with pytest.raises(ResourcesUnavailableError) as err:
+        run_with_restarts(config, attempt)
+    msg = str(err.value)
+    assert "node abcdef012345 (10.0.0.7) left the Ray cluster" in msg
+    assert "trainer.resources_timeout_s=7" in msg and f"Newest checkpoint: {ck.step_dir(root, 4)}" in msg
+    assert "did not grant [1, 1, 1] slots" in msg and seen == ["auto", "auto"]
+    assert (
+        "node abcdef012345 (10.0.0.7) left the cluster (group 'hybridrl' ranks [1, 2])"
+        in capfd.readouterr().err
+    )
+
+    seen.clear()
+
+    def rollout_lost(cfg):
+        seen.append(1)
+        if len(seen) == 1:
+            raise RolloutWorkersLostError("all 2 rollout workers died")
+        return {"done": 1.0}
+
+    assert run_with_restarts(config, rollout_lost, restartable=(*RESTARTABLE, RolloutWorkersLostError)) == {
+        "done": 1.0
+    }
+    with pytest.raises(RolloutWorkersLostError):
+        seen.clear()
+        run_with_restarts(config, rollout_lost)  # main_ppo's set does not include it

@@ -7,6 +7,7 @@ and the last good checkpoint, which stays loadable (a run resumes from it).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 
@@ -113,3 +114,38 @@ def test_storage_faults_are_found_through_wrappers():
     torch_riddle = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     assert "write stopped short" in find_storage_fault(torch_riddle)
     assert find_storage_fault(ValueError("bad data")) is None
+
+
+@pytest.mark.slow
+def test_a_full_disk_in_a_ray_worker_ends_the_run_naming_it(ray_faults, tmp_path, small_disk):
+    """The same full disk, written by the worker actor's process (trainer.backend=ray): the error
+    crosses Ray (a task error around torch's write failure) and still names folder, bytes and the
+    last good checkpoint, which resumes."""
+    size = _ckpt_size(tmp_path)
+    disk = small_disk(int(size * 1.6))
+    args = ["trainer.backend=ray", "trainer.total_training_steps=3", f"trainer.default_local_dir={disk}/ckpt"]
+    with pytest.raises(StorageError) as err:
+        _run(tmp_path, "a", args)
+    msg = str(err.value)
+    good = ck.step_dir(f"{disk}/ckpt", 1)
+    assert f"saving checkpoint step 2 in {disk}/ckpt failed" in msg, msg
+    assert "bytes needed" in msg and "bytes free" in msg and f"last good checkpoint, {good}" in msg, msg
+    assert ck.list_checkpoints(f"{disk}/ckpt") == [1] and ck.verify(good) is None
+    rows = _run(tmp_path, "b", [*args[:1], "trainer.total_training_steps=2", args[2], "trainer.save_freq=-1"])
+    assert [r["step"] for r in rows] == [2]  # resumed from step 1
+
+
+def test_a_full_disk_under_the_file_logger_is_named_and_keeps_whole_lines(small_disk):
+    from hybridrl.utils.tracking import _File
+
+    disk = small_disk(8192, "logs")
+    logger = _File(str(disk), "metrics.jsonl", None)
+    logger.log({"a": 1.0}, step=1)
+    (disk / "filler").write_bytes(b"x" * (8192 - 4096))  # tmpfs pages: the next page is the last one
+    with pytest.raises(
+        StorageError, match=rf"writing the file logger's metrics.jsonl \(trainer.logger=file\) in {disk}"
+    ):
+        for step in range(2, 10_000):  # fill the last page, then fail
+            logger.log({"a": 1.0, "padding": "y" * 200}, step=step)
+    lines = (disk / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, len(lines) + 1))

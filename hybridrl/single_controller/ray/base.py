@@ -29,6 +29,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridrl.protocol import DataProto, DataProtoFuture
 from hybridrl.single_controller.base import Worker
+from hybridrl.single_controller.ray.nodes import (
+    ResourcesUnavailableError,
+    forget_actors,
+    node_lost_error,
+    record_actors,
+)
 from hybridrl.single_controller.worker_group import (
     WorkerDiedError,
     WorkerGroup,
@@ -139,7 +145,7 @@ class RayResourcePool:
         except GetTimeoutError:
             for pg in pgs:
                 remove_placement_group(pg)
-            raise RuntimeError(
+            raise ResourcesUnavailableError(
                 f"RayResourcePool {self.name_prefix!r}: the cluster did not grant {self.process_on_nodes} slots of "
                 f"{bundle} within {self.ready_timeout_s:.0f} s (cluster resources: {ray.cluster_resources()}, "
                 f"available: {ray.available_resources()}). Ask for fewer slots / CPUs per slot, or free resources."
@@ -221,6 +227,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 def _wrap_error(err: RayError, group: str, rank: int, method: str) -> WorkerGroupError:
     text = _ANSI.sub("", str(err))
+    lost = node_lost_error(err, group, rank, method)  # the actor's whole node is gone
+    if lost is not None:
+        return lost
     if isinstance(err, RayActorError):
         return WorkerDiedError(
             f"worker group {group!r}: the actor of rank {rank} died before or while running {method!r} "
@@ -458,6 +467,7 @@ class RayWorkerGroup(WorkerGroup):
                 options.update(name=name, lifetime="detached")
             actors.append(actor_cls.options(**options).remote(*spec.args, **spec.kwargs))
             names.append(name)
+        record_actors(prefix, actors, slots)  # a lost node's error names its ranks
         return actors, names
 
     def _setup_rendezvous(self) -> None:
@@ -600,6 +610,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def shutdown(self) -> None:
         """Kill the actors (also detached ones). The resource pool stays reserved."""
+        forget_actors(self._actors)
         for actor in self._actors:
             try:
                 ray.kill(actor, no_restart=True)

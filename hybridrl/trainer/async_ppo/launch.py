@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 from omegaconf import DictConfig, OmegaConf
 
+from hybridrl.async_rollout.records import RolloutWorkersLostError
 from hybridrl.trainer.async_ppo.config import AsyncPPOConfig, load_async_config, n_rollout_workers
 from hybridrl.trainer.async_ppo.trainer import build_async_trainer
-from hybridrl.trainer.ppo.launch import fit_and_report, start_ray
-from hybridrl.utils.config_loader import ConfigError
-from hybridrl.utils.shutdown import sigterm_raises
+from hybridrl.trainer.ppo.launch import fit_and_report, run_folder_lock, start_ray
+from hybridrl.trainer.ppo.restarts import RESTARTABLE, run_with_restarts
+from hybridrl.utils.shutdown import preemption_saves
 
 # Applied before the user's overrides: one core for the trainer, one for the rollout worker.
 ASYNC_DEFAULTS = [
@@ -43,16 +46,19 @@ def run_async(
 
 
 def run_async_config(config: AsyncPPOConfig, role_worker_mapping=None, trainer_cls=None) -> dict[str, float]:
-    if config.trainer.max_restarts:
-        raise ConfigError(
-            f"trainer.max_restarts={config.trainer.max_restarts}: restarting after a dead worker is done by "
-            "main_ppo only; main_async drops dead rollout workers and goes on (docs/async.md). Set "
-            "trainer.max_restarts=0, or resume a stopped run from its checkpoint (trainer.resume_mode=auto)"
-        )
+    """Train `config`: save on preemption, one writer per run folder, and `trainer.max_restarts`
+    restarts after a dead or hung training worker, a lost node, or the loss of every rollout worker
+    (a rollout worker that dies alone is dropped and the run goes on with the others)."""
+    attempt = functools.partial(_attempt, role_worker_mapping=role_worker_mapping, trainer_cls=trainer_cls)
+    # SIGTERM / SIGUSR1: the step is finished or abandoned, saved, and the cleanup (tracker, workers) runs
+    with preemption_saves(config.trainer.preemption_grace_s), run_folder_lock(config):
+        return run_with_restarts(config, attempt, restartable=(*RESTARTABLE, RolloutWorkersLostError))
+
+
+def _attempt(config: AsyncPPOConfig, role_worker_mapping=None, trainer_cls=None) -> dict[str, float]:
     init_ray(config)
-    with sigterm_raises():  # SIGTERM runs the cleanup (tracker, workers) instead of ending at once
-        trainer = build_async_trainer(config, role_worker_mapping, trainer_cls)
-        return fit_and_report(trainer, trainer.async_workers, config)
+    trainer = build_async_trainer(config, role_worker_mapping, trainer_cls)
+    return fit_and_report(trainer, trainer.async_workers, config)
 
 
 def init_ray(config: AsyncPPOConfig) -> None:

@@ -116,12 +116,14 @@ def _pools(config: AsyncPPOConfig, gpu: bool) -> tuple[RayResourcePool, RayResou
         use_gpu=gpu,
         cpus_per_slot=tr.cpus_per_worker,
         name_prefix="hybridrl_train",
+        ready_timeout_s=tr.resources_timeout_s,
     )
     rollout_pool = RayResourcePool(
         [at.rollout_n_gpus_per_node] * at.rollout_nnodes,
         use_gpu=gpu,
         cpus_per_slot=at.rollout_cpus_per_worker,
         name_prefix="hybridrl_rollout",
+        ready_timeout_s=tr.resources_timeout_s,
     )
     return train_pool, rollout_pool
 

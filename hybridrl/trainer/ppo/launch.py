@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import sys
+import threading
 
 from hybridrl.report import make_report
 from hybridrl.trainer.ppo.config import PPOConfig
@@ -111,16 +113,45 @@ def start_ray(cpus_needed: float, ray_init=None) -> None:
     if plugins.worker_env():  # every worker process of the job imports model.external_lib when it starts
         ours["worker_process_setup_hook"] = plugins.SETUP_HOOK
     kwargs: dict = {"runtime_env": merge_runtime_env(ours, user_env), "log_to_driver": True}
-    if address:
-        # Inside `ray job submit` the job may carry its own runtime_env: merge ours into it.
-        os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
-        ray.init(address=address, **kwargs)
-    else:
-        num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
-        if ray_init is not None and ray_init.num_cpus is not None:
-            num_cpus = ray_init.num_cpus
-        loopback_only()
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+    with own_signal_handlers():  # ray.init replaces the driver's SIGTERM handler
+        if address:
+            # Inside `ray job submit` the job may carry its own runtime_env: merge ours into it.
+            os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
+            ray.init(address=address, **kwargs)
+        else:
+            num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
+            if ray_init is not None and ray_init.num_cpus is not None:
+                num_cpus = ray_init.num_cpus
+            loopback_only()
+            # address="local": a new instance even when this machine runs a cluster (`ray start`,
+            # ray.cluster_utils) whose address Ray would otherwise pick up from its temp folder
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                **kwargs,
+            )
+
+
+@contextlib.contextmanager
+def own_signal_handlers():
+    """Keep this process's SIGTERM / SIGUSR1 handlers across the block (main thread only).
+
+    ``ray.init`` in a driver installs its own SIGTERM handler, which exits with status 1 and skips
+    the cleanup and the save on preemption (``hybridrl.utils.shutdown``); the entry points' handlers
+    are put back after it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for s, handler in kept.items():
+            if handler is not None:
+                signal.signal(s, handler)
 
 
 def loopback_only() -> None:

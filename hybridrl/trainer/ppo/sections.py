@@ -213,6 +213,9 @@ class TrainerConfig:
     # SIGTERM / SIGUSR1: finish or abandon the step, save it and exit within this many seconds
     # (hybridrl.trainer.ppo.preemption); 0: exit at once without saving
     preemption_grace_s: float = 25.0
+    # how long a start or a restart waits for the Ray cluster to grant the workers' slots (a node
+    # that left must come back within it; hybridrl.single_controller.ray.nodes)
+    resources_timeout_s: float = 120.0
     esi_redundant_time: float = 0.0  # veRL: save every step once the instance's expiry is this close
 
 

@@ -246,6 +246,9 @@ def _start_group(config, spec, use_gpu: bool, threads: int | None):
             os.environ.setdefault(key, value)
         return LocalWorkerGroup(spec, name_prefix="hybridrl", num_threads=threads), None
     pool = RayResourcePool(
-        [tr.n_gpus_per_node] * tr.nnodes, use_gpu=use_gpu, cpus_per_slot=tr.cpus_per_worker
+        [tr.n_gpus_per_node] * tr.nnodes,
+        use_gpu=use_gpu,
+        cpus_per_slot=tr.cpus_per_worker,
+        ready_timeout_s=tr.resources_timeout_s,
     )
     return RayWorkerGroup(pool, spec, name_prefix="hybridrl"), pool

@@ -41,6 +41,7 @@ def check_sft_values(config: Any) -> None:
     if t.n_gpus_per_node is not None:
         at_least_one("trainer.n_gpus_per_node", t.n_gpus_per_node, "processes per node")
     _int_at_least("trainer.seed", t.seed, 0, "the random seed")
+    in_range("trainer.preemption_grace_s", t.preemption_grace_s, 0, None, "seconds; 0: no save")
     from hybridrl.utils.tracking import SUPPORTED_BACKENDS
 
     loggers = [t.logger] if isinstance(t.logger, str) else list(t.logger or [])

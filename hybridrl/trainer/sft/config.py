@@ -137,6 +137,9 @@ class SFTTrainerSection:
     n_gpus_per_node: int | None = None
     seed: int = 1  # random seed (model init, data shuffle)
     device: str = "auto"
+    # SIGTERM / SIGUSR1: finish the step, save it and exit within this many seconds
+    # (hybridrl.trainer.sft.preemption); 0: exit at once without saving
+    preemption_grace_s: float = 25.0
 
 
 @dataclass

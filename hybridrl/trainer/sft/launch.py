@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -12,7 +13,8 @@ from hybridrl.trainer.sft.input_checks import check_sft_inputs
 from hybridrl.trainer.sft.trainer import SFTTrainer
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.device import init_process_group, is_cuda_available
-from hybridrl.utils.shutdown import sigterm_raises
+from hybridrl.utils.run_lock import RunLock
+from hybridrl.utils.shutdown import preemption_saves
 
 
 def _free_port() -> int:
@@ -84,13 +86,24 @@ def run_sft(cfg: DictConfig | dict | list[str] | None = None) -> dict[str, float
 
 def run_sft_config(config: SFTConfig) -> dict[str, float]:
     check_sft_inputs(config)  # model folder and every data row, before the process group and the model
-    with sigterm_raises():  # SIGTERM closes the tracker (trainer.close) instead of ending at once
+    # SIGTERM / SIGUSR1: the step is finished, saved, and the tracker closed (hybridrl.trainer.sft.preemption)
+    with preemption_saves(config.trainer.preemption_grace_s), sft_folder_lock(config):
         init_distributed(config)
         trainer = SFTTrainer(config)
         try:
             return trainer.fit()
         finally:
             trainer.close()
+
+
+def sft_folder_lock(config: SFTConfig):
+    """The run folder's lock (one writing run per trainer.default_local_dir), held by rank 0 only
+    (under torchrun every rank runs this; ``RANK`` is set by the launcher)."""
+    t = config.trainer
+    if os.environ.get("RANK", "0").strip() not in ("", "0"):
+        return contextlib.nullcontext()
+    root = os.path.abspath(os.path.expanduser(t.default_local_dir))
+    return RunLock(root, label=f"{t.project_name}/{t.experiment_name}")
 
 
 def stop_distributed() -> None:

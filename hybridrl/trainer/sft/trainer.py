@@ -48,6 +48,7 @@ from hybridrl.trainer.sft.data import (
     stack_rows,
 )
 from hybridrl.trainer.sft.engine import build_sft_engine, sft_lr_factor, use_lr_schedule
+from hybridrl.trainer.sft.preemption import SFTStepGuard
 from hybridrl.utils import checkpointing as ckpt_io
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.device import get_torch_device
@@ -88,6 +89,7 @@ class SFTTrainer:
         self._perf = UpdatePerf("train", self.engine, None)
         self.tracker = self._build_tracker()
         self._gen_eval = None  # GreedyEval, False when unavailable
+        self.step_guard = SFTStepGuard(self)  # SIGTERM / SIGUSR1: finish the step, save it, exit
 
     # -- construction ---------------------------------------------------------------------------
     @staticmethod
@@ -412,6 +414,19 @@ class SFTTrainer:
             f"{len(self.train_dataset)} train rows, {self.total_steps} steps of {self.config.data.train_batch_size} "
             f"on {self.world} rank(s), device {self.device.type}"
         )
+        self.step_guard.arm()
+        try:
+            last_val = self._fit_steps(last_val, stop_at_step)
+        finally:
+            self.step_guard.disarm()
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(last_val.items()) if k.startswith("val/"))
+        self._print(
+            f"stopped at step {self.global_step} after {time.perf_counter() - started:.1f} s; {shown}"
+        )
+        return last_val
+
+    def _fit_steps(self, last_val: dict[str, float], stop_at_step: int | None) -> dict[str, float]:
+        t = self.config.trainer
         while self.global_step < self.total_steps:
             metrics = self.train_step(self._next_indices())
             self.global_step += 1
@@ -421,15 +436,13 @@ class SFTTrainer:
             ):
                 last_val = self.validate()
                 metrics.update(last_val)
+            saved = None
             if t.save_freq > 0 and (last or self.global_step % t.save_freq == 0):
-                self.save_checkpoint()
+                saved = self.save_checkpoint()
             self._log(metrics, self.global_step)
+            self.step_guard.after_step(saved)  # a preemption signal: the step is saved, the run exits
             if stop_at_step is not None and self.global_step >= stop_at_step:
                 break
-        shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(last_val.items()) if k.startswith("val/"))
-        self._print(
-            f"stopped at step {self.global_step} after {time.perf_counter() - started:.1f} s; {shown}"
-        )
         return last_val
 
     def _print(self, text: str) -> None:
