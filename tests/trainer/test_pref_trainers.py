@@ -156,6 +156,32 @@ def test_dpo_first_step_loss_is_log2_and_ref_paths_agree(pair_files, tmp_path):
     assert m["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.parametrize("precompute", [True, False])
+def test_dpo_resume_is_exact(pair_files, tmp_path, precompute):
+    """Stopped after a checkpoint and resumed, DPO ends with the uninterrupted run's weights (the
+    precomputed reference log-probs come back from the checkpoint, not from the trained model)."""
+
+    def run(out, **extra):
+        return make_trainer(
+            config(
+                "dpo", pair_files, tmp_path / out, trainer__total_epochs=2,
+                dpo__precompute_ref_log_probs=precompute, generation_eval__enable=False, **extra,
+            )
+        )  # fmt: skip
+
+    full = run("a")
+    full.fit()
+    expected = weights(full)
+    run("b", trainer__save_freq=2).fit(stop_at_step=2)
+    assert (tmp_path / "b" / "global_step_2" / "ref_logps.pt").exists() == precompute
+    resumed = run("b")
+    resumed.fit()
+    assert resumed.global_step == full.global_step == 4
+    got = weights(resumed)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], atol=0, rtol=0, msg=k)
+
+
 def test_dpo_lora_reference_is_the_frozen_base(pair_files, tmp_path):
     t = make_trainer(
         config(
