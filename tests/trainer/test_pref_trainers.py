@@ -127,6 +127,34 @@ def test_rm_resume_is_exact(pair_files, tmp_path):
         torch.testing.assert_close(got[k], expected[k], atol=0, rtol=0, msg=k)
 
 
+def test_lora_reward_model_trains_adapter_and_head_and_exports_merged(pair_files, tmp_path):
+    """model.lora_rank > 0: the adapter and the head train, the base weights stay; the export (LoRA
+    merged) scores the validation pairs exactly as the trainer did."""
+    from transformers import AutoModelForSequenceClassification
+
+    t = make_trainer(config("rm", pair_files, tmp_path, model__lora_rank=4, optim__lr=1e-2))
+    trained = {n for n, p in t.engine.module.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n or ".modules_to_save." in n for n in trained)
+    assert any("score.modules_to_save" in n for n in trained)
+    before = weights(t)
+    metrics = t.fit()
+    after = weights(t)
+    for name in before:
+        moved = not torch.equal(before[name], after[name])
+        assert moved == (".lora_" in name or "score.modules_to_save.default.weight" in name), name
+    t.export(str(tmp_path / "rm"))
+    module = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm")).eval()
+    tok, _, val, _ = load_pref_datasets(t.config)
+    batch = pad_pairs([val[i] for i in range(len(val))], tok.pad_token_id)
+    with torch.no_grad():
+        s = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    n = len(val)
+    assert torch.nn.functional.softplus(-(s[:n] - s[n:])).mean().item() == pytest.approx(
+        metrics["val/loss"], abs=1e-5
+    )
+    assert (s[:n] - s[n:]).mean().item() == pytest.approx(metrics["val/margin"], abs=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # main_dpo
 # ----------------------------------------------------------------------------------------------
@@ -235,7 +263,6 @@ def test_model_without_a_classification_form_is_refused(tmp_path, pair_files):
     "kind, extra, match",
     [
         ("rm", {"model__strategy": "megatron"}, "FSDP2 engine only"),
-        ("rm", {"model__lora_rank": 4}, "LoRA reward model"),
         ("dpo", {"dpo__loss_type": "hinge"}, "dpo.loss_type"),
         ("dpo", {"dpo__beta": 0.0}, "dpo.beta"),
         ("dpo", {"dpo__label_smoothing": 0.5}, "label_smoothing"),
