@@ -155,6 +155,27 @@ def test_lora_reward_model_trains_adapter_and_head_and_exports_merged(pair_files
     assert (s[:n] - s[n:]).mean().item() == pytest.approx(metrics["val/margin"], abs=1e-5)
 
 
+@pytest.mark.parametrize("exclude", [None, ["q_proj"], ".*q_proj"])
+def test_lora_critic_head_is_trained_whole_not_adapted(exclude):
+    """A LoRA value / reward model: every linear but the head gets an adapter (the user's
+    exclude_modules, a list or a regular expression, still apply); the head is a trained copy."""
+    import dataclasses
+
+    from hybridrl.config.roles import ModelConfig
+    from hybridrl.models.builtin import get_builtin_model_path
+    from hybridrl.models.hf import build_hf_model
+
+    cfg = dataclasses.replace(
+        ModelConfig(path=get_builtin_model_path(), lora_rank=4), exclude_modules=exclude
+    )
+    model = build_hf_model(cfg, role="critic")
+    adapted = {n for n, m in model.named_modules() if hasattr(m, "lora_A") and len(m.lora_A)}
+    assert adapted and not any("score" in n for n in adapted)
+    assert any("q_proj" in n for n in adapted) == (exclude is None)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "base_model.model.score.modules_to_save.default.weight" in trained
+
+
 # ----------------------------------------------------------------------------------------------
 # main_dpo
 # ----------------------------------------------------------------------------------------------
