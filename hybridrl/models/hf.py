@@ -191,6 +191,17 @@ def build_hf_model(
     return model
 
 
+HEAD_NAMES = ("score", "classifier")
+
+
+def _without_head(exclude: list[str] | str | None) -> list[str] | str:
+    """PEFT's exclude_modules plus the value / reward head: the head is trained whole beside the
+    adapter (PEFT's token-classification task keeps a trainable copy), so it gets no LoRA."""
+    if isinstance(exclude, str):  # a regular expression, matched against the full module name
+        return f"(?:{exclude})|(?:.*\\.)?(?:{'|'.join(HEAD_NAMES)})"
+    return list(exclude or []) + list(HEAD_NAMES)
+
+
 def _apply_lora(model: nn.Module, model_config: ModelConfig, role: str) -> nn.Module:
     """Wrap `model` with a new LoRA adapter, or load the trained one at `lora_adapter_path`
     (veRL's key; trainable for the actor/critic, frozen for the ref)."""
@@ -207,6 +218,8 @@ def _apply_lora(model: nn.Module, model_config: ModelConfig, role: str) -> nn.Mo
     target = list(target) if isinstance(target, (list, tuple)) else target
     exclude = model_config.exclude_modules
     exclude = list(exclude) if isinstance(exclude, (list, tuple)) else exclude
+    if task == TaskType.TOKEN_CLS:
+        exclude = _without_head(exclude)
     lora = LoraConfig(
         task_type=task,
         r=model_config.lora_rank,

@@ -127,6 +127,55 @@ def test_rm_resume_is_exact(pair_files, tmp_path):
         torch.testing.assert_close(got[k], expected[k], atol=0, rtol=0, msg=k)
 
 
+def test_lora_reward_model_trains_adapter_and_head_and_exports_merged(pair_files, tmp_path):
+    """model.lora_rank > 0: the adapter and the head train, the base weights stay; the export (LoRA
+    merged) scores the validation pairs exactly as the trainer did."""
+    from transformers import AutoModelForSequenceClassification
+
+    t = make_trainer(config("rm", pair_files, tmp_path, model__lora_rank=4, optim__lr=1e-2))
+    trained = {n for n, p in t.engine.module.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n or ".modules_to_save." in n for n in trained)
+    assert any("score.modules_to_save" in n for n in trained)
+    before = weights(t)
+    metrics = t.fit()
+    after = weights(t)
+    for name in before:
+        moved = not torch.equal(before[name], after[name])
+        assert moved == (".lora_" in name or "score.modules_to_save.default.weight" in name), name
+    t.export(str(tmp_path / "rm"))
+    module = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm")).eval()
+    tok, _, val, _ = load_pref_datasets(t.config)
+    batch = pad_pairs([val[i] for i in range(len(val))], tok.pad_token_id)
+    with torch.no_grad():
+        s = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    n = len(val)
+    assert torch.nn.functional.softplus(-(s[:n] - s[n:])).mean().item() == pytest.approx(
+        metrics["val/loss"], abs=1e-5
+    )
+    assert (s[:n] - s[n:]).mean().item() == pytest.approx(metrics["val/margin"], abs=1e-5)
+
+
+@pytest.mark.parametrize("exclude", [None, ["q_proj"], ".*q_proj"])
+def test_lora_critic_head_is_trained_whole_not_adapted(exclude):
+    """A LoRA value / reward model: every linear but the head gets an adapter (the user's
+    exclude_modules, a list or a regular expression, still apply); the head is a trained copy."""
+    import dataclasses
+
+    from hybridrl.config.roles import ModelConfig
+    from hybridrl.models.builtin import get_builtin_model_path
+    from hybridrl.models.hf import build_hf_model
+
+    cfg = dataclasses.replace(
+        ModelConfig(path=get_builtin_model_path(), lora_rank=4), exclude_modules=exclude
+    )
+    model = build_hf_model(cfg, role="critic")
+    adapted = {n for n, m in model.named_modules() if hasattr(m, "lora_A") and len(m.lora_A)}
+    assert adapted and not any("score" in n for n in adapted)
+    assert any("q_proj" in n for n in adapted) == (exclude is None)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "base_model.model.score.modules_to_save.default.weight" in trained
+
+
 # ----------------------------------------------------------------------------------------------
 # main_dpo
 # ----------------------------------------------------------------------------------------------
@@ -154,6 +203,32 @@ def test_dpo_first_step_loss_is_log2_and_ref_paths_agree(pair_files, tmp_path):
     m = fresh._forward_backward(fresh._rank_rows(list(range(8))))
     assert m["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert m["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("precompute", [True, False])
+def test_dpo_resume_is_exact(pair_files, tmp_path, precompute):
+    """Stopped after a checkpoint and resumed, DPO ends with the uninterrupted run's weights (the
+    precomputed reference log-probs come back from the checkpoint, not from the trained model)."""
+
+    def run(out, **extra):
+        return make_trainer(
+            config(
+                "dpo", pair_files, tmp_path / out, trainer__total_epochs=2,
+                dpo__precompute_ref_log_probs=precompute, generation_eval__enable=False, **extra,
+            )
+        )  # fmt: skip
+
+    full = run("a")
+    full.fit()
+    expected = weights(full)
+    run("b", trainer__save_freq=2).fit(stop_at_step=2)
+    assert (tmp_path / "b" / "global_step_2" / "ref_logps.pt").exists() == precompute
+    resumed = run("b")
+    resumed.fit()
+    assert resumed.global_step == full.global_step == 4
+    got = weights(resumed)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], atol=0, rtol=0, msg=k)
 
 
 def test_dpo_lora_reference_is_the_frozen_base(pair_files, tmp_path):
@@ -209,7 +284,6 @@ def test_model_without_a_classification_form_is_refused(tmp_path, pair_files):
     "kind, extra, match",
     [
         ("rm", {"model__strategy": "megatron"}, "FSDP2 engine only"),
-        ("rm", {"model__lora_rank": 4}, "LoRA reward model"),
         ("dpo", {"dpo__loss_type": "hinge"}, "dpo.loss_type"),
         ("dpo", {"dpo__beta": 0.0}, "dpo.beta"),
         ("dpo", {"dpo__label_smoothing": 0.5}, "label_smoothing"),

@@ -188,11 +188,6 @@ def validate_pref_config(kind: str, config: Any) -> None:
     if kind == "rm":
         if d.margin_key is not None and not d.margin_key:
             raise ConfigError("data.margin_key is empty; name the margin column or leave it null")
-        if config.model.lora_rank > 0:
-            raise ConfigError(
-                "model.lora_rank > 0 with main_rm: a LoRA reward model (adapter + trained head) is not built here "
-                "yet; train the full model (model.lora_rank=0)"
-            )
         if config.rm.center_rewards_coefficient < 0:
             raise ConfigError(
                 f"rm.center_rewards_coefficient must be >= 0, got {config.rm.center_rewards_coefficient}"

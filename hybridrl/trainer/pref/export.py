@@ -6,6 +6,8 @@ model computes. The export writes `AutoModelForSequenceClassification` (num_labe
 with the same backbone and head weights, so `reward_model.model.path` of main_ppo loads the folder
 as it is. The token head's bias is dropped: the pairwise loss does not depend on it (it adds the
 same constant to both scores), so it keeps its initial value 0 and the scores are unchanged.
+A LoRA reward model (`model.lora_rank > 0`: the adapter and the head trained) is exported merged:
+each adapted weight W + scale * B A under the base name, and the trained head.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ def export_reward_model(engine: Any, out_dir: str, tokenizer: Any = None) -> Non
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     full: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_full_params(engine.module, device="cpu"):
+    for name, tensor in iter_full_params(engine.module, device="cpu"):  # LoRA merged into the weights
         if rank == 0:
             full[name] = tensor.detach().clone()
     if rank == 0:
+        full = _trained_head_names(full)
         bias = full.pop("score.bias", None)
         if bias is not None and bias.abs().max() > 0:
             raise RuntimeError(
@@ -83,3 +86,18 @@ def export_reward_model(engine: Any, out_dir: str, tokenizer: Any = None) -> Non
             tokenizer.save_pretrained(out_dir)
     if dist.is_initialized():
         dist.barrier()
+
+
+def _trained_head_names(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA reward model's tensors under the plain model's names: PEFT keeps the head it trains
+    beside the adapter (`score.modules_to_save.<adapter>.*`) and the untouched original
+    (`score.original_module.*`); the trained copy is the head, the original is dropped."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in full.items():
+        if ".original_module." in name:
+            continue
+        if ".modules_to_save." in name:
+            head, _, rest = name.partition(".modules_to_save.")
+            name = f"{head}.{rest.split('.', 1)[1]}"
+        out[name] = tensor
+    return out

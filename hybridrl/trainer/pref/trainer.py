@@ -316,6 +316,9 @@ def _score_layer(module: torch.nn.Module) -> torch.nn.Module:
         raise ConfigError(
             f"{type(base).__name__} has no 'score' / 'classifier' head to train as a reward head"
         )
+    if hasattr(head, "modules_to_save"):  # LoRA: PEFT trains a copy of the head beside the adapter
+        name = head.active_adapter
+        head = head.modules_to_save[name if isinstance(name, str) else name[0]]
     return head
 
 
