@@ -20,6 +20,7 @@ from torch import nn
 from hybridrl.engine.base import LogProbRequest, LossFn, PerfModel, TrainEngine, ValueRequest
 from hybridrl.engine.batching import default_dp_group, optimizer_step
 from hybridrl.engine.forward import forward_log_probs, forward_values
+from hybridrl.engine.moe_routing import MoEForward, RoutingRequest
 from hybridrl.engine.topk import forward_topk_log_probs, wants_topk
 from hybridrl.engine.ulysses import SPGroup
 from hybridrl.utils.flops import attention_dims, count_params
@@ -64,6 +65,7 @@ class ModuleEngine(TrainEngine):
         self.use_remove_padding = use_remove_padding
         self.use_fused_kernels = use_fused_kernels
         self.set_data_parallel(dp_size, dp_group, sp)
+        self._moe: MoEForward | None = None
 
     def set_data_parallel(self, dp_size: int, dp_group: Any = None, sp: SPGroup | None = None) -> None:
         """The data-parallel layout (Ulysses SP: world / sp groups that share their rows)."""
@@ -87,7 +89,36 @@ class ModuleEngine(TrainEngine):
         return self._dp_group
 
     # -- compute -------------------------------------------------------------------------------
+    def _routing(self, request: LogProbRequest | ValueRequest) -> RoutingRequest:
+        if isinstance(request, ValueRequest):
+            return RoutingRequest()
+        routing = RoutingRequest(request.record_routing, request.replay_routing, request.router_aux_loss)
+        if routing and self._moe is None:
+            from hybridrl.models.moe import is_moe
+
+            if not is_moe(self.module):
+                raise ValueError(
+                    f"routing replay and the router load-balancing loss need a mixture-of-experts model; "
+                    f"{type(self.module).__name__} has no router: set router_replay.mode=disabled and "
+                    "model.override_config.output_router_logits=false"
+                )
+            self._moe = MoEForward(self.module)
+        return routing
+
     def _output(self, micro: Any, request: LogProbRequest | ValueRequest) -> Any:
+        routing = self._routing(request)
+        if not routing:
+            return self._plain_output(micro, request)
+        with self._moe.forward(
+            micro, routing, use_remove_padding=self.use_remove_padding, prefix_group=request.prefix_group,
+            sp=self.sp,
+        ) as result:  # fmt: skip
+            out = self._plain_output(micro, request)
+        out.routed_experts, out.router_aux_loss = result.routed, result.aux_loss
+        out.moe_metrics = result.metrics or None
+        return out
+
+    def _plain_output(self, micro: Any, request: LogProbRequest | ValueRequest) -> Any:
         if isinstance(request, ValueRequest):
             return forward_values(
                 self.module,
