@@ -20,9 +20,10 @@ from torch import nn
 from hybridrl.engine.base import LogProbRequest, LossFn, PerfModel, TrainEngine, ValueRequest
 from hybridrl.engine.batching import default_dp_group, optimizer_step
 from hybridrl.engine.forward import forward_log_probs, forward_values
-from hybridrl.engine.moe_routing import MoEForward, RoutingRequest
+from hybridrl.engine.moe_routing import MoEForward, RoutingRequest, supports_routing
 from hybridrl.engine.topk import forward_topk_log_probs, wants_topk
 from hybridrl.engine.ulysses import SPGroup
+from hybridrl.models.moe import is_moe
 from hybridrl.utils.flops import attention_dims, count_params
 
 __all__ = ["ModuleEngine"]
@@ -89,24 +90,49 @@ class ModuleEngine(TrainEngine):
         return self._dp_group
 
     # -- compute -------------------------------------------------------------------------------
-    def _routing(self, request: LogProbRequest | ValueRequest) -> RoutingRequest:
+    def _routing(self, micro: Any, request: LogProbRequest | ValueRequest) -> RoutingRequest:
+        """What this forward does with the model's routing (engine/moe_routing.py). The load-balancing
+        loss and expert-load metrics are asked of every actor update: a dense model, or a forward the
+        metrics cannot run in (Ulysses SP, images), leaves them out unless the loss is on."""
         if isinstance(request, ValueRequest):
             return RoutingRequest()
-        routing = RoutingRequest(request.record_routing, request.replay_routing, request.router_aux_loss)
-        if routing and self._moe is None:
-            from hybridrl.models.moe import is_moe
-
-            if not is_moe(self.module):
-                raise ValueError(
-                    f"routing replay and the router load-balancing loss need a mixture-of-experts model; "
-                    f"{type(self.module).__name__} has no router: set router_replay.mode=disabled and "
-                    "model.override_config.output_router_logits=false"
-                )
-            self._moe = MoEForward(self.module)
+        aux = request.router_aux_loss and self._is_moe(strict=bool(self.router_aux_loss_coef))
+        if aux and not self.router_aux_loss_coef and not supports_routing(micro, self.sp):
+            aux = False
+        routing = RoutingRequest(request.record_routing, request.replay_routing, aux)
+        if (routing.record or routing.replay) and not self._is_moe(strict=True):
+            raise ValueError(
+                f"routing replay needs a mixture-of-experts model; {type(self.module).__name__} has no "
+                "router: set router_replay.mode=disabled and rollout.enable_rollout_routing_replay=false"
+            )
         return routing
 
+    def _is_moe(self, strict: bool) -> bool:
+        """Whether the model has routers hybridrl knows; an unknown router family raises when
+        `strict` (replay, or the loss asked for), else counts as no router (no metrics)."""
+        if self._moe is None:
+            try:
+                found = is_moe(self.module)
+            except NotImplementedError:
+                if strict:
+                    raise
+                found = False
+            if found:
+                self._moe = MoEForward(self.module)
+        return self._moe is not None
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """The weight of the router load-balancing loss in the actor loss: the model config's
+        `router_aux_loss_coef` when its `output_router_logits` is set (Hugging Face's switch, set
+        through model.override_config), else 0."""
+        config = getattr(self.module, "config", None)
+        if not getattr(config, "output_router_logits", False):
+            return 0.0
+        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
     def _output(self, micro: Any, request: LogProbRequest | ValueRequest) -> Any:
-        routing = self._routing(request)
+        routing = self._routing(micro, request)
         if not routing:
             return self._plain_output(micro, request)
         with self._moe.forward(

@@ -28,7 +28,14 @@ from hybridrl.engine.ulysses import SPGroup
 from hybridrl.models.moe import RouterTap, load_balancing_loss, moe_shape, routing_metrics
 from hybridrl.utils.torch_utils import pack_sequences
 
-__all__ = ["MoEForward", "RoutingRequest", "routed_in_forward_order", "scatter_routed", "token_source"]
+__all__ = [
+    "MoEForward",
+    "RoutingRequest",
+    "routed_in_forward_order",
+    "scatter_routed",
+    "supports_routing",
+    "token_source",
+]
 
 ROUTED_EXPERTS = "routed_experts"
 
@@ -149,6 +156,12 @@ class MoEForward:
                 "(batch, seq_len, MoE layers, top_k): it was recorded with another model or batch layout"
             )
         return routed
+
+
+def supports_routing(micro: Any, sp: SPGroup | None) -> bool:
+    """Whether routing can be recorded, replayed and measured in this forward (not with Ulysses SP,
+    whose ranks see slices of the tokens, nor with images or video)."""
+    return not (sp is not None and sp.size > 1) and not has_multimodal(micro)
 
 
 def _refuse_unsupported(micro: Any, sp: SPGroup | None) -> None:

@@ -225,7 +225,9 @@ def load_balancing_loss(
     return (f * p[None]).sum() * num_experts
 
 
-def routing_metrics(indices: torch.Tensor, num_experts: int, valid: torch.Tensor | None = None) -> dict[str, float]:
+def routing_metrics(
+    indices: torch.Tensor, num_experts: int, valid: torch.Tensor | None = None
+) -> dict[str, float]:
     """Per-step expert-load statistics of the chosen experts.
 
     Args:

@@ -42,7 +42,9 @@ def test_padded_packed_and_shared_prompt_forwards_agree(family):
     torch.testing.assert_close(grouped.log_probs[rmask], padded.log_probs[rmask], atol=1e-5, rtol=0)
     mask = batch["attention_mask"]
     assert padded.routed_experts.shape == (6, 11, 2, 2)
-    assert (padded.routed_experts[~mask.bool()] == -1).all() and (packed.routed_experts[~mask.bool()] == -1).all()
+    assert (padded.routed_experts[~mask.bool()] == -1).all() and (
+        packed.routed_experts[~mask.bool()] == -1
+    ).all()
     same = (_valid(packed.routed_experts, mask) == _valid(padded.routed_experts, mask)).all(-1).float().mean()
     assert same > 0.98  # near-ties may flip between layouts (float sums in another order)
 
@@ -56,7 +58,9 @@ def test_replay_reproduces_recorded_routing_after_weights_moved(family, layout):
     grouped = layout == "shared_prompt"
     recorded = engine.forward([batch], LogProbRequest(record_routing=True, prefix_group=grouped))[0]
     batch["routed_experts"] = recorded.routed_experts
-    replayed = engine.forward([batch], LogProbRequest(record_routing=True, replay_routing=True, prefix_group=grouped))[0]
+    replayed = engine.forward(
+        [batch], LogProbRequest(record_routing=True, replay_routing=True, prefix_group=grouped)
+    )[0]
     mask = batch["attention_mask"].bool()
     assert torch.equal(replayed.routed_experts, recorded.routed_experts)
     torch.testing.assert_close(replayed.log_probs, recorded.log_probs, atol=0, rtol=0)
@@ -65,10 +69,14 @@ def test_replay_reproduces_recorded_routing_after_weights_moved(family, layout):
         for router in find_routers(model):
             router.weight.add_(torch.randn_like(router.weight) * router.weight.std() * 3)
     free = engine.forward([batch], LogProbRequest(record_routing=True, prefix_group=grouped))[0]
-    forced = engine.forward([batch], LogProbRequest(record_routing=True, replay_routing=True, prefix_group=grouped))[0]
+    forced = engine.forward(
+        [batch], LogProbRequest(record_routing=True, replay_routing=True, prefix_group=grouped)
+    )[0]
     differ = (free.routed_experts[mask] != recorded.routed_experts[mask]).any(-1).float().mean()
     match = (forced.routed_experts[mask] == recorded.routed_experts[mask]).all(-1).float().mean()
-    print(f"{family} {layout}: after the move {float(differ):.0%} of (token, layer) choices differ; replay matches {float(match):.0%}")
+    print(
+        f"{family} {layout}: after the move {float(differ):.0%} of (token, layer) choices differ; replay matches {float(match):.0%}"
+    )
     assert differ > 0.1
     assert match == 1.0
 
@@ -95,7 +103,9 @@ def test_load_balancing_loss_equals_hugging_face():
     batch = make_batch(4, seed=3)
     engine = _engine(model, False)
     out = engine._output(batch, LogProbRequest(router_aux_loss=True, record_routing=True))
-    hf = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True)
+    hf = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True
+    )
     want = load_balancing_loss_func(hf.router_logits, 4, 2, batch["attention_mask"])
     torch.testing.assert_close(out.router_aux_loss, want.float(), atol=1e-6, rtol=1e-5)
     tokens = torch.ones(8, 2, dtype=torch.long)
@@ -104,12 +114,13 @@ def test_load_balancing_loss_equals_hugging_face():
 
 
 def test_dense_model_is_refused_for_routing():
-    from tests.fsdp_testkit import make_tiny_model_dir  # noqa: F401
-
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    model = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=64, hidden_size=128, num_hidden_layers=1,
-                                                         num_attention_heads=2, intermediate_size=64))
+    model = AutoModelForCausalLM.from_config(
+        Qwen2Config(
+            vocab_size=64, hidden_size=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+        )
+    )
     assert not is_moe(model)
     with pytest.raises(ValueError, match="router_replay.mode=disabled"):
         _engine(model, True).forward([make_batch(2)], LogProbRequest(replay_routing=True))
