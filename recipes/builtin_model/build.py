@@ -1,6 +1,7 @@
 """Rebuild the built-in tiny model shipped in hybridrl/models/assets/builtin_tiny/.
 
     python recipes/builtin_model/build.py --out hybridrl/models/assets/builtin_tiny
+    python recipes/builtin_model/build.py --arch moe --out hybridrl/models/assets/builtin_tiny_moe
 
 Builds the character tokenizer, a random Qwen2 init and the deterministic SFT warm start
 (hybridrl.models.builtin.build_builtin_model), then measures greedy and sampled (T=1) exact-match
@@ -33,6 +34,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=builtin.DEFAULT_SFT_BATCH)
     parser.add_argument("--threads", type=int, default=builtin.DEFAULT_NUM_THREADS)
     parser.add_argument("--n-eval", type=int, default=200, help="validation prompts for the accuracy numbers")
+    parser.add_argument(
+        "--arch", choices=("dense", "moe"), default="dense", help="moe: the Qwen3-MoE variant"
+    )
     args = parser.parse_args()
 
     info = builtin.build_builtin_model(
@@ -42,6 +46,7 @@ def main() -> None:
         lr=args.lr,
         batch_size=args.batch_size,
         num_threads=args.threads,
+        arch=args.arch,
     )
     t0 = time.perf_counter()
     info["greedy_acc"] = builtin.evaluate_greedy_accuracy(args.out, n=args.n_eval)
