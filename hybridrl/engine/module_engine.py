@@ -67,6 +67,7 @@ class ModuleEngine(TrainEngine):
         self.use_fused_kernels = use_fused_kernels
         self.set_data_parallel(dp_size, dp_group, sp)
         self._moe: MoEForward | None = None
+        self._dense = False  # checked once: the model has no router
 
     def set_data_parallel(self, dp_size: int, dp_group: Any = None, sp: SPGroup | None = None) -> None:
         """The data-parallel layout (Ulysses SP: world / sp groups that share their rows)."""
@@ -110,15 +111,16 @@ class ModuleEngine(TrainEngine):
     def _is_moe(self, strict: bool) -> bool:
         """Whether the model has routers hybridrl knows; an unknown router family raises when
         `strict` (replay, or the loss asked for), else counts as no router (no metrics)."""
-        if self._moe is None:
+        if self._moe is None and not self._dense:
             try:
                 found = is_moe(self.module)
             except NotImplementedError:
                 if strict:
                     raise
-                found = False
+                return False
             if found:
                 self._moe = MoEForward(self.module)
+            self._dense = not found
         return self._moe is not None
 
     @property
