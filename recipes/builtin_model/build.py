@@ -29,7 +29,7 @@ def main() -> None:
     )
     parser.add_argument("--out", required=True, help="output folder (an HF model folder)")
     parser.add_argument("--seed", type=int, default=builtin.DEFAULT_SEED)
-    parser.add_argument("--sft-steps", type=int, default=builtin.DEFAULT_SFT_STEPS)
+    parser.add_argument("--sft-steps", type=int, default=None, help="default: 400 (dense), 550 (moe)")
     parser.add_argument("--lr", type=float, default=builtin.DEFAULT_SFT_LR)
     parser.add_argument("--batch-size", type=int, default=builtin.DEFAULT_SFT_BATCH)
     parser.add_argument("--threads", type=int, default=builtin.DEFAULT_NUM_THREADS)
@@ -42,7 +42,8 @@ def main() -> None:
     info = builtin.build_builtin_model(
         args.out,
         seed=args.seed,
-        sft_steps=args.sft_steps,
+        sft_steps=args.sft_steps
+        or (builtin.DEFAULT_MOE_SFT_STEPS if args.arch == "moe" else builtin.DEFAULT_SFT_STEPS),
         lr=args.lr,
         batch_size=args.batch_size,
         num_threads=args.threads,
