@@ -8,7 +8,8 @@ of the batch (the ranks of one model replica with the same rows), all shards the
 Batch keys (veRL names; B rows on this rank, P prompt, T response length):
     input_ids (B, P+T), attention_mask (B, P+T), position_ids (B, P+T), responses (B, T),
     response_mask (B, T) (default: the response part of attention_mask), old_log_probs (B, T)
-    (may be left out when the update is exactly on-policy: see `is_on_policy`), advantages (B, T); ref_log_prob (B, T) with use_kl_loss; optional rollout_is_weights (B, T)
+    (may be left out when the update is exactly on-policy: see `is_on_policy`), advantages (B, T); ref_log_prob (B, T) with use_kl_loss; optional rollout_is_weights (B, T),
+    routed_experts (B, P+T, L, K) for routing replay (`router_replay.mode`, docs/moe.md)
     and rollout_log_probs (B, T) (the behaviour policy's, for the 'decoupled' loss).
 """
 
@@ -287,7 +288,7 @@ class PPOActor(MicroBatchedRole):
             return True
         return self.routing_mode == "R2" and "routed_experts" in mini_batch.batch.keys()
 
-    def _add_router_loss(self, loss, out: LogProbs, mask, loss_scale, sums, means):
+    def _add_router_loss(self, loss, out: LogProbs, mask, loss_scale, means):
         """+ router_aux_loss_coef * the load-balancing loss (`model.override_config.output_router_logits`,
         Hugging Face's switch, and `router_aux_loss_coef`), weighed like a token mean of the
         mini-batch; the expert-load metrics of a mixture-of-experts model."""
@@ -335,7 +336,7 @@ class PPOActor(MicroBatchedRole):
                 loss_scale=loss_scale, old_log_prob=micro["old_log_probs"] if has_old else log_prob.detach(),
             )  # fmt: skip
             sums, means = {**sums, **d_sums}, {**means, **d_means}
-        loss = self._add_router_loss(loss, out, mask, loss_scale, sums, means)
+        loss = self._add_router_loss(loss, out, mask, loss_scale, means)
         return loss, micro_loss_aux(sums, means, mask)
 
     def update_policy(self, data: DataProto, *, temperature: float = 1.0) -> dict[str, list[float]]:
