@@ -112,7 +112,11 @@ ACCEPTED: dict[str, tuple[Any, str]] = {
     "activation_gpu_limit": ((0.0, 0), "activation offloading is not implemented"),
     "basic_modules": (([],), "FSDP wraps the decoder layers (fsdp_config.wrap_policy)"),
     "router_replay._target_": (ANY, "veRL's dataclass name"),
-    "router_replay.mode": (("disabled",), "MoE routing replay (R2/R3) is not implemented"),
+    "router_replay.mode": (
+        ("disabled",),
+        "the VeOmni engine's routing replay is not read; the FSDP engine replays routing with "
+        "actor_rollout_ref.actor.router_replay.mode (docs/moe.md)",
+    ),
 }
 for _k in _KERNELS:
     ACCEPTED[f"{_k}_implementation"] = (("eager",), _KERNEL.format(_k))

@@ -171,7 +171,6 @@ def _rollout_leaves() -> list[Leaf]:
         ),
         Leaf(f"{ROLLOUT}.quantization", (None,), "rollout quantization is not implemented"),
         Leaf(f"{ROLLOUT}.quantization_config_file", (None,), "rollout quantization is not implemented"),
-        Leaf(f"{ROLLOUT}.enable_rollout_routing_replay", (False,), "MoE router replay is not implemented"),
         Leaf(
             f"{ROLLOUT}.moe_load_balance_metrics_interval", (0,), "MoE load-balance metrics are not collected"
         ),
@@ -259,7 +258,6 @@ SECTIONS = (
           "not implemented; on FSDP use model.lora_rank / lora_alpha / target_modules") for m in MODELS),
     Section("critic.model.mtp", "enable", (False,), "multi-token prediction (MTP) trains the Megatron actor only"),
     *(Section(f"{m}.tiled_mlp", "enabled", (False,), "tiled MLP is not implemented") for m in MODELS),
-    *(Section(f"{r}.router_replay", "mode", ("disabled",), "MoE router replay is not implemented") for r in ROLES),
     *(Section(f"{f}.qat", "enable", (False,), "quantization-aware training is not implemented") for f in FSDP),
     *(Section(f"{f}.turbo_config", None, (), "read by veRL's turbo engine only") for f in FSDP),
     Section(f"{ARR}.actor.qat", "enable", (False,), "quantization-aware training is not implemented"),

@@ -272,6 +272,38 @@ def check_exclude_modules(model: Any, key: str) -> None:
 # roles
 # ----------------------------------------------------------------------------------------------
 @dataclass
+class RouterReplayConfig:
+    """`actor_rollout_ref.{actor,ref}.router_replay`: routing replay of a mixture-of-experts model
+    (docs/moe.md).
+
+    mode: 'disabled'; 'R2': the old-log-prob pass records the experts each token is routed to and
+    the update's forwards route with them; 'R3': the rollout records them
+    (`rollout.enable_rollout_routing_replay=true`) and every training forward (old log-probs,
+    reference, update) routes with them. The routing rides in the batch as `routed_experts`.
+    record_file / replay_file: veRL's offline routing files; not implemented (null only).
+    """
+
+    mode: str = "disabled"  # disabled / R2 / R3
+    record_file: str | None = None  # offline routing file: null only
+    replay_file: str | None = None  # offline routing file: null only
+
+    def validate(self, key: str) -> None:
+        if self.mode not in ROUTER_REPLAY_MODES:
+            raise ValueError(
+                f"{key}.router_replay.mode={self.mode!r}: use one of {list(ROUTER_REPLAY_MODES)}"
+            )
+        for name in ("record_file", "replay_file"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{key}.router_replay.{name}={getattr(self, name)!r}: routing files are not implemented; "
+                    "R2 and R3 carry the routing in the batch: leave it null"
+                )
+
+
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+
+
+@dataclass
 class ActorConfig:
     """`actor_rollout_ref.actor`: PPO policy update.
 
@@ -339,6 +371,7 @@ class ActorConfig:
     calculate_sum_pi_squared: bool = False  # old-log-prob pass also returns sum_v pi(v)^2 per token
     skip_on_policy_old_log_prob: bool = True  # skip the old-log-prob pass when exactly on-policy
     use_prefix_grouper: Any = "auto"  # true / false / auto (veRL: false); auto: trainer/ppo/prefix_auto.py
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE routing replay
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -405,6 +438,9 @@ class RefConfig:
     ulysses_sequence_parallel_size: int = 1  # Ulysses group size (must equal the actor's with KL)
     use_torch_compile: bool = False  # torch.compile the log-prob / entropy kernels (as the actor's key)
     entropy_from_logits_with_chunking: bool = False  # as the actor's key; the ref pass computes no entropy
+    router_replay: RouterReplayConfig = field(
+        default_factory=RouterReplayConfig
+    )  # R2 / R3: replay the batch's routing
     fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype="bf16"))
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -414,6 +450,7 @@ class RefConfig:
         return ActorConfig(
             entropy_from_logits_with_chunking=self.entropy_from_logits_with_chunking,
             use_torch_compile=self.use_torch_compile,
+            router_replay=self.router_replay,
         )
 
 

@@ -173,6 +173,7 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = False  # pack the old-log-prob forwards by tokens
     log_prob_max_token_len_per_gpu: int = 16384  # token budget of those forwards with dynamic batch size
     calculate_log_probs: bool = False  # the engine also returns its log-probs (rollout_log_probs)
+    enable_rollout_routing_replay: bool = False  # MoE: record each token's experts (routed_experts), for R3
     seed: int = 0  # base seed of the engine's sampling
     engine_kwargs: EngineKwargs = field(default_factory=EngineKwargs)
     val_kwargs: SamplingOverrides = field(default_factory=SamplingOverrides)

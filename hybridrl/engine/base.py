@@ -71,6 +71,12 @@ class LogProbRequest:
         topk: > 0: also the k largest log-probs and their ids per position (a distillation teacher).
         topk_ids: also the log-probs at the micro-batch's `teacher_topk_ids` (B, T, K) (the student of
             `forward_kl_topk`). Both through the full logits (engine/topk.py).
+        record_routing: a mixture-of-experts model also returns the experts each token was routed
+            to (`LogProbs.routed_experts`).
+        replay_routing: a mixture-of-experts model routes with the micro-batch's `routed_experts`
+            (routing replay, engine/moe_routing.py).
+        router_aux_loss: a mixture-of-experts model also returns its router load-balancing loss and
+            expert-load metrics.
     """
 
     temperature: float = 1.0
@@ -82,6 +88,9 @@ class LogProbRequest:
     prefix_group: bool = False
     topk: int = 0
     topk_ids: bool = False
+    record_routing: bool = False
+    replay_routing: bool = False
+    router_aux_loss: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,9 @@ class LogProbs:
     """Per response token (b, T) float32: log pi(a_t); entropy and sum pi^2 when requested, else None;
     with a top-k request topk_log_probs (b, T, K) float32 and topk_ids (b, T, K) long. `work`:
     (tokens, squares) the forward computed (utils/flops.work_flops) when that is not one sequence
-    per row (the shared-prompt forward computes each prompt once per group), else None."""
+    per row (the shared-prompt forward computes each prompt once per group), else None.
+    Mixture-of-experts models, when the request asks: routed_experts (b, S, L, K) long (-1 at
+    padding), router_aux_loss (scalar, differentiable) and moe_metrics (name -> float)."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor | None = None
@@ -102,6 +113,9 @@ class LogProbs:
     topk_log_probs: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     work: tuple[int, int] | None = None
+    routed_experts: torch.Tensor | None = None
+    router_aux_loss: torch.Tensor | None = None
+    moe_metrics: dict[str, float] | None = None
 
     def to(self, device: Any) -> LogProbs:
         move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731

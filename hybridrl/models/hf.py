@@ -72,7 +72,9 @@ def load_hf_config(model_config: ModelConfig, role: str = "actor", key: str = "a
     overrides.pop("model_config", None)
     overrides.pop("moe_config", None)
     for name, value in overrides.items():
-        if not hasattr(hf_config, name):
+        # the router-loss switches of Hugging Face's MoE configs, also for a family without them
+        # (DeepSeek-V3 balances without an auxiliary loss): read by the FSDP actor (docs/moe.md)
+        if not hasattr(hf_config, name) and name not in ("output_router_logits", "router_aux_loss_coef"):
             raise ValueError(
                 f"{key}.override_config.{name}: the {type(hf_config).__name__} has no attribute {name!r}; "
                 "remove it or check the spelling"

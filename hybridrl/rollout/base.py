@@ -199,10 +199,13 @@ class GenerationRequest:
 
 @dataclass
 class GenerationResult:
-    """B token lists (each <= T, EOS included when generated) and optional per-token log-probs."""
+    """B token lists (each <= T, EOS included when generated) and optional per-token log-probs;
+    with `rollout.enable_rollout_routing_replay`, routed_experts (B, P + T, L, K): the experts each
+    token was routed to in each MoE layer, aligned with [prompt | response], -1 where none was."""
 
     token_ids: list[list[int]]
     log_probs: list[list[float]] | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 def _check_prompts(prompts: DataProto, config: RolloutConfig) -> None:
@@ -289,6 +292,9 @@ def build_rollout_output(
     }
     if log_probs is not None:
         tensors["rollout_log_probs"] = log_probs.to(dev)
+    if result.routed_experts is not None:  # MoE routing recorded by the engine (R3), -1 at padding
+        routed = result.routed_experts.to(dev)
+        tensors["routed_experts"] = routed.masked_fill(~tensors["attention_mask"].bool()[..., None, None], -1)
     meta = dict(prompts.meta_info)
     if metrics:
         meta["metrics"] = {**meta.get("metrics", {}), **metrics}

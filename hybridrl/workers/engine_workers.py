@@ -377,6 +377,8 @@ class ActorRolloutRefWorker(StepProfiling, Worker):
         out = {"old_log_probs": res.log_probs, "entropys": res.entropy}
         if res.sum_pi_squared is not None:  # actor.calculate_sum_pi_squared: the optimal token baseline's
             out["sum_pi_squared"] = res.sum_pi_squared
+        if res.routed_experts is not None:  # router_replay.mode=R2: the update replays these
+            out["routed_experts"] = res.routed_experts
         return DataProto.from_dict(out)
 
     @register(dispatch_mode=ON_ACTOR_MESH)

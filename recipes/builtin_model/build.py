@@ -1,6 +1,7 @@
 """Rebuild the built-in tiny model shipped in hybridrl/models/assets/builtin_tiny/.
 
     python recipes/builtin_model/build.py --out hybridrl/models/assets/builtin_tiny
+    python recipes/builtin_model/build.py --arch moe --out hybridrl/models/assets/builtin_tiny_moe
 
 Builds the character tokenizer, a random Qwen2 init and the deterministic SFT warm start
 (hybridrl.models.builtin.build_builtin_model), then measures greedy and sampled (T=1) exact-match
@@ -28,20 +29,25 @@ def main() -> None:
     )
     parser.add_argument("--out", required=True, help="output folder (an HF model folder)")
     parser.add_argument("--seed", type=int, default=builtin.DEFAULT_SEED)
-    parser.add_argument("--sft-steps", type=int, default=builtin.DEFAULT_SFT_STEPS)
+    parser.add_argument("--sft-steps", type=int, default=None, help="default: 400 (dense), 550 (moe)")
     parser.add_argument("--lr", type=float, default=builtin.DEFAULT_SFT_LR)
     parser.add_argument("--batch-size", type=int, default=builtin.DEFAULT_SFT_BATCH)
     parser.add_argument("--threads", type=int, default=builtin.DEFAULT_NUM_THREADS)
     parser.add_argument("--n-eval", type=int, default=200, help="validation prompts for the accuracy numbers")
+    parser.add_argument(
+        "--arch", choices=("dense", "moe"), default="dense", help="moe: the Qwen3-MoE variant"
+    )
     args = parser.parse_args()
 
     info = builtin.build_builtin_model(
         args.out,
         seed=args.seed,
-        sft_steps=args.sft_steps,
+        sft_steps=args.sft_steps
+        or (builtin.DEFAULT_MOE_SFT_STEPS if args.arch == "moe" else builtin.DEFAULT_SFT_STEPS),
         lr=args.lr,
         batch_size=args.batch_size,
         num_threads=args.threads,
+        arch=args.arch,
     )
     t0 = time.perf_counter()
     info["greedy_acc"] = builtin.evaluate_greedy_accuracy(args.out, n=args.n_eval)

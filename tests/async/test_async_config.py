@@ -126,6 +126,14 @@ def test_without_decoupled_loss_the_actor_loss_is_left_alone(base):
         ),
         ({"async_training.weight_update_mode": "nccl"}, "weight_update_mode='nccl': use one of"),
         ({"async_training.weight_update_timeout_s": 0}, "weight_update_timeout_s=0 must be > 0"),
+        (
+            {
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay": "true",
+                "actor_rollout_ref.actor.router_replay.mode": "R3",
+                "actor_rollout_ref.rollout.name": "hf",
+            },
+            "asynchronous rollout workers do not carry it",
+        ),
     ],
 )
 def test_bad_values_fail_at_start_naming_the_key(base, keys, message):

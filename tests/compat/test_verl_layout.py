@@ -161,7 +161,6 @@ LISTED = [
     (f"{ARR}.rollout.profiler.relocate_results", "True", None),  # rollout.profiler.enable: a real key now
     ("critic.model.mtp.enable", "False", "True"),  # the actor's model.mtp is a real key (docs/megatron.md)
     (f"{ARR}.model.lora.rank", "0", "8"),
-    (f"{ARR}.actor.router_replay.mode", "disabled", "R3"),
     (f"{ARR}.rollout.data_parallel_size", "1", "2"),
     (f"{ARR}.rollout.expert_parallel_size", "1", "4"),
     ("data.audio_key", "audios", "sounds"),

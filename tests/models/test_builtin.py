@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -284,3 +285,29 @@ def test_ensure_builtin_data_caches_and_regenerates(tmp_path):
     assert again == paths and os.path.getmtime(paths["train"]) == mtime
     builtin_task.ensure_builtin_data(tmp_path, n_train=40, n_val=10, n_sft_train=8, n_sft_val=4)
     assert len(pd.read_parquet(paths["train"])) == 40
+
+
+# ---------------------------------------------------------------- the MoE variant
+
+
+def test_shipped_moe_model_is_a_tiny_qwen3_moe_that_the_engine_routes():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.models.moe import moe_shape
+
+    path = builtin.resolve_model_path(builtin.BUILTIN_MOE_NAME)
+    assert (
+        path == builtin.get_builtin_model_path(builtin.BUILTIN_MOE_NAME) != builtin.get_builtin_model_path()
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert model.config.model_type == "qwen3_moe"
+    assert moe_shape(model) == (2, 4, 2)  # 2 MoE layers, 4 experts, top-2
+    info = json.loads((Path(path) / "build_info.json").read_text())
+    assert info["arch"] == "moe" and info["sft_steps"] == builtin.DEFAULT_MOE_SFT_STEPS
+
+
+def test_moe_model_config_is_sparse_in_every_layer():
+    cfg = builtin.build_moe_model_config(vocab_size=103, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.decoder_sparse_step) == (4, 2, 1)
+    assert cfg.mlp_only_layers == [] and cfg.head_dim == 64

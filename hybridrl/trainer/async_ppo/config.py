@@ -139,6 +139,12 @@ def validate_async_config(config: AsyncPPOConfig) -> None:
         )
     _validate_partial_rollout(config)
     _validate_weight_update(config)
+    if arr.rollout.enable_rollout_routing_replay:
+        raise ConfigError(
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true (MoE routing replay R3) records routing "
+            "in main_ppo's rollout only; the asynchronous rollout workers do not carry it: use "
+            "python -m hybridrl.trainer.main_ppo, or router_replay.mode=R2 (docs/moe.md)"
+        )
     if algo.filter_groups.enable and config.reward_model.enable:
         raise ConfigError(
             "algorithm.filter_groups.enable=true (DAPO dynamic sampling) with reward_model.enable=true is not "

