@@ -26,8 +26,18 @@ KEY = "actor_rollout_ref.actor.megatron"
         ),
         ({"context_parallel_size": 4}, False, "divide the number of ranks"),
         ({"context_parallel_size": 0}, False, "context_parallel_size"),
-        ({"expert_model_parallel_size": 2}, False, "expert"),
-        ({"expert_tensor_parallel_size": 2}, False, "expert"),
+        (
+            {"expert_model_parallel_size": 4},
+            False,
+            "expert_model_parallel_size .* must divide the number of ranks",
+        ),
+        ({"expert_model_parallel_size": 0}, False, "expert_model_parallel_size must be >= 1"),
+        ({"expert_tensor_parallel_size": 0}, False, "expert_tensor_parallel_size must be >= 1"),
+        (
+            {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2},
+            False,
+            "sequence_parallel=True",
+        ),
         ({"virtual_pipeline_model_parallel_size": 2}, False, "pipeline_model_parallel_size >= 2"),
         ({"param_offload": True}, True, "offload"),
         ({"dtype": "float16"}, False, "float16"),
@@ -53,6 +63,14 @@ def test_accepted_and_no_ops():
         {"use_mbridge": True},
         {"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
         {"context_parallel_size": 2},  # honoured: test_megatron_engine.py
+        {"expert_model_parallel_size": 2},  # honoured on MoE models: test_megatron_moe.py
+        {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+        {
+            "expert_model_parallel_size": 2,
+            "expert_tensor_parallel_size": 1,
+            "tensor_model_parallel_size": 2,
+            "sequence_parallel": True,
+        },
     ):
         validate_megatron_config(MegatronConfig(**kwargs), KEY, world_size=2, on_gpu=False)
     # CP with PP (and VPP): honoured, test_megatron_pp2_cp2_matches_fsdp
