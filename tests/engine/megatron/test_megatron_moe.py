@@ -43,7 +43,7 @@ def _one_step(actor, engine, mine) -> dict:
         "lp": lp * mine.batch["response_mask"],  # padded positions are undefined in either engine
         "pg_loss": m["actor/pg_loss"][0],
         "grad_norm": m["actor/grad_norm"][0],
-        "weights": dict(engine.iter_full_params()),
+        "weights": {k: v.clone() for k, v in engine.iter_full_params()},
     }
 
 

@@ -4,7 +4,8 @@ On 2 gloo ranks (DP=2): a Qwen3-MoE actor at EP=2 takes a step, saves a distribu
 and takes another step; a fresh actor at EP=1 loads the checkpoint and takes that same step: the
 losses, gradient norm and weights equal the uninterrupted EP=2 run's. Then the EP=2 weights
 (each rank holds 2 of the 4 experts) stream into a Hugging Face rollout engine: every rollout
-tensor equals the HF export's.
+tensor equals the HF export's. The model merger turns the EP=2 checkpoint into the HF folder of
+the weights at the save.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _step(actor, engine, data) -> dict:
     return {
         "pg_loss": m["actor/pg_loss"][0],
         "grad_norm": m["actor/grad_norm"][0],
-        "weights": dict(engine.iter_full_params()),
+        "weights": {k: v.clone() for k, v in engine.iter_full_params()},
     }
 
 
@@ -62,7 +63,8 @@ def _run(rank, world, model_dir, ckpt, export, result_dir):
     meg, actor = _actor(model_dir, ep=2)
     actor.update_policy(mine[0])
     meg.save_checkpoint(ckpt, global_step=1)
-    out = {"straight": _step(actor, meg, mine[1])}
+    out = {"saved": {k: v.clone() for k, v in meg.iter_full_params()}}  # (views of live weights)
+    out["straight"] = _step(actor, meg, mine[1])
     meg.export_hf(export)
     out["rollout"] = _rollout_weights(model_dir, meg)
     del meg, actor
@@ -97,6 +99,14 @@ def test_moe_checkpoint_ep2_resumes_at_ep1_and_syncs_rollout(tmp_path):
         assert all(torch.equal(rollout[k], exported[k]) for k in exported)
         # the synced weights are the trained ones (not the model folder's)
         assert not torch.equal(rollout["model.layers.0.mlp.experts.gate_up_proj"], _initial(model_dir))
+    # the model merger reads the EP=2 checkpoint into the HF layout: the weights at the save
+    from hybridrl.engine.megatron.merge import merge_megatron_checkpoint
+
+    merged_dir = merge_megatron_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "merged"), model_dir)
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).state_dict()
+    saved = torch.load(tmp_path / "ckpt_rank0.pt")["saved"]
+    assert set(merged) == set(saved)
+    assert all(torch.equal(merged[k], saved[k]) for k in saved)
 
 
 def _initial(model_dir: str) -> torch.Tensor:
