@@ -30,8 +30,9 @@ from hybridrl.engine.megatron.convert import (
     padded_vocab_size,
     shard_dim,
 )
-from hybridrl.engine.megatron.cpu_shims import apply_cpu_shims, cuda_to_cpu
+from hybridrl.engine.megatron.cpu_shims import apply_cpu_shims, cuda_to_cpu, needs_cpu_shims
 from hybridrl.engine.megatron.moe import (
+    check_moe_overrides,
     expert_shard_dim,
     global_expert_name,
     is_expert_param,
@@ -155,6 +156,7 @@ def transformer_config(spec: ArchSpec, cfg: MegatronConfig, dtype: torch.dtype, 
                 f"{key}.override_transformer_config.{name}: megatron-core's TransformerConfig has no field {name!r}"
             )
         kwargs[name] = value
+    check_moe_overrides(kwargs, key, on_cpu=needs_cpu_shims())
     return TransformerConfig(**kwargs)
 
 

@@ -41,6 +41,7 @@ from hybridrl.engine.megatron.fused_fc1 import fc1_from_megatron, fc1_to_megatro
 
 __all__ = [
     "MOE_MODEL_TYPES",
+    "check_moe_overrides",
     "expert_params_as_expert_parallel",
     "expert_shard_dim",
     "global_expert_name",
@@ -108,6 +109,30 @@ def moe_transformer_kwargs(spec: Any) -> dict[str, Any]:
         moe_enable_routing_replay=True,
         qk_layernorm=spec.qk_layernorm,
     )
+
+
+_CPU_REFUSED = {  # TransformerConfig field -> (values that need CUDA kernels, why)
+    "moe_token_dispatcher_type": (("flex",), "the flex dispatcher runs DeepEP / HybridEP CUDA kernels"),
+    "moe_enable_deepep": ((True,), "DeepEP is a CUDA library"),
+    "moe_permute_fusion": ((True,), "the fused permutation is a Transformer Engine CUDA kernel"),
+    "moe_grouped_gemm": ((True,), "grouped GEMM experts need CUDA kernels"),
+    "moe_router_fusion": ((True,), "the fused router is a Transformer Engine CUDA kernel"),
+}
+
+
+def check_moe_overrides(kwargs: dict[str, Any], key: str, on_cpu: bool) -> None:
+    """Refuse, on a machine without CUDA, MoE settings of `override_transformer_config` that need CUDA.
+
+    (veRL's MoE scripts set DeepEP, the flex dispatcher and fused permutation for GPUs; on GPUs they
+    go to megatron-core as given.)"""
+    if not on_cpu or not kwargs.get("num_moe_experts"):
+        return
+    for name, (bad, why) in _CPU_REFUSED.items():
+        if kwargs.get(name) in bad:
+            raise ValueError(
+                f"{key}.override_transformer_config.{name}={kwargs[name]}: {why}; this machine has no CUDA. "
+                "Drop the override (the engine uses the all-to-all dispatcher and SequentialMLP experts on CPU)"
+            )
 
 
 def without_te_router_gemm() -> None:
