@@ -175,6 +175,17 @@ class SequenceParallelRMSNorm(nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
+class HeadRMSNorm(nn.RMSNorm):
+    """torch's RMSNorm for the per-head q/k norms (`qk_layernorm`), with sequence parallelism allowed.
+
+    Megatron's `WrappedTorchNorm` refuses `sequence_parallel`; these norms run after the QKV
+    projection, where each tensor-parallel rank holds whole heads of every position, and
+    megatron-core's `finalize_model_grads` sums the q/k norm gradients over TP by name."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+
+
 class ValueHead(nn.Module):
     """The critic's head: Linear(H, 1) with bias, replicated on every tensor-parallel rank.
 
@@ -222,6 +233,11 @@ def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int, mtp: Any = None
         input_layernorm=SequenceParallelRMSNorm,
         pre_mlp_layernorm=SequenceParallelRMSNorm,
     )
+    if spec.qk_layernorm:
+        attn = layer_spec.submodules.self_attention
+        attn.submodules = dataclasses.replace(
+            attn.submodules, q_layernorm=HeadRMSNorm, k_layernorm=HeadRMSNorm
+        )
     if tcfg.context_parallel_size > 1:  # the local DotProductAttention refuses CP (context_parallel.py)
         from hybridrl.engine.megatron.context_parallel import ContextParallelAttention
 

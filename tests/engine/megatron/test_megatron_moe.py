@@ -20,7 +20,7 @@ pytest.importorskip("megatron.core")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fsdp_testkit import spawn  # noqa: E402
-from moe_models import FAMILIES, batch, configs, make_moe_model_dir  # noqa: E402
+from moe_models import FAMILIES, ROWS, batch, configs, make_moe_model_dir  # noqa: E402
 
 TOL = 1e-5
 
@@ -68,6 +68,60 @@ def _run_equivalence(rank, world, model_dir, result_dir):
         del meg, actor
         ps.destroy_model_parallel()
     torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
+
+
+def _run_tp2(rank, world, model_dir, result_dir):
+    """TP=2 with sequence parallelism (one replica, DP=1): EP=1 (experts split by expert-TP 2) and
+    EP=2 with expert-TP 1 (each TP rank holds 2 whole experts), against FSDP on the same 2 ranks."""
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.engine.fsdp import FSDPEngine
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
+
+    model, cfg, _ = configs(model_dir)
+    data = batch()
+    mine = data.chunk(world)[rank]
+    fsdp = FSDPEngine.build(model, cfg.fsdp_config, cfg.optim, load_tok=False)
+    sizes = normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=world)
+    f_actor = PPOActor(cfg, fsdp.module, fsdp.optimizer, fsdp.lr_scheduler, dp_size=world, batch_sizes=sizes)
+    results = {"fsdp": _one_step(f_actor, fsdp, mine)}
+    for name, ep, etp in (("tp2_ep1", 1, None), ("tp2_ep2_etp1", 2, 1)):
+        mcfg = configs(model_dir, ep, tensor_model_parallel_size=2, sequence_parallel=True,
+                       expert_tensor_parallel_size=etp)[2]  # fmt: skip
+        meg, actor = _megatron_actor(model, cfg, mcfg)
+        results[name] = _one_step(actor, meg, data)
+        n = ROWS // world
+        results[name]["lp"] = results[name]["lp"][rank * n : rank * n + n]
+        results[name]["dp"] = meg.dp_size
+        del meg, actor
+        ps.destroy_model_parallel()
+    torch.save(results, os.path.join(result_dir, f"tp2_rank{rank}.pt"))
+
+
+def test_megatron_moe_tp2_sequence_parallel_matches_fsdp(tmp_path):
+    """TP=2 + SP with EP=1 (expert-TP 2) and with EP=2 x expert-TP 1 == FSDP (Qwen3-MoE: q/k norms
+    under sequence parallelism, their gradients summed over TP)."""
+    model_dir = make_moe_model_dir(str(tmp_path / "model"), "qwen3_moe")
+    spawn(_run_tp2, 2, tmp_path, model_dir, str(tmp_path))
+    for rank in range(2):
+        out = torch.load(tmp_path / f"tp2_rank{rank}.pt")
+        _assert_close(out, ("tp2_ep1", "tp2_ep2_etp1"), "qwen3_moe", rank)
+
+
+def _assert_close(out: dict, names: tuple[str, ...], family: str, rank: int) -> None:
+    f = out["fsdp"]
+    for name in names:
+        m = out[name]
+        lp_diff = float((m["lp"] - f["lp"]).abs().max())
+        w_rel = max(_rel(m["weights"][k], f["weights"][k]) for k in f["weights"])
+        print(family, rank, name, "lp", lp_diff, "pg", m["pg_loss"], f["pg_loss"], "gn", m["grad_norm"],
+              f["grad_norm"], "w_rel", w_rel)  # fmt: skip
+        assert set(m["weights"]) == set(f["weights"])
+        assert lp_diff < TOL
+        assert abs(m["pg_loss"] - f["pg_loss"]) <= TOL * max(1.0, abs(f["pg_loss"]))
+        assert abs(m["grad_norm"] - f["grad_norm"]) <= TOL * max(1.0, abs(f["grad_norm"]))
+        assert w_rel < TOL
 
 
 def initial_weights(model_dir: str) -> dict[str, torch.Tensor]:
