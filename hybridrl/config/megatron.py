@@ -16,7 +16,8 @@ Every key is honoured or refused at start-up by `validate_megatron_config`:
                                                                 the experts
     expert_tensor_parallel_size                                 honoured: null = the TP size (Megatron's
                                                                 default), 1 = whole experts per rank
-    sequence_parallel                                           ignored at TP=1 (as in Megatron);
+    sequence_parallel                                           ignored at TP=1 (as in Megatron); turned
+                                                                on at EP>1 with TP>1 (required there);
                                                                 honoured at TP>1 (sequence-parallel
                                                                 norms in the local layer spec,
                                                                 engine/megatron/model.py)
@@ -205,10 +206,12 @@ def _validate_expert_parallel(cfg: MegatronConfig, key: str, world_size: int | N
         cfg.tensor_model_parallel_size,
     )
     if ep > 1 and tp > 1 and not cfg.sequence_parallel:
-        raise ValueError(
-            f"{key}: expert_model_parallel_size={ep} with tensor_model_parallel_size={tp} needs "
-            f"{key}.sequence_parallel=True (megatron-core's MoE layer requires it); set it, or TP=1"
+        # megatron-core's MoE layer requires SP here, and veRL's default for sequence_parallel is true
+        print(
+            f"[hybridrl] {key}.sequence_parallel=True: expert_model_parallel_size={ep} with "
+            f"tensor_model_parallel_size={tp} needs sequence parallelism (megatron-core's MoE layer; veRL's default)"
         )
+        cfg.sequence_parallel = True
     expert_ranks = etp * ep * cfg.pipeline_model_parallel_size
     if world_size is not None and world_size % expert_ranks:
         raise ValueError(

@@ -33,11 +33,6 @@ KEY = "actor_rollout_ref.actor.megatron"
         ),
         ({"expert_model_parallel_size": 0}, False, "expert_model_parallel_size must be >= 1"),
         ({"expert_tensor_parallel_size": 0}, False, "expert_tensor_parallel_size must be >= 1"),
-        (
-            {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2},
-            False,
-            "sequence_parallel=True",
-        ),
         ({"virtual_pipeline_model_parallel_size": 2}, False, "pipeline_model_parallel_size >= 2"),
         ({"param_offload": True}, True, "offload"),
         ({"dtype": "float16"}, False, "float16"),
@@ -51,6 +46,15 @@ def test_refused(kwargs, on_gpu, match):
     with pytest.raises(ValueError, match=match) as e:
         validate_megatron_config(MegatronConfig(**kwargs), KEY, world_size=2, on_gpu=on_gpu)
     assert KEY in str(e.value)
+
+
+def test_expert_parallel_with_tp_turns_sequence_parallel_on():
+    """megatron-core's MoE layer needs SP at EP > 1 with TP > 1; veRL's default for it is true."""
+    cfg = MegatronConfig(
+        expert_model_parallel_size=2, expert_tensor_parallel_size=1, tensor_model_parallel_size=2
+    )
+    validate_megatron_config(cfg, KEY, world_size=2, on_gpu=False)
+    assert cfg.sequence_parallel
 
 
 def test_accepted_and_no_ops():
