@@ -79,6 +79,11 @@ def routing_replay_plan(mode: str, key: str = "actor_rollout_ref.actor.router_re
     return ReplayPlan(mode)
 
 
+def _is_packed(feed: Any) -> bool:
+    """A packed feed (forward.PackedMicro: one row of the valid tokens) carries `valid` (b, S)."""
+    return getattr(feed, "valid", None) is not None
+
+
 def _fed_positions(feed: Any, seq_len: int) -> int:
     return feed.input_ids.shape[1] if feed is not None else seq_len
 
@@ -89,12 +94,10 @@ def fed_routing(routed: torch.Tensor, feed: Any, valid: torch.Tensor | None = No
     feed: the packed / padded feed of engine/megatron/forward.py, or None (rows fed as they are).
     Padding added by the feed routes to experts 0..K-1 (any distinct ids do: its outputs are dropped).
     """
-    from hybridrl.engine.megatron.forward import PackedMicro
-
     b, s, layers, k = routed.shape
     filler = torch.arange(k, dtype=routed.dtype, device=routed.device)
     length = _fed_positions(feed, s)
-    if isinstance(feed, PackedMicro):
+    if _is_packed(feed):
         flat = routed[feed.valid]  # (T, L_moe, K)
         out = filler.expand(length, layers, k).clone()
         out[: flat.shape[0]] = flat
@@ -106,12 +109,10 @@ def fed_routing(routed: torch.Tensor, feed: Any, valid: torch.Tensor | None = No
 
 def unfed_routing(recorded: torch.Tensor, feed: Any, shape: tuple[int, int]) -> torch.Tensor:
     """Inverse of `fed_routing`: (L_moe, positions, rows, K) -> (b, S, L_moe, K), zeros at padding."""
-    from hybridrl.engine.megatron.forward import PackedMicro
-
     b, s = shape
     layers, _, _, k = recorded.shape
     per_token = recorded.permute(2, 1, 0, 3)  # (rows, positions, L_moe, K)
-    if isinstance(feed, PackedMicro):
+    if _is_packed(feed):
         out = per_token.new_zeros(b, s, layers, k)
         t = int(feed.valid.sum())
         out[feed.valid] = per_token[0, :t]
