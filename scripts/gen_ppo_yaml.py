@@ -43,6 +43,12 @@ QUICKSTART = {
     "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size": (
         "${actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size}"
     ),
+    "actor_rollout_ref.ref.megatron.expert_model_parallel_size": (
+        "${actor_rollout_ref.actor.megatron.expert_model_parallel_size}"
+    ),
+    "actor_rollout_ref.ref.megatron.expert_tensor_parallel_size": (
+        "${actor_rollout_ref.actor.megatron.expert_tensor_parallel_size}"
+    ),
     "actor_rollout_ref.ref.megatron.seed": "${actor_rollout_ref.actor.megatron.seed}",
     # Megatron parameters in fp32 for the built-in quickstart, like the FSDP param_dtype above
     # (MegatronConfig's own default is veRL's bfloat16); the reference follows the actor, as in veRL.

@@ -16,7 +16,7 @@ or images (VLM models, `image_key`, geo3k) are counted apart, as the issue asks.
 file or model is not a config failure (this machine has no GSM8K); it is replaced by an empty placeholder (the report lists where).
 
 Usage:
-    python scripts/verl_examples.py --verl /path/to/verl [--json out.json] [--show-failures]
+    python scripts/verl_examples.py --verl /path/to/verl [--json out.json] [--show-failures] [--only REGEX]
 `--verl` may be a work tree or a bare git directory (the `fetch` tool's mirror; its HEAD is
 extracted to a temporary folder).
 """
@@ -353,14 +353,17 @@ def failing_keys(row: dict) -> list[str]:
     return [m.group(1) if m else row["error"][:60]]
 
 
-def measure(root: Path) -> list[dict]:
-    """One row per example script of the checkout `root` that calls main_ppo."""
+def measure(root: Path, only: str | None = None) -> list[dict]:
+    """One row per example script of the checkout `root` that calls main_ppo (`only`: a regex the
+    script's path under examples/ must match)."""
     work = Path(tempfile.mkdtemp(prefix="verl_rec_"))
     make_shims(work / "bin")
     placeholder = work / "placeholder.parquet"
     placeholder.write_text("")
     rows = []
     for script in sorted((root / "examples").rglob("*.sh")):
+        if only and not re.search(only, str(script.relative_to(root / "examples"))):
+            continue
         calls = [c for c in (split_call(a) for a in record_script(script, root, work / "bin", work)) if c]
         for overrides, cpath, cname in calls[:1]:  # one launch per script (the first)
             full = yaml_overrides(root, script, cpath, cname) + overrides
@@ -382,10 +385,11 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, help="rows as JSON (one list per --rev, in order)")
     ap.add_argument("--show-failures", action="store_true")
+    ap.add_argument("--only", help="measure only the scripts whose path under examples/ matches this regex")
     args = ap.parse_args()
     results = []
     for rev in args.rev or [None]:
-        rows = measure(extract_checkout(args.verl.resolve(), rev))
+        rows = measure(extract_checkout(args.verl.resolve(), rev), args.only)
         print(f"== veRL {rev or 'HEAD'}")
         report(rows, args.show_failures)
         results.append(rows)

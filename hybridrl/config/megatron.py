@@ -9,9 +9,15 @@ Every key is honoured or refused at start-up by `validate_megatron_config`:
                                                                 load-balanced chunks, K/V all-gathered over
                                                                 CP), with PP (and VPP) too: each stage's CP
                                                                 ranks pass (L / CP)-long activations
-    expert_model_parallel_size, expert_tensor_parallel_size     only 1 (None for ETP): refused
-                                                                otherwise (no MoE support)
-    sequence_parallel                                           ignored at TP=1 (as in Megatron);
+    expert_model_parallel_size                                  honoured on MoE models (qwen3_moe,
+                                                                qwen2_moe; engine/megatron/moe.py): the
+                                                                experts split over EP ranks carved out
+                                                                of the data-parallel ranks; must divide
+                                                                the experts
+    expert_tensor_parallel_size                                 honoured: null = the TP size (Megatron's
+                                                                default), 1 = whole experts per rank
+    sequence_parallel                                           ignored at TP=1 (as in Megatron); turned
+                                                                on at EP>1 with TP>1 (required there);
                                                                 honoured at TP>1 (sequence-parallel
                                                                 norms in the local layer spec,
                                                                 engine/megatron/model.py)
@@ -46,6 +52,7 @@ __all__ = [
     "MtpConfig",
     "megatron_param_dtype",
     "check_colocated_megatron",
+    "expert_tensor_parallel_size",
     "resolve_fused_kernels",
     "validate_megatron_config",
     "validate_mtp",
@@ -63,8 +70,8 @@ class MegatronConfig:
     # interleaved virtual stages per PP rank (null: off)
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int = 1  # context-parallel size (CP)
-    expert_model_parallel_size: int = 1  # expert parallelism; only 1 is accepted (no MoE)
-    expert_tensor_parallel_size: int | None = None  # expert TP; only null or 1 is accepted
+    expert_model_parallel_size: int = 1  # expert parallelism (EP) of MoE models, over the DP ranks
+    expert_tensor_parallel_size: int | None = None  # TP inside each expert (null: the TP size)
     sequence_parallel: bool = False  # sequence-parallel norms at TP > 1 (ignored at TP = 1)
     use_distributed_optimizer: bool = True  # Megatron's DistributedOptimizer
     param_offload: bool = False  # no-op on CPU; refused on GPU
@@ -122,7 +129,7 @@ def resolve_fused_kernels(model: Any, strategy: str, model_key: str, explicit: b
 
 def check_colocated_megatron(roles: dict[str, tuple[str, MegatronConfig]]) -> None:
     """Colocated Megatron roles (one process per slot) share Megatron's process groups: refuse
-    different (tp, pp, vpp, cp) sizes at start-up. `roles`: config key -> (strategy, megatron config)."""
+    different (tp, pp, vpp, cp, ep, etp) sizes at start-up. `roles`: config key -> (strategy, megatron config)."""
     seen: dict[tuple, str] = {}
     for key, (strategy, cfg) in roles.items():
         if strategy != MEGATRON_STRATEGY:
@@ -132,11 +139,13 @@ def check_colocated_megatron(roles: dict[str, tuple[str, MegatronConfig]]) -> No
             cfg.pipeline_model_parallel_size,
             cfg.virtual_pipeline_model_parallel_size,
             cfg.context_parallel_size,
+            cfg.expert_model_parallel_size,
+            expert_tensor_parallel_size(cfg),
         )
         if seen and sizes not in seen:
             other = next(iter(seen.values()))
             raise ValueError(
-                f"{key}.megatron (tp, pp, vpp, cp)={sizes} differs from {other}.megatron's {next(iter(seen))}: colocated "
+                f"{key}.megatron (tp, pp, vpp, cp, ep, etp)={sizes} differs from {other}.megatron's {next(iter(seen))}: colocated "
                 "Megatron roles share one set of process groups; give them the same parallel sizes"
             )
         seen.setdefault(sizes, key)
@@ -158,12 +167,7 @@ def validate_megatron_config(
         "context_parallel_size",
     ):
         _positive(key, name, getattr(cfg, name))
-    if cfg.expert_model_parallel_size != 1 or cfg.expert_tensor_parallel_size not in (None, 1):
-        raise ValueError(
-            f"{key}.expert_model_parallel_size / expert_tensor_parallel_size: expert parallelism (MoE) is not "
-            "supported by hybridrl's Megatron engine; set expert_model_parallel_size=1 and "
-            "expert_tensor_parallel_size=null"
-        )
+    _validate_expert_parallel(cfg, key, world_size)
     if on_gpu and (cfg.param_offload or cfg.grad_offload or cfg.optimizer_offload):
         raise ValueError(
             f"{key}.param_offload / grad_offload / optimizer_offload: offloading is not implemented for the Megatron "
@@ -182,6 +186,37 @@ def validate_megatron_config(
         raise ValueError(
             f"{key}: tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size = "
             f"{cfg.model_parallel_size} must divide the number of ranks ({world_size}); change the sizes or "
+            "trainer.n_gpus_per_node"
+        )
+
+
+def expert_tensor_parallel_size(cfg: MegatronConfig) -> int:
+    """The expert-TP size in effect (null: the TP size, as in Megatron)."""
+    etp = cfg.expert_tensor_parallel_size
+    return cfg.tensor_model_parallel_size if etp is None else int(etp)
+
+
+def _validate_expert_parallel(cfg: MegatronConfig, key: str, world_size: int | None) -> None:
+    """EP / ETP sizes: positive and a layout of the ranks (the model's expert count is checked at build)."""
+    _positive(key, "expert_model_parallel_size", cfg.expert_model_parallel_size)
+    _positive(key, "expert_tensor_parallel_size", cfg.expert_tensor_parallel_size)
+    ep, etp, tp = (
+        cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size(cfg),
+        cfg.tensor_model_parallel_size,
+    )
+    if ep > 1 and tp > 1 and not cfg.sequence_parallel:
+        # megatron-core's MoE layer requires SP here, and veRL's default for sequence_parallel is true
+        print(
+            f"[hybridrl] {key}.sequence_parallel=True: expert_model_parallel_size={ep} with "
+            f"tensor_model_parallel_size={tp} needs sequence parallelism (megatron-core's MoE layer; veRL's default)"
+        )
+        cfg.sequence_parallel = True
+    expert_ranks = etp * ep * cfg.pipeline_model_parallel_size
+    if world_size is not None and world_size % expert_ranks:
+        raise ValueError(
+            f"{key}: expert_tensor_parallel_size * expert_model_parallel_size * pipeline_model_parallel_size = "
+            f"{expert_ranks} must divide the number of ranks ({world_size}); change the sizes or "
             "trainer.n_gpus_per_node"
         )
 

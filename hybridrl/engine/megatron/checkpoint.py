@@ -8,7 +8,7 @@ done, as the FSDP checkpoints: an interrupted save never leaves a half-written `
     meta.json              global step, contents, world size, parallel sizes, role
 
 The model and optimizer are saved as global (sharded) tensors, so a checkpoint saved at one
-TP/PP/DP layout loads at another (e.g. TP=2 -> TP=1). The optimizer is saved with
+TP/PP/DP/EP layout loads at another (e.g. TP=2 -> TP=1, EP=2 -> EP=1). The optimizer is saved with
 `fully_reshardable` for Megatron's distributed optimizer (reshardable). Loading
 Megatron's distributed optimizer gives every parameter the same `step` tensor object, so one
 Adam step would advance all of them N times: each `step` is cloned after the load.
@@ -36,6 +36,9 @@ KNOWN_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 _OPT_META = {
     "distrib_optim_sharding_type": "fully_reshardable",
     "distrib_optim_fully_reshardable_mem_efficient": True,
+    # MoE: Megatron chains a dense and an expert optimizer, and how many it chains depends on the
+    # expert-parallel size; state keys without the 'chained_<i>.' prefix load at any EP size
+    "chained_optim_avoid_prefix": True,
 }
 
 
@@ -109,6 +112,7 @@ def save_checkpoint(engine, path: str, *, contents=None, global_step: int | None
             "world_size": dist.get_world_size(),
             "tensor_model_parallel_size": m.tensor_model_parallel_size,
             "pipeline_model_parallel_size": m.pipeline_model_parallel_size,
+            "expert_model_parallel_size": m.expert_model_parallel_size,
             "role": engine.role,
             "backend": "megatron",
         }

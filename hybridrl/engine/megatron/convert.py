@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron-core weights for the Qwen2 and Llama families (own mapping).
+"""Hugging Face <-> Megatron-core weights for the Qwen2 and Llama families and the Qwen3-MoE /
+Qwen2-MoE mixture-of-experts families (own mapping; the MoE block: moe.py).
 
 Why an own mapping instead of mbridge / Megatron-Bridge: mbridge 0.15 needs four fixes to run on
 CPU (its Transformer-Engine layer spec, transformers-5 `rope_parameters`, two layer-norm names)
@@ -32,6 +33,14 @@ from typing import Any
 
 import torch
 
+from hybridrl.engine.megatron.fused_fc1 import fc1_from_megatron, fc1_to_megatron
+from hybridrl.engine.megatron.moe import (
+    MOE_MODEL_TYPES,
+    hf_moe_to_megatron,
+    megatron_moe_to_hf,
+    moe_arch_fields,
+)
+
 __all__ = [
     "ArchSpec",
     "arch_spec",
@@ -46,7 +55,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
 ]
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3_moe", "qwen2_moe")
 # Megatron name suffix -> tensor-parallel split dim (None: replicated on every TP rank)
 _SPLIT_DIMS = {
     "linear_qkv.weight": 0,
@@ -61,7 +70,10 @@ _PLAIN = {  # layer tensors with a 1:1 rename
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_QK_NORM = {  # Qwen3-style per-head RMSNorm of queries and keys (replicated)
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
 
 
@@ -83,6 +95,15 @@ class ArchSpec:
     rms_norm_eps: float
     max_position_embeddings: int
     initializer_range: float
+    # mixture of experts (engine/megatron/moe.py); 0 experts: a dense model
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    shared_expert_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False
+    norm_topk_prob: bool = True
+    qk_layernorm: bool = False
+    router_aux_loss_coef: float = 0.0
 
 
 def _rope_theta(hf_config: Any) -> float:
@@ -117,6 +138,9 @@ def arch_spec(hf_config: Any) -> ArchSpec:
             "strategy=megatron: Llama attention_bias / mlp_bias are not supported; use strategy=fsdp"
         )
     heads = int(hf_config.num_attention_heads)
+    moe: dict[str, Any] = {}
+    if model_type in MOE_MODEL_TYPES:
+        moe = moe_arch_fields(hf_config)
     return ArchSpec(
         model_type=model_type,
         num_layers=int(hf_config.num_hidden_layers),
@@ -126,12 +150,14 @@ def arch_spec(hf_config: Any) -> ArchSpec:
         head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads),
         ffn_hidden_size=int(hf_config.intermediate_size),
         vocab_size=int(hf_config.vocab_size),
-        qkv_bias=model_type == "qwen2",
+        qkv_bias=model_type in ("qwen2", "qwen2_moe")
+        or (model_type == "qwen3_moe" and bool(getattr(hf_config, "attention_bias", False))),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         rope_theta=_rope_theta(hf_config),
         rms_norm_eps=float(hf_config.rms_norm_eps),
         max_position_embeddings=int(hf_config.max_position_embeddings),
         initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
+        **moe,
     )
 
 
@@ -171,26 +197,12 @@ def qkv_from_megatron(fused: torch.Tensor, spec: ArchSpec) -> tuple[torch.Tensor
     return q.reshape(g * per * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)
 
 
-def fc1_to_megatron(gate: torch.Tensor, up: torch.Tensor, tp: int) -> torch.Tensor:
-    """Fuse HF gate (I, H) and up (I, H) into Megatron's fc1 (2I, H): [gate_r; up_r] for r < tp."""
-    parts = []
-    for g_r, u_r in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0)):
-        parts += [g_r, u_r]
-    return torch.cat(parts, dim=0)
+def hf_layer_to_megatron(
+    hf: dict[str, torch.Tensor], spec: ArchSpec, tp: int, etp: int = 1
+) -> dict[str, torch.Tensor]:
+    """One decoder layer: HF suffixes (`self_attn.q_proj.weight`, ...) -> full Megatron tensors.
 
-
-def fc1_from_megatron(fc1: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `fc1_to_megatron`: (gate, up) in HF layout."""
-    gates, ups = [], []
-    for shard in fc1.chunk(tp, dim=0):
-        g_r, u_r = shard.chunk(2, dim=0)
-        gates.append(g_r)
-        ups.append(u_r)
-    return torch.cat(gates, dim=0), torch.cat(ups, dim=0)
-
-
-def hf_layer_to_megatron(hf: dict[str, torch.Tensor], spec: ArchSpec, tp: int) -> dict[str, torch.Tensor]:
-    """One decoder layer: HF suffixes (`self_attn.q_proj.weight`, ...) -> full Megatron tensors."""
+    etp: the expert-tensor-parallel size (MoE models: the layout of each expert's fc1)."""
     out = {m: hf[h] for m, h in _PLAIN.items()}
     a = "self_attn."
     out["self_attention.linear_qkv.weight"] = qkv_to_megatron(
@@ -200,20 +212,34 @@ def hf_layer_to_megatron(hf: dict[str, torch.Tensor], spec: ArchSpec, tp: int) -
         out["self_attention.linear_qkv.bias"] = qkv_to_megatron(
             hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], spec
         )
+    if spec.qk_layernorm:
+        out.update({m: hf[h] for m, h in _QK_NORM.items()})
+    if spec.num_experts:
+        out.update(hf_moe_to_megatron(hf, spec, tp, etp))
+        return out
     out["mlp.linear_fc1.weight"] = fc1_to_megatron(hf["mlp.gate_proj.weight"], hf["mlp.up_proj.weight"], tp)
+    out["mlp.linear_fc2.weight"] = hf["mlp.down_proj.weight"]
     return out
 
 
-def megatron_layer_to_hf(mg: dict[str, torch.Tensor], spec: ArchSpec, tp: int) -> dict[str, torch.Tensor]:
-    """Inverse of `hf_layer_to_megatron` (full, TP-gathered Megatron tensors in)."""
+def megatron_layer_to_hf(
+    mg: dict[str, torch.Tensor], spec: ArchSpec, tp: int, etp: int = 1
+) -> dict[str, torch.Tensor]:
+    """Inverse of `hf_layer_to_megatron` (full, TP-gathered Megatron tensors in; MoE: every expert)."""
     out = {h: mg[m] for m, h in _PLAIN.items()}
     q, k, v = qkv_from_megatron(mg["self_attention.linear_qkv.weight"], spec)
     out.update({"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v})
     if "self_attention.linear_qkv.bias" in mg:
         qb, kb, vb = qkv_from_megatron(mg["self_attention.linear_qkv.bias"], spec)
         out.update({"self_attn.q_proj.bias": qb, "self_attn.k_proj.bias": kb, "self_attn.v_proj.bias": vb})
+    if spec.qk_layernorm:
+        out.update({h: mg[m] for m, h in _QK_NORM.items()})
+    if spec.num_experts:
+        out.update(megatron_moe_to_hf(mg, spec, tp, etp))
+        return out
     gate, up = fc1_from_megatron(mg["mlp.linear_fc1.weight"], tp)
     out.update({"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up})
+    out["mlp.down_proj.weight"] = mg["mlp.linear_fc2.weight"]
     return out
 
 

@@ -1,7 +1,7 @@
 """The few shims megatron-core 0.16 needs to run on CPU over gloo (applied only without CUDA).
 
 megatron-core has no CPU device path: `use_cpu_initialization` covers weight init only. On
-CPU machines two shims suffice:
+CPU machines these shims suffice:
 
 1. `apply_cpu_shims()` (once per process): `torch.cuda.current_device()` returns "cpu". Megatron
    allocates with `device=torch.cuda.current_device()` in the model itself (attention buffers,
@@ -12,7 +12,11 @@ CPU machines two shims suffice:
    name megatron asserts on ('torch.cuda.FloatTensor'), `pin_memory` is off, and
    `torch.cuda.synchronize/set_device/empty_cache` do nothing. It costs no measurable time.
 
-On a machine with CUDA both are no-ops: the GPU path is the same engine code over nccl
+3. (MoE) megatron-core's all-to-all token dispatcher copies its split sizes to the host (as
+   numpy arrays, which its all-to-all takes) on a side CUDA stream; `apply_cpu_shims` gives the
+   dispatcher a placeholder stream and makes that step a plain conversion to numpy.
+
+On a machine with CUDA all three are no-ops: the GPU path is the same engine code over nccl
 (untested on GPU). Everything else the CPU path needs is configuration, set by the engine:
 `transformer_impl="local"` with RMSNorm, every fusion off, an explicit causal attention mask
 (megatron's default mask is built on CUDA), no sequence parallelism.
@@ -48,7 +52,24 @@ def apply_cpu_shims() -> None:
     if _APPLIED or not needs_cpu_shims():
         return
     torch.cuda.current_device = _cpu_device
+    _host_token_dispatch()
     _APPLIED = True
+
+
+def _host_token_dispatch() -> None:
+    """The all-to-all dispatcher's device-to-host step on CPU (see the module doc)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = contextlib.nullcontext()  # never used on CPU
+
+    def host_splits(self, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name, None)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = host_splits
 
 
 def _map_device(value: Any) -> Any:

@@ -53,6 +53,8 @@ from hybridrl.engine.megatron.model import (
     load_hf_weights,
     transformer_config,
 )
+from hybridrl.engine.megatron.moe import expert_params_as_expert_parallel
+from hybridrl.engine.megatron.routing_replay import RoutingReplay
 from hybridrl.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 from hybridrl.engine.megatron.vocab_parallel_topk import topk_log_probs
 from hybridrl.engine.optim import lr_factor, num_warmup_steps
@@ -176,11 +178,16 @@ def _hf_state_dict(
 
 
 def num_dense_params(spec: ArchSpec) -> int:
-    """Non-embedding parameters of the model (the N of the 6N FLOP rule)."""
+    """Non-embedding parameters of the model a token goes through (the N of the 6N FLOP rule; MoE: the
+    router, top-k routed experts and the shared expert)."""
     h, d = spec.hidden_size, spec.head_dim
     attn = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h
     bias = (spec.num_heads + 2 * spec.num_kv_heads) * d if spec.qkv_bias else 0
-    return spec.num_layers * (attn + bias + 3 * h * spec.ffn_hidden_size + 2 * h) + h
+    mlp = 3 * h * spec.ffn_hidden_size
+    if spec.num_experts:
+        shared = 3 * h * spec.shared_expert_ffn_hidden_size + (h if spec.shared_expert_gate else 0)
+        mlp = spec.num_experts * h + spec.moe_topk * 3 * h * spec.moe_ffn_hidden_size + shared
+    return spec.num_layers * (attn + bias + mlp + 2 * h) + h
 
 
 @dataclass
@@ -207,6 +214,7 @@ class MegatronEngine(TrainEngine):
         0  # MTP layers built (model.mtp.enable), trained with mtp_train (engine/megatron/mtp.py)
     )
     mtp_train: bool = False
+    routing_replay: Any = None  # a MoE model's RoutingReplay (engine/megatron/routing_replay.py)
 
     @classmethod
     def build(
@@ -248,6 +256,7 @@ class MegatronEngine(TrainEngine):
         del hf_sd
         trained = optim_config is not None and role in ("actor", "critic")
         if trained:
+            expert_params_as_expert_parallel(chunks, megatron_config)
             chunks = _wrap_ddp(chunks, tcfg, megatron_config)
         if megatron_config.use_dist_checkpointing:
             from hybridrl.engine.megatron.checkpoint import load_dist_weights
@@ -275,6 +284,7 @@ class MegatronEngine(TrainEngine):
             max_grad_norm,
             n_mtp,
             bool(n_mtp and model_config.mtp.enable_train),
+            RoutingReplay(chunks) if spec.num_experts else None,
         )
 
     @classmethod
@@ -352,6 +362,7 @@ class MegatronEngine(TrainEngine):
                     pack_multiple=pack,
                     seq_multiple=seq,
                     position_fn=position_fn,
+                    routing=self.routing_replay,
                 )
         extra = functools.partial(mtp_lib.mtp_inputs, n=self.mtp_layers) if self.mtp_train else None
         return run_schedule(
@@ -363,7 +374,23 @@ class MegatronEngine(TrainEngine):
             seq_multiple=seq,
             extra_inputs=extra,
             position_fn=position_fn,
+            routing=self.routing_replay,
         )
+
+    def recording_routing(self):
+        """A context: the forwards run inside record their routing (a MoE model; see routing_replay.py).
+
+        Micro-batches carrying `routed_experts` (b, S, L_moe, K) are routed with them in every forward,
+        inside or outside this context."""
+        if self.routing_replay is None:
+            raise ValueError(
+                f"routing replay needs a mixture-of-experts model; {self.spec.model_type} has no experts"
+            )
+        return self.routing_replay.record(self.megatron_config.sequence_parallel)
+
+    def take_recorded_routing(self) -> list[torch.Tensor]:
+        """The routing recorded by `recording_routing`: one (b, S, L_moe, K) long tensor per micro-batch."""
+        return self.routing_replay.take() if self.routing_replay is not None else []
 
     @staticmethod
     def tp_info_size() -> int:
@@ -548,10 +575,24 @@ def _check_divisible(spec: ArchSpec, cfg: MegatronConfig, key: str) -> None:
             f"{key}.tensor_model_parallel_size={tp} must divide the attention heads ({spec.num_heads}) and the "
             f"key/value heads ({spec.num_kv_heads})"
         )
+    _check_experts(spec, cfg, key)
     if spec.num_layers % (pp * vpp):
         raise ValueError(
             f"{key}: pipeline_model_parallel_size * virtual_pipeline_model_parallel_size = {pp * vpp} must divide "
             f"the number of layers ({spec.num_layers})"
+        )
+
+
+def _check_experts(spec: ArchSpec, cfg: MegatronConfig, key: str) -> None:
+    ep = cfg.expert_model_parallel_size
+    if ep > 1 and not spec.num_experts:
+        raise ValueError(
+            f"{key}.expert_model_parallel_size={ep} needs a mixture-of-experts model (this {spec.model_type} model "
+            "has no experts); set it to 1"
+        )
+    if spec.num_experts % ep:
+        raise ValueError(
+            f"{key}.expert_model_parallel_size={ep} must divide the model's {spec.num_experts} experts"
         )
 
 

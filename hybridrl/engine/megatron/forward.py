@@ -174,17 +174,41 @@ def _model_inputs(micro: Any, packed: Any) -> tuple[torch.Tensor, torch.Tensor, 
     return ids, mask, positions
 
 
-def _forward_step(loss_fn: Callable, extra_inputs: Callable | None, data_iterator, model):
+def _forward_step(loss_fn: Callable, extra_inputs: Callable | None, routing: Any, data_iterator, model):
     micro, packed = next(data_iterator)
     ids, mask, positions = _model_inputs(micro, packed)
     extra = extra_inputs(micro, packed) if extra_inputs is not None else {}
     cp, cp_rank, _ = cp_group_info()
+    mine = None
     if cp > 1:  # this rank's two chunks of the tokens, its query rows of the mask (context_parallel.py)
         mine = cp_positions(ids.shape[1], cp, cp_rank, ids.device)
         ids, positions, mask = ids[:, mine], positions[:, mine], mask[:, :, mine]
         extra = {k: v[..., mine] for k, v in extra.items()}  # per-position inputs: the MTP labels and mask
-    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, **extra)
+    if routing is None:
+        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, **extra)
+    else:  # a MoE model: replay the micro-batch's routed_experts, or record (routing_replay.py)
+        chunk = routing.index(model)
+        routing.before_forward(chunk, _fed_routes(micro, packed, mine, ids.shape[1], model))
+        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, **extra)
+        routing.after_forward(chunk, packed, tuple(micro["input_ids"].shape), ids.shape[1], ids.shape[0])
     return out, functools.partial(loss_fn, micro, packed)
+
+
+def _fed_routes(micro: Any, packed: Any, cp_mine: Any, fed_len: int, model: Any) -> torch.Tensor | None:
+    """This rank's (L_moe, positions, rows, K) expert ids of the micro-batch's `routed_experts`, or None."""
+    from hybridrl.engine.megatron.routing_replay import ROUTED_EXPERTS, fed_routing, fed_slice
+
+    if ROUTED_EXPERTS not in micro.keys():
+        return None
+    tp_slice = None
+    config = getattr(model, "config", None) or model.module.config
+    if config.sequence_parallel:  # each TP rank routes its slice of the positions
+        from megatron.core import parallel_state as ps
+
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        per = fed_len // tp
+        tp_slice = slice(rank * per, (rank + 1) * per)
+    return fed_slice(fed_routing(micro[ROUTED_EXPERTS].long(), packed), cp_mine, tp_slice)
 
 
 def _lcm(a: int | None, b: int) -> int:
@@ -201,6 +225,7 @@ def run_schedule(
     seq_multiple: int | None = None,
     extra_inputs: Callable[[Any, Any], dict[str, torch.Tensor]] | None = None,
     position_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    routing: Any = None,
 ) -> list[Any]:
     """Run forward (and backward) of `micros` through the pipeline; results of the last stage.
 
@@ -219,6 +244,8 @@ def run_schedule(
             next-token ids (rows, L / CP)) -> per-position results (rows, L / CP, k), gathered
             over CP before `loss_fn` sees them; None passes the outputs themselves (the critic's
             values). Unused without CP.
+        routing: a MoE model's RoutingReplay (engine/megatron/routing_replay.py): micro-batches
+            carrying `routed_experts` route with them, and routing is recorded while it records.
 
     Returns:
         One `result` per micro-batch on the last pipeline stage, [] on the others.
@@ -265,7 +292,7 @@ def run_schedule(
     iters = [iter(list(zip(micros, feeds))) for _ in chunks]
     with cuda_to_cpu():
         get_forward_backward_func()(
-            forward_step_func=functools.partial(_forward_step, scaled, extra_inputs),
+            forward_step_func=functools.partial(_forward_step, scaled, extra_inputs, routing),
             data_iterator=iters if len(chunks) > 1 else iters[0],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=n,

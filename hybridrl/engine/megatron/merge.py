@@ -3,7 +3,8 @@
 Reads the `dist/` folder a MegatronEngine checkpoint holds (Megatron dist_checkpointing, torch
 DCP format) in this one process, without torch.distributed. Its tensors are global (the same for
 any TP/PP layout the run used): each decoder tensor is stacked over layers (L, ...), the fused
-QKV is group-major and the fused fc1 is [gate; up] (the TP=1 layout). They are converted with
+QKV is group-major and the fused fc1 is [gate; up] (the TP=1 layout); a MoE layer's routed
+experts are stacked once more (E, ...), whatever the expert-parallel size of the run. They are converted with
 the engine's own mapping (convert.py) and saved with the HF config of `--hf_model_path` (the model
 the run started from; default `<local_dir>/huggingface`). Causal-LM checkpoints (actor) only.
 """
@@ -59,12 +60,27 @@ def megatron_to_hf_state_dict(state: dict[str, torch.Tensor], hf_config) -> dict
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:v]}
     stacked = {k[len(prefix) :]: t for k, t in state.items() if k.startswith(prefix)}
     for i in range(spec.num_layers):
-        layer = {_LAYER_NAMES.get(k, k): t[i] for k, t in stacked.items()}
+        layer = _experts_per_name({_LAYER_NAMES.get(k, k): t[i] for k, t in stacked.items()})
         for name, t in megatron_layer_to_hf(layer, spec, tp=1).items():
             out[f"model.layers.{i}.{name}"] = t.clone()
     out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = state["output_layer.weight"][:v]
+    return out
+
+
+_EXPERTS = "mlp.experts.experts."  # a MoE layer's routed experts, stacked (E, ...) per layer
+
+
+def _experts_per_name(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A MoE layer's stacked expert tensors (E, ...) -> one `mlp.experts.local_experts.{e}.*` each (global e)."""
+    out = {}
+    for name, t in layer.items():
+        if name.startswith(_EXPERTS):
+            rest = name[len(_EXPERTS) :]
+            out.update({f"mlp.experts.local_experts.{e}.{rest}": t[e] for e in range(t.shape[0])})
+        else:
+            out[name] = t
     return out
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridrl.config.megatron import MegatronConfig
+from hybridrl.config.megatron import MegatronConfig, expert_tensor_parallel_size
 from hybridrl.engine.megatron.convert import (
     ArchSpec,
     hf_layer_to_megatron,
@@ -30,7 +30,15 @@ from hybridrl.engine.megatron.convert import (
     padded_vocab_size,
     shard_dim,
 )
-from hybridrl.engine.megatron.cpu_shims import apply_cpu_shims, cuda_to_cpu
+from hybridrl.engine.megatron.cpu_shims import apply_cpu_shims, cuda_to_cpu, needs_cpu_shims
+from hybridrl.engine.megatron.moe import (
+    check_moe_overrides,
+    expert_shard_dim,
+    global_expert_name,
+    is_expert_param,
+    moe_transformer_kwargs,
+    without_te_router_gemm,
+)
 from hybridrl.utils.device import process_group_timeout_s
 
 __all__ = [
@@ -57,6 +65,8 @@ def init_parallel(cfg: MegatronConfig, key: str) -> None:
         cfg.pipeline_model_parallel_size,
         cfg.virtual_pipeline_model_parallel_size,
         cfg.context_parallel_size,
+        cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size(cfg),
     )
     if ps.model_parallel_is_initialized():
         have = (
@@ -64,10 +74,12 @@ def init_parallel(cfg: MegatronConfig, key: str) -> None:
             ps.get_pipeline_model_parallel_world_size(),
             ps.get_virtual_pipeline_model_parallel_world_size(),
             ps.get_context_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(),
         )
         if have != sizes:
             raise ValueError(
-                f"{key}: (tp, pp, vpp, cp)={sizes} differs from {have} already used by another role in this process; "
+                f"{key}: (tp, pp, vpp, cp, ep, etp)={sizes} differs from {have} already used by another role in this process; "
                 "colocated Megatron roles must use the same parallel sizes"
             )
         return
@@ -77,6 +89,8 @@ def init_parallel(cfg: MegatronConfig, key: str) -> None:
             pipeline_model_parallel_size=sizes[1],
             virtual_pipeline_model_parallel_size=sizes[2],
             context_parallel_size=sizes[3],
+            expert_model_parallel_size=sizes[4],
+            expert_tensor_parallel_size=sizes[5],
             # Megatron's groups get the worker's timeout (actor_rollout_ref.nccl_timeout), not its 30 min
             distributed_timeout_minutes=max(1, math.ceil(process_group_timeout_s() / 60)),
         )
@@ -113,6 +127,8 @@ def transformer_config(spec: ArchSpec, cfg: MegatronConfig, dtype: torch.dtype, 
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         context_parallel_size=cfg.context_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size(cfg),
         # Batched p2p posts the sends and receives of both directions in one list; at PP=2 the previous
         # and next stage are the same peer, so an activation and a gradient of the same shape can be
         # matched crosswise (gloo matches by order): the interleaved update was wrong. Per-direction
@@ -122,7 +138,7 @@ def transformer_config(spec: ArchSpec, cfg: MegatronConfig, dtype: torch.dtype, 
         # Megatron turns sequence parallelism off at TP=1 too (nothing to split over)
         sequence_parallel=cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1,
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # (no MoE; the default allgather refuses variable lengths)
+        moe_token_dispatcher_type="alltoall",  # the default allgather refuses variable lengths
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -132,6 +148,7 @@ def transformer_config(spec: ArchSpec, cfg: MegatronConfig, dtype: torch.dtype, 
         attention_softmax_in_fp32=True,
         transformer_impl="local",
     )
+    kwargs.update(moe_transformer_kwargs(spec))
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     for name, value in (cfg.override_transformer_config or {}).items():
         if name not in fields:
@@ -139,6 +156,7 @@ def transformer_config(spec: ArchSpec, cfg: MegatronConfig, dtype: torch.dtype, 
                 f"{key}.override_transformer_config.{name}: megatron-core's TransformerConfig has no field {name!r}"
             )
         kwargs[name] = value
+    check_moe_overrides(kwargs, key, on_cpu=needs_cpu_shims())
     return TransformerConfig(**kwargs)
 
 
@@ -155,6 +173,17 @@ class SequenceParallelRMSNorm(nn.RMSNorm):
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+class HeadRMSNorm(nn.RMSNorm):
+    """torch's RMSNorm for the per-head q/k norms (`qk_layernorm`), with sequence parallelism allowed.
+
+    Megatron's `WrappedTorchNorm` refuses `sequence_parallel`; these norms run after the QKV
+    projection, where each tensor-parallel rank holds whole heads of every position, and
+    megatron-core's `finalize_model_grads` sums the q/k norm gradients over TP by name."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
 
 
 class ValueHead(nn.Module):
@@ -191,12 +220,24 @@ def build_model(spec: ArchSpec, tcfg: Any, role: str, seed: int, mtp: Any = None
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if spec.num_experts:
+        without_te_router_gemm()
+    layer_spec = get_gpt_layer_local_spec(
+        normalization="RMSNorm",
+        num_experts=spec.num_experts or None,
+        moe_grouped_gemm=False,
+        qk_layernorm=spec.qk_layernorm,
+    )
     layer_spec.submodules = dataclasses.replace(
         layer_spec.submodules,
         input_layernorm=SequenceParallelRMSNorm,
         pre_mlp_layernorm=SequenceParallelRMSNorm,
     )
+    if spec.qk_layernorm:
+        attn = layer_spec.submodules.self_attention
+        attn.submodules = dataclasses.replace(
+            attn.submodules, q_layernorm=HeadRMSNorm, k_layernorm=HeadRMSNorm
+        )
     if tcfg.context_parallel_size > 1:  # the local DotProductAttention refuses CP (context_parallel.py)
         from hybridrl.engine.megatron.context_parallel import ContextParallelAttention
 
@@ -271,15 +312,39 @@ def _build_chunks(chunks, spec, tcfg, layer_spec, tp, vpp, critic, role, mtp=Non
         chunks.append(model)
 
 
-def _tp_shard(name: str, full: torch.Tensor, tp: int, rank: int, critic: bool) -> torch.Tensor:
+def _shard_layout(name: str, critic: bool) -> tuple[int | None, int, int, Any]:
+    """(split dim, size, this rank's index, group) of a parameter's tensor parallelism: the expert-TP
+    group for a routed expert's weights, the TP group for everything else."""
+    from megatron.core import parallel_state as ps
+
+    if is_expert_param(name):
+        return (
+            expert_shard_dim(name),
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_group(check_initialized=False),
+        )
     dim = None if (critic and name.startswith("output_layer.")) else shard_dim(name)
-    return full if dim is None else full.chunk(tp, dim=dim)[rank]
+    return (
+        dim,
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_group(),
+    )
+
+
+def _tp_shard(name: str, full: torch.Tensor, critic: bool) -> torch.Tensor:
+    dim, size, rank, _ = _shard_layout(name, critic)
+    return full if dim is None else full.chunk(size, dim=dim)[rank]
 
 
 def _megatron_full_tensors(
     hf: dict[str, torch.Tensor], spec: ArchSpec, tp: int, critic: bool
 ) -> dict[str, torch.Tensor]:
-    """All full Megatron tensors (global layer numbers) of a HF state dict."""
+    """All full Megatron tensors (global layer and expert numbers) of a HF state dict."""
+    from megatron.core import parallel_state as ps
+
+    etp = ps.get_expert_tensor_parallel_world_size() if spec.num_experts else 1
     vocab = padded_vocab_size(spec.vocab_size, tp)
     out = {"embedding.word_embeddings.weight": pad_rows(hf["model.embed_tokens.weight"], vocab)}
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
@@ -292,18 +357,24 @@ def _megatron_full_tensors(
     for i in range(spec.num_layers):
         prefix = f"model.layers.{i}."
         layer = {k[len(prefix) :]: v for k, v in hf.items() if k.startswith(prefix)}
-        for name, t in hf_layer_to_megatron(layer, spec, tp).items():
+        for name, t in hf_layer_to_megatron(layer, spec, tp, etp).items():
             out[f"{_LAYER_PREFIX}{i}.{name}"] = t
     return out
 
 
 def _global_name(local: str, chunk: nn.Module) -> str:
-    """A chunk's parameter name with its layer index made global (layer_number is 1-based)."""
+    """A chunk's parameter name with its layer index (layer_number is 1-based) and expert index made global."""
     if not local.startswith(_LAYER_PREFIX):
         return local
     idx, rest = local[len(_LAYER_PREFIX) :].split(".", 1)
     layer = chunk.decoder.layers[int(idx)]
-    return f"{_LAYER_PREFIX}{layer.layer_number - 1}.{rest}"
+    name = f"{_LAYER_PREFIX}{layer.layer_number - 1}.{rest}"
+    if is_expert_param(name):
+        from megatron.core import parallel_state as ps
+
+        local_experts = layer.mlp.num_local_experts
+        name = global_expert_name(name, ps.get_expert_model_parallel_rank(), local_experts)
+    return name
 
 
 def load_hf_weights(
@@ -314,7 +385,7 @@ def load_hf_weights(
     mtp_layers: > 0: `hf` also holds that many MTP layers (DeepSeek-V3 names, engine/megatron/mtp.py)."""
     from megatron.core import parallel_state as ps
 
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    tp = ps.get_tensor_model_parallel_world_size()
     critic = role == "critic"
     full = _megatron_full_tensors(hf, spec, tp, critic)
     if mtp_layers:
@@ -329,19 +400,24 @@ def load_hf_weights(
                 name = _global_name(local, chunk)
                 if name not in full:
                     raise KeyError(f"Megatron parameter {name!r} has no Hugging Face source tensor")
-                param.copy_(_tp_shard(name, full[name], tp, rank, critic).to(param.dtype))
+                param.copy_(_tp_shard(name, full[name], critic).to(param.dtype))
 
 
 def _gather_tp(name: str, local: torch.Tensor, critic: bool) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    dim = None if (critic and name.startswith("output_layer.")) else shard_dim(name)
-    if tp == 1 or dim is None:
+    """The full tensor of this rank's shard (gathered over its TP group, or expert-TP group)."""
+    dim, size, _, group = _shard_layout(name, critic)
+    if size == 1 or dim is None:
         return local
-    parts = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
+
+
+def _expert_owner(name: str, num_local_experts: int) -> int:
+    """The EP rank that holds a routed expert's weight (-1: every EP rank has the tensor)."""
+    if not is_expert_param(name):
+        return -1
+    return int(name.split("local_experts.", 1)[1].split(".", 1)[0]) // num_local_experts
 
 
 def _bucket_of(name: str) -> tuple[int, int]:
@@ -356,31 +432,48 @@ def _local_params(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
     return {_global_name(n, c): p.detach() for c in chunks for n, p in c.named_parameters()}
 
 
+def _gather_meta(mine: list, group: Any, size: int) -> list:
+    """Every rank's entries of `group` in rank order, a name held by several ranks once."""
+    if size == 1:
+        return mine
+    parts: list[Any] = [None] * size
+    dist.all_gather_object(parts, mine, group=group)
+    seen, out = set(), []
+    for entry in (e for part in parts for e in part):
+        if entry[0] not in seen:
+            seen.add(entry[0])
+            out.append(entry)
+    return out
+
+
 def _stage_meta(local: dict[str, torch.Tensor], critic: bool) -> list[tuple[str, int, tuple, Any]]:
-    """(name, owning PP stage, full shape, dtype) of every tensor of the model, the same on every rank."""
+    """(name, owning PP stage, full shape, dtype) of every tensor of the model, the same on every rank.
+
+    With expert parallelism each EP rank lists its own experts; the lists are joined over the EP group."""
     from megatron.core import parallel_state as ps
 
-    tp = ps.get_tensor_model_parallel_world_size()
     mine = []
     for name, t in local.items():
-        dim = None if (critic and name.startswith("output_layer.")) else shard_dim(name)
+        dim, size, _, _ = _shard_layout(name, critic)
         shape = list(t.shape)
         if dim is not None:
-            shape[dim] *= tp
+            shape[dim] *= size
         mine.append((name, ps.get_pipeline_model_parallel_rank(), tuple(shape), t.dtype))
-    pp = ps.get_pipeline_model_parallel_world_size()
-    if pp == 1:
-        return mine
-    parts: list[Any] = [None] * pp
-    dist.all_gather_object(parts, mine, group=ps.get_pipeline_model_parallel_group())
-    return [entry for part in parts for entry in part]
+    ep = ps.get_expert_model_parallel_world_size()
+    mine = _gather_meta(mine, ps.get_expert_model_parallel_group(check_initialized=False), ep)
+    return _gather_meta(
+        mine, ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()
+    )
 
 
-def _iter_full_buckets(chunks: list[nn.Module], critic: bool) -> Iterator[dict[str, torch.Tensor]]:
+def _iter_full_buckets(
+    chunks: list[nn.Module], critic: bool, num_local_experts: int = 0
+) -> Iterator[dict[str, torch.Tensor]]:
     """Full Megatron tensors one bucket (the embedding, one layer, the head) at a time, on every rank.
 
     The owning stage all-gathers the bucket's TP shards, then broadcasts it over the PP group, so
-    at most one bucket of full tensors exists beyond the model itself.
+    at most one bucket of full tensors exists beyond the model itself. A routed expert's weight is
+    first broadcast over the expert-parallel group from the EP rank that holds it.
     """
     from megatron.core import parallel_state as ps
 
@@ -388,15 +481,21 @@ def _iter_full_buckets(chunks: list[nn.Module], critic: bool) -> Iterator[dict[s
     meta = _stage_meta(local, critic)
     pp, me = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) if pp > 1 else None
+    ep, ep_me = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    ep_group = ps.get_expert_model_parallel_group(check_initialized=False) if ep > 1 else None
+    ep_ranks = dist.get_process_group_ranks(ep_group) if ep > 1 else None
     buckets: dict[tuple[int, int], list] = {}
     for entry in meta:
         buckets.setdefault(_bucket_of(entry[0]), []).append(entry)
     for key in sorted(buckets):
         out: dict[str, torch.Tensor] = {}
         for name, stage, shape, dtype in buckets[key]:
-            if name in out:  # a name held by several stages is taken once
-                continue
-            t = _gather_tp(name, local[name], critic) if stage == me else torch.empty(shape, dtype=dtype)
+            owner = _expert_owner(name, num_local_experts) if ep > 1 else -1
+            held = stage == me and owner in (-1, ep_me)
+            t = _gather_tp(name, local[name], critic) if held else torch.empty(shape, dtype=dtype)
+            if owner >= 0:
+                t = t.contiguous()
+                dist.broadcast(t, src=ep_ranks[owner], group=ep_group)
             if pp > 1:
                 t = t.contiguous()
                 dist.broadcast(t, src=ranks[stage], group=ps.get_pipeline_model_parallel_group())
@@ -405,7 +504,7 @@ def _iter_full_buckets(chunks: list[nn.Module], critic: bool) -> Iterator[dict[s
 
 
 def iter_hf_params(chunks: list[nn.Module], spec: ArchSpec, role: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) of the whole model on every rank (a collective over TP and PP).
+    """(HF name, full tensor) of the whole model on every rank (a collective over TP, PP and EP).
 
     Gathered one bucket (embedding, one decoder layer, final norm + head) at a time. Tied
     embeddings appear once (`model.embed_tokens.weight`), as in the FSDP engine. The padded
@@ -415,8 +514,10 @@ def iter_hf_params(chunks: list[nn.Module], spec: ArchSpec, role: str) -> Iterat
 
     critic = role == "critic"
     tp = ps.get_tensor_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size() if spec.num_experts else 1
+    local_experts = spec.num_experts // ps.get_expert_model_parallel_world_size()
     v = spec.vocab_size
-    for bucket in _iter_full_buckets(chunks, critic):
+    for bucket in _iter_full_buckets(chunks, critic, local_experts):
         if "embedding.word_embeddings.weight" in bucket:
             yield "model.embed_tokens.weight", bucket["embedding.word_embeddings.weight"][:v]
         layers = sorted(
@@ -425,7 +526,7 @@ def iter_hf_params(chunks: list[nn.Module], spec: ArchSpec, role: str) -> Iterat
         for i in layers:
             prefix = f"{_LAYER_PREFIX}{i}."
             layer = {k[len(prefix) :]: t for k, t in bucket.items() if k.startswith(prefix)}
-            for name, t in megatron_layer_to_hf(layer, spec, tp).items():
+            for name, t in megatron_layer_to_hf(layer, spec, tp, etp).items():
                 yield f"model.layers.{i}.{name}", t
         if "decoder.final_layernorm.weight" in bucket:
             yield "model.norm.weight", bucket["decoder.final_layernorm.weight"]

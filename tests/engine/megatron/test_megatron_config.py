@@ -26,8 +26,13 @@ KEY = "actor_rollout_ref.actor.megatron"
         ),
         ({"context_parallel_size": 4}, False, "divide the number of ranks"),
         ({"context_parallel_size": 0}, False, "context_parallel_size"),
-        ({"expert_model_parallel_size": 2}, False, "expert"),
-        ({"expert_tensor_parallel_size": 2}, False, "expert"),
+        (
+            {"expert_model_parallel_size": 4},
+            False,
+            "expert_model_parallel_size .* must divide the number of ranks",
+        ),
+        ({"expert_model_parallel_size": 0}, False, "expert_model_parallel_size must be >= 1"),
+        ({"expert_tensor_parallel_size": 0}, False, "expert_tensor_parallel_size must be >= 1"),
         ({"virtual_pipeline_model_parallel_size": 2}, False, "pipeline_model_parallel_size >= 2"),
         ({"param_offload": True}, True, "offload"),
         ({"dtype": "float16"}, False, "float16"),
@@ -43,6 +48,15 @@ def test_refused(kwargs, on_gpu, match):
     assert KEY in str(e.value)
 
 
+def test_expert_parallel_with_tp_turns_sequence_parallel_on():
+    """megatron-core's MoE layer needs SP at EP > 1 with TP > 1; veRL's default for it is true."""
+    cfg = MegatronConfig(
+        expert_model_parallel_size=2, expert_tensor_parallel_size=1, tensor_model_parallel_size=2
+    )
+    validate_megatron_config(cfg, KEY, world_size=2, on_gpu=False)
+    assert cfg.sequence_parallel
+
+
 def test_accepted_and_no_ops():
     # sequence_parallel at TP=1 (Megatron ignores it) and TP=2 (honoured: test_megatron_engine.py),
     # offload on CPU (no-ops), use_mbridge either way
@@ -53,6 +67,14 @@ def test_accepted_and_no_ops():
         {"use_mbridge": True},
         {"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
         {"context_parallel_size": 2},  # honoured: test_megatron_engine.py
+        {"expert_model_parallel_size": 2},  # honoured on MoE models: test_megatron_moe.py
+        {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+        {
+            "expert_model_parallel_size": 2,
+            "expert_tensor_parallel_size": 1,
+            "tensor_model_parallel_size": 2,
+            "sequence_parallel": True,
+        },
     ):
         validate_megatron_config(MegatronConfig(**kwargs), KEY, world_size=2, on_gpu=False)
     # CP with PP (and VPP): honoured, test_megatron_pp2_cp2_matches_fsdp
