@@ -18,6 +18,7 @@ so the driver's use of randomness never shifts the worker's (and a run equals it
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -190,6 +191,9 @@ class LocalWorkerGroup(WorkerGroup):
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.close()
+        parallel_state = sys.modules.get("megatron.core.parallel_state")
+        if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()  # its groups die with the process group below
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         for key, value in self._saved_env.items():

@@ -95,8 +95,13 @@ def test_unknown_key_names_the_key_and_suggests():
             "mode=R2 records the routing in the old-log-prob pass",
         ),
         (
-            ["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.strategy=megatron"],
-            "strategy=megatron",
+            [
+                "actor_rollout_ref.actor.router_replay.mode=R2",
+                "actor_rollout_ref.actor.strategy=megatron",
+                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                "trainer.n_gpus_per_node=2",
+            ],
+            "mode=R2 records the old-log-prob pass's routing, which the Megatron engine does with pipeline",
         ),
         (
             ["actor_rollout_ref.actor.router_replay.record_file=/tmp/r.pt"],

@@ -454,14 +454,24 @@ class MegatronEngine(TrainEngine):
         return out
 
     def forward(self, micros, request: LogProbRequest | ValueRequest) -> list[Any]:
-        """See TrainEngine.forward: Megatron's schedule without gradients; every stage returns them."""
-        results = self.run(
-            list(micros),
-            lambda m, out: (torch.zeros(()), self._output(m, out, request)),
-            forward_only=True,
-            position_fn=self._position_fn(request),
-        )
-        return broadcast_from_last_stage(results)
+        """See TrainEngine.forward: Megatron's schedule without gradients; every stage returns them.
+
+        `request.record_routing` (a MoE model): each output also carries the experts its tokens were
+        routed to (`routed_experts`, (b, S, L_moe, K)); micro-batches carrying `routed_experts` route
+        with them whatever the request says."""
+        record = bool(getattr(request, "record_routing", False))
+        with self.recording_routing() if record else contextlib.nullcontext():
+            results = self.run(
+                list(micros),
+                lambda m, out: (torch.zeros(()), self._output(m, out, request)),
+                forward_only=True,
+                position_fn=self._position_fn(request),
+            )
+        results = broadcast_from_last_stage(results)
+        if record:
+            for out, routes in zip(results, self.take_recorded_routing(), strict=True):
+                out.routed_experts = routes
+        return results
 
     def forward_backward(self, micros, request: LogProbRequest | ValueRequest, loss_fn: LossFn) -> list[Any]:
         """See TrainEngine.forward_backward: Megatron's schedule (1F1B when pipelined)."""

@@ -208,7 +208,18 @@ def _fed_routes(micro: Any, packed: Any, cp_mine: Any, fed_len: int, model: Any)
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         per = fed_len // tp
         tp_slice = slice(rank * per, (rank + 1) * per)
-    return fed_slice(fed_routing(micro[ROUTED_EXPERTS].long(), packed), cp_mine, tp_slice)
+    return fed_slice(fed_routing(_fill_unrouted(micro[ROUTED_EXPERTS].long()), packed), cp_mine, tp_slice)
+
+
+def _fill_unrouted(routes: torch.Tensor) -> torch.Tensor:
+    """Tokens with nothing recorded (-1: padding, or a response's last token, which the rollout never
+    fed) get experts 0..K-1: megatron-core's replay needs a valid choice for every fed token, and no
+    kept log-prob depends on these (padding is masked out; nothing is predicted after the last token)."""
+    missing = (routes < 0).any(dim=-1, keepdim=True)
+    if not bool(missing.any()):
+        return routes
+    filler = torch.arange(routes.shape[-1], device=routes.device).expand_as(routes)
+    return torch.where(missing, filler, routes)
 
 
 def _lcm(a: int | None, b: int) -> int:

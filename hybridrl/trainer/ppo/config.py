@@ -224,11 +224,18 @@ def _validate_routing_replay(config: PPOConfig) -> None:
         modes[role] = section.router_replay.mode
         if section.router_replay.mode == "disabled":
             continue
-        if section.strategy == "megatron":
-            raise ConfigError(
-                f"{key}.router_replay.mode={section.router_replay.mode} runs in the FSDP engine; "
-                f"{key}.strategy=megatron does not replay routing: use strategy=fsdp or mode=disabled"
-            )
+        if section.strategy == "megatron" and section.router_replay.mode == "R2" and role == "actor":
+            m = section.megatron
+            if (
+                m.pipeline_model_parallel_size > 1
+                or m.context_parallel_size > 1
+                or (m.tensor_model_parallel_size > 1 and m.sequence_parallel)
+            ):
+                raise ConfigError(
+                    f"{key}.router_replay.mode=R2 records the old-log-prob pass's routing, which the Megatron "
+                    "engine does with pipeline_model_parallel_size=1, context_parallel_size=1 and no sequence "
+                    "parallelism (one rank sees every token); use mode=R3 (replay only) or that layout"
+                )
         if section.ulysses_sequence_parallel_size > 1:
             raise ConfigError(
                 f"{key}.router_replay.mode={section.router_replay.mode} does not combine with "

@@ -86,6 +86,7 @@ def _run(rank, world, model_dir, ep, packed, result_dir):
     with meg.recording_routing():
         free = meg.forward(_micros(mine), request)
     recorded = torch.cat(meg.take_recorded_routing())
+    via_request = meg.forward(_micros(mine), LogProbRequest(record_routing=True))  # the actor's way
     replayed_same = meg.forward(_micros(mine, recorded), request)
     with torch.no_grad():  # move the weights: every router redrawn
         for chunk in meg.chunks:
@@ -100,6 +101,7 @@ def _run(rank, world, model_dir, ep, packed, result_dir):
         h.remove()
     out = {
         "recorded": recorded,
+        "via_request": torch.cat([o.routed_experts for o in via_request]),
         "valid": mine.batch["attention_mask"].bool(),
         "lp_free": torch.cat([o.log_probs for o in free]),
         "lp_replayed": torch.cat([o.log_probs for o in replayed_same]),
@@ -146,6 +148,7 @@ def test_megatron_routing_replay(tmp_path, ep, packed):
         assert recorded.shape == (*valid.shape, 2, 2) and out["num_layers"] == 2
         # the recording is the model's own routing (HF's router on the same weights)
         assert torch.equal(recorded.sort(dim=-1).values[valid], hf[rows][valid])
+        assert torch.equal(out["via_request"], recorded)  # LogProbRequest(record_routing=True)
         # replaying the recording at unchanged weights changes nothing
         assert torch.equal(out["lp_free"], out["lp_replayed"])
         want = recorded.sort(dim=-1).values[valid]
