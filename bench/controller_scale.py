@@ -17,6 +17,13 @@ log-probs / values / scores float32), so what is measured is what the controller
     update_critic       (GAE) the whole batch out; metrics back
     update_actor        the whole batch out; metrics back
 
+`--data-path ref` runs the same step with the batch held by reference (`BatchRef`,
+hybridrl/single_controller/batch_ref.py): the token-level tensors stay in the object store and
+move worker to worker; the driver sends the prompts once and receives per-sample values (scores,
+the GAE whitening moments) and metrics; the per-token advantage work runs on the workers
+(`apply_batch_fn`), the group statistics on the driver. `--data-path driver` (the default) is the
+through-the-driver flow above.
+
 Printed per configuration (workers W, sequences B, response tokens T): the bytes that pass through
 the driver per step (tensors sent to and received from the workers), the driver's peak RSS, and the
 control-plane seconds per step (the step's wall time less the time the workers spent building their
@@ -27,6 +34,7 @@ W, B and T. Each configuration runs in a fresh process so that its peak RSS is i
     python bench/controller_scale.py --workers 2,8,32 --batch 1024 --length 1024
     python bench/controller_scale.py --workers 8 --batch 1024,2048,4096,8192 --length 4096 --estimator gae
     python bench/controller_scale.py --workers 8 --nodes 2               # a 2-node ray.cluster_utils cluster
+    python bench/controller_scale.py --data-path driver,ref --workers 2,8,32 --batch 2048 --length 1024
 """
 
 from __future__ import annotations
@@ -122,6 +130,10 @@ def _worker_class():
         def update_actor(self, data: DataProto) -> DataProto:
             return self._timed(lambda b, d: self._out({}, {"actor/pg_loss": [float(len(d))]}), data)
 
+        @register(Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
+        def apply_batch_fn(self, fn, data: DataProto) -> DataProto:
+            return self._timed(lambda b, d: fn(d), data)
+
         @register(Dispatch.ONE_TO_ALL)
         def take_busy_s(self) -> float:
             busy, self.busy_s = self.busy_s, 0.0
@@ -140,8 +152,129 @@ def nbytes(data) -> int:
     return total
 
 
+# ------------------------------------------------------------ per-token stages run on the workers
+def _per_sample(data, columns: dict):
+    """A DataProto of no tensors and these (b,) numpy columns (they go to the driver)."""
+    from tensordict import TensorDict
+
+    from hybridrl.protocol import DataProto
+
+    return DataProto(batch=TensorDict({}, batch_size=[len(data)]), non_tensor_batch=columns)
+
+
+def stage_outcome_scores(data):
+    """GRPO, worker side: s_i from the rewards (rm_scores here, as token_level_scores) -> driver."""
+    from hybridrl import algos
+
+    return _per_sample(
+        data, {"score": algos.outcome_scores(data.batch["rm_scores"], data.batch["response_mask"]).numpy()}
+    )
+
+
+def stage_broadcast_advantages(data):
+    """GRPO, worker side: the driver's per-response A_i onto the tokens."""
+    import numpy as np
+    import torch
+
+    from hybridrl import algos
+    from hybridrl.protocol import DataProto
+
+    adv = algos.broadcast_to_tokens(
+        torch.from_numpy(np.asarray(data.non_tensor_batch["grpo_adv"], dtype=np.float32)),
+        data.batch["response_mask"],
+    )
+    return DataProto.from_dict({"advantages": adv, "returns": adv})
+
+
+def stage_gae(data, gamma: float = 1.0, lam: float = 1.0):
+    """GAE, worker side: A_t, R_t of each row, plus the row moments the whitening needs."""
+    from hybridrl import algos
+    from hybridrl.protocol import DataProto
+
+    b, mask = data.batch, data.batch["response_mask"]
+    adv, ret = algos.gae_before_whitening(b["rm_scores"], b["values"], mask, gamma, lam)
+    mom = algos.masked_row_moments(adv, mask).numpy()
+    return DataProto.from_dict(
+        {"gae_raw": adv, "returns": ret * mask},
+        non_tensors={"mom_sum": mom[:, 0], "mom_sq": mom[:, 1], "mom_n": mom[:, 2]},
+    )
+
+
+def stage_whiten(data, mean: float, var: float, epsilon: float = 1e-8):
+    """GAE, worker side: whiten with the batch's mean and variance (from the row moments)."""
+    import torch
+
+    from hybridrl.protocol import DataProto
+
+    adv = (data.batch["gae_raw"] - mean) * torch.rsqrt(torch.tensor(var + epsilon, dtype=torch.float32))
+    return DataProto.from_dict({"advantages": adv * data.batch["response_mask"]})
+
+
+def _ref_step(wg, step: int, batch: int, prompt_length: int, n: int, estimator: str, moved: dict) -> None:
+    """One step's data flow with the batch held by reference; `moved` counts what the driver sends
+    (per-sample columns, the prompts it puts) and receives (per-sample columns, pulled tensors)."""
+    import functools
+
+    import numpy as np
+    import torch
+
+    from hybridrl import algos
+    from hybridrl.protocol import DataProto
+    from hybridrl.single_controller.batch_ref import TRANSFER, BatchRef, column_bytes
+
+    def call(method: str, *args):
+        data = args[-1]
+        put, pulled = TRANSFER["put"], TRANSFER["pulled"]
+        moved["out"] += column_bytes({}, data.non_tensor_batch)
+        out = getattr(wg, method)(*args)
+        moved["in"] += column_bytes({}, out.non_tensor_batch) + TRANSFER["pulled"] - pulled
+        moved["out"] += TRANSFER["put"] - put
+        return out
+
+    prompts = torch.ones((batch // n, prompt_length), dtype=torch.int64)
+    pmask = torch.ones_like(prompts)
+    put0 = TRANSFER["put"]
+    p = BatchRef.from_proto(
+        DataProto.from_dict(
+            {"input_ids": prompts, "attention_mask": pmask, "position_ids": pmask.cumsum(-1) - 1}
+        )
+    )
+    moved["out"] += TRANSFER["put"] - put0
+    uid = np.array([f"{step}-{i}" for i in range(batch // n)], dtype=object)
+    gen_in = p.select_idxs(np.repeat(np.arange(batch // n), n))  # rollout.n, by row index
+    b = call("generate_sequences", gen_in)
+    b.non_tensor_batch["uid"] = np.repeat(uid, n)
+    b = b.union(call("compute_rm_score", b))
+    b = b.union(call("compute_log_prob", b))
+    b = b.union(call("compute_ref_log_prob", b))
+    if estimator == "gae":
+        b = b.union(call("compute_values", b))
+        g = call("apply_batch_fn", stage_gae, b.select(["rm_scores", "values", "response_mask"]))
+        mom = np.stack(
+            [np.asarray(g.non_tensor_batch[k], np.float64) for k in ("mom_sum", "mom_sq", "mom_n")], -1
+        )
+        mean, var = algos.mean_var_from_moments(torch.from_numpy(mom))
+        g.non_tensor_batch = {}
+        b = b.union(g)
+        whiten = functools.partial(stage_whiten, mean=mean, var=var)
+        b = b.union(call("apply_batch_fn", whiten, b.select(["gae_raw", "response_mask"])))
+        b.pop(["gae_raw"])
+    else:
+        s = call("apply_batch_fn", stage_outcome_scores, b.select(["rm_scores", "response_mask"]))
+        adv = algos.grpo_response_advantages(
+            torch.from_numpy(np.asarray(s.non_tensor_batch["score"], dtype=np.float32)),
+            b.non_tensor_batch["uid"],
+        )
+        adv_in = b.select(["response_mask"])
+        adv_in.non_tensor_batch = {"grpo_adv": adv.numpy()}
+        b = b.union(call("apply_batch_fn", stage_broadcast_advantages, adv_in))
+    if estimator == "gae":
+        call("update_critic", b)
+    call("update_actor", b)
+
+
 def run_one(workers: int, batch: int, length: int, prompt_length: int, n: int, estimator: str,
-            steps: int, nodes: int) -> dict:  # fmt: skip
+            steps: int, nodes: int, data_path: str = "driver") -> dict:  # fmt: skip
     """One configuration in this process: start Ray and the group, run `steps` PPO steps' data flow."""
     import numpy as np
     import ray
@@ -182,6 +315,15 @@ def run_one(workers: int, batch: int, length: int, prompt_length: int, n: int, e
     for step in range(steps + 1):  # step 0 warms up
         moved = {"out": 0, "in": 0}
         t0 = time.perf_counter()
+        if data_path == "ref":
+            _ref_step(wg, step, batch, prompt_length, n, estimator, moved)
+            wall = time.perf_counter() - t0
+            busy = max(wg.take_busy_s())
+            if step:
+                results.append(
+                    {"wall_s": wall, "worker_s": busy, "bytes": moved["out"] + moved["in"], **moved}
+                )
+            continue
         prompts = torch.ones((batch // n, prompt_length), dtype=torch.int64)
         pmask = torch.ones_like(prompts)
         b = DataProto.from_dict(
@@ -224,6 +366,7 @@ def run_one(workers: int, batch: int, length: int, prompt_length: int, n: int, e
     med = {k: statistics.median(r[k] for r in results) for k in results[0]}
     return {
         "workers": workers, "batch": batch, "length": length, "nodes": nodes, "estimator": estimator,
+        "data_path": data_path,
         "bytes_per_step": med["bytes"], "bytes_out": med["out"], "bytes_in": med["in"],
         "control_s": max(med["wall_s"] - med["worker_s"], 0.0), "wall_s": med["wall_s"],
         "peak_rss_mib": peak_kib / 1024, "rss_after_start_mib": rss_start_kib / 1024,
@@ -233,7 +376,7 @@ def run_one(workers: int, batch: int, length: int, prompt_length: int, n: int, e
 # ------------------------------------------------------------------------------------ the grid
 def _slopes(rows: list[dict], axis: str, keys: tuple[str, ...]) -> list[str]:
     """Growth factor per doubling of `axis`, between neighbouring rows that differ only in it."""
-    others = [a for a in ("workers", "batch", "length", "nodes", "estimator") if a != axis]
+    others = [a for a in ("data_path", "workers", "batch", "length", "nodes", "estimator") if a != axis]
     lines = []
     for _, group in itertools.groupby(sorted(rows, key=lambda r: [r[a] for a in others] + [r[axis]]),
                                       key=lambda r: [r[a] for a in others]):  # fmt: skip
@@ -246,7 +389,7 @@ def _slopes(rows: list[dict], axis: str, keys: tuple[str, ...]) -> list[str]:
             lines.append(
                 f"  {axis} {a[axis]} -> {b[axis]}: "
                 + ", ".join(f"{k} x{v:.2f}" for k, v in f.items())
-                + f"  (at workers={b['workers']} batch={b['batch']} length={b['length']})"
+                + f"  (at workers={b['workers']} batch={b['batch']} length={b['length']}, {b['data_path']})"
             )
     return lines
 
@@ -261,33 +404,38 @@ def main() -> None:
     ap.add_argument("--estimator", default="grpo", choices=["grpo", "gae"])
     ap.add_argument("--steps", type=int, default=3, help="measured steps per configuration (after 1 warm-up)")
     ap.add_argument("--nodes", type=int, default=1, help=">1: a multi-node ray.cluster_utils.Cluster")
+    ap.add_argument(
+        "--data-path", default="driver", help="comma list of driver (through the driver), ref (BatchRef)"
+    )
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         w, b, t = (int(x) for x in args.one.split(","))
-        print(
-            "ROW "
-            + json.dumps(run_one(w, b, t, args.prompt_length, args.n, args.estimator, args.steps, args.nodes))
+        row = run_one(
+            w, b, t, args.prompt_length, args.n, args.estimator, args.steps, args.nodes, args.data_path
         )
+        print("ROW " + json.dumps(row))
         return
 
     print(json.dumps(C.machine_info()), "load", C.load_average())
     rows = []
-    grid = itertools.product(*(map(int, s.split(",")) for s in (args.workers, args.batch, args.length)))
-    for w, b, t in grid:
+    sizes = itertools.product(*(map(int, s.split(",")) for s in (args.workers, args.batch, args.length)))
+    for (w, b, t), path in itertools.product(list(sizes), args.data_path.split(",")):
         cmd = [sys.executable, __file__, "--one", f"{w},{b},{t}", "--prompt-length", str(args.prompt_length),
                "--n", str(args.n), "--estimator", args.estimator, "--steps", str(args.steps),
-               "--nodes", str(args.nodes)]  # fmt: skip
+               "--nodes", str(args.nodes), "--data-path", path]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
         if proc.returncode or line is None:
-            print(f"workers={w} batch={b} length={t}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")
+            print(
+                f"{path}: workers={w} batch={b} length={t}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}"
+            )
             continue
         rows.append(json.loads(line[4:]))
         r = rows[-1]
         print(
-            f"workers {w:4d}  batch {b:5d}  length {t:5d}  | driver MB/step {r['bytes_per_step'] / 1e6:9.1f}"
+            f"{path:6s}  workers {w:4d}  batch {b:5d}  length {t:5d}  | driver MB/step {r['bytes_per_step'] / 1e6:9.1f}"
             f"  peak RSS MiB {r['peak_rss_mib']:7.0f}  control s/step {r['control_s']:7.3f}"
             f"  (wall {r['wall_s']:.3f})",
             flush=True,

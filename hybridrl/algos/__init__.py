@@ -41,6 +41,7 @@ from hybridrl.algos.agg import (
 from hybridrl.algos.dapo import apply_overlong_penalty, filter_groups_by_metric
 from hybridrl.algos.dppo import compute_policy_loss_dppo_kl, compute_policy_loss_dppo_tv
 from hybridrl.algos.group_advantage import (
+    broadcast_to_tokens,
     compute_gdpo_outcome_advantage,
     compute_gpg_outcome_advantage,
     compute_grpo_outcome_advantage,
@@ -50,6 +51,7 @@ from hybridrl.algos.group_advantage import (
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_rloo_outcome_advantage,
     compute_rloo_outcome_advantage_loop,
+    grpo_response_advantages,
     outcome_scores,
 )
 from hybridrl.algos.groups import Groups
@@ -89,6 +91,7 @@ from hybridrl.algos.returns import (
     compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage,
     discounted_returns,
+    gae_before_whitening,
 )
 from hybridrl.algos.rollout_is import (
     compute_rollout_correction,
@@ -108,9 +111,11 @@ from hybridrl.algos.utils import (
     entropy_from_logits_chunked,
     logprobs_from_logits,
     masked_mean,
+    masked_row_moments,
     masked_sum,
     masked_var,
     masked_whiten,
+    mean_var_from_moments,
 )
 from hybridrl.algos.value import compute_value_loss
 
@@ -128,6 +133,7 @@ __all__ = [
     "agg_loss",
     "apply_kl_penalty",
     "apply_overlong_penalty",
+    "broadcast_to_tokens",
     "compute_gae_advantage_return",
     "compute_tir_optimal_token_baseline_advantage",
     "compute_policy_loss_sapo",
@@ -137,6 +143,8 @@ __all__ = [
     "compute_gdpo_outcome_advantage",
     "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
+    "gae_before_whitening",
+    "grpo_response_advantages",
     "compute_grpo_outcome_advantage_loop",
     "compute_grpo_passk_outcome_advantage",
     "compute_opo_outcome_advantage",
@@ -182,6 +190,8 @@ __all__ = [
     "logprobs_from_logits",
     "loss_counts",
     "masked_mean",
+    "masked_row_moments",
+    "mean_var_from_moments",
     "masked_sum",
     "masked_var",
     "masked_whiten",

@@ -64,9 +64,33 @@ def compute_grpo_outcome_advantage(
         advantages, returns: (B, T) each, equal.
     """
     scores = outcome_scores(token_level_rewards, response_mask)
-    groups = Groups.from_index(index, scores.device)
-    advantages = _per_token(_grpo_of_scores(scores, groups, epsilon, norm_adv_by_std_in_grpo), response_mask)
+    per_response = grpo_response_advantages(scores, index, epsilon, norm_adv_by_std_in_grpo)
+    advantages = _per_token(per_response, response_mask)
     return advantages, advantages
+
+
+def grpo_response_advantages(
+    scores: torch.Tensor, index: np.ndarray, epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True
+) -> torch.Tensor:
+    """The per-response half of `compute_grpo_outcome_advantage`: A_i from the outcome scores.
+
+    Needs only the (B,) scores and uids, so a controller that keeps the (B, T) tensors on its
+    workers computes it and sends A_i back for `broadcast_to_tokens` there.
+
+    Args:
+        scores: (B,) s_i (`outcome_scores`).
+        index: (B,) prompt uid of each response.
+
+    Returns:
+        (B,) A_i.
+    """
+    groups = Groups.from_index(index, scores.device)
+    return _grpo_of_scores(scores, groups, epsilon, norm_adv_by_std_in_grpo)
+
+
+def broadcast_to_tokens(per_response: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Every unmasked token gets its response's value: (B,) -> (B, T)."""
+    return _per_token(per_response, response_mask)
 
 
 def _grpo_of_scores(scores: torch.Tensor, groups: Groups, epsilon: float, norm_by_std: bool) -> torch.Tensor:

@@ -45,6 +45,28 @@ def compute_gae_advantage_return(
         advantages: (B, T) whitened A_t, 0 under the mask.
         returns: (B, T) R_t, 0 under the mask.
     """
+    advantages, returns = gae_before_whitening(token_level_rewards, values, response_mask, gamma, lam)
+    advantages = masked_whiten(advantages, response_mask)
+    return advantages * response_mask, returns * response_mask
+
+
+@torch.no_grad()
+def gae_before_whitening(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-response part of `compute_gae_advantage_return`: A_t and R_t = A_t + V_t of eq. 16,
+    before whitening and masking. Each row needs only its own tensors (no view of the batch).
+
+    Args:
+        token_level_rewards, values, response_mask: (B, T).
+
+    Returns:
+        advantages, returns: (B, T) each.
+    """
     is_action = response_mask.bool()
     nextvalues = values.new_zeros(values.shape[0])
     lastgaelam = values.new_zeros(values.shape[0])
@@ -56,10 +78,7 @@ def compute_gae_advantage_return(
         lastgaelam = torch.where(is_action[:, t], gae_t, lastgaelam)
         advantages_reversed.append(lastgaelam)
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
-
-    returns = advantages + values
-    advantages = masked_whiten(advantages, response_mask)
-    return advantages * response_mask, returns * response_mask
+    return advantages, advantages + values
 
 
 @torch.no_grad()

@@ -63,6 +63,24 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return masked_sum(centered**2, mask) / count.clamp(min=1)
 
 
+def masked_row_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-row sums for a whitening whose rows live in different processes: (B, T) -> (B, 3)
+    float64 columns sum(m x), sum(m x^2), sum(m); `mean_var_from_moments` reduces them."""
+    x, m = values.double(), mask.double()
+    return torch.stack([(x * m).sum(-1), (x * x * m).sum(-1), m.sum(-1)], dim=-1)
+
+
+def mean_var_from_moments(moments: torch.Tensor) -> tuple[float, float]:
+    """Mean and unbiased variance of the masked entries from `masked_row_moments` rows (B, 3).
+
+    Equals `masked_mean` / `masked_var` up to float rounding (the sums are float64)."""
+    s, ss, n = moments.sum(0).tolist()
+    if n < 2:
+        raise ValueError(f"whitening needs at least 2 unmasked entries, got {n:.0f}")
+    mean = s / n
+    return mean, max(ss - n * mean * mean, 0.0) / (n - 1)
+
+
 def masked_whiten(
     values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, epsilon: float = 1e-8
 ) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from hybridrl.protocol import DataProtoFuture
+from hybridrl.single_controller.batch_ref import BatchShard, by_ref_output
 from hybridrl.single_controller.dispatch import (
     Dispatch,
     DispatchMode,
@@ -133,6 +134,7 @@ def register(
 
         @functools.wraps(fn)
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            by_ref = any(isinstance(v, BatchShard) for v in (*args, *kwargs.values()))
             if materialize_futures:
                 waiter = _waiter(self, fn.__name__)
                 args = tuple(_materialize(a, waiter) for a in args)
@@ -140,7 +142,7 @@ def register(
             out = fn(self, *args, **kwargs)
             if mode.mesh is not None and not self.mesh_coord(mode.mesh).is_collector:
                 return None  # the driver keeps the collector's result only: do not ship copies
-            return out
+            return by_ref_output(out) if by_ref else out
 
         setattr(method, REGISTER_ATTR, spec)
         return method  # type: ignore[return-value]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridrl.protocol import DataProto, DataProtoFuture, pad_dataproto_to_divisor, unpad_dataproto
+from hybridrl.single_controller.batch_ref import BatchRef
 
 __all__ = [
     "Dispatch",
@@ -210,15 +211,16 @@ def dispatch_dp_compute(world_size: int, *args: Any, **kwargs: Any) -> DispatchP
 
 
 def _split_protos(mode: str, world_size: int, args: tuple, kwargs: dict[str, Any], pad: bool) -> DispatchPlan:
-    """Chunk every DataProto / DataProtoFuture argument world_size ways; broadcast the rest.
+    """Chunk every DataProto / BatchRef / DataProtoFuture argument world_size ways; broadcast the rest.
 
-    DataProtos are padded (if ``pad``) to a multiple of world_size; the pad size goes into
-    the plan's context. DataProtoFutures are chunked lazily (``DataProtoFuture.chunk``): each
+    DataProtos and BatchRefs are padded (if ``pad``) to a multiple of world_size; the pad size
+    goes into the plan's context. A BatchRef's chunks are futures that each rank resolves from
+    the object store. DataProtoFutures are chunked lazily (``DataProtoFuture.chunk``): each
     rank resolves only its piece, so their length must already be divisible by world_size.
     """
     lengths = {}
     for key, value in [*enumerate(args), *kwargs.items()]:
-        if isinstance(value, DataProto):
+        if isinstance(value, (DataProto, BatchRef)):
             lengths[key] = len(value)
     if len(set(lengths.values())) > 1:
         raise ValueError(
@@ -243,6 +245,9 @@ def _split_protos(mode: str, world_size: int, args: tuple, kwargs: dict[str, Any
             if pad:
                 value, pad_size = pad_dataproto_to_divisor(value, world_size)
             return value.chunk(world_size)
+        if isinstance(value, BatchRef):
+            chunks, pad_size = value.shard(world_size, pad)
+            return chunks
         if isinstance(value, DataProtoFuture):
             return value.chunk(world_size)
         return [value] * world_size
@@ -297,6 +302,17 @@ def concat_and_unpad(outputs: Sequence[DataProto], pad_size: int) -> DataProto:
 
 def collect_dp_compute_proto(outputs: list[Any], context: Any) -> DataProto:
     return concat_and_unpad(outputs, context or 0)
+
+
+def collect_batch_ref(outputs: list[Any], context: Any, mode: DispatchMode) -> BatchRef:
+    """Collect of a call given a BatchRef: the ranks returned ShardHandles (their results stayed in
+    the object store); keep one per chunk (a mesh mode's collecting ranks), in row order."""
+    if mode.mesh is not None:
+        pad_size, collector_of = context
+        outputs = [outputs[r] for r in collector_of]
+    else:
+        pad_size = context or 0
+    return BatchRef.from_handles(outputs, pad_size)
 
 
 def proto_collect_fn(mode: DispatchMode, context: Any) -> Callable[[list[Any]], Any]:

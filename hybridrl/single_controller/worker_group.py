@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridrl.single_controller.base import Execute, RegisterSpec, registered_methods
-from hybridrl.single_controller.dispatch import DispatchPlan, MeshDispatchInfo, proto_collect_fn
+from hybridrl.single_controller.batch_ref import BatchRef
+from hybridrl.single_controller.dispatch import (
+    DispatchPlan,
+    MeshDispatchInfo,
+    collect_batch_ref,
+    proto_collect_fn,
+)
 
 __all__ = ["WorkerDiedError", "WorkerGroup", "WorkerGroupError", "WorkerHungError"]
 
@@ -218,6 +224,8 @@ class WorkerGroup:
             ranks, rank_args, rank_kwargs = [0], [rank_args[i]], [rank_kwargs[i]]
             collect: Callable[[list[Any]], Any] = _first
             returns_data_proto = False
+        elif _carries_batch_ref(args, kwargs):
+            collect = self._by_ref(mode, plan)
         else:
             collect = proto_collect_fn(mode, plan.context)
         rank_args, rank_kwargs = self._share_args(rank_args, rank_kwargs)
@@ -225,6 +233,16 @@ class WorkerGroup:
         if spec.blocking:
             return collect(self._gather(handles, method, ranks))
         return self._future(handles, collect, method, ranks, returns_data_proto)
+
+    def _by_ref(self, mode: Any, plan: DispatchPlan) -> Callable:
+        """A call given a BatchRef: every rank keeps its result in the object store and returns a
+        handle; the driver gets a BatchRef of the new columns."""
+        if not mode.returns_data_proto:
+            raise TypeError(
+                f"{mode!r} does not return a DataProto, so it cannot take a BatchRef; pull the columns the "
+                "method needs first (batch_ref.pull([...])) or register it with Dispatch.DP_COMPUTE_PROTO"
+            )
+        return functools.partial(collect_batch_ref, context=plan.context, mode=mode)
 
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method_name`` with the same arguments on every rank; per-rank handles."""
@@ -244,6 +262,10 @@ class WorkerGroup:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, world_size={self._world_size}, methods={self._method_names})"
+
+
+def _carries_batch_ref(args: tuple, kwargs: dict[str, Any]) -> bool:
+    return any(isinstance(v, BatchRef) for v in (*args, *kwargs.values()))
 
 
 def _first(outputs: list[Any]) -> Any:

@@ -296,3 +296,20 @@ class ControlledWorker(Worker):
     def release(self) -> bool:
         self._released.set()
         return True
+
+
+# Per-row stage functions for the BatchRef tests: their results do not depend on the rank or the
+# split, so the driver path and the by-reference path must agree exactly.
+def stage_log_prob(data: DataProto, rank: int) -> DataProto:
+    x = data.batch["x"]
+    score = x.sum(-1)
+    return DataProto.from_dict(
+        {"lp": x * score.unsqueeze(-1), "score_tok": score.unsqueeze(-1) * data.batch["m"]},
+        non_tensors={"score": score.numpy()},
+        meta_info={"metrics": {"stage/rows": [len(data)]}},
+    )
+
+
+def stage_advantage(data: DataProto, rank: int) -> DataProto:
+    adv = (data.batch["lp"] - data.batch["score_tok"]) * data.batch["m"]
+    return DataProto.from_dict({"adv": adv, "ret": adv + 1.0})

@@ -124,3 +124,24 @@ def test_colocated_roles_dispatch_over_their_own_meshes(ray_session):
     finally:
         wg.shutdown()
         pool.remove()
+
+
+def test_batch_ref_over_two_meshes_equals_the_driver_path(pp_dp_tp):
+    """rows (dp=2, collected from the last pp stage) then train_rows (dp=8): by reference the
+    second mesh assembles its rows from the first mesh's collectors' shards; same result."""
+    from hybridrl.single_controller.batch_ref import BatchRef
+
+    def flow(batch):
+        first = pp_dp_tp.rows(batch)
+        first.pop(["x"])  # the input's column: DataProto.union would compare it, BatchRef refuses it
+        batch = batch.union(first)
+        batch.reorder(torch.tensor([6, 5, 4, 3, 2, 1, 0]))
+        return pp_dp_tp.train_rows(batch)
+
+    want = flow(_proto(7))
+    got = flow(BatchRef.from_proto(_proto(7)))
+    assert isinstance(got, BatchRef)
+    pulled = got.pull()
+    for k in want.batch.keys():
+        assert torch.equal(pulled.batch[k], want.batch[k]), k
+    pp_dp_tp.pop_seen()
