@@ -5,8 +5,8 @@
 Guess-the-number on the built-in model; every 10th row plays an environment of
 bench/env_fault_envs.py that raises, hangs past the env_agent deadline (`timeout_s` 5 s) or returns
 a malformed step (in turn), so about 10% of the samples of each step fail. Prints, per step and in
-total, the samples that failed by kind (`agent/env_errors|env_timeouts|env_malformed/mean` times the
-samples of the step) beside the number expected from the batch's rows, and the exit status.
+total, the samples that failed by kind (the step metrics `env/errors`, `env/timeouts`,
+`env/malformed`) beside the number expected from the batch's rows, and the exit status.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FAULTS = ("fault_raise", "fault_hang", "fault_malformed")
-KINDS = ("env_errors", "env_timeouts", "env_malformed")
+KINDS = ("errors", "timeouts", "malformed")  # the batch counts env/<kind> of each step
 
 
 def write_data(out: Path, n: int) -> None:
@@ -75,9 +75,9 @@ def main() -> None:
     totals = dict.fromkeys(KINDS, 0.0)
     print("step  " + "  ".join(KINDS) + "  expected  score/mean")
     for r in rows:
-        if "agent/env_errors/mean" not in r:
+        if "env/errors" not in r:
             continue
-        counts = {k: round(r[f"agent/{k}/mean"] * samples) for k in KINDS}
+        counts = {k: round(r[f"env/{k}"]) for k in KINDS}
         step = int(r.get("training/global_step", r.get("step", 0)))
         first = (step - 1) * args.batch
         expected = 2 * sum(1 for i in range(first, first + args.batch) if i % 10 == 9)
