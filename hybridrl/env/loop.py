@@ -11,8 +11,8 @@ The environment runs in a process of its own (hybridrl.env.host) with a deadline
 the environment), constructor arguments set in `rollout.agent.agent_loop_config_path`
 (`- {name: env_agent, _target_: hybridrl.env.loop.EnvAgentLoop, timeout_s: 10}`). A fault (it
 raised, passed the deadline, returned malformed output, or could not start) ends the trajectory:
-the sample's reward is 0, the error is logged, and the metrics count it (`agent/env_errors`,
-`env_timeouts`, `env_malformed`).
+the sample's reward is 0, the error is logged, and the step metrics count it (`env/errors`,
+`env/timeouts`, `env/malformed`).
 
 Outputs: `reward_score` = the sum of the step rewards (0 after a fault), `turn_scores` = the step
 rewards; the runner adds the column `env_reward`, and the reward manager shows both to the score

@@ -16,6 +16,7 @@ data_source                                                 scorer
 ``math_dapo``, ``aime2024``, ``aime2025``                   :func:`.math.compute_score_dapo`
                                                             (dict, score 1.0 / -1.0)
 ``hybridrl/env`` (rows that played an environment)          :mod:`.environment` (the episode reward)
+``reasoning_gym`` (``data.reasoning_gym.tasks``)              each task's own ``score_answer`` (0.0 .. 1.0)
 ==========================================================  ==================================
 
 Add a data source with :func:`register_scorer`::
@@ -30,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hybridrl.data import builtin_score, long_task, visual_task
+from hybridrl.data import builtin_score, long_task, reasoning_gym_task, visual_task
 from hybridrl.data.agent_task import AGENT_DATA_SOURCE
 from hybridrl.data.builtin_task import BUILTIN_DATA_SOURCE
 from hybridrl.reward.scorers import environment, gsm8k
@@ -110,5 +111,6 @@ register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "Hugging
 )
 register_scorer("math_dapo", "aime2024", "aime2025")(math_scorer.compute_score_dapo)
 register_scorer(ENV_DATA_SOURCE)(environment.compute_score)
+register_scorer(reasoning_gym_task.RG_DATA_SOURCE)(reasoning_gym_task.compute_score)
 
 __all__ = ["Scorer", "default_compute_score", "get_scorer", "register_scorer", "registered_data_sources"]

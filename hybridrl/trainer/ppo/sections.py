@@ -20,6 +20,16 @@ class CustomClsConfig:
 
 
 @dataclass
+class ReasoningGymConfig:
+    """`data.reasoning_gym`: reasoning-gym tasks generated at start-up (hybridrl.data.reasoning_gym_task)."""
+
+    # each: {name, size, seed, val_size, val_seed, config}; set, they replace train_files / val_files
+    tasks: list[Any] = field(default_factory=list)
+    data_dir: str | None = None  # where the parquet files are written (null: ~/.cache/hybridrl/reasoning_gym)
+    system_prompt: str | None = None  # a system message put before every question (null: none)
+
+
+@dataclass
 class DataConfig:
     # another tokenizer for the driver (data, reward decoding); null: the model's
     tokenizer: str | None = None
@@ -58,6 +68,7 @@ class DataConfig:
     dataloader_num_workers: int = 0  # DataLoader worker processes (0: rows are read in the driver)
     # Where the built-in task's parquet files are written when train_files is null.
     builtin_data_dir: str | None = None
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
 
 
 @dataclass

@@ -42,6 +42,8 @@ from hybridrl.utils.tracking import Tracking
 def resolve_builtin(config: PPOConfig) -> None:
     """Point unset data files at the built-in task and `builtin:*` model paths at the shipped model."""
     d = config.data
+    if d.reasoning_gym.tasks:
+        resolve_reasoning_gym(d)
     if d.train_files is None or d.val_files is None:
         paths = ensure_builtin_data(d.builtin_data_dir)
         d.train_files = d.train_files or paths["train"]
@@ -60,6 +62,20 @@ def resolve_builtin(config: PPOConfig) -> None:
         m.path = copy_to_shm(m.path, "actor_rollout_ref.model.use_shm")
     if c.use_shm:
         c.path = copy_to_shm(c.path, "critic.model.use_shm")
+
+
+def resolve_reasoning_gym(d) -> None:
+    """Generate the rows of `data.reasoning_gym.tasks` and point the data files at them."""
+    if d.train_files is not None or d.val_files is not None:
+        raise ValueError(
+            "data.reasoning_gym.tasks generates the training and validation rows, so data.train_files and "
+            f"data.val_files must be null; got {d.train_files!r} / {d.val_files!r}. Drop one or the other."
+        )
+    from hybridrl.data.reasoning_gym_task import ensure_reasoning_gym_data
+
+    rg = d.reasoning_gym
+    paths = ensure_reasoning_gym_data(list(rg.tasks), rg.data_dir, rg.system_prompt)
+    d.train_files, d.val_files = paths["train"], paths["val"]
 
 
 def driver_tokenizer_config(config: PPOConfig):
