@@ -64,13 +64,15 @@ def test_r2_replays_the_old_log_prob_pass(moe_model, tmp_path):
 @pytest.mark.parametrize("mode", ["R2", "R3"])
 def test_megatron_actor_replays_routing(moe_model, tmp_path, mode):
     """The same modes on the Megatron engine (megatron-core's RouterReplay): R2 records in the
-    old-log-prob pass, R3 replays the HF rollout's routing."""
+    old-log-prob pass, R3 replays the HF rollout's routing. On the Ray backend: megatron-core run
+    inside the test process would leave state that the forked ranks of later tests inherit."""
     pytest.importorskip("megatron.core")
     replay = ["actor_rollout_ref.actor.router_replay.mode=" + mode]
     if mode == "R3":
         replay.append("actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
     rows = run(
-        [*_common(moe_model)[:4], *replay, "actor_rollout_ref.actor.strategy=megatron",
+        [f"actor_rollout_ref.model.path={moe_model}", "actor_rollout_ref.rollout.name=hf", "trainer.backend=ray",
+         "algorithm.adv_estimator=grpo", *replay, "actor_rollout_ref.actor.strategy=megatron",
          "actor_rollout_ref.actor.skip_on_policy_old_log_prob=false", "actor_rollout_ref.actor.use_prefix_grouper=false"],
         tmp_path,
     )  # fmt: skip

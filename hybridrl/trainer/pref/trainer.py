@@ -37,6 +37,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.trainer.pref.export import export_reward_model
 from hybridrl.trainer.sft.data import IndexDataset
 from hybridrl.trainer.sft.engine import sft_lr_factor, sft_model_config, use_lr_schedule
+from hybridrl.trainer.sft.preemption import SFTStepGuard
 from hybridrl.trainer.sft.trainer import SFTTrainer
 from hybridrl.utils.config_loader import ConfigError
 from hybridrl.utils.device import get_torch_device
@@ -101,6 +102,7 @@ class _PairTrainer(SFTTrainer):
         self._perf = UpdatePerf("train", self.engine, None)
         self.tracker = self._build_tracker()
         self._gen_eval = None
+        self.step_guard = SFTStepGuard(self)  # SIGTERM / SIGUSR1: finish the step, save it, exit
 
     # -- rows and micro-batches -----------------------------------------------------------------
     @property
