@@ -62,7 +62,11 @@ def gae_before_whitening(
     before whitening and masking. Each row needs only its own tensors (no view of the batch).
 
     Args:
-        token_level_rewards, values, response_mask: (B, T).
+        token_level_rewards: (B, T).
+        values: (B, T).
+        response_mask: (B, T).
+        gamma: discount factor.
+        lam: GAE lambda.
 
     Returns:
         advantages, returns: (B, T) each.
