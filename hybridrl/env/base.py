@@ -38,8 +38,6 @@ __all__ = [
 ]
 
 
-
-
 class Environment:
     """Base class of environments (see the module docstring). One instance plays one episode."""
 
