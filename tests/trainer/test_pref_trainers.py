@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 
 import pytest
 import torch
@@ -224,6 +225,43 @@ def test_dpo_resume_is_exact(pair_files, tmp_path, precompute):
     run("b", trainer__save_freq=2).fit(stop_at_step=2)
     assert (tmp_path / "b" / "global_step_2" / "ref_logps.pt").exists() == precompute
     resumed = run("b")
+    resumed.fit()
+    assert resumed.global_step == full.global_step == 4
+    got = weights(resumed)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], atol=0, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["sigterm", "sigusr1"])
+def test_preempted_dpo_saves_the_step_and_resumes_exactly(pair_files, tmp_path, monkeypatch, signum):
+    """main_dpo shares main_sft's preemption point: a signal during step 2 saves step 2 and exits
+    128 + signal; the same command then ends with the uninterrupted run's weights."""
+    from hybridrl.trainer.pref.trainer import DPOTrainer
+    from hybridrl.utils import checkpointing as ck
+    from hybridrl.utils.run_lock import LOCK_FILE
+
+    def cfg(out, **extra):
+        return config("dpo", pair_files, tmp_path / out, trainer__total_epochs=2, trainer__save_freq=3,
+                      generation_eval__enable=False, **extra)  # fmt: skip
+
+    full = make_trainer(cfg("a"))
+    full.fit()
+    expected = weights(full)
+    original = DPOTrainer.train_step
+
+    def signalled(self, indices):
+        if self.global_step + 1 == 2:
+            os.kill(os.getpid(), signum)
+        return original(self, indices)
+
+    with monkeypatch.context() as m:
+        m.setattr(DPOTrainer, "train_step", signalled)
+        with pytest.raises(SystemExit) as exited:
+            run_pref_config("dpo", cfg("b"))
+    assert exited.value.code == 128 + signum
+    root = str(tmp_path / "b")
+    assert ck.list_checkpoints(root) == [2] and not os.path.exists(os.path.join(root, LOCK_FILE))
+    resumed = make_trainer(cfg("b"))
     resumed.fit()
     assert resumed.global_step == full.global_step == 4
     got = weights(resumed)

@@ -11,8 +11,8 @@ from typing import Any
 
 from hybridrl.trainer.pref.config import load_pref_config
 from hybridrl.trainer.pref.data import check_model_head, load_pref_datasets
-from hybridrl.trainer.sft.launch import init_distributed, stop_distributed
-from hybridrl.utils.shutdown import sigterm_raises
+from hybridrl.trainer.sft.launch import init_distributed, sft_folder_lock, stop_distributed
+from hybridrl.utils.shutdown import preemption_saves
 
 __all__ = ["run_pref", "run_pref_config"]
 
@@ -29,7 +29,9 @@ def run_pref_config(kind: str, config: Any) -> dict[str, float]:
         check_model_head(config)
     tokenizer, train, val, val_files = load_pref_datasets(config)
     cls = RewardModelTrainer if kind == "rm" else DPOTrainer
-    with sigterm_raises():
+    # SIGTERM / SIGUSR1: the step is finished, saved, and the run exits 128 + signal (as main_sft);
+    # one writing run per trainer.default_local_dir
+    with preemption_saves(config.trainer.preemption_grace_s), sft_folder_lock(config):
         init_distributed(config)
         trainer = cls(config, train, val, tokenizer, val_files)
         try:
