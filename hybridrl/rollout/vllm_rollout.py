@@ -71,7 +71,13 @@ import torch
 
 from hybridrl.config.rollout import RolloutConfig
 from hybridrl.models.vlm import is_vlm_config, refuse_vllm_images
-from hybridrl.models.weight_map import dtype_name, get_weight_name_map, map_named_tensors, to_torch_dtype
+from hybridrl.models.weight_map import (
+    dtype_name,
+    get_weight_name_map,
+    map_named_tensors,
+    split_fused_experts,
+    to_torch_dtype,
+)
 from hybridrl.rollout.base import (
     BaseRollout,
     GenerationRequest,
@@ -298,6 +304,7 @@ class VLLMRollout(BaseRollout):
         hf_config = AutoConfig.from_pretrained(model_path)
         if is_vlm_config(hf_config):
             refuse_vllm_images()
+        self._moe = _is_moe_config(hf_config)
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._embed_name = _input_embedding_name(hf_config) if self.tied_embeddings else ""
         self._name_map = get_weight_name_map("vllm")
@@ -327,7 +334,7 @@ class VLLMRollout(BaseRollout):
             raise RuntimeError(
                 "VLLMRollout needs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
             )
-        if current_platform.is_cpu() and _is_moe_config(hf_config):
+        if current_platform.is_cpu() and self._moe:
             self._repack_moe_experts_on_sync()
 
     def _engine_kwargs(self, config: RolloutConfig, model_path: str, hf_config: Any) -> dict[str, Any]:
@@ -476,6 +483,8 @@ class VLLMRollout(BaseRollout):
             tied_lm_head="mirror" if self.tied_embeddings else "keep",
             embed_name=self._embed_name,
         )
+        if self._moe:  # vLLM's MoE loaders all take per-expert names; some (DeepSeek) only those
+            stream = split_fused_experts(stream)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True}
         )
