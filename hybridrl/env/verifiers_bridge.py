@@ -112,10 +112,13 @@ async def _episode(env, url: str, llm, http, log) -> bool:
     finally:
         await http.post(f"{url}/hybridrl/trajectories/{tid}/finish", json={"reward": reward})
     if log is not None:
-        log.write(
-            json.dumps({"trajectory_id": tid, "reward": reward, "metrics": metrics, "error": _text(error)})
-            + "\n"
-        )
+        line = {
+            "trajectory_id": tid,
+            "temperature": sampling["temperature"],
+            "reward": reward,
+            "metrics": metrics,
+        }
+        log.write(json.dumps({**line, "error": _text(error)}) + "\n")
         log.flush()
     return True
 
@@ -172,7 +175,9 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--concurrency", type=int, default=64)
     agent.add_argument("--idle-s", type=float, default=300.0, help="stop after this long without a task")
     agent.add_argument(
-        "--log", default=None, help="append one JSON line per trajectory (reward, rubric metrics)"
+        "--log",
+        default=None,
+        help="append one JSON line per trajectory (temperature, reward, rubric metrics, error)",
     )
     return ap
 

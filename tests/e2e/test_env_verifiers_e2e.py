@@ -108,7 +108,10 @@ def test_verifiers_environment_trains_two_grpo_steps(tmp_path):
     assert len(train) == 2
     assert_finite(train, ["actor/pg_loss", "critic/score/mean"])
     played = [json.loads(line) for line in log.read_text().splitlines()]
+    validated = [p for p in played if p["temperature"] == 0]  # the validation after the last step (greedy)
+    played = [p for p in played if p["temperature"] > 0]
     assert len(played) == 2 * 4 * 4, (tmp_path / "agent.out").read_text()[-2000:]
+    assert len(validated) == 16
     # the rubric scored every trajectory (its reward function's metric), and its reward is the trainer's score
     assert all(p["error"] is None and p["reward"] == p["metrics"]["correct_sum"] for p in played), played[:3]
     assert any(p["reward"] > 0 for p in played)
