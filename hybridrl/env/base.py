@@ -55,7 +55,7 @@ class Environment:
 
 
 _ENVIRONMENTS: dict[str, type[Environment]] = {}
-_BUILTIN = {"guess_number": "hybridrl.env.guess_number"}
+_BUILTIN = {"guess_number": "hybridrl.env.guess_number", "openenv": "hybridrl.env.openenv_env"}
 
 
 def register_environment(name: str) -> Callable[[type[Environment]], type[Environment]]:

@@ -1,8 +1,8 @@
 """Environments out of the trainer's process: one process per episode, a deadline per call.
 
 `EpisodeProcess.start(cls, kwargs, timeout_s)` forks a process from multiprocessing's fork server
-(started once per rollout process, so an episode starts in milliseconds and shares nothing with
-the trainer's threads or memory) that builds the environment and answers `reset` / `step` /
+(started once per rollout process, with the first environment's module imported, so an episode
+starts in milliseconds and shares nothing with the trainer's threads or memory) that builds the environment and answers `reset` / `step` /
 `close` calls over a pipe. Each call has a deadline: one that passes it kills the episode's
 process. An exception in the environment comes back as `EnvironmentFault` with its traceback;
 so does a reply of the wrong shape (`step` must give `(str, number, bool, dict)`). The agent loop
@@ -34,13 +34,16 @@ class EnvironmentFault(RuntimeError):
         self.kind = kind
 
 
-def _context():
+def _context(env_module: str | None = None):
+    """The forkserver context; its server preloads the module of the first environment started
+    (`env_module`), so every episode of that environment starts with its imports done."""
     global _CONTEXT
     with _CONTEXT_LOCK:
         if _CONTEXT is None:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(
                 ["__main__", *_main_module_name(), "hybridrl.env.host", "hybridrl.env.base"]
+                + ([env_module] if env_module else [])
             )
             _CONTEXT = ctx
         return _CONTEXT
@@ -67,13 +70,13 @@ def _ready() -> None:
     """The first process from the fork server: it exists once the server has imported its modules."""
 
 
-def _ensure_server() -> None:
-    """Start the fork server and wait until it forks (its first start imports torch: slow, and not
-    the environment's time)."""
+def _ensure_server(env_module: str | None = None) -> None:
+    """Start the fork server and wait until it forks (its first start imports torch and the first
+    environment's module: slow, and not the environment's time)."""
     with _CONTEXT_LOCK:
         if _SERVER_READY.is_set():
             return
-    ctx = _context()
+    ctx = _context(env_module)
     with _CONTEXT_LOCK:
         if not _SERVER_READY.is_set():
             proc = ctx.Process(target=_ready, daemon=True)
@@ -143,7 +146,7 @@ class EpisodeProcess:
     ) -> EpisodeProcess:
         """A new episode process with `env_cls(**kwargs)` built in it (within `start_timeout_s`: a
         start competes for the CPU with the rollout); its calls then have `timeout_s` each."""
-        await asyncio.to_thread(_ensure_server)
+        await asyncio.to_thread(_ensure_server, env_cls.__module__)
         ctx = _context()
         parent, child = ctx.Pipe()
         proc = ctx.Process(

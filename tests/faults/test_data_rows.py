@@ -108,6 +108,15 @@ def test_what_is_checked_follows_the_reward(tmp_path):
         tmp_path,
     )
     check_data_files(scored_by_a_model)  # the reward model scores: no source / ground truth needed
+    agents_report = compose_config(
+        [
+            f"data.train_files={path}",
+            "actor_rollout_ref.rollout.mode=server",
+            "actor_rollout_ref.rollout.agent_server.reward_source=agent",
+        ],
+        tmp_path,
+    )
+    check_data_files(agents_report)  # the external agents report the rewards: no source / ground truth needed
     limited = compose_config([f"data.train_files={path}", f"data.train_max_samples={BAD_ROW}"], tmp_path)
     check_data_files(limited)  # rows past train_max_samples are never used
 

@@ -11,7 +11,8 @@ will use (``data.train_max_samples`` / ``val_max_samples`` respected):
   off, or a GenRM; not an ``importlib`` or user-registered manager): the ``data.reward_fn_key`` column and
   ``reward_model`` holding a ``ground_truth`` key; with the built-in scorers (no
   ``custom_reward_function.path``, no SandboxFusion URL) also a ground truth that is set and a
-  data source that has a registered scorer.
+  data source that has a registered scorer. Rows whose reward the external agents report
+  (``rollout.mode=server`` with ``agent_server.reward_source=agent``) need neither.
 
 Images (``data.image_key``) are checked for every row by the dataset itself when the model has a
 processor (placeholders against images, each image decoded), before Ray as well. A custom dataset
@@ -72,6 +73,9 @@ def row_spec(config: Any) -> RowSpec:
     rm = config.reward_model
     builtin_manager = config.reward_manager.source != "importlib" and rm.reward_manager in BUILTIN_MANAGERS
     rule = (not rm.enable or is_genrm(config)) and builtin_manager
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.mode == "server" and rollout.agent_server.reward_source == "agent":
+        rule = False  # the external agents report every trajectory's reward
     if not rule:
         return RowSpec(config.data.prompt_key)
     known = None
