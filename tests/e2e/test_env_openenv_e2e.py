@@ -26,7 +26,7 @@ from hybridrl.env.base import ENV_DATA_SOURCE
 from tests.e2e.ppo_runs import assert_finite, run
 
 pytest.importorskip("openenv")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("ray_local")]
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("ray_local")]
 
 SERVE = """\
 import sys

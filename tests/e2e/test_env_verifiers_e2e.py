@@ -24,7 +24,7 @@ from tests.e2e.ppo_runs import assert_finite, run
 
 pytest.importorskip("verifiers")
 pytest.importorskip("openai")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("ray_local")]
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("ray_local")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
