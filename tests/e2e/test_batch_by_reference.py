@@ -16,7 +16,18 @@ from tests.e2e.ppo_runs import compose_config, read_metrics
 
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]  # two 2-rank runs each
 
-_TIMES = ("time", "timing", "_s", "tok/s", "throughput", "mfu", "perf/", "rss", "memory", "seconds")  # wall-clock
+_TIMES = (
+    "time",
+    "timing",
+    "_s",
+    "tok/s",
+    "throughput",
+    "mfu",
+    "perf/",
+    "rss",
+    "memory",
+    "seconds",
+)  # wall-clock
 
 
 class DriverPathTrainer(RayPPOTrainer):
@@ -32,7 +43,9 @@ def _run(overrides, tmp_path, trainer_cls=None) -> list[dict]:
     run_ppo_config(compose_config(["trainer.backend=ray", "trainer.n_gpus_per_node=2", *overrides], tmp_path),
                    trainer_cls=trainer_cls)  # fmt: skip
     rows = read_metrics(tmp_path / "logs" / "metrics.jsonl")
-    return [{k: v for k, v in r.items() if not any(t in k for t in _TIMES)} for r in rows if "actor/pg_loss" in r]
+    return [
+        {k: v for k, v in r.items() if not any(t in k for t in _TIMES)} for r in rows if "actor/pg_loss" in r
+    ]
 
 
 def _assert_same(by_ref: list[dict], driver: list[dict]) -> None:
