@@ -18,16 +18,17 @@ log-probs / values / scores float32), so what is measured is what the controller
     update_actor        the whole batch out; metrics back
 
 `--data-path ref` runs the same step with the batch held by reference (`BatchRef`,
-hybridrl/single_controller/batch_ref.py): the token-level tensors stay in the object store and
-move worker to worker; the driver sends the prompts once and receives per-sample values (scores,
-the GAE whitening moments) and metrics; the per-token advantage work runs on the workers
-(`apply_batch_fn`), the group statistics on the driver. `--data-path driver` (the default) is the
-through-the-driver flow above.
+hybridrl/single_controller/batch_ref.py), as main_ppo's fit loop does on Ray workers: the
+token-level tensors stay in the object store and move worker to worker; the driver sends the
+prompts once and receives per-sample values (scores, the GAE whitening moments) and metrics; the
+per-token advantage work runs on the workers (`apply_batch_fn`), the group statistics on the
+driver. `--data-path driver` (the default) is the through-the-driver flow above (main_async's).
 
 Printed per configuration (workers W, sequences B, response tokens T): the bytes that pass through
 the driver per step (tensors sent to and received from the workers), the driver's peak RSS, and the
 control-plane seconds per step (the step's wall time less the time the workers spent building their
-outputs), each the median over the measured steps; then the factor each grows by per doubling of
+outputs), the driver's CPU seconds per step (its own work: dispatch, serialisation, collection;
+`time.process_time`), each the median over the measured steps; then the factor each grows by per doubling of
 W, B and T. Each configuration runs in a fresh process so that its peak RSS is its own.
 
     python bench/controller_scale.py                                     # a small grid
@@ -314,14 +315,20 @@ def run_one(workers: int, batch: int, length: int, prompt_length: int, n: int, e
     results = []
     for step in range(steps + 1):  # step 0 warms up
         moved = {"out": 0, "in": 0}
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         if data_path == "ref":
             _ref_step(wg, step, batch, prompt_length, n, estimator, moved)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             busy = max(wg.take_busy_s())
             if step:
                 results.append(
-                    {"wall_s": wall, "worker_s": busy, "bytes": moved["out"] + moved["in"], **moved}
+                    {
+                        "wall_s": wall,
+                        "cpu_s": cpu,
+                        "worker_s": busy,
+                        "bytes": moved["out"] + moved["in"],
+                        **moved,
+                    }
                 )
             continue
         prompts = torch.ones((batch // n, prompt_length), dtype=torch.int64)
@@ -353,10 +360,12 @@ def run_one(workers: int, batch: int, length: int, prompt_length: int, n: int, e
         if estimator == "gae":
             call("update_critic", b, moved)
         call("update_actor", b, moved)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         busy = max(wg.take_busy_s())
         if step:
-            results.append({"wall_s": wall, "worker_s": busy, "bytes": moved["out"] + moved["in"], **moved})
+            results.append(
+                {"wall_s": wall, "cpu_s": cpu, "worker_s": busy, "bytes": moved["out"] + moved["in"], **moved}
+            )
         del b, out
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     wg.shutdown()
@@ -369,6 +378,7 @@ def run_one(workers: int, batch: int, length: int, prompt_length: int, n: int, e
         "data_path": data_path,
         "bytes_per_step": med["bytes"], "bytes_out": med["out"], "bytes_in": med["in"],
         "control_s": max(med["wall_s"] - med["worker_s"], 0.0), "wall_s": med["wall_s"],
+        "driver_cpu_s": med["cpu_s"],
         "peak_rss_mib": peak_kib / 1024, "rss_after_start_mib": rss_start_kib / 1024,
     }  # fmt: skip
 
@@ -437,10 +447,10 @@ def main() -> None:
         print(
             f"{path:6s}  workers {w:4d}  batch {b:5d}  length {t:5d}  | driver MB/step {r['bytes_per_step'] / 1e6:9.1f}"
             f"  peak RSS MiB {r['peak_rss_mib']:7.0f}  control s/step {r['control_s']:7.3f}"
-            f"  (wall {r['wall_s']:.3f})",
+            f"  driver CPU s/step {r['driver_cpu_s']:7.3f}  (wall {r['wall_s']:.3f})",
             flush=True,
         )
-    keys = ("bytes_per_step", "peak_rss_mib", "control_s")
+    keys = ("bytes_per_step", "peak_rss_mib", "control_s", "driver_cpu_s")
     print("growth per doubling:")
     for axis in ("workers", "batch", "length"):
         for line in _slopes(rows, axis, keys):

@@ -3,6 +3,7 @@
     python bench/regress.py --base a67016a                      # tiny, vllm; 2 rounds x 6 steps
     python bench/regress.py --base main~3 --workloads tiny,real48 --rounds 3
     python bench/regress.py --base a67016a --workloads vllm -- trainer.backend=ray   # HEAD-only overrides
+    python bench/regress.py --base main --override trainer.backend=ray --override trainer.n_gpus_per_node=2
 
 The base ref is checked out into a temporary git worktree under /tmp (removed at the end unless
 --keep), and each workload runs main_ppo from both trees through bench/ab_trees.py: a fresh process
@@ -120,6 +121,12 @@ def main() -> None:
     p.add_argument("--head", default=str(C.REPO), help="the tree measured as HEAD (default: this checkout)")
     p.add_argument("--model", help="real48 workloads: another model folder (default bench/real_model.py's)")
     p.add_argument("--keep", action="store_true", help="keep the base worktree")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="a main_ppo override for both trees (repeatable), e.g. trainer.backend=ray",
+    )
     p.add_argument("head_overrides", nargs="*", help="extra main_ppo overrides for HEAD only (after --)")
     args = p.parse_args()
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
@@ -139,7 +146,7 @@ def main() -> None:
     base, sha = add_worktree(args.base)
     try:
         for name in names:
-            over = workload_overrides(name, args.steps, args.threads, args.model)
+            over = workload_overrides(name, args.steps, args.threads, args.model) + args.override
             print(f"\n{name}: {' '.join(over)}", flush=True)
             per, identical = ab_trees.alternate({"A": base, "B": args.head},
                                                 {"A": over, "B": over + args.head_overrides}, args.rounds, env)  # fmt: skip

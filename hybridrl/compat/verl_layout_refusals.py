@@ -265,9 +265,10 @@ SECTIONS = (
     Section(f"{ROLLOUT}.prometheus", "enable", (False,), "the rollout engine exports no Prometheus metrics here; "
             "metrics go to trainer.logger"),
     Section(f"{ROLLOUT}.disaggregation", "enabled", (False,), "prefill/decode disaggregation is not implemented"),
-    Section("transfer_queue", "enable", (False,), "main_ppo's fit loop moves the batch through the driver (no "
-            "transfer queue); a loop written with hybridrl.single_controller.batch_ref.BatchRef keeps the tensors "
-            "in the Ray object store instead (docs/architecture.md, 'The batch by reference')"),
+    Section("transfer_queue", "enable", (False,), "there is no transfer queue to turn on: main_ppo on Ray workers "
+            "already keeps the step's tensors in the Ray object store and moves them worker to worker "
+            "(hybridrl.single_controller.batch_ref.BatchRef; docs/architecture.md, 'The batch by reference'); "
+            "main_async keeps its batches on the driver. Drop the key"),
     *(Section(f"skip.{k}", "enable", (False,), "rollout caching (skip.*) is not implemented")
       for k in ("rollout", "rollout_tq", "async_rollout")),
     Section("trainer.v1", "trainer_mode", ("sync",), "main_ppo is synchronous; use main_async for asynchronous training"),

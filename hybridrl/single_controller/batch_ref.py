@@ -222,7 +222,11 @@ class BatchRef:
     def shard(self, chunks: int, pad: bool) -> tuple[list[BatchShard], int]:
         """`chunks` futures, each resolving (in the worker that gets it) to its rows as a DataProto.
 
-        Rows are padded by repeating the first ones, as `pad_dataproto_to_divisor` does.
+        Rows are padded by repeating the first ones, as `pad_dataproto_to_divisor` does. With more
+        than one chunk the batch's description (its parts' references and row locations, the
+        per-sample columns) goes into the object store once and every future names only it and
+        its chunk index: the driver's work and message per rank stay constant, whatever the batch;
+        each rank works out its rows and fetches its shards itself.
         Returns (futures, pad_size).
         """
         n = self.length
@@ -231,9 +235,23 @@ class BatchRef:
             raise ValueError(
                 f"batch of {n} rows is not divisible by {chunks} ranks and this mode does not pad"
             )
-        rows = np.arange(n + pad_size) % max(n, 1)
-        size = len(rows) // chunks
-        return [self._future(rows[i * size : (i + 1) * size]) for i in range(chunks)], pad_size
+        if chunks == 1:
+            return [self._future(np.arange(n))], pad_size
+        import ray
+
+        view = ray.put(self)
+        return [
+            BatchShard(
+                collect_fn=functools.partial(_rows_of_view, index=i, chunks=chunks, total=n + pad_size),
+                futures=[view],
+            )
+            for i in range(chunks)
+        ], pad_size
+
+    def rows_of_chunk(self, index: int, chunks: int, total: int) -> np.ndarray:
+        """Row indices of chunk `index` of `chunks` over `total` rows (rows past the end repeat the first)."""
+        size = total // chunks
+        return np.arange(index * size, (index + 1) * size) % max(self.length, 1)
 
     def _future(self, rows: np.ndarray) -> BatchShard:
         refs: list[Any] = []
@@ -264,6 +282,12 @@ class BatchRef:
         TRANSFER["pulled"] += column_bytes(dict(out.batch.items()) if out.batch is not None else {}, {})
         TRANSFER["pulls"] += 1
         return out
+
+
+def _rows_of_view(views: list[BatchRef], index: int, chunks: int, total: int) -> DataProto:
+    """Worker side: this chunk's rows of the batch described by `views[0]`, fetched from the store."""
+    view = views[0]
+    return view._future(view.rows_of_chunk(index, chunks, total)).get()
 
 
 def _assemble(

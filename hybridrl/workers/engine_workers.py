@@ -42,6 +42,7 @@ from hybridrl.utils import deadlines
 from hybridrl.utils.device import init_process_group
 from hybridrl.weight_sync.collective import GroupSpec
 from hybridrl.weight_sync.component import WeightSync, rollout_state_copy
+from hybridrl.workers.batch_fn_worker import BatchFnWorker
 from hybridrl.workers.parallel_dims import ParallelDims
 from hybridrl.workers.profiling import StepProfiling
 
@@ -71,7 +72,7 @@ def _setup_process(num_threads: int | None, timeout_s: float | None = None) -> N
     init_process_group(timeout_s=timeout_s or _PG_TIMEOUT_S)
 
 
-class ActorRolloutRefWorker(StepProfiling, Worker):
+class ActorRolloutRefWorker(BatchFnWorker, StepProfiling, Worker):
     """Policy training, rollout generation and the frozen reference, colocated on one slot.
 
     Args:

@@ -287,9 +287,12 @@ def gather_refs(
     while pending:
         ready, _ = ray.wait([refs[i] for i in pending], num_returns=len(pending), timeout=timeout)
         ready_ids = {r.hex() for r in ready}
-        for i in [i for i in pending if refs[i].hex() in ready_ids]:
-            values[i] = _get_one(refs[i], group, ranks[i], method)
-            pending.remove(i)
+        done = [i for i in pending if refs[i].hex() in ready_ids]
+        if done:
+            values.update(
+                zip(done, _get_ready([refs[i] for i in done], [ranks[i] for i in done], group, method))
+            )
+            pending = [i for i in pending if i not in set(done)]
             last_progress = time.monotonic()
         now = time.monotonic()
         if pending and now - last_progress >= limit:
@@ -312,6 +315,14 @@ def _hung_error(
         rank=stuck[0],
         method=method,
     )
+
+
+def _get_ready(refs: list[ray.ObjectRef], ranks: list[int], group: str, method: str) -> list[Any]:
+    """The values of refs that are ready, in one ray.get; on an error, rank by rank to name it."""
+    try:
+        return ray.get(refs)
+    except RayError:
+        return [_get_one(ref, group, rank, method) for ref, rank in zip(refs, ranks)]
 
 
 def _get_one(ref: ray.ObjectRef, group: str, rank: int, method: str) -> Any:

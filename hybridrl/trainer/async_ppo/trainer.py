@@ -221,7 +221,12 @@ class AsyncPPOTrainer(RayPPOTrainer):
         config: a validated AsyncPPOConfig.
         tokenizer, train_loader, val_loader, reward_fn, val_reward_fn, tracker: as RayPPOTrainer.
         workers: from `start_async_workers`.
+
+    Its batches arrive on the driver from the rollout manager, so the step keeps them there (a
+    DataProto through every stage).
     """
+
+    BATCH_BY_REFERENCE = False
 
     def __init__(
         self,

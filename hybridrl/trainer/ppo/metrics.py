@@ -24,6 +24,7 @@ __all__ = [
     "compute_throughout_metrics",
     "compute_throughput_metrics",
     "compute_timing_metrics",
+    "step_token_counts",
     "expected_best_of_k",
     "process_validation_metrics",
     "reduce_metrics",
@@ -145,26 +146,44 @@ def compute_data_metrics(
     return out
 
 
+def step_token_counts(batch: DataProto, shared_prompts: bool = False) -> dict[str, Any]:
+    """The token counts the timing and throughput metrics divide by: response tokens, all tokens,
+    `global_token_num` when the rollout reported it, and with `shared_prompts` (trainer.log_floors)
+    the tokens of the shared-prompt update (None where it does not apply)."""
+    prompt_valid, response_valid, _ = _masks(batch)
+    n_response = int(response_valid.sum())
+    n_all = n_response + (0 if prompt_valid is None else int(prompt_valid.sum()))
+    update_tokens = None
+    text_only = "multi_modal_inputs" not in batch.non_tensor_batch  # images: equal ids may differ
+    if shared_prompts and prompt_valid is not None and text_only:
+        update_tokens = n_response + distinct_prompt_tokens(batch.batch["input_ids"], prompt_valid)
+    global_num = batch.meta_info.get("global_token_num")
+    return {
+        "n_response": n_response,
+        "n_all": n_all,
+        "update_tokens": update_tokens,
+        "global_token_num": None if global_num is None else int(sum(global_num)),
+    }
+
+
 def compute_timing_metrics(
-    batch: DataProto, timing_raw: Mapping[str, float], floors: Any = None
+    batch: DataProto | Mapping[str, Any], timing_raw: Mapping[str, float], floors: Any = None
 ) -> dict[str, float]:
     """timing_s/{section} for every timed section, and timing_per_token_ms/{section} where the
     token count is known: response tokens for "gen", prompt + response tokens for ref,
     old_log_prob, values, adv, update_critic and update_actor. With `floors`
-    (`trainer.log_floors`, trainer/ppo/step_floors.StepFloors) also its `perf/floor/*`."""
-    prompt_valid, response_valid, _ = _masks(batch)
-    n_response = int(response_valid.sum())
-    n_all = n_response + (0 if prompt_valid is None else int(prompt_valid.sum()))
+    (`trainer.log_floors`, trainer/ppo/step_floors.StepFloors) also its `perf/floor/*`.
+    `batch` may be the batch or its `step_token_counts`."""
+    shared = floors is not None and floors.shared_prompts
+    counts = batch if isinstance(batch, Mapping) else step_token_counts(batch, shared)
+    n_response, n_all = counts["n_response"], counts["n_all"]
     tokens = {"gen": n_response, **dict.fromkeys(_ALL_TOKEN_SECTIONS, n_all)}
     out = {f"timing_s/{name}": float(seconds) for name, seconds in timing_raw.items()}
     for name, seconds in timing_raw.items():
         if name in tokens and tokens[name] > 0:
             out[f"timing_per_token_ms/{name}"] = float(seconds) * 1000.0 / tokens[name]
     if floors is not None:
-        update_tokens = None
-        text_only = "multi_modal_inputs" not in batch.non_tensor_batch  # images: equal ids may differ
-        if floors.shared_prompts and prompt_valid is not None and text_only:
-            update_tokens = n_response + distinct_prompt_tokens(batch.batch["input_ids"], prompt_valid)
+        update_tokens = counts["update_tokens"] if shared else None
         out.update(floors.metrics(n_all, n_response, timing_raw, update_tokens=update_tokens))
     return out
 
@@ -182,12 +201,13 @@ def distinct_prompt_tokens(input_ids: torch.Tensor, prompt_valid: torch.Tensor) 
 
 
 def compute_throughout_metrics(
-    batch: DataProto, timing_raw: Mapping[str, float], n_workers: int
+    batch: DataProto | Mapping[str, Any], timing_raw: Mapping[str, float], n_workers: int
 ) -> dict[str, float]:
     """perf/total_num_tokens, perf/time_per_step and perf/throughput (tokens / s / worker).
 
     Tokens are `meta_info["global_token_num"]` (per-sample lengths) when present, else the number
-    of ones in the attention mask (prompt + response). (The name keeps veRL's spelling.)
+    of ones in the attention mask (prompt + response); `batch` may be its `step_token_counts`.
+    (The name keeps veRL's spelling.)
     """
     if n_workers < 1:
         raise ValueError(f"compute_throughout_metrics: n_workers must be >= 1, got {n_workers}")
@@ -195,11 +215,10 @@ def compute_throughout_metrics(
         raise KeyError(
             "compute_throughout_metrics: timing_raw has no 'step'; wrap the step in timer('step', ...)"
         )
-    if "global_token_num" in batch.meta_info:
-        total = int(sum(batch.meta_info["global_token_num"]))
-    else:
-        prompt_valid, response_valid, _ = _masks(batch)
-        total = int(response_valid.sum()) + (0 if prompt_valid is None else int(prompt_valid.sum()))
+    counts = batch if isinstance(batch, Mapping) else step_token_counts(batch)
+    total = counts["global_token_num"]
+    if total is None:
+        total = counts["n_all"]
     seconds = float(timing_raw["step"])
     throughput = total / (seconds * n_workers) if seconds > 0 else math.nan
     return {"perf/total_num_tokens": total, "perf/time_per_step": seconds, "perf/throughput": throughput}

@@ -1,16 +1,19 @@
 """The PPO fit loop on the Ray driver: one named call per stage.
 
     sync weights (once, before the first generation)
-    generate -> (ReMax greedy baseline) -> reward -> (DAPO group filter) -> balance -> old log-prob
-    -> ref log-prob -> values -> advantage -> critic update -> actor update -> sync weights
-    -> validate -> checkpoint -> log
+    generate -> (ReMax greedy baseline) -> reward -> (DAPO group filter) -> trim padding -> balance
+    -> old log-prob -> ref log-prob -> values -> advantage -> critic update -> actor update
+    -> sync weights -> validate -> checkpoint -> log
 
 Every stage is a call on a worker group or a pure function from `hybridrl.algos`; the driver never
-touches model weights.
+touches model weights. With Ray workers the step's batch is a `BatchRef`: its token-level tensors
+stay in the object store and move worker to worker, the driver holds per-sample columns and
+metrics (the stages: hybridrl/trainer/ppo/stages.py; the data path: step_data.py).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
@@ -25,64 +28,37 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from hybridrl import algos
 from hybridrl.agent.runner import agent_step_metrics
 from hybridrl.protocol import DataProto
-from hybridrl.trainer.ppo.batch_steps import (
-    apply_rollout_correction,
-    attach_reward_extra,
-    decode_samples,
-    group_metric,
-    pf_ppo_resample,
-    reward_components,
-    rollout_correction_active,
-    write_jsonl,
-)
+from hybridrl.single_controller.batch_ref import BatchRef
+from hybridrl.trainer.ppo import batch_fns
+from hybridrl.trainer.ppo.batch_steps import decode_samples, write_jsonl
 from hybridrl.trainer.ppo.checkpoints import RunCheckpoints
 from hybridrl.trainer.ppo.metrics import (
-    compute_data_metrics,
     compute_throughout_metrics,
     compute_timing_metrics,
     process_validation_metrics,
     reduce_metrics,
     timer,
 )
-from hybridrl.trainer.ppo.padding import trim_left_padding, trim_right_padding
+from hybridrl.trainer.ppo.padding import trim_left_padding
 from hybridrl.trainer.ppo.preemption import StepGuard
 from hybridrl.trainer.ppo.profiling import StepProfilerDriver
 from hybridrl.trainer.ppo.reward_guard import ConstantRewardGuard
+from hybridrl.trainer.ppo.stages import PPOStages, old_log_prob_is_redundant
+from hybridrl.trainer.ppo.step_data import StepBatch, StepData
 from hybridrl.trainer.ppo.teachers import teacher_step
 from hybridrl.trainer.ppo.workers import WorkerGroups
 from hybridrl.utils import checkpointing
 from hybridrl.utils.safe_dcp import check_dcp_tree
 from hybridrl.utils.safe_io import load_state_file
-from hybridrl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from hybridrl.utils.shutdown import PREEMPTION
 from hybridrl.utils.storage import named_storage_faults
 from hybridrl.utils.torch_utils import get_rng_state, set_rng_state
 from hybridrl.weight_sync.colocated import weight_sync_step_metrics
 
-
-def old_log_prob_is_redundant(config: Any) -> bool:
-    """True when the separate old-log-prob forward can be skipped without changing any number.
-
-    That is when the actor update is exactly on-policy: one PPO epoch over one mini-batch (the
-    whole step's batch), so the old log-probs equal the detached log-probs of the update's own
-    forward, and nothing reads them before the update (KL in the reward, rollout importance
-    sampling, the optimal token baseline's sum of pi^2). `actor_rollout_ref.actor.skip_on_policy_old_log_prob=false`
-    turns the skip off.
-    """
-    actor = config.actor_rollout_ref.actor
-    algo = config.algorithm
-    return bool(
-        actor.skip_on_policy_old_log_prob
-        and actor.ppo_epochs == 1
-        and actor.ppo_mini_batch_size >= config.data.train_batch_size
-        and not algo.use_kl_in_reward
-        and not actor.calculate_sum_pi_squared
-        and not algo.rollout_is
-        and not rollout_correction_active(algo.rollout_correction)
-    )
+__all__ = ["RayPPOTrainer", "old_log_prob_is_redundant"]
 
 
-class RayPPOTrainer:
+class RayPPOTrainer(PPOStages):
     """Holds the PPO loop; the workers hold the models.
 
     Args:
@@ -138,6 +114,9 @@ class RayPPOTrainer:
         self.checkpoints: RunCheckpoints | None = None  # set by setup.build_trainer (checked before Ray)
         self.reward_guard = ConstantRewardGuard(config.trainer.constant_reward_warn_steps, algo.adv_estimator)
         self.step_guard = StepGuard(self)  # SIGTERM / SIGUSR1: finish or abandon the step, save, exit
+        self.data = StepData(workers.actor_rollout, by_reference=False)  # fit decides (_start_data_path)
+        self._row_stats: dict[str, Any] = {}
+        self._reward_on_workers = False
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -145,6 +124,7 @@ class RayPPOTrainer:
         cfg = self.config.trainer
         self._warn_if_never_saving()
         self._load_checkpoint()
+        self._start_data_path()  # the step's batch by reference on Ray workers
         self.sync_weights()  # the rollout engines start from the actor's (or the checkpoint's) weights
         self._last_save_time = time.monotonic()
         if self.val_loader is not None and cfg.val_before_train:
@@ -173,13 +153,13 @@ class RayPPOTrainer:
             self._gen_batches_this_step = 0
             profiler.begin(self.global_steps)
             with timer("step", timing):
-                batch = trim_right_padding(self._rollout_and_score(metrics, timing))
+                batch = self._trim_padding(self._rollout_and_score(metrics, timing))
                 guard.check()
-                self.reward_guard.observe(batch.batch["token_level_scores"])
+                self.reward_guard.observe(self._seq_scores(batch))
                 self._balance_batch(batch, metrics)
                 batch = self._compute_old_log_prob(batch, metrics, timing)
                 batch = self._compute_ref_log_prob(batch, timing)
-                batch = teacher_step(self, batch, metrics, timing)  # on-policy distillation
+                batch = self._teacher_step(batch, metrics, timing)  # on-policy distillation
                 batch = self._compute_values(batch, timing)
                 batch = self._compute_advantage(batch, metrics, timing)
                 guard.check()  # the last point before the workers' state changes
@@ -215,193 +195,16 @@ class RayPPOTrainer:
         )
         return batch
 
-    def _update_sampler(self, batch: DataProto) -> None:
+    def _update_sampler(self, batch: StepBatch) -> None:
         """veRL's curriculum hook: a `data.sampler` with `update(batch)` sees every trained batch."""
         update = getattr(self.train_loader.sampler, "update", None)
         if update is not None:
-            update(batch)
+            update(self._on_driver(batch, "data.sampler.update"))
 
-    def _generate(self, prompts: DataProto, timing: dict) -> DataProto:
-        """Repeat each prompt `rollout.n` times and generate one response per row."""
-        n = self.config.actor_rollout_ref.rollout.n
-        batch = prompts.repeat(repeat_times=n, interleave=True)
-        gen_in = batch.select(batch_keys=["input_ids", "attention_mask", "position_ids"])
-        gen_in.meta_info["global_steps"] = self.global_steps
-        gen_in.meta_info["seed_index"] = self.global_steps * 1000 + self._gen_batches_this_step
-        self._gen_batches_this_step += 1
-        with timer("gen", timing):
-            out = self.workers.actor_rollout.generate_sequences(gen_in)
-        timing.update(out.meta_info.pop("timing", {}))
-        batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
-        batch = batch.union(out)
-        if self.config.algorithm.adv_estimator == "remax":
-            batch = self._remax_baseline(batch, timing)
-        return batch
-
-    def _remax_baseline(self, batch: DataProto, timing: dict) -> DataProto:
-        """ReMax: the greedy response's reward is the baseline of each sampled response."""
-        gen_in = batch.select(batch_keys=["prompts"])
-        prompts = gen_in.batch["prompts"]
-        pad_id = self.tokenizer.pad_token_id
-        mask = (prompts != pad_id).long()
-        gen_in = DataProto.from_dict(
-            {
-                "input_ids": prompts,
-                "attention_mask": mask,
-                "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            },
-            meta_info={"greedy": True, "global_steps": self.global_steps},
-        )
-        with timer("gen_max", timing):
-            greedy = self.workers.actor_rollout.generate_sequences(gen_in)
-        greedy.meta_info.pop("timing", None)
-        greedy.non_tensor_batch.update(batch.non_tensor_batch)
-        scores = self.reward_fn(greedy, return_dict=False).sum(-1)
-        batch.batch["reward_baselines"] = scores
-        return batch
-
-    def _compute_reward(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, list]]:
-        """token_level_scores: the reward model's scores when one is on (the reward manager returns a
-        batch's rm_scores as they are, as in veRL), else the rule-based reward manager's."""
-        loop_extra: dict[str, list] = {}
-        with timer("reward", timing):
-            if self.workers.reward_loop is not None:
-                scored, loop_extra = self.workers.reward_loop.compute_rm_score(batch)
-                batch = batch.union(scored)
-            elif self.workers.reward_model is not None:
-                batch = batch.union(self.workers.reward_model.compute_rm_score(batch))
-            out = self.reward_fn(batch, return_dict=True)
-            batch.batch["token_level_scores"] = out["reward_tensor"]
-        return batch, {**out.get("reward_extra_info", {}), **loop_extra}
-
-    def _rollout_and_score(self, metrics: dict, timing: dict) -> DataProto:
-        """Generate and score; with DAPO dynamic sampling keep only groups whose metric varies."""
-        fg = self.config.algorithm.filter_groups
-        if not fg.enable:
-            batch, extra = self._compute_reward(self._generate(self._next_prompt_batch(), timing), timing)
-            attach_reward_extra(batch, extra)
+    def _teacher_step(self, batch: StepBatch, metrics: dict, timing: dict) -> StepBatch:
+        if not getattr(self.workers, "teachers", None):
             return batch
-        want = self.config.data.train_batch_size
-        kept: list[DataProto] = []
-        n_prompts = num_gen = 0
-        while n_prompts < want:
-            num_gen += 1
-            if 0 < fg.max_num_gen_batches < num_gen:
-                raise RuntimeError(
-                    f"DAPO dynamic sampling: {num_gen - 1} generation batches gave only {n_prompts}/{want} "
-                    "prompts with non-constant "
-                    f"'{fg.metric}'. Raise algorithm.filter_groups.max_num_gen_batches, use easier data, "
-                    "or disable algorithm.filter_groups.enable."
-                )
-            batch, extra = self._compute_reward(self._generate(self._next_prompt_batch(), timing), timing)
-            attach_reward_extra(batch, extra)
-            metric = group_metric(batch, fg.metric)
-            keep = algos.filter_groups_by_metric(batch.non_tensor_batch["uid"], metric)
-            batch = batch.select_idxs(keep)
-            n_prompts += len(set(batch.non_tensor_batch["uid"].tolist()))
-            kept.append(batch)
-        batch = DataProto.concat(kept)
-        n = self.config.actor_rollout_ref.rollout.n
-        metrics["train/num_gen_batches"] = num_gen
-        return batch[: want * n]
-
-    def _balance_batch(self, batch: DataProto, metrics: dict) -> None:
-        """Reorder rows so every data-parallel rank gets about the same number of tokens."""
-        if not self.config.trainer.balance_batch:
-            return
-        world = self.workers.actor_rollout.world_size
-        if world <= 1:
-            return
-        seqlens = batch.batch["attention_mask"].sum(-1).tolist()
-        parts = get_seqlen_balanced_partitions(seqlens, k=world, equal_size=True)
-        order = torch.tensor([i for part in parts for i in sorted(part)])
-        batch.reorder(order)
-        sums = [sum(seqlens[i] for i in p) for p in parts]
-        metrics["perf/balance_max_min_ratio"] = max(sums) / max(min(sums), 1)
-
-    def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
-        rc = self.config.algorithm.rollout_correction
-        if rc.bypass_mode:  # veRL's bypass: the engine's log-probs are the old log-probs; IS weights
-            # and rejection are computed in the actor's bypass_mode loss, against the current policy
-            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-            return batch
-        if old_log_prob_is_redundant(self.config):
-            return batch  # the update takes them from its own forward (exactly on-policy)
-        with timer("old_log_prob", timing):
-            out = self.workers.actor_rollout.compute_log_prob(batch)
-        entropys = out.batch.pop("entropys", None) if "entropys" in out.batch.keys() else None
-        if entropys is not None:
-            metrics["actor/entropy"] = float(algos.masked_mean(entropys, batch.batch["response_mask"]))
-        batch = batch.union(out)
-        if self.config.algorithm.rollout_is and "rollout_log_probs" in batch.batch.keys():
-            a = self.config.algorithm
-            weights, is_metrics = algos.compute_rollout_importance_weights(
-                batch.batch["old_log_probs"],
-                batch.batch["rollout_log_probs"],
-                batch.batch["response_mask"],
-                rollout_is_level=a.rollout_is_level,
-                rollout_is_mode=a.rollout_is_mode,
-                rollout_is_threshold=a.rollout_is_threshold,
-                rollout_is_threshold_lower=a.rollout_is_threshold_lower,
-                rollout_is_veto_threshold=a.rollout_is_veto_threshold,
-            )
-            batch.batch["rollout_is_weights"] = weights
-            metrics.update({f"rollout_is/{k}": float(v) for k, v in is_metrics.items()})
-        return apply_rollout_correction(rc, batch, metrics)
-
-    def _compute_ref_log_prob(self, batch: DataProto, timing: dict) -> DataProto:
-        if not self.use_reference_policy:
-            return batch
-        with timer("ref", timing):
-            return batch.union(self.workers.actor_rollout.compute_ref_log_prob(batch))
-
-    def _compute_values(self, batch: DataProto, timing: dict) -> DataProto:
-        if not self.use_critic:
-            return batch
-        with timer("values", timing):
-            return batch.union(self.workers.critic.compute_values(batch))
-
-    def _compute_advantage(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
-        algo = self.config.algorithm
-        with timer("adv", timing):
-            if algo.use_kl_in_reward:
-                self._apply_kl_penalty(batch, metrics)
-            else:
-                batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-            fn = algos.get_adv_estimator_fn(algo.adv_estimator)
-            b = batch.batch
-            advantages, returns = fn(
-                b["token_level_rewards"],
-                b["response_mask"],
-                index=batch.non_tensor_batch["uid"],
-                values=b["values"] if "values" in b.keys() else None,
-                gamma=algo.gamma,
-                lam=algo.lam,
-                norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-                epsilon=1e-6,
-                reward_baselines=b["reward_baselines"] if "reward_baselines" in b.keys() else None,
-                old_log_probs=b["old_log_probs"] if "old_log_probs" in b.keys() else None,
-                sum_pi_squared=b["sum_pi_squared"] if "sum_pi_squared" in b.keys() else None,
-                rollout_is_weights=b["rollout_is_weights"] if "rollout_is_weights" in b.keys() else None,
-                reward_components=reward_components(batch, algo.gdpo_reward_keys, metrics),
-                reward_weights=algo.gdpo_reward_weights,
-            )
-            b["advantages"], b["returns"] = advantages, returns
-            if algo.use_pf_ppo:  # veRL: only after GAE (verl_misc.check_pf_ppo)
-                batch = pf_ppo_resample(algo.pf_ppo, batch, metrics)
-        return batch
-
-    def _apply_kl_penalty(self, batch: DataProto, metrics: dict) -> None:
-        """r_t = score_t - beta * KL_t(pi_old || pi_ref); beta from the KL controller."""
-        b = batch.batch
-        mask = b["response_mask"]
-        kld = algos.kl_penalty(b["old_log_probs"], b["ref_log_prob"], self.config.algorithm.kl_penalty) * mask
-        beta = self.kl_ctrl_in_reward.value
-        b["token_level_rewards"] = b["token_level_scores"] - beta * kld
-        current_kl = float(algos.masked_mean(kld, mask, axis=-1).mean())
-        self.kl_ctrl_in_reward.update(current_kl=current_kl, n_steps=len(batch))
-        metrics["actor/reward_kl_penalty"] = current_kl
-        metrics["actor/reward_kl_penalty_coeff"] = beta
+        return teacher_step(self, self._on_driver(batch, "distillation"), metrics, timing)
 
     def _update_critic(self, batch: DataProto, metrics: dict, timing: dict) -> None:
         if not self.use_critic:
@@ -589,19 +392,23 @@ class RayPPOTrainer:
         print(f"[hybridrl] resumed from {path} (global step {self.global_steps})")
 
     # --------------------------------------------------------------- logging
-    def _log_step(self, batch: DataProto, metrics: dict, timing: dict) -> None:
-        d = self.config.data
-        metrics.update(
-            compute_data_metrics(
-                batch,
-                use_critic=self.use_critic,
-                max_prompt_length=d.max_prompt_length,
-                max_response_length=d.max_response_length,
-            )
+    def _log_step(self, batch: StepBatch, metrics: dict, timing: dict) -> None:
+        d, floors = self.config.data, getattr(self, "floors", None)  # trainer.log_floors
+        fn = functools.partial(
+            batch_fns.summary,
+            use_critic=self.use_critic,
+            max_prompt_length=d.max_prompt_length,
+            max_response_length=d.max_response_length,
+            shared_prompts=floors is not None and floors.shared_prompts,
         )
+        keys = batch.keys() if isinstance(batch, BatchRef) else batch.batch.keys()
+        _, summary = self.data.whole(batch.select(batch_keys=[k for k in _SUMMARY_INPUTS if k in keys]), fn)
+        metrics.update(summary["metrics"])
         metrics.update(agent_step_metrics(batch))
-        metrics.update(compute_timing_metrics(batch, timing, getattr(self, "floors", None)))  # log_floors
-        metrics.update(compute_throughout_metrics(batch, timing, self.workers.actor_rollout.world_size))
+        metrics.update(compute_timing_metrics(summary["counts"], timing, floors))
+        metrics.update(
+            compute_throughout_metrics(summary["counts"], timing, self.workers.actor_rollout.world_size)
+        )
         metrics.update(self.workers.reward_loop.pop_metrics() if self.workers.reward_loop else {})  # GenRM
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch
@@ -617,10 +424,12 @@ class RayPPOTrainer:
         ):
             self.tracker.log(clean, step=self.global_steps)
 
-    def _dump_rollouts(self, batch: DataProto) -> None:
+    def _dump_rollouts(self, batch: StepBatch) -> None:
         out_dir = self.config.trainer.rollout_data_dir
         if not out_dir:
             return
+        if isinstance(batch, BatchRef):
+            batch = self.data.pull(batch.select(_DUMP_INPUTS), "trainer.rollout_data_dir")
         rows = decode_samples(self.tokenizer, batch, batch.batch["token_level_scores"].sum(-1).tolist())
         last_good = self._checkpoints().last_good()
         with named_storage_faults(
@@ -630,6 +439,18 @@ class RayPPOTrainer:
 
 
 # ---------------------------------------------------------------- helpers
+_DUMP_INPUTS = ["prompts", "responses", "response_mask", "token_level_scores"]
+_SUMMARY_INPUTS = (
+    "responses",
+    "attention_mask",
+    "response_mask",
+    "input_ids",
+    "token_level_scores",
+    "token_level_rewards",
+    "advantages",
+    "returns",
+    "values",
+)
 _POSTFIX_KEYS = {
     "critic/score/mean": "score",
     "actor/pg_loss": "pg",
