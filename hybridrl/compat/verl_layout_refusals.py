@@ -120,12 +120,6 @@ def _leaves() -> list[Leaf]:
             Leaf(f"{o}.optimizer", ("AdamW", "adamw"), "the optimizer is torch's AdamW"),
             Leaf(f"{o}.optimizer_impl", ("torch.optim",), "the optimizer is torch.optim.AdamW"),
             Leaf(f"{o}.zero_indexed_step", (True,), "the schedule counts optimizer steps from 0"),
-            Leaf(
-                f"{o}.override_optimizer_config",
-                (None, {}),
-                "Megatron OptimizerConfig overrides (optimizer CPU offload, precision-aware optimizer) are not "
-                "implemented; use megatron.optimizer_offload",
-            ),
         ]
     for m in MEGATRON:
         out += [
@@ -152,12 +146,7 @@ def _leaves() -> list[Leaf]:
 
 
 def _rollout_leaves() -> list[Leaf]:
-    engine_dp = (
-        "engine-internal data/expert parallelism is not implemented; rollout replicas follow the ranks"
-    )
     return [
-        Leaf(f"{ROLLOUT}.data_parallel_size", (1,), engine_dp),
-        Leaf(f"{ROLLOUT}.expert_parallel_size", (1,), engine_dp),
         Leaf(
             f"{ROLLOUT}.pipeline_model_parallel_size", (1,), "rollout pipeline parallelism is not implemented"
         ),

@@ -32,6 +32,12 @@ Every key is honoured or refused at start-up by `validate_megatron_config`:
     seed                                                        honoured (init and Megatron's RNG tracker)
     override_transformer_config.*                               applied to the TransformerConfig;
                                                                 an unknown field is refused
+    override_optimizer_config.*                                 veRL's optim.override_optimizer_config (moved
+                                                                here at load): set on megatron-core's
+                                                                OptimizerConfig (engine/megatron/optim_config.py);
+                                                                an unknown field is refused, CUDA-only ones
+                                                                (optimizer CPU offload, precision-aware
+                                                                optimizer) are refused without CUDA
     use_dist_checkpointing + dist_checkpointing_path            honoured: the initial weights are read
                                                                 from that Megatron dist checkpoint
                                                                 instead of the HF folder
@@ -81,6 +87,8 @@ class MegatronConfig:
     seed: int = 42  # seed of the init and of Megatron's RNG tracker
     # fields set on the TransformerConfig
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
+    # fields set on megatron-core's OptimizerConfig (veRL's optim.override_optimizer_config, moved here)
+    override_optimizer_config: dict[str, Any] = field(default_factory=dict)
     use_dist_checkpointing: bool = False  # read the initial weights from a Megatron dist checkpoint
     dist_checkpointing_path: str | None = None  # that checkpoint's folder
     dtype: str = "bfloat16"  # parameter dtype: bfloat16 or float32 (float16 refused)

@@ -351,6 +351,8 @@ class VLLMRollout(BaseRollout):
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": list(config.cudagraph_capture_sizes)}
         if not self._owns_default_group:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if config.expert_parallel_size > 1:  # MoE experts over the engine's TP ranks (EP = TP)
+            kwargs["enable_expert_parallel"] = True
         if self._sleep_enabled:
             kwargs["enable_sleep_mode"] = True
         user = dict(config.engine_kwargs.vllm)

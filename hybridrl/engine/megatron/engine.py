@@ -54,6 +54,7 @@ from hybridrl.engine.megatron.model import (
     transformer_config,
 )
 from hybridrl.engine.megatron.moe import expert_params_as_expert_parallel
+from hybridrl.engine.megatron.optim_config import megatron_optimizer_config
 from hybridrl.engine.megatron.routing_replay import RoutingReplay
 from hybridrl.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 from hybridrl.engine.megatron.vocab_parallel_topk import topk_log_probs
@@ -113,23 +114,18 @@ class ParamGroupLR:
         self._apply()
 
 
-def _build_optimizer(chunks: list[Any], optim: OptimConfig, mcfg: MegatronConfig, dtype: torch.dtype):
-    """Megatron's AdamW; with bf16 parameters it keeps fp32 main parameters (and steps on fp32 grads)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def _build_optimizer(chunks: list[Any], optim: OptimConfig, mcfg: MegatronConfig, dtype: torch.dtype, key: str):
+    """Megatron's AdamW; with bf16 parameters it keeps fp32 main parameters (and steps on fp32 grads).
+    `megatron.override_optimizer_config` (veRL's `optim.override_optimizer_config`) sets further fields."""
+    from megatron.core.optimizer import get_megatron_optimizer
 
-    ocfg = OptimizerConfig(
-        optimizer="adam",
-        lr=optim.lr,
-        min_lr=optim.lr,
-        weight_decay=optim.weight_decay,
-        adam_beta1=float(optim.betas[0]),
-        adam_beta2=float(optim.betas[1]),
-        adam_eps=optim.eps,
-        clip_grad=0.0,  # clipped by MegatronEngine.step
+    ocfg = megatron_optimizer_config(
+        optim,
         use_distributed_optimizer=mcfg.use_distributed_optimizer,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=False,
+        dtype=dtype,
+        overrides=mcfg.override_optimizer_config,
+        key=f"{key}.override_optimizer_config",
+        on_cpu=needs_cpu_shims(),
     )
     with cuda_to_cpu():
         return get_megatron_optimizer(ocfg, chunks)
@@ -265,7 +261,7 @@ class MegatronEngine(TrainEngine):
         optimizer = lr_scheduler = None
         if trained:
             optim_key = optim_key or ("critic.optim" if role == "critic" else "actor_rollout_ref.actor.optim")
-            optimizer = _build_optimizer(chunks, optim_config, megatron_config, dtype)
+            optimizer = _build_optimizer(chunks, optim_config, megatron_config, dtype, optim_key)
             lr_scheduler = ParamGroupLR(optimizer, optim_config, optim_key)
         tokenizer = None
         if load_tok:
