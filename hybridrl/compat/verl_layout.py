@@ -92,6 +92,8 @@ def _moved() -> dict[str, str]:
         moved[f"reward.reward_model.rollout.{name}"] = f"reward_model.rollout.{name}"
     for optim in (f"{ARR}.actor.optim", "critic.optim"):  # veRL's Megatron optimizer's name of it
         moved[f"{optim}.lr_decay_style"] = f"{optim}.lr_scheduler_type"
+    for role in ("actor", "ref"):  # veRL's engine-level spelling (its new workers read this one)
+        moved[f"{ARR}.{role}.megatron.router_replay"] = f"{ARR}.{role}.router_replay"
     for role, megatron in ((f"{ARR}.actor", f"{ARR}.actor.megatron"), ("critic", "critic.megatron")):
         # megatron-core OptimizerConfig fields: read by the Megatron engine with its other overrides
         moved[f"{role}.optim.override_optimizer_config"] = f"{megatron}.override_optimizer_config"

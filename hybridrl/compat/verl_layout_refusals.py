@@ -130,6 +130,12 @@ def _leaves() -> list[Leaf]:
             ),
             Leaf(f"{m}.use_megatron_fsdp", (False,), MEGATRON_FSDP),
         ]
+    no_replay = "the critic's forward has no routing replay (it is the actor's and the reference's)"
+    out += [
+        Leaf("critic.megatron.router_replay.mode", ("disabled",), no_replay),
+        Leaf("critic.megatron.router_replay.record_file", (None,), no_replay),
+        Leaf("critic.megatron.router_replay.replay_file", (None,), no_replay),
+    ]
     for p in PROFILERS:
         out += [
             Leaf(

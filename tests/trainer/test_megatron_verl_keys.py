@@ -151,3 +151,20 @@ def test_rollout_expert_parallel_reaches_the_engine_arguments():
     engine._owns_default_group, engine._sleep_enabled, engine.dtype = True, False, torch.float32
     r.engine_kwargs.vllm = {"kv_cache_memory_bytes": 1 << 20}
     assert engine._engine_kwargs(r, "unused", None)["enable_expert_parallel"] is True
+
+
+def test_engine_level_router_replay_is_the_role_level_key():
+    replay = [f"{ARR}.rollout.enable_rollout_routing_replay=true", f"{ARR}.rollout.name=hf", *MEGATRON[:1]]
+    c = _load([f"+{ARR}.actor.megatron.router_replay.mode=R3", *replay])
+    assert (c.actor_rollout_ref.actor.router_replay.mode, c.actor_rollout_ref.ref.router_replay.mode) == (
+        "R3",
+        "R3",
+    )
+    c = _load([f"+{ARR}.actor.megatron.router_replay.mode=R3", f"{ARR}.actor.router_replay.mode=R3", *replay])
+    assert c.actor_rollout_ref.actor.router_replay.mode == "R3"  # both spellings, one value
+    with pytest.raises(
+        ConfigError, match=r"megatron.router_replay.mode='R3' \(veRL's newer spelling\) and .*disagree"
+    ):
+        _load([f"+{ARR}.actor.megatron.router_replay.mode=R3", f"{ARR}.actor.router_replay.mode=R2", *replay])
+    with pytest.raises(ConfigError, match="critic.megatron.router_replay.mode='R3' is a veRL key"):
+        _load(["+critic.megatron.router_replay.mode=R3"])

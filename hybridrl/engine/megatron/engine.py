@@ -46,6 +46,12 @@ from hybridrl.engine.megatron.convert import ArchSpec, arch_spec
 from hybridrl.engine.megatron.cpu_shims import cuda_to_cpu, needs_cpu_shims
 from hybridrl.engine.megatron.dispatch import broadcast_from_last_stage
 from hybridrl.engine.megatron.forward import run_schedule
+from hybridrl.engine.megatron.fused_head import (
+    fused_logprobs_entropy,
+    head_logits,
+    head_weight,
+    use_hidden_head,
+)
 from hybridrl.engine.megatron.model import (
     build_model,
     init_parallel,
@@ -114,7 +120,9 @@ class ParamGroupLR:
         self._apply()
 
 
-def _build_optimizer(chunks: list[Any], optim: OptimConfig, mcfg: MegatronConfig, dtype: torch.dtype, key: str):
+def _build_optimizer(
+    chunks: list[Any], optim: OptimConfig, mcfg: MegatronConfig, dtype: torch.dtype, key: str
+):
     """Megatron's AdamW; with bf16 parameters it keeps fp32 main parameters (and steps on fp32 grads).
     `megatron.override_optimizer_config` (veRL's `optim.override_optimizer_config`) sets further fields."""
     from megatron.core.optimizer import get_megatron_optimizer
@@ -211,6 +219,7 @@ class MegatronEngine(TrainEngine):
     )
     mtp_train: bool = False
     routing_replay: Any = None  # a MoE model's RoutingReplay (engine/megatron/routing_replay.py)
+    fused_head: bool = False  # model.use_fused_kernels: log-probs from the hidden states (fused_head.py)
 
     @classmethod
     def build(
@@ -281,6 +290,7 @@ class MegatronEngine(TrainEngine):
             n_mtp,
             bool(n_mtp and model_config.mtp.enable_train),
             RoutingReplay(chunks) if spec.num_experts else None,
+            _fused_head(chunks, model_config, role, n_mtp, model_key),
         )
 
     @classmethod
@@ -410,13 +420,7 @@ class MegatronEngine(TrainEngine):
         tp_rank, group = self.tp_info()
 
         def per_position(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            lp, ent = vocab_parallel_logprobs_entropy(
-                logits.float() / request.temperature,
-                targets,
-                vocab_size=self.spec.vocab_size,
-                tp_rank=tp_rank,
-                group=group,
-            )
+            lp, ent = self._logprobs_entropy(logits, targets, request.temperature, tp_rank, group)
             return torch.stack([lp, ent], dim=-1)
 
         return per_position
@@ -438,16 +442,28 @@ class MegatronEngine(TrainEngine):
                 "token baseline's sum of pi^2 over a vocabulary-parallel head); use strategy=fsdp"
             )
         tp_rank, group = self.tp_info()
-        sliced = out[:, -t - 1 : -1].float() / request.temperature
-        lp, ent = vocab_parallel_logprobs_entropy(
-            sliced, micro["responses"], vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
-        )
+        sliced = out[:, -t - 1 : -1]  # logits, or hidden states with the fused head
+        lp, ent = self._logprobs_entropy(sliced, micro["responses"], request.temperature, tp_rank, group)
         out = LogProbs(lp, ent if request.calculate_entropy else None)
         if request.topk or request.topk_ids:  # distillation's forward_kl_topk (vocab_parallel_topk.py)
+            logits = head_logits(sliced, head_weight(self.chunks)) if self.fused_head else sliced
             out = topk_log_probs(
-                sliced, micro, request, out, vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
-            )
+                logits.float() / request.temperature, micro, request, out,
+                vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group,
+            )  # fmt: skip
         return out
+
+    def _logprobs_entropy(self, out: torch.Tensor, targets: torch.Tensor, temperature: float, tp_rank, group):
+        """(b, T) log-probs and entropy from (b, T, V / TP) logits, or from (b, T, H) hidden states
+        chunk by chunk with the fused head (fused_head.py)."""
+        if self.fused_head:
+            return fused_logprobs_entropy(
+                out, head_weight(self.chunks), targets, temperature=temperature,
+                vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group,
+            )  # fmt: skip
+        return vocab_parallel_logprobs_entropy(
+            out.float() / temperature, targets, vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
+        )
 
     def forward(self, micros, request: LogProbRequest | ValueRequest) -> list[Any]:
         """See TrainEngine.forward: Megatron's schedule without gradients; every stage returns them.
@@ -560,6 +576,19 @@ class MegatronEngine(TrainEngine):
         from hybridrl.engine.megatron.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path, contents=contents)
+
+
+def _fused_head(chunks: list[Any], model_config: ModelConfig, role: str, n_mtp: int, model_key: str) -> bool:
+    """`model.use_fused_kernels=True` on the actor / reference: the output layer returns hidden states."""
+    if not model_config.use_fused_kernels or role not in ("actor", "ref"):
+        return False
+    if n_mtp:
+        raise ValueError(
+            f"{model_key}.use_fused_kernels=True with model.mtp: the MTP loss runs the output layer inside "
+            "megatron-core's model; set use_fused_kernels=false with MTP"
+        )
+    use_hidden_head(chunks)
+    return True
 
 
 @functools.cache
