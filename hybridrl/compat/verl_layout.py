@@ -202,6 +202,7 @@ def layout_knows(key: str) -> bool:
 
     return (
         veomni_knows(key)
+        or key in (f"{ARR}.actor.optim.min_lr", "critic.optim.min_lr")  # apply_min_lr
         or any(_under(key, new) for new in MOVED)
         or any(key == leaf.key for leaf in LEAVES)
         or any(_under(key, s.prefix) for s in SECTIONS)

@@ -168,3 +168,21 @@ def test_engine_level_router_replay_is_the_role_level_key():
         _load([f"+{ARR}.actor.megatron.router_replay.mode=R3", f"{ARR}.actor.router_replay.mode=R2", *replay])
     with pytest.raises(ConfigError, match="critic.megatron.router_replay.mode='R3' is a veRL key"):
         _load(["+critic.megatron.router_replay.mode=R3"])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        f"{ARR}.actor.optim.min_lr=1e-6",
+        f"{ARR}.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
+        f"{ARR}.actor.megatron.router_replay.mode=R3",
+        f"{ARR}.rollout.expert_parallel_size=2",
+        f"{ARR}.rollout.moe_tensor_parallel_size=1",
+    ],
+)
+def test_command_line_takes_verl_spellings_without_plus(override):
+    from hybridrl.compat.verl_layout import layout_knows
+    from hybridrl.trainer.ppo.config import PPOConfig
+    from hybridrl.utils.config_loader import check_override_keys
+
+    check_override_keys([override], PPOConfig, "ppo_trainer.yaml", layout_knows)

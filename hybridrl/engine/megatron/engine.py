@@ -60,6 +60,7 @@ from hybridrl.engine.megatron.model import (
     transformer_config,
 )
 from hybridrl.engine.megatron.moe import expert_params_as_expert_parallel
+from hybridrl.engine.megatron.moe_metrics import RouterStats
 from hybridrl.engine.megatron.optim_config import megatron_optimizer_config
 from hybridrl.engine.megatron.routing_replay import RoutingReplay
 from hybridrl.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
@@ -220,6 +221,7 @@ class MegatronEngine(TrainEngine):
     mtp_train: bool = False
     routing_replay: Any = None  # a MoE model's RoutingReplay (engine/megatron/routing_replay.py)
     fused_head: bool = False  # model.use_fused_kernels: log-probs from the hidden states (fused_head.py)
+    router_stats: Any = None  # a MoE actor's routing metrics (engine/megatron/moe_metrics.py)
 
     @classmethod
     def build(
@@ -291,6 +293,7 @@ class MegatronEngine(TrainEngine):
             bool(n_mtp and model_config.mtp.enable_train),
             RoutingReplay(chunks) if spec.num_experts else None,
             _fused_head(chunks, model_config, role, n_mtp, model_key),
+            _router_stats(chunks, spec, megatron_config, role),
         )
 
     @classmethod
@@ -381,6 +384,7 @@ class MegatronEngine(TrainEngine):
             extra_inputs=extra,
             position_fn=position_fn,
             routing=self.routing_replay,
+            router_stats=self.router_stats,
         )
 
     def recording_routing(self):
@@ -488,15 +492,26 @@ class MegatronEngine(TrainEngine):
     def forward_backward(self, micros, request: LogProbRequest | ValueRequest, loss_fn: LossFn) -> list[Any]:
         """See TrainEngine.forward_backward: Megatron's schedule (1F1B when pipelined)."""
         micros = list(micros)
-        results = self.run(
-            micros,
-            lambda m, out: mtp_lib.add_mtp_metrics(
-                loss_fn(m, self._output(m, out, request)), self.chunks[-1], len(micros)
-            ),
-            forward_only=False,
-            position_fn=self._position_fn(request),
-        )
+        on = self.router_stats is not None and isinstance(request, LogProbRequest) and request.router_aux_loss
+        with self.router_stats.collecting(on) if self.router_stats is not None else contextlib.nullcontext():
+            results = self.run(
+                micros,
+                lambda m, out: mtp_lib.add_mtp_metrics(
+                    loss_fn(m, self._with_moe_metrics(self._output(m, out, request))),
+                    self.chunks[-1],
+                    len(micros),
+                ),
+                forward_only=False,
+                position_fn=self._position_fn(request),
+            )
         return broadcast_from_last_stage(results)
+
+    def _with_moe_metrics(self, out: Any) -> Any:
+        """A MoE model's routing metrics and aux loss of this micro-batch (moe_metrics.py), if collected."""
+        taken = self.router_stats.take() if self.router_stats is not None else None
+        if taken is not None and isinstance(out, LogProbs):
+            out.router_aux_loss, out.moe_metrics = taken
+        return out
 
     def perf_model(self) -> PerfModel:
         layers, attn_dim = attention_dims(self.hf_config)
@@ -576,6 +591,16 @@ class MegatronEngine(TrainEngine):
         from hybridrl.engine.megatron.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path, contents=contents)
+
+
+def _router_stats(chunks: list[Any], spec: ArchSpec, cfg: MegatronConfig, role: str) -> RouterStats | None:
+    """The `actor/moe/*` metrics of a MoE actor, where every MoE layer sees whole sequences on this rank."""
+    if role != "actor" or not spec.num_experts:
+        return None
+    sp = cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1
+    if cfg.pipeline_model_parallel_size > 1 or cfg.context_parallel_size > 1 or sp:
+        return None
+    return RouterStats(chunks, spec.num_experts, spec.moe_topk)
 
 
 def _fused_head(chunks: list[Any], model_config: ModelConfig, role: str, n_mtp: int, model_key: str) -> bool:
