@@ -158,13 +158,9 @@ class RolloutConfig:
     free_cache_engine: bool = True  # put the engine to sleep (free its memory) between rollouts
     load_format: str = "dummy"  # dummy: random weights until the first sync; auto/hf/safetensors: load
     tensor_model_parallel_size: int = 1  # tensor-parallel size of one engine replica
-    # vLLM / SGLang: the engine's data-parallel size; > 1 only with expert parallelism (dp x tp ranks per engine)
-    data_parallel_size: int = 1
-    # vLLM / SGLang MoE: experts split over the engine's ranks (enable_expert_parallel); must be tp x dp
-    expert_parallel_size: int = 1
-    moe_tensor_parallel_size: int = (
-        1  # TensorRT-LLM's MoE tensor parallelism (1 only: no TensorRT-LLM rollout)
-    )
+    data_parallel_size: int = 1  # vLLM / SGLang data-parallel copies of a TP engine (the replicas); 1 with EP
+    expert_parallel_size: int = 1  # vLLM / SGLang MoE: experts over the engine's TP ranks (must be tp x dp)
+    moe_tensor_parallel_size: int = 1  # TensorRT-LLM's MoE TP: 1 only (no TensorRT-LLM rollout)
     max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step
     max_num_seqs: int = 1024  # vLLM: sequences per engine step
     max_model_len: int | None = None  # engine context length (null: prompt_length + response_length)

@@ -262,6 +262,10 @@ class MegatronEngine(TrainEngine):
         load_hf_weights(chunks, hf_sd, spec, role, n_mtp)
         del hf_sd
         trained = optim_config is not None and role in ("actor", "critic")
+        if not trained and megatron_config.override_optimizer_config:
+            raise ValueError(
+                f"{key}.override_optimizer_config: the {role} has no optimizer here; drop the overrides"
+            )
         if trained:
             expert_params_as_expert_parallel(chunks, megatron_config)
             chunks = _wrap_ddp(chunks, tcfg, megatron_config)
