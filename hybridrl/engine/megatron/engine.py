@@ -50,7 +50,7 @@ from hybridrl.engine.megatron.fused_head import (
     fused_logprobs_entropy,
     head_logits,
     head_weight,
-    use_hidden_head,
+    use_fused_head,
 )
 from hybridrl.engine.megatron.model import (
     build_model,
@@ -60,7 +60,7 @@ from hybridrl.engine.megatron.model import (
     transformer_config,
 )
 from hybridrl.engine.megatron.moe import expert_params_as_expert_parallel
-from hybridrl.engine.megatron.moe_metrics import RouterStats
+from hybridrl.engine.megatron.moe_metrics import router_stats_for
 from hybridrl.engine.megatron.optim_config import megatron_optimizer_config
 from hybridrl.engine.megatron.routing_replay import RoutingReplay
 from hybridrl.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
@@ -296,8 +296,8 @@ class MegatronEngine(TrainEngine):
             n_mtp,
             bool(n_mtp and model_config.mtp.enable_train),
             RoutingReplay(chunks) if spec.num_experts else None,
-            _fused_head(chunks, model_config, role, n_mtp, model_key),
-            _router_stats(chunks, spec, megatron_config, role),
+            use_fused_head(chunks, model_config.use_fused_kernels, role, n_mtp, model_key),
+            router_stats_for(chunks, spec, megatron_config, role),
         )
 
     @classmethod
@@ -595,29 +595,6 @@ class MegatronEngine(TrainEngine):
         from hybridrl.engine.megatron.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path, contents=contents)
-
-
-def _router_stats(chunks: list[Any], spec: ArchSpec, cfg: MegatronConfig, role: str) -> RouterStats | None:
-    """The `actor/moe/*` metrics of a MoE actor, where every MoE layer sees whole sequences on this rank."""
-    if role != "actor" or not spec.num_experts:
-        return None
-    sp = cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1
-    if cfg.pipeline_model_parallel_size > 1 or cfg.context_parallel_size > 1 or sp:
-        return None
-    return RouterStats(chunks, spec.num_experts, spec.moe_topk)
-
-
-def _fused_head(chunks: list[Any], model_config: ModelConfig, role: str, n_mtp: int, model_key: str) -> bool:
-    """`model.use_fused_kernels=True` on the actor / reference: the output layer returns hidden states."""
-    if not model_config.use_fused_kernels or role not in ("actor", "ref"):
-        return False
-    if n_mtp:
-        raise ValueError(
-            f"{model_key}.use_fused_kernels=True with model.mtp: the MTP loss runs the output layer inside "
-            "megatron-core's model; set use_fused_kernels=false with MTP"
-        )
-    use_hidden_head(chunks)
-    return True
 
 
 @functools.cache

@@ -28,7 +28,14 @@ from torch.utils.checkpoint import checkpoint
 
 from hybridrl.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 
-__all__ = ["CHUNK", "fused_logprobs_entropy", "head_logits", "head_weight", "use_hidden_head"]
+__all__ = [
+    "CHUNK",
+    "fused_logprobs_entropy",
+    "head_logits",
+    "head_weight",
+    "use_fused_head",
+    "use_hidden_head",
+]
 
 CHUNK = 1024  # positions per chunk of logits
 
@@ -79,6 +86,19 @@ def use_hidden_head(chunks: list[Any]) -> None:
         if getattr(head, "bias", None) is not None:
             raise ValueError("use_fused_kernels: an output layer with a bias is not supported")
         head.forward = types.MethodType(_hidden_forward, head)
+
+
+def use_fused_head(chunks: list[Any], enabled: bool, role: str, n_mtp: int, model_key: str) -> bool:
+    """`model.use_fused_kernels=True` on the actor / reference: the output layer returns hidden states."""
+    if not enabled or role not in ("actor", "ref"):
+        return False
+    if n_mtp:
+        raise ValueError(
+            f"{model_key}.use_fused_kernels=True with model.mtp: the MTP loss runs the output layer inside "
+            "megatron-core's model; set use_fused_kernels=false with MTP"
+        )
+    use_hidden_head(chunks)
+    return True
 
 
 def head_weight(chunks: list[Any]) -> torch.Tensor:

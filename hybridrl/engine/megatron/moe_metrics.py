@@ -25,7 +25,7 @@ import torch
 
 from hybridrl.models.moe import load_balancing_loss, routing_metrics
 
-__all__ = ["RouterStats", "fed_valid_tokens"]
+__all__ = ["RouterStats", "fed_valid_tokens", "router_stats_for"]
 
 
 def fed_valid_tokens(micro: Any, packed: Any, fed_length: int) -> torch.Tensor:
@@ -91,3 +91,14 @@ class RouterStats:
     def take(self) -> tuple[torch.Tensor, dict[str, float]] | None:
         """The oldest finished micro-batch's (aux loss, metrics), or None."""
         return self.results.pop(0) if self.results else None
+
+
+def router_stats_for(chunks: list[Any], spec: Any, cfg: Any, role: str) -> RouterStats | None:
+    """The `actor/moe/*` metrics of a MoE actor, where every MoE layer sees whole sequences on this rank
+    (`spec`: the model's ArchSpec; `cfg`: its MegatronConfig)."""
+    if role != "actor" or not spec.num_experts:
+        return None
+    sp = cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1
+    if cfg.pipeline_model_parallel_size > 1 or cfg.context_parallel_size > 1 or sp:
+        return None
+    return RouterStats(chunks, spec.num_experts, spec.moe_topk)
