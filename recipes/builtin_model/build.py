@@ -29,7 +29,7 @@ def main() -> None:
     )
     parser.add_argument("--out", required=True, help="output folder (an HF model folder)")
     parser.add_argument("--seed", type=int, default=builtin.DEFAULT_SEED)
-    parser.add_argument("--sft-steps", type=int, default=None, help="default: 400 (dense), 550 (moe)")
+    parser.add_argument("--sft-steps", type=int, default=None, help="default: 400 (dense), 540 (moe)")
     parser.add_argument("--lr", type=float, default=builtin.DEFAULT_SFT_LR)
     parser.add_argument("--batch-size", type=int, default=builtin.DEFAULT_SFT_BATCH)
     parser.add_argument("--threads", type=int, default=builtin.DEFAULT_NUM_THREADS)

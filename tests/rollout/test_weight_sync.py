@@ -10,6 +10,7 @@ from hybridrl.models.weight_map import (
     get_weight_name_map,
     map_named_tensors,
     register_weight_name_map,
+    split_fused_experts,
     strip_wrapper_prefixes,
     to_torch_dtype,
 )
@@ -144,3 +145,31 @@ def test_iter_buckets_by_layer_never_spans_two_decoder_layers():
     buckets = [[n for n, _ in b] for b in iter_buckets(iter(named), 10**6, by_layer=True)]
     assert buckets == [[names[0]], names[1:3], [names[3]], [names[4]]]
     assert [len(b) for b in iter_buckets(iter(named), 10**6)] == [5]
+
+
+def test_split_fused_experts_gives_each_experts_projections():
+    """transformers 5's fused experts (gate rows first) -> the per-expert checkpoint names."""
+    E, inter, H = 3, 4, 5
+    gate_up = torch.randn(E, 2 * inter, H)
+    down = torch.randn(E, H, inter)
+    x = torch.randn(H)
+    stream = [("model.layers.0.mlp.gate.weight", torch.randn(E, H)),
+              ("model.layers.0.mlp.experts.gate_up_proj", gate_up),
+              ("model.layers.0.mlp.experts.down_proj", down)]  # fmt: skip
+    out = dict(split_fused_experts(iter(stream)))
+    assert len(out) == 1 + 3 * E and torch.equal(out["model.layers.0.mlp.gate.weight"], stream[0][1])
+    for e in range(E):
+        p = f"model.layers.0.mlp.experts.{e}."
+        # the expert's MLP from the split weights equals the fused computation
+        want_gate, want_up = (gate_up[e] @ x).chunk(2)
+        torch.testing.assert_close(out[p + "gate_proj.weight"] @ x, want_gate)
+        torch.testing.assert_close(out[p + "up_proj.weight"] @ x, want_up)
+        torch.testing.assert_close(out[p + "down_proj.weight"], down[e])
+        assert out[p + "gate_proj.weight"].shape == (inter, H) and out[p + "down_proj.weight"].shape == (
+            H,
+            inter,
+        )
+    # a 2-D tensor that happens to share the name's ending is not an expert stack
+    assert (
+        list(split_fused_experts([("a.experts.down_proj", torch.ones(2, 2))]))[0][0] == "a.experts.down_proj"
+    )

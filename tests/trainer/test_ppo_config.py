@@ -123,6 +123,12 @@ def test_routing_replay_keys_are_read():
     assert (arr.actor.router_replay.mode, arr.ref.router_replay.mode) == ("R3", "R3")  # the reference follows
     assert arr.rollout.enable_rollout_routing_replay is True
     assert load_config(_compose()).actor_rollout_ref.actor.router_replay.mode == "disabled"
+    sp = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2",
+          "actor_rollout_ref.model.use_remove_padding=true"]  # fmt: skip
+    for mode in ("R2", "R3"):  # routing replay runs under Ulysses SP (tests/workers/test_moe_sp.py)
+        extra = ["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"] if mode == "R3" else []
+        c = load_config(_compose([*sp, f"actor_rollout_ref.actor.router_replay.mode={mode}", *extra]))
+        assert c.actor_rollout_ref.actor.router_replay.mode == mode
 
 
 _ON = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]

@@ -238,11 +238,6 @@ def _validate_routing_replay(config: PPOConfig) -> None:
                     "engine does with pipeline_model_parallel_size=1, context_parallel_size=1 and no sequence "
                     "parallelism (one rank sees every token); use mode=R3 (replay only) or that layout"
                 )
-        if section.ulysses_sequence_parallel_size > 1:
-            raise ConfigError(
-                f"{key}.router_replay.mode={section.router_replay.mode} does not combine with "
-                f"{key}.ulysses_sequence_parallel_size > 1 (each rank sees a slice of the tokens)"
-            )
     if "R3" in modes.values() and not r.enable_rollout_routing_replay:
         raise ConfigError(
             "router_replay.mode=R3 replays the experts the rollout routed each token to: set "
