@@ -6,7 +6,8 @@ stand-in writes its argv to a file and exits 0, so nothing trains and nothing is
 Every recorded `-m verl.trainer.main_ppo` call then goes through hybridrl's config stage exactly
 as `python -m hybridrl.trainer.main_ppo <the same overrides>` would: Hydra compose of hybridrl's
 ppo_trainer.yaml with the overrides, the typed schema merge, start-up validation and the
-driver-side per-rank batch checks. No Ray, no model, no training.
+driver-side per-rank batch checks. No Ray, no model, no training. `--show-failures` also names
+the overrides veRL's own Hydra config (the checkout's verl/trainer/config) refuses for a script.
 
 A script that calls `--config-path/--config-name` with one of its own yaml files (which extends
 veRL's ppo_trainer.yaml) has that file's keys applied first, as overrides.
@@ -265,6 +266,41 @@ def compose_collecting(overrides: list[str], config_name: str = "ppo_trainer") -
             todo.remove(bad[0])
 
 
+def verl_hydra_refusals(
+    root: Path, script: Path, overrides: list[str], cpath: str | None, cname: str | None
+) -> list[str]:
+    """The overrides veRL's OWN Hydra config (the checkout's verl/trainer/config) refuses when composing
+    the script's call: keys a script sets that veRL itself does not take (each refused one is dropped and
+    composing goes on). veRL's dataclass checks after composing are not run here."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    conf = root / "verl/trainer/config"
+    if cpath:
+        own = Path(cpath) if Path(cpath).is_absolute() else script.parent / cpath
+        conf = own if own.is_dir() else (root / cpath if (root / cpath).is_dir() else conf)
+    if not conf.is_dir():
+        return []
+    refused, todo = [], list(overrides)
+    for _ in range(len(overrides) + 1):
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(conf.resolve()), version_base=None):
+                compose(config_name=(cname or "ppo_trainer").removesuffix(".yaml"), overrides=todo)
+            break
+        except (ConfigCompositionException, OverrideParseException) as e:
+            m = re.search(r"override '([^']+)'", str(e))
+            bad = [o for o in todo if m and key_of(o) == m.group(1)] or [o for o in todo if o in str(e)]
+            if not bad:
+                refused.append(str(e).splitlines()[0][:80])
+                break
+            refused.append(key_of(bad[0]))
+            todo.remove(bad[0])
+    GlobalHydra.instance().clear()
+    return refused
+
+
 def stand_in_files(cfg, placeholder: str) -> list[str]:
     """Point data files this machine does not have at an empty placeholder (not a config fault)."""
     from omegaconf import OmegaConf
@@ -379,6 +415,7 @@ def measure(root: Path, only: str | None = None) -> list[dict]:
             row.update(
                 check(full, root, str(placeholder), base_config(root, script, cpath, cname), cli=overrides)
             )
+            row["verl_refuses"] = verl_hydra_refusals(root, script, overrides, cpath, cname)
             rows.append(row)
     return rows
 
@@ -429,6 +466,8 @@ def report(rows: list[dict], show: bool) -> None:
             for r in group:
                 if r["status"] == "fail":
                     print(f"  FAIL {r['script']}: unknown={r['unknown']} {r['error']}")
+                if r.get("verl_refuses"):
+                    print(f"    veRL's own Hydra config refuses {r['verl_refuses']} ({r['script']})")
     opd = [r for r in rows if r.get("opd")]  # across the categories above (also counted there)
     for r in opd:
         print(f"  on-policy distillation [{r['category']}] {r['status']}: {r['script']}")
