@@ -186,3 +186,46 @@ def test_command_line_takes_verl_spellings_without_plus(override):
     from hybridrl.utils.config_loader import check_override_keys
 
     check_override_keys([override], PPOConfig, "ppo_trainer.yaml", layout_knows)
+
+
+def test_verls_model_lora_keys_are_the_megatron_lora():
+    lora = f"+{ARR}.model.lora"
+    given = [f"{lora}.rank=32", f"{lora}.alpha=64", f"{lora}.lora_A_init_method=kaiming", f"{lora}.merge=false",
+             f"{lora}.type=lora", f"{lora}.dropout=0.0", f"{lora}.lora_B_init_method=zero"]  # fmt: skip
+    m = _load([*MEGATRON, "trainer.n_gpus_per_node=12", *given]).actor_rollout_ref.model
+    assert (m.lora_rank, m.lora_alpha, m.lora_init_a) == (32, 64, "kaiming")
+    m = _load(
+        [*MEGATRON, "trainer.n_gpus_per_node=12", f"{lora}.rank=8", f"{lora}.target_modules=[linear_proj]"]
+    )
+    assert (m.actor_rollout_ref.model.lora_rank, list(m.actor_rollout_ref.model.target_modules)) == (
+        8,
+        ["linear_proj"],
+    )
+    with pytest.raises(ConfigError, match=r"model.lora.dropout=0.1 .*LoRA dropout is not implemented"):
+        _load([*MEGATRON, "trainer.n_gpus_per_node=12", f"{lora}.rank=8", f"{lora}.dropout=0.1"])
+    with pytest.raises(ConfigError, match="lora_init_a='kaiming' .* strategy=fsdp uses PEFT's own init"):
+        _load([f"{lora}.rank=8", f"{lora}.lora_A_init_method=kaiming"])
+    with pytest.raises(ConfigError, match="model.lora_rank=8 and .*model.lora.rank=16|model.lora.rank"):
+        _load([*MEGATRON, "trainer.n_gpus_per_node=12", f"{ARR}.model.lora_rank=8", f"{lora}.rank=16"])
+    with pytest.raises(ConfigError, match="critic.model.lora.rank=8"):
+        _load(["+critic.model.lora.rank=8"])
+
+
+def test_megatron_lora_targets():
+    from hybridrl.engine.megatron.lora import megatron_targets
+
+    assert megatron_targets("all-linear", None, "m") == (
+        "linear_qkv",
+        "linear_proj",
+        "linear_fc1",
+        "linear_fc2",
+    )
+    assert megatron_targets(["q_proj", "k_proj", "v_proj", "down_proj"], None, "m") == (
+        "linear_qkv",
+        "linear_fc2",
+    )
+    assert megatron_targets("all-linear", ["linear_qkv", "linear_fc.*"], "m") == ("linear_proj",)
+    with pytest.raises(ValueError, match="'q_proj' is part of Megatron's fused linear_qkv"):
+        megatron_targets(["q_proj", "v_proj"], None, "m")
+    with pytest.raises(ValueError, match="'lm_head' is not a Megatron linear"):
+        megatron_targets(["lm_head"], None, "m")

@@ -14,6 +14,7 @@ engine decays every parameter); with weight_decay=0 the two engines take identic
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -40,6 +41,7 @@ from hybridrl.engine.base import (
     ValueRequest,
     register_engine,
 )
+from hybridrl.engine.megatron import lora as lora_lib
 from hybridrl.engine.megatron import mtp as mtp_lib
 from hybridrl.engine.megatron.context_parallel import cp_group_info
 from hybridrl.engine.megatron.convert import ArchSpec, arch_spec
@@ -53,6 +55,7 @@ from hybridrl.engine.megatron.fused_head import (
     use_fused_head,
 )
 from hybridrl.engine.megatron.model import (
+    _global_name,
     build_model,
     init_parallel,
     iter_hf_params,
@@ -247,7 +250,8 @@ class MegatronEngine(TrainEngine):
         )
         init_parallel(megatron_config, key)
         _log_bridge(megatron_config.use_mbridge, key)
-        hf_sd, hf_config = _hf_state_dict(model_config, role, model_key, megatron_config.seed)
+        base_config = dataclasses.replace(model_config, lora_rank=0)  # adapters are added below (lora.py)
+        hf_sd, hf_config = _hf_state_dict(base_config, role, model_key, megatron_config.seed)
         spec = arch_spec(hf_config)
         _check_divisible(spec, megatron_config, key)
         n_mtp = mtp_lib.resolve_mtp(model_config, hf_config, megatron_config, role, model_key, key)
@@ -268,6 +272,8 @@ class MegatronEngine(TrainEngine):
             )
         if trained:
             expert_params_as_expert_parallel(chunks, megatron_config)
+        _attach_lora(chunks, model_config, megatron_config, tcfg, role, model_key)  # after: factors copy the marks
+        if trained:
             chunks = _wrap_ddp(chunks, tcfg, megatron_config)
         if megatron_config.use_dist_checkpointing:
             from hybridrl.engine.megatron.checkpoint import load_dist_weights
@@ -304,9 +310,15 @@ class MegatronEngine(TrainEngine):
     def build_role(cls, spec: EngineBuildSpec) -> MegatronEngine:
         """The registry's entry: the role's engine from its `megatron` section."""
         mc = spec.model_config
-        if mc.lora_rank > 0 or mc.lora_adapter_path:
+        if mc.lora_adapter_path:
             raise ValueError(
-                f"{spec.model_key}.lora_rank > 0 is not supported with strategy=megatron; use fsdp"
+                f"{spec.model_key}.lora_adapter_path (a saved PEFT adapter) is not loaded by strategy=megatron; "
+                "use fsdp, or start a new adapter with lora_rank"
+            )
+        if mc.lora_rank > 0 and spec.role != "actor":
+            raise ValueError(
+                f"{spec.model_key}.lora_rank > 0 with strategy=megatron trains the actor's adapters only "
+                f"(the {spec.role} would need its own head trained); use fsdp for it"
             )
         return cls.build(
             mc,
@@ -318,6 +330,13 @@ class MegatronEngine(TrainEngine):
             optim_key=f"{spec.key}.optim",
             max_grad_norm=getattr(spec.role_config, "max_grad_norm", 0.0) or 0.0,
         )
+
+    def disable_adapter(self) -> contextlib.AbstractContextManager:
+        """The base model without its LoRA factors (the reference policy of a LoRA actor)."""
+        chunks = [getattr(c, "module", c) for c in self.chunks]
+        if not lora_lib.has_lora(chunks):
+            raise RuntimeError(f"the {self.role} model has no LoRA adapter to disable")
+        return lora_lib.disabled(chunks)
 
     # -- parallel layout --------------------------------------------------------------------
     @property
@@ -595,6 +614,31 @@ class MegatronEngine(TrainEngine):
         from hybridrl.engine.megatron.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path, contents=contents)
+
+
+def _attach_lora(
+    chunks, model_config: ModelConfig, mcfg: MegatronConfig, tcfg: Any, role: str, model_key: str
+):
+    """model.lora_rank > 0: trained LoRA factors on the target linears, the rest frozen (lora.py)."""
+    if model_config.lora_rank <= 0 or role != "actor":
+        return
+    if getattr(tcfg, "gradient_accumulation_fusion", False):
+        raise ValueError(
+            f"{model_key}.lora_rank > 0 with override_transformer_config.gradient_accumulation_fusion=True: the "
+            "fused accumulation writes the frozen base weight's main_grad; set it to false with LoRA"
+        )
+    targets = lora_lib.megatron_targets(model_config.target_modules, model_config.exclude_modules, model_key)
+    spec = lora_lib.LoraSpec(
+        model_config.lora_rank,
+        float(model_config.lora_alpha),
+        targets,
+        model_config.lora_init_a or "xavier",
+        mcfg.seed,
+    )
+    if lora_lib.attach(chunks, spec, _global_name) == 0:
+        raise ValueError(
+            f"{model_key}.target_modules={list(targets)}: no such linear in the model on this rank"
+        )
 
 
 @functools.cache

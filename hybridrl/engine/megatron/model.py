@@ -429,7 +429,9 @@ def _bucket_of(name: str) -> tuple[int, int]:
 
 def _local_params(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
     """{global Megatron name: this rank's (TP-sharded) tensor} of this PP stage."""
-    return {_global_name(n, c): p.detach() for c in chunks for n, p in c.named_parameters()}
+    from hybridrl.engine.megatron.lora import export_params  # LoRA: merged weights, no factors
+
+    return {_global_name(n, c): p for c in chunks for n, p in export_params(c)}
 
 
 def _gather_meta(mine: list, group: Any, size: int) -> list:

@@ -191,6 +191,7 @@ def validate_config(config: PPOConfig, rollout_world: int | None = None) -> None
     _validate_ulysses(config, world)
     _validate_routing_replay(config)
     _check_optimizer_overrides(config)
+    _check_lora_init(config)
     _check_rollout_engine_parallel(config.actor_rollout_ref.rollout, world)
     resolve_prefix_grouper(config)  # true / false as given; auto decided and printed (prefix_auto.py)
     _validate_actor_batches(config, world)
@@ -250,6 +251,19 @@ def _validate_routing_replay(config: PPOConfig) -> None:
                 "actor_rollout_ref.actor.router_replay.mode=R2 records the routing in the old-log-prob pass; "
                 "the rollout's routing (rollout.enable_rollout_routing_replay=true) is for R3: set mode=R3 "
                 "or enable_rollout_routing_replay=false"
+            )
+
+
+def _check_lora_init(config: PPOConfig) -> None:
+    """`model.lora_init_a` (veRL's model.lora.lora_A_init_method) is read by the Megatron engine's LoRA."""
+    for key, model, strategy in (
+        ("actor_rollout_ref.model", config.actor_rollout_ref.model, config.actor_rollout_ref.actor.strategy),
+        ("critic.model", config.critic.model, config.critic.strategy),
+    ):
+        if model.lora_init_a is not None and strategy != "megatron":
+            raise ConfigError(
+                f"{key}.lora_init_a={model.lora_init_a!r} (model.lora.lora_A_init_method) sets the Megatron LoRA's "
+                f"A init; strategy={strategy} uses PEFT's own init: drop it or use strategy=megatron"
             )
 
 
