@@ -55,8 +55,8 @@ from hybridrl.engine.megatron.fused_head import (
     use_fused_head,
 )
 from hybridrl.engine.megatron.model import (
-    _global_name,
     build_model,
+    global_param_name,
     init_parallel,
     iter_hf_params,
     load_hf_weights,
@@ -272,7 +272,10 @@ class MegatronEngine(TrainEngine):
             )
         if trained:
             expert_params_as_expert_parallel(chunks, megatron_config)
-        _attach_lora(chunks, model_config, megatron_config, tcfg, role, model_key)  # after: factors copy the marks
+        # LoRA after the expert marks (the factors copy them), before DDP (it buckets the trained ones)
+        lora_lib.attach_for_role(
+            chunks, model_config, megatron_config, tcfg, role, model_key, global_param_name
+        )
         if trained:
             chunks = _wrap_ddp(chunks, tcfg, megatron_config)
         if megatron_config.use_dist_checkpointing:
@@ -614,31 +617,6 @@ class MegatronEngine(TrainEngine):
         from hybridrl.engine.megatron.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path, contents=contents)
-
-
-def _attach_lora(
-    chunks, model_config: ModelConfig, mcfg: MegatronConfig, tcfg: Any, role: str, model_key: str
-):
-    """model.lora_rank > 0: trained LoRA factors on the target linears, the rest frozen (lora.py)."""
-    if model_config.lora_rank <= 0 or role != "actor":
-        return
-    if getattr(tcfg, "gradient_accumulation_fusion", False):
-        raise ValueError(
-            f"{model_key}.lora_rank > 0 with override_transformer_config.gradient_accumulation_fusion=True: the "
-            "fused accumulation writes the frozen base weight's main_grad; set it to false with LoRA"
-        )
-    targets = lora_lib.megatron_targets(model_config.target_modules, model_config.exclude_modules, model_key)
-    spec = lora_lib.LoraSpec(
-        model_config.lora_rank,
-        float(model_config.lora_alpha),
-        targets,
-        model_config.lora_init_a or "xavier",
-        mcfg.seed,
-    )
-    if lora_lib.attach(chunks, spec, _global_name) == 0:
-        raise ValueError(
-            f"{model_key}.target_modules={list(targets)}: no such linear in the model on this rank"
-        )
 
 
 @functools.cache

@@ -93,6 +93,31 @@ def _as_list(value: Any) -> list[str]:
     return [value] if isinstance(value, str) else [str(v) for v in value]
 
 
+def attach_for_role(
+    chunks: list[nn.Module], model_config: Any, mcfg: Any, tcfg: Any, role: str, model_key: str, global_name
+) -> None:
+    """model.lora_rank > 0: trained LoRA factors on the target linears, the rest frozen (`attach`)."""
+    if model_config.lora_rank <= 0 or role != "actor":
+        return
+    if getattr(tcfg, "gradient_accumulation_fusion", False):
+        raise ValueError(
+            f"{model_key}.lora_rank > 0 with override_transformer_config.gradient_accumulation_fusion=True: the "
+            "fused accumulation writes the frozen base weight's main_grad; set it to false with LoRA"
+        )
+    targets = megatron_targets(model_config.target_modules, model_config.exclude_modules, model_key)
+    spec = LoraSpec(
+        model_config.lora_rank,
+        float(model_config.lora_alpha),
+        targets,
+        model_config.lora_init_a or "xavier",
+        mcfg.seed,
+    )
+    if attach(chunks, spec, global_name) == 0:
+        raise ValueError(
+            f"{model_key}.target_modules={list(targets)}: no such linear in the model on this rank"
+        )
+
+
 def attach(chunks: list[nn.Module], spec: LoraSpec, global_name) -> int:
     """Freeze every parameter of `chunks` and add trained factors to the targeted linears
     (before DDP wraps them). `global_name(local_param_name, chunk)` names a layer model-wide.

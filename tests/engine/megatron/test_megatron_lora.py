@@ -54,12 +54,14 @@ def _random_b(fsdp) -> None:
 
 def _set_megatron_factors(meg, seed: int) -> None:
     """Every factor from a generator seeded by its name, full-size then cut to this rank's shard."""
+    from hybridrl.engine.megatron.model import global_param_name
+
     chunk = getattr(meg.chunks[0], "module", meg.chunks[0])
     for name, mod in chunk.named_modules():
         if not hasattr(mod, "lora_A"):
             continue
         tp, rank = mod.tp_group.size(), mod.tp_group.rank()
-        gen = torch.Generator().manual_seed(seed + sum(map(ord, name)))
+        gen = torch.Generator().manual_seed(seed + sum(map(ord, global_param_name(f"{name}.weight", chunk))))
         for attr, dim in (
             ("lora_A", None if mod.lora_column else 1),
             ("lora_B", 0 if mod.lora_column else None),
@@ -247,3 +249,53 @@ def test_megatron_lora_checkpoint_saved_at_tp2_resumes_at_tp1(tmp_path):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (out["straight"], out["resumed"])
         assert out["export"] <= 1e-5
     _check_merger(tmp_path, model_dir)  # model_merger merges the checkpoint's factors like the export
+
+
+def _run_moe(rank, world, model_dir, result_dir):
+    """Qwen3-MoE, every linear adapted (the routed experts' too), random factors: EP=1 and EP=2 (DP=2)."""
+    from megatron.core import parallel_state as ps
+    from moe_models import batch, configs
+
+    from hybridrl.engine.megatron.engine import MegatronEngine
+    from hybridrl.workers.actor import PPOActor
+    from hybridrl.workers.batch_sizes import normalize_actor_batch_sizes
+
+    mine = batch().chunk(world)[rank]
+    out = {}
+    for ep in (1, 2):
+        model, cfg, mcfg = configs(model_dir, ep)
+        model = dataclasses.replace(model, lora_rank=4, lora_alpha=8)
+        meg = MegatronEngine.build(model, mcfg, cfg.optim, max_grad_norm=cfg.max_grad_norm, load_tok=False)
+        _set_megatron_factors(meg, seed=7)
+        actor = PPOActor(
+            cfg, meg, batch_sizes=normalize_actor_batch_sizes(cfg, rollout_n=1, dp_size=meg.dp_size)
+        )
+        chunk = meg.chunks[0].module
+        m = actor.update_policy(mine)
+        out[ep] = {
+            "expert_factors": sum(
+                ".experts." in n and n.endswith("lora_A") for n, _ in chunk.named_parameters()
+            ),
+            "pg_loss": m["actor/pg_loss"][0],
+            "grad_norm": m["actor/grad_norm"][0],
+            "weights": dict(meg.iter_full_params()),
+        }
+        del meg, actor
+        ps.destroy_model_parallel()
+    torch.save(out, os.path.join(result_dir, f"moe_rank{rank}.pt"))
+
+
+def test_megatron_lora_on_moe_experts_ep2_equals_ep1(tmp_path):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from moe_models import make_moe_model_dir
+
+    model_dir = make_moe_model_dir(str(tmp_path / "model"), "qwen3_moe")
+    spawn(_run_moe, 2, tmp_path, model_dir, str(tmp_path))
+    for rank in range(2):
+        out = torch.load(tmp_path / f"moe_rank{rank}.pt")
+        one, two = out[1], out[2]
+        print({ep: {k: v for k, v in r.items() if k != "weights"} for ep, r in out.items()})
+        assert one["expert_factors"] == 2 * two["expert_factors"] > 0  # 4 experts / 2 per EP rank, x fc1 fc2
+        assert two["pg_loss"] == pytest.approx(one["pg_loss"], abs=TOL)
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=TOL)
+        assert max(_rel(two["weights"][k], v) for k, v in one["weights"].items()) < TOL
