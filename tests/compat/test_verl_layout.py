@@ -159,7 +159,9 @@ LISTED = [
     (f"{ARR}.rollout.prometheus.enable", "False", "True"),
     (f"{ARR}.rollout.profiler.relocate_results", "True", None),  # rollout.profiler.enable: a real key now
     ("critic.model.mtp.enable", "False", "True"),  # the actor's model.mtp is a real key (docs/megatron.md)
-    (f"{ARR}.model.lora.rank", "0", "8"),
+    ("critic.model.lora.rank", "0", "8"),  # the actor's model.lora.* is the Megatron LoRA (docs/megatron.md)
+    (f"{ARR}.model.lora.dropout", "0.0", "0.1"),
+    (f"{ARR}.model.lora.type", "lora", "dora"),
     ("data.audio_key", "audios", "sounds"),
 ]
 
