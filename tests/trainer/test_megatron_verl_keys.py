@@ -205,7 +205,10 @@ def test_verls_model_lora_keys_are_the_megatron_lora():
         _load([*MEGATRON, "trainer.n_gpus_per_node=12", f"{lora}.rank=8", f"{lora}.dropout=0.1"])
     with pytest.raises(ConfigError, match="lora_init_a='kaiming' .* strategy=fsdp uses PEFT's own init"):
         _load([f"{lora}.rank=8", f"{lora}.lora_A_init_method=kaiming"])
-    with pytest.raises(ConfigError, match="model.lora_rank=8 and .*model.lora.rank=16|model.lora.rank"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.lora.rank=16 \(veRL's newer spelling\) and actor_rollout_ref.model.lora_rank=8 disagree",
+    ):
         _load([*MEGATRON, "trainer.n_gpus_per_node=12", f"{ARR}.model.lora_rank=8", f"{lora}.rank=16"])
     with pytest.raises(ConfigError, match="critic.model.lora.rank=8"):
         _load(["+critic.model.lora.rank=8"])

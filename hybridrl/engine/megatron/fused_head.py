@@ -64,7 +64,9 @@ def _hidden_forward(
     """ColumnParallelLinear.forward without the matmul: (S, b, H) hidden states in the TP region."""
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-    self.fused_weight = self.weight if weight is None else weight
+    # a plain attribute: nn.Module.__setattr__ would register the Parameter under a second name, and the
+    # optimizer's checkpoint would then name its state after it (a fresh engine, before any forward, has not)
+    self.__dict__["fused_weight"] = self.weight if weight is None else weight
     if self.sequence_parallel:  # all-gather over the sequence; the backward reduce-scatters
         return gather_from_sequence_parallel_region(input_, group=self.tp_group), None
     return _SumGradOverTP.apply(input_, self.tp_group), None
