@@ -192,7 +192,9 @@ def validate_config(config: PPOConfig, rollout_world: int | None = None) -> None
     _validate_routing_replay(config)
     _check_optimizer_overrides(config)
     _check_lora_init(config)
-    _check_rollout_engine_parallel(config.actor_rollout_ref.rollout, world)
+    _check_rollout_engine_parallel(
+        config.actor_rollout_ref.rollout, world if rollout_world is None else rollout_world
+    )
     resolve_prefix_grouper(config)  # true / false as given; auto decided and printed (prefix_auto.py)
     _validate_actor_batches(config, world)
     if algos.estimator_needs_critic(algo.adv_estimator):
