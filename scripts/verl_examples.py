@@ -6,7 +6,8 @@ stand-in writes its argv to a file and exits 0, so nothing trains and nothing is
 Every recorded `-m verl.trainer.main_ppo` call then goes through hybridrl's config stage exactly
 as `python -m hybridrl.trainer.main_ppo <the same overrides>` would: Hydra compose of hybridrl's
 ppo_trainer.yaml with the overrides, the typed schema merge, start-up validation and the
-driver-side per-rank batch checks. No Ray, no model, no training.
+driver-side per-rank batch checks. No Ray, no model, no training. `--show-failures` also names
+the overrides veRL's own Hydra config (the checkout's verl/trainer/config) refuses for a script.
 
 A script that calls `--config-path/--config-name` with one of its own yaml files (which extends
 veRL's ppo_trainer.yaml) has that file's keys applied first, as overrides.
@@ -14,6 +15,8 @@ veRL's ppo_trainer.yaml) has that file's keys applied first, as overrides.
 Scripts that use Megatron (a `*.megatron.*` key, `strategy=megatron`, `ppo_megatron_trainer`)
 or images (VLM models, `image_key`, geo3k) are counted apart, as the issue asks. A missing data
 file or model is not a config failure (this machine has no GSM8K); it is replaced by an empty placeholder (the report lists where).
+The same holds for a path a script requires from its user without a default (`DIST_CKPT_PATH`, the Megatron
+checkpoint of the Moonlight script): it is set to an empty folder.
 
 Usage:
     python scripts/verl_examples.py --verl /path/to/verl [--json out.json] [--show-failures] [--only REGEX]
@@ -35,6 +38,8 @@ from pathlib import Path
 
 SHIM = r"""#!/usr/bin/env bash
 # Recording stand-in: append this call's argv (one JSON list per line) and succeed.
+# A probe for Ascend's torch_npu fails, as the real python does here (scripts pick DEVICE=npu from it).
+if [ "$1" = "-c" ] && [[ "$2" == *torch_npu* ]]; then exit 1; fi
 python_real="__PYTHON__"
 "$python_real" -c 'import json,sys; print(json.dumps(sys.argv[1:]))' "$(basename "$0")" "$@" >> "$H13_RECORD"
 exit 0
@@ -112,6 +117,8 @@ def record_script(script: Path, root: Path, shims: Path, home: Path) -> list[lis
         "HOME": str(home),
         "H13_RECORD": str(record),
         "LANG": "C.UTF-8",
+        # paths a script requires from the user (no default in the script): an empty stand-in folder
+        "DIST_CKPT_PATH": str(home / "dist_ckpt"),
     }
     try:
         subprocess.run(
@@ -259,6 +266,41 @@ def compose_collecting(overrides: list[str], config_name: str = "ppo_trainer") -
             todo.remove(bad[0])
 
 
+def verl_hydra_refusals(
+    root: Path, script: Path, overrides: list[str], cpath: str | None, cname: str | None
+) -> list[str]:
+    """The overrides veRL's OWN Hydra config (the checkout's verl/trainer/config) refuses when composing
+    the script's call: keys a script sets that veRL itself does not take (each refused one is dropped and
+    composing goes on). veRL's dataclass checks after composing are not run here."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    conf = root / "verl/trainer/config"
+    if cpath:
+        own = Path(cpath) if Path(cpath).is_absolute() else script.parent / cpath
+        conf = own if own.is_dir() else (root / cpath if (root / cpath).is_dir() else conf)
+    if not conf.is_dir():
+        return []
+    refused, todo = [], list(overrides)
+    for _ in range(len(overrides) + 1):
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(conf.resolve()), version_base=None):
+                compose(config_name=(cname or "ppo_trainer").removesuffix(".yaml"), overrides=todo)
+            break
+        except (ConfigCompositionException, OverrideParseException) as e:
+            m = re.search(r"override '([^']+)'", str(e))
+            bad = [o for o in todo if m and key_of(o) == m.group(1)] or [o for o in todo if o in str(e)]
+            if not bad:
+                refused.append(str(e).splitlines()[0][:80])
+                break
+            refused.append(key_of(bad[0]))
+            todo.remove(bad[0])
+    GlobalHydra.instance().clear()
+    return refused
+
+
 def stand_in_files(cfg, placeholder: str) -> list[str]:
     """Point data files this machine does not have at an empty placeholder (not a config fault)."""
     from omegaconf import OmegaConf
@@ -373,6 +415,7 @@ def measure(root: Path, only: str | None = None) -> list[dict]:
             row.update(
                 check(full, root, str(placeholder), base_config(root, script, cpath, cname), cli=overrides)
             )
+            row["verl_refuses"] = verl_hydra_refusals(root, script, overrides, cpath, cname)
             rows.append(row)
     return rows
 
@@ -423,14 +466,14 @@ def report(rows: list[dict], show: bool) -> None:
             for r in group:
                 if r["status"] == "fail":
                     print(f"  FAIL {r['script']}: unknown={r['unknown']} {r['error']}")
+                if r.get("verl_refuses"):
+                    print(f"    veRL's own Hydra config refuses {r['verl_refuses']} ({r['script']})")
     opd = [r for r in rows if r.get("opd")]  # across the categories above (also counted there)
     for r in opd:
         print(f"  on-policy distillation [{r['category']}] {r['status']}: {r['script']}")
     checked = [r for r in opd if r["status"] != "skip"]
     ok = sum(r["status"] == "pass" for r in checked)
-    print(
-        f"on-policy distillation (distillation.enabled=True): {ok}/{len(checked)} pass"
-    )
+    print(f"on-policy distillation (distillation.enabled=True): {ok}/{len(checked)} pass")
 
 
 if __name__ == "__main__":

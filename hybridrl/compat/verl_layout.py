@@ -92,6 +92,19 @@ def _moved() -> dict[str, str]:
         moved[f"reward.reward_model.rollout.{name}"] = f"reward_model.rollout.{name}"
     for optim in (f"{ARR}.actor.optim", "critic.optim"):  # veRL's Megatron optimizer's name of it
         moved[f"{optim}.lr_decay_style"] = f"{optim}.lr_scheduler_type"
+    for name, ours in (  # veRL's model.lora (its Megatron LoRA) on the model's LoRA keys
+        ("rank", "lora_rank"),
+        ("alpha", "lora_alpha"),
+        ("target_modules", "target_modules"),
+        ("exclude_modules", "exclude_modules"),
+        ("lora_A_init_method", "lora_init_a"),
+    ):
+        moved[f"{ARR}.model.lora.{name}"] = f"{ARR}.model.{ours}"
+    for role in ("actor", "ref"):  # veRL's engine-level spelling (its new workers read this one)
+        moved[f"{ARR}.{role}.megatron.router_replay"] = f"{ARR}.{role}.router_replay"
+    for role, megatron in ((f"{ARR}.actor", f"{ARR}.actor.megatron"), ("critic", "critic.megatron")):
+        # megatron-core OptimizerConfig fields: read by the Megatron engine with its other overrides
+        moved[f"{role}.optim.override_optimizer_config"] = f"{megatron}.override_optimizer_config"
     return moved
 
 
@@ -197,6 +210,7 @@ def layout_knows(key: str) -> bool:
 
     return (
         veomni_knows(key)
+        or key in (f"{ARR}.actor.optim.min_lr", "critic.optim.min_lr")  # apply_min_lr
         or any(_under(key, new) for new in MOVED)
         or any(key == leaf.key for leaf in LEAVES)
         or any(_under(key, s.prefix) for s in SECTIONS)

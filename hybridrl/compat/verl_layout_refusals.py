@@ -120,12 +120,6 @@ def _leaves() -> list[Leaf]:
             Leaf(f"{o}.optimizer", ("AdamW", "adamw"), "the optimizer is torch's AdamW"),
             Leaf(f"{o}.optimizer_impl", ("torch.optim",), "the optimizer is torch.optim.AdamW"),
             Leaf(f"{o}.zero_indexed_step", (True,), "the schedule counts optimizer steps from 0"),
-            Leaf(
-                f"{o}.override_optimizer_config",
-                (None, {}),
-                "Megatron OptimizerConfig overrides (optimizer CPU offload, precision-aware optimizer) are not "
-                "implemented; use megatron.optimizer_offload",
-            ),
         ]
     for m in MEGATRON:
         out += [
@@ -136,6 +130,12 @@ def _leaves() -> list[Leaf]:
             ),
             Leaf(f"{m}.use_megatron_fsdp", (False,), MEGATRON_FSDP),
         ]
+    no_replay = "the critic's forward has no routing replay (it is the actor's and the reference's)"
+    out += [
+        Leaf("critic.megatron.router_replay.mode", ("disabled",), no_replay),
+        Leaf("critic.megatron.router_replay.record_file", (None,), no_replay),
+        Leaf("critic.megatron.router_replay.replay_file", (None,), no_replay),
+    ]
     for p in PROFILERS:
         out += [
             Leaf(
@@ -147,17 +147,12 @@ def _leaves() -> list[Leaf]:
             Leaf(f"{p}.finish_hook_all_ranks", (False,), "no post-profiling hook is run"),
             Leaf(f"{p}.finish_hook_ranks", ([],), "no post-profiling hook is run"),
         ]
-    out += _rollout_leaves() + _reward_leaves() + _other_leaves()
+    out += _rollout_leaves() + _reward_leaves() + _other_leaves() + _lora_leaves()
     return out
 
 
 def _rollout_leaves() -> list[Leaf]:
-    engine_dp = (
-        "engine-internal data/expert parallelism is not implemented; rollout replicas follow the ranks"
-    )
     return [
-        Leaf(f"{ROLLOUT}.data_parallel_size", (1,), engine_dp),
-        Leaf(f"{ROLLOUT}.expert_parallel_size", (1,), engine_dp),
         Leaf(
             f"{ROLLOUT}.pipeline_model_parallel_size", (1,), "rollout pipeline parallelism is not implemented"
         ),
@@ -234,6 +229,33 @@ def _reward_leaves() -> list[Leaf]:
     return out
 
 
+def _lora_leaves() -> list[Leaf]:
+    """veRL's model.lora keys beside rank / alpha / targets / A's init (those become model.lora_*)."""
+    lora = f"{ARR}.model.lora"
+    return [
+        Leaf(f"{lora}.type", ("lora",), "plain LoRA only (canonical_lora / DoRA are not implemented)"),
+        Leaf(
+            f"{lora}.merge", ANY, "the weight sync always sends the merged weights W + s*B@A to the rollout"
+        ),
+        Leaf(f"{lora}.dropout", (0, 0.0), "LoRA dropout is not implemented"),
+        Leaf(f"{lora}.dropout_position", ANY, "no LoRA dropout here (dropout=0)"),
+        Leaf(
+            f"{lora}.lora_B_init_method", ("zero",), "B starts at zero (the adapted model starts as the base)"
+        ),
+        Leaf(
+            f"{lora}.a2a_experimental",
+            (False,),
+            "Megatron-Bridge's experimental all-to-all LoRA is not implemented",
+        ),
+        Leaf(f"{lora}.dtype", (None,), "the factors take the model's parameter dtype"),
+        Leaf(f"{lora}.adapter_path", (None,), "loading a saved Megatron adapter is not implemented"),
+        Leaf(f"{lora}.freeze_vision_model", ANY, "text models only with Megatron LoRA (no vision tower)"),
+        Leaf(
+            f"{lora}.freeze_vision_projection", ANY, "text models only with Megatron LoRA (no vision tower)"
+        ),
+    ]
+
+
 def _other_leaves() -> list[Leaf]:
     return [
         Leaf("data.audio_key", ("audios",), VLM),
@@ -254,8 +276,9 @@ def _other_leaves() -> list[Leaf]:
 
 
 SECTIONS = (
-    *(Section(f"{m}.lora", "rank", (0, None), "veRL's model.lora.* is its Megatron LoRA (Megatron-Bridge), "
-          "not implemented; on FSDP use model.lora_rank / lora_alpha / target_modules") for m in MODELS),
+    Section(f"{ARR}.model.lora", None, (), "the other model.lora keys are checked one by one"),
+    Section("critic.model.lora", "rank", (0, None), "the critic's LoRA (veRL's model.lora.*) is not implemented "
+            "with Megatron; on FSDP use critic.model.lora_rank / lora_alpha / target_modules"),
     Section("critic.model.mtp", "enable", (False,), "multi-token prediction (MTP) trains the Megatron actor only"),
     *(Section(f"{m}.tiled_mlp", "enabled", (False,), "tiled MLP is not implemented") for m in MODELS),
     *(Section(f"{f}.qat", "enable", (False,), "quantization-aware training is not implemented") for f in FSDP),

@@ -32,6 +32,12 @@ Every key is honoured or refused at start-up by `validate_megatron_config`:
     seed                                                        honoured (init and Megatron's RNG tracker)
     override_transformer_config.*                               applied to the TransformerConfig;
                                                                 an unknown field is refused
+    override_optimizer_config.*                                 veRL's optim.override_optimizer_config (moved
+                                                                here at load): set on megatron-core's
+                                                                OptimizerConfig (engine/megatron/optim_config.py);
+                                                                an unknown field is refused, CUDA-only ones
+                                                                (optimizer CPU offload, precision-aware
+                                                                optimizer) are refused without CUDA
     use_dist_checkpointing + dist_checkpointing_path            honoured: the initial weights are read
                                                                 from that Megatron dist checkpoint
                                                                 instead of the HF folder
@@ -81,6 +87,8 @@ class MegatronConfig:
     seed: int = 42  # seed of the init and of Megatron's RNG tracker
     # fields set on the TransformerConfig
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
+    # fields set on megatron-core's OptimizerConfig (veRL's optim.override_optimizer_config, moved here)
+    override_optimizer_config: dict[str, Any] = field(default_factory=dict)
     use_dist_checkpointing: bool = False  # read the initial weights from a Megatron dist checkpoint
     dist_checkpointing_path: str | None = None  # that checkpoint's folder
     dtype: str = "bfloat16"  # parameter dtype: bfloat16 or float32 (float16 refused)
@@ -110,21 +118,19 @@ def megatron_param_dtype(cfg: MegatronConfig, key: str) -> str:
 
 
 def resolve_fused_kernels(model: Any, strategy: str, model_key: str, explicit: bool) -> None:
-    """`model.use_fused_kernels` with strategy=megatron. The Megatron engine computes log-probs and
-    entropy from the vocabulary-parallel logits (each TP rank its vocabulary slice, never
-    gathered): veRL's Megatron path with use_fused_kernels=False, its default there. veRL's fused
-    Megatron kernel (linear cross-entropy from the hidden states) is not implemented, so True set
-    by the user is refused; hybridrl's FSDP default True, not set by the user, becomes False."""
+    """`model.use_fused_kernels` with strategy=megatron. True set by the user is veRL's fused Megatron
+    path: log-probs and entropy from the final hidden states and the output weight, chunk by chunk,
+    never keeping the logits (engine/megatron/fused_head.py). hybridrl's FSDP default True, not set by
+    the user, becomes False (veRL's Megatron default): log-probs from the vocabulary-parallel logits."""
     if strategy != MEGATRON_STRATEGY or not model.use_fused_kernels:
         return
-    if explicit:
+    if explicit and model_key.startswith("critic"):
         raise ValueError(
-            f"{model_key}.use_fused_kernels=True with strategy=megatron: veRL's fused Megatron kernel (linear "
-            "cross-entropy from the hidden states) is not implemented here; the Megatron engine computes log-probs "
-            "from vocabulary-parallel logits without gathering the vocabulary (veRL's use_fused_kernels=False "
-            f"path). Set {model_key}.use_fused_kernels=false"
+            f"{model_key}.use_fused_kernels=True with strategy=megatron: the Megatron critic's value head has one "
+            f"output per position, no vocabulary logits to fuse. Set {model_key}.use_fused_kernels=false"
         )
-    model.use_fused_kernels = False
+    if not explicit:
+        model.use_fused_kernels = False
 
 
 def check_colocated_megatron(roles: dict[str, tuple[str, MegatronConfig]]) -> None:

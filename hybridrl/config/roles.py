@@ -229,6 +229,8 @@ class ModelConfig:
     lora_alpha: int = 16  # LoRA scaling alpha
     target_modules: Any = "all-linear"  # LoRA: modules that get adapters (all-linear or a list of names)
     exclude_modules: Any = None  # LoRA: modules without adapters (a regex, or a list of names)
+    # LoRA A's init with strategy=megatron: xavier | kaiming (veRL's model.lora.lora_A_init_method); null: xavier
+    lora_init_a: str | None = None
     # a saved PEFT adapter to start from (replaces lora_rank/alpha/targets)
     lora_adapter_path: str | None = None
     custom_chat_template: str | None = None  # a chat template that replaces the tokenizer's
@@ -248,6 +250,8 @@ class ModelConfig:
                 raise ValueError(f"{key}.{name}=True is not implemented in hybridrl; set it to False")
         if self.lora_rank < 0:
             raise ValueError(f"{key}.lora_rank must be >= 0 (0 disables LoRA), got {self.lora_rank}")
+        if self.lora_init_a not in (None, "xavier", "kaiming"):
+            raise ValueError(f"{key}.lora_init_a={self.lora_init_a!r}: use xavier, kaiming or null")
         check_exclude_modules(self, key)
 
 

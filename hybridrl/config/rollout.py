@@ -158,6 +158,9 @@ class RolloutConfig:
     free_cache_engine: bool = True  # put the engine to sleep (free its memory) between rollouts
     load_format: str = "dummy"  # dummy: random weights until the first sync; auto/hf/safetensors: load
     tensor_model_parallel_size: int = 1  # tensor-parallel size of one engine replica
+    data_parallel_size: int = 1  # vLLM / SGLang data-parallel copies of a TP engine (the replicas); 1 with EP
+    expert_parallel_size: int = 1  # vLLM / SGLang MoE: experts over the engine's TP ranks (must be tp x dp)
+    moe_tensor_parallel_size: int = 1  # TensorRT-LLM's MoE TP: 1 only (no TensorRT-LLM rollout)
     max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step
     max_num_seqs: int = 1024  # vLLM: sequences per engine step
     max_model_len: int | None = None  # engine context length (null: prompt_length + response_length)

@@ -396,6 +396,11 @@ class FSDPEngine(ModuleEngine):
         from hybridrl.engine.ulysses import apply_sp
 
         section = spec.role_config
+        if getattr(getattr(section, "megatron", None), "override_optimizer_config", None):
+            raise ValueError(
+                f"{spec.key}.optim.override_optimizer_config sets fields of Megatron's OptimizerConfig; the FSDP "
+                "engine trains with torch's AdamW: drop it or use strategy=megatron"
+            )
         fsdp_config = section.fsdp_config if hasattr(section, "fsdp_config") else section.model.fsdp_config
         engine = cls.build(
             spec.model_config, fsdp_config, spec.optim_config, role=spec.role, key=spec.model_key,

@@ -109,6 +109,7 @@ class SGLangRollout(BaseRollout):
             "load_format": "dummy" if config.is_dummy_load else "auto",
             "mem_fraction_static": config.gpu_memory_utilization,
             "tp_size": config.tensor_model_parallel_size,
+            "ep_size": config.expert_parallel_size,  # MoE experts over the engine's TP ranks (EP = TP)
             "max_running_requests": config.max_num_seqs,
             "chunked_prefill_size": config.max_num_batched_tokens,
             "context_length": config.effective_max_model_len,

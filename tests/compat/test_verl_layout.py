@@ -152,7 +152,6 @@ def test_min_lr_becomes_the_same_floor_as_min_lr_ratio():
 LISTED = [
     (f"{ARR}.actor.fsdp_config.use_orig_params", "False", None),
     (f"{ARR}.actor.optim.optimizer", "AdamW", "SGD"),
-    (f"{ARR}.actor.optim.override_optimizer_config.optimizer_cpu_offload", None, "True"),
     (f"{ARR}.actor.checkpoint.strict", "True", "False"),
     (f"{ARR}.actor.megatron.vanilla_mbridge", "True", None),
     (f"{ARR}.actor.megatron.use_megatron_fsdp", "False", "True"),
@@ -160,9 +159,9 @@ LISTED = [
     (f"{ARR}.rollout.prometheus.enable", "False", "True"),
     (f"{ARR}.rollout.profiler.relocate_results", "True", None),  # rollout.profiler.enable: a real key now
     ("critic.model.mtp.enable", "False", "True"),  # the actor's model.mtp is a real key (docs/megatron.md)
-    (f"{ARR}.model.lora.rank", "0", "8"),
-    (f"{ARR}.rollout.data_parallel_size", "1", "2"),
-    (f"{ARR}.rollout.expert_parallel_size", "1", "4"),
+    ("critic.model.lora.rank", "0", "8"),  # the actor's model.lora.* is the Megatron LoRA (docs/megatron.md)
+    (f"{ARR}.model.lora.dropout", "0.0", "0.1"),
+    (f"{ARR}.model.lora.type", "lora", "dora"),
     ("data.audio_key", "audios", "sounds"),
 ]
 

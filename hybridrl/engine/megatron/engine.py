@@ -14,6 +14,7 @@ engine decays every parameter); with weight_decay=0 the two engines take identic
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -40,20 +41,30 @@ from hybridrl.engine.base import (
     ValueRequest,
     register_engine,
 )
+from hybridrl.engine.megatron import lora as lora_lib
 from hybridrl.engine.megatron import mtp as mtp_lib
 from hybridrl.engine.megatron.context_parallel import cp_group_info
 from hybridrl.engine.megatron.convert import ArchSpec, arch_spec
 from hybridrl.engine.megatron.cpu_shims import cuda_to_cpu, needs_cpu_shims
 from hybridrl.engine.megatron.dispatch import broadcast_from_last_stage
 from hybridrl.engine.megatron.forward import run_schedule
+from hybridrl.engine.megatron.fused_head import (
+    fused_logprobs_entropy,
+    head_logits,
+    head_weight,
+    use_fused_head,
+)
 from hybridrl.engine.megatron.model import (
     build_model,
+    global_param_name,
     init_parallel,
     iter_hf_params,
     load_hf_weights,
     transformer_config,
 )
 from hybridrl.engine.megatron.moe import expert_params_as_expert_parallel
+from hybridrl.engine.megatron.moe_metrics import router_stats_for
+from hybridrl.engine.megatron.optim_config import megatron_optimizer_config
 from hybridrl.engine.megatron.routing_replay import RoutingReplay
 from hybridrl.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 from hybridrl.engine.megatron.vocab_parallel_topk import topk_log_probs
@@ -113,23 +124,20 @@ class ParamGroupLR:
         self._apply()
 
 
-def _build_optimizer(chunks: list[Any], optim: OptimConfig, mcfg: MegatronConfig, dtype: torch.dtype):
-    """Megatron's AdamW; with bf16 parameters it keeps fp32 main parameters (and steps on fp32 grads)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def _build_optimizer(
+    chunks: list[Any], optim: OptimConfig, mcfg: MegatronConfig, dtype: torch.dtype, key: str
+):
+    """Megatron's AdamW; with bf16 parameters it keeps fp32 main parameters (and steps on fp32 grads).
+    `megatron.override_optimizer_config` (veRL's `optim.override_optimizer_config`) sets further fields."""
+    from megatron.core.optimizer import get_megatron_optimizer
 
-    ocfg = OptimizerConfig(
-        optimizer="adam",
-        lr=optim.lr,
-        min_lr=optim.lr,
-        weight_decay=optim.weight_decay,
-        adam_beta1=float(optim.betas[0]),
-        adam_beta2=float(optim.betas[1]),
-        adam_eps=optim.eps,
-        clip_grad=0.0,  # clipped by MegatronEngine.step
+    ocfg = megatron_optimizer_config(
+        optim,
         use_distributed_optimizer=mcfg.use_distributed_optimizer,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=False,
+        dtype=dtype,
+        overrides=mcfg.override_optimizer_config,
+        key=f"{key}.override_optimizer_config",
+        on_cpu=needs_cpu_shims(),
     )
     with cuda_to_cpu():
         return get_megatron_optimizer(ocfg, chunks)
@@ -215,6 +223,8 @@ class MegatronEngine(TrainEngine):
     )
     mtp_train: bool = False
     routing_replay: Any = None  # a MoE model's RoutingReplay (engine/megatron/routing_replay.py)
+    fused_head: bool = False  # model.use_fused_kernels: log-probs from the hidden states (fused_head.py)
+    router_stats: Any = None  # a MoE actor's routing metrics (engine/megatron/moe_metrics.py)
 
     @classmethod
     def build(
@@ -240,7 +250,8 @@ class MegatronEngine(TrainEngine):
         )
         init_parallel(megatron_config, key)
         _log_bridge(megatron_config.use_mbridge, key)
-        hf_sd, hf_config = _hf_state_dict(model_config, role, model_key, megatron_config.seed)
+        base_config = dataclasses.replace(model_config, lora_rank=0)  # adapters are added below (lora.py)
+        hf_sd, hf_config = _hf_state_dict(base_config, role, model_key, megatron_config.seed)
         spec = arch_spec(hf_config)
         _check_divisible(spec, megatron_config, key)
         n_mtp = mtp_lib.resolve_mtp(model_config, hf_config, megatron_config, role, model_key, key)
@@ -255,8 +266,17 @@ class MegatronEngine(TrainEngine):
         load_hf_weights(chunks, hf_sd, spec, role, n_mtp)
         del hf_sd
         trained = optim_config is not None and role in ("actor", "critic")
+        if not trained and megatron_config.override_optimizer_config:
+            raise ValueError(
+                f"{key}.override_optimizer_config: the {role} has no optimizer here; drop the overrides"
+            )
         if trained:
             expert_params_as_expert_parallel(chunks, megatron_config)
+        # LoRA after the expert marks (the factors copy them), before DDP (it buckets the trained ones)
+        lora_lib.attach_for_role(
+            chunks, model_config, megatron_config, tcfg, role, model_key, global_param_name
+        )
+        if trained:
             chunks = _wrap_ddp(chunks, tcfg, megatron_config)
         if megatron_config.use_dist_checkpointing:
             from hybridrl.engine.megatron.checkpoint import load_dist_weights
@@ -265,7 +285,7 @@ class MegatronEngine(TrainEngine):
         optimizer = lr_scheduler = None
         if trained:
             optim_key = optim_key or ("critic.optim" if role == "critic" else "actor_rollout_ref.actor.optim")
-            optimizer = _build_optimizer(chunks, optim_config, megatron_config, dtype)
+            optimizer = _build_optimizer(chunks, optim_config, megatron_config, dtype, optim_key)
             lr_scheduler = ParamGroupLR(optimizer, optim_config, optim_key)
         tokenizer = None
         if load_tok:
@@ -285,15 +305,23 @@ class MegatronEngine(TrainEngine):
             n_mtp,
             bool(n_mtp and model_config.mtp.enable_train),
             RoutingReplay(chunks) if spec.num_experts else None,
+            use_fused_head(chunks, model_config.use_fused_kernels, role, n_mtp, model_key),
+            router_stats_for(chunks, spec, megatron_config, role),
         )
 
     @classmethod
     def build_role(cls, spec: EngineBuildSpec) -> MegatronEngine:
         """The registry's entry: the role's engine from its `megatron` section."""
         mc = spec.model_config
-        if mc.lora_rank > 0 or mc.lora_adapter_path:
+        if mc.lora_adapter_path:
             raise ValueError(
-                f"{spec.model_key}.lora_rank > 0 is not supported with strategy=megatron; use fsdp"
+                f"{spec.model_key}.lora_adapter_path (a saved PEFT adapter) is not loaded by strategy=megatron; "
+                "use fsdp, or start a new adapter with lora_rank"
+            )
+        if mc.lora_rank > 0 and spec.role != "actor":
+            raise ValueError(
+                f"{spec.model_key}.lora_rank > 0 with strategy=megatron trains the actor's adapters only "
+                f"(the {spec.role} would need its own head trained); use fsdp for it"
             )
         return cls.build(
             mc,
@@ -305,6 +333,13 @@ class MegatronEngine(TrainEngine):
             optim_key=f"{spec.key}.optim",
             max_grad_norm=getattr(spec.role_config, "max_grad_norm", 0.0) or 0.0,
         )
+
+    def disable_adapter(self) -> contextlib.AbstractContextManager:
+        """The base model without its LoRA factors (the reference policy of a LoRA actor)."""
+        chunks = [getattr(c, "module", c) for c in self.chunks]
+        if not lora_lib.has_lora(chunks):
+            raise RuntimeError(f"the {self.role} model has no LoRA adapter to disable")
+        return lora_lib.disabled(chunks)
 
     # -- parallel layout --------------------------------------------------------------------
     @property
@@ -375,6 +410,7 @@ class MegatronEngine(TrainEngine):
             extra_inputs=extra,
             position_fn=position_fn,
             routing=self.routing_replay,
+            router_stats=self.router_stats,
         )
 
     def recording_routing(self):
@@ -414,13 +450,7 @@ class MegatronEngine(TrainEngine):
         tp_rank, group = self.tp_info()
 
         def per_position(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            lp, ent = vocab_parallel_logprobs_entropy(
-                logits.float() / request.temperature,
-                targets,
-                vocab_size=self.spec.vocab_size,
-                tp_rank=tp_rank,
-                group=group,
-            )
+            lp, ent = self._logprobs_entropy(logits, targets, request.temperature, tp_rank, group)
             return torch.stack([lp, ent], dim=-1)
 
         return per_position
@@ -442,16 +472,28 @@ class MegatronEngine(TrainEngine):
                 "token baseline's sum of pi^2 over a vocabulary-parallel head); use strategy=fsdp"
             )
         tp_rank, group = self.tp_info()
-        sliced = out[:, -t - 1 : -1].float() / request.temperature
-        lp, ent = vocab_parallel_logprobs_entropy(
-            sliced, micro["responses"], vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
-        )
+        sliced = out[:, -t - 1 : -1]  # logits, or hidden states with the fused head
+        lp, ent = self._logprobs_entropy(sliced, micro["responses"], request.temperature, tp_rank, group)
         out = LogProbs(lp, ent if request.calculate_entropy else None)
         if request.topk or request.topk_ids:  # distillation's forward_kl_topk (vocab_parallel_topk.py)
+            logits = head_logits(sliced, head_weight(self.chunks)) if self.fused_head else sliced
             out = topk_log_probs(
-                sliced, micro, request, out, vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
-            )
+                logits.float() / request.temperature, micro, request, out,
+                vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group,
+            )  # fmt: skip
         return out
+
+    def _logprobs_entropy(self, out: torch.Tensor, targets: torch.Tensor, temperature: float, tp_rank, group):
+        """(b, T) log-probs and entropy from (b, T, V / TP) logits, or from (b, T, H) hidden states
+        chunk by chunk with the fused head (fused_head.py)."""
+        if self.fused_head:
+            return fused_logprobs_entropy(
+                out, head_weight(self.chunks), targets, temperature=temperature,
+                vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group,
+            )  # fmt: skip
+        return vocab_parallel_logprobs_entropy(
+            out.float() / temperature, targets, vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
+        )
 
     def forward(self, micros, request: LogProbRequest | ValueRequest) -> list[Any]:
         """See TrainEngine.forward: Megatron's schedule without gradients; every stage returns them.
@@ -476,15 +518,26 @@ class MegatronEngine(TrainEngine):
     def forward_backward(self, micros, request: LogProbRequest | ValueRequest, loss_fn: LossFn) -> list[Any]:
         """See TrainEngine.forward_backward: Megatron's schedule (1F1B when pipelined)."""
         micros = list(micros)
-        results = self.run(
-            micros,
-            lambda m, out: mtp_lib.add_mtp_metrics(
-                loss_fn(m, self._output(m, out, request)), self.chunks[-1], len(micros)
-            ),
-            forward_only=False,
-            position_fn=self._position_fn(request),
-        )
+        on = self.router_stats is not None and isinstance(request, LogProbRequest) and request.router_aux_loss
+        with self.router_stats.collecting(on) if self.router_stats is not None else contextlib.nullcontext():
+            results = self.run(
+                micros,
+                lambda m, out: mtp_lib.add_mtp_metrics(
+                    loss_fn(m, self._with_moe_metrics(self._output(m, out, request))),
+                    self.chunks[-1],
+                    len(micros),
+                ),
+                forward_only=False,
+                position_fn=self._position_fn(request),
+            )
         return broadcast_from_last_stage(results)
+
+    def _with_moe_metrics(self, out: Any) -> Any:
+        """A MoE model's routing metrics and aux loss of this micro-batch (moe_metrics.py), if collected."""
+        taken = self.router_stats.take() if self.router_stats is not None else None
+        if taken is not None and isinstance(out, LogProbs):
+            out.router_aux_loss, out.moe_metrics = taken
+        return out
 
     def perf_model(self) -> PerfModel:
         layers, attn_dim = attention_dims(self.hf_config)

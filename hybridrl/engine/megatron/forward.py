@@ -237,6 +237,7 @@ def run_schedule(
     extra_inputs: Callable[[Any, Any], dict[str, torch.Tensor]] | None = None,
     position_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     routing: Any = None,
+    router_stats: Any = None,
 ) -> list[Any]:
     """Run forward (and backward) of `micros` through the pipeline; results of the last stage.
 
@@ -257,11 +258,15 @@ def run_schedule(
             values). Unused without CP.
         routing: a MoE model's RoutingReplay (engine/megatron/routing_replay.py): micro-batches
             carrying `routed_experts` route with them, and routing is recorded while it records.
+        router_stats: a MoE model's RouterStats (engine/megatron/moe_metrics.py): each micro-batch's
+            routing metrics are finished, padding excluded, before `loss_fn` sees its output.
 
     Returns:
         One `result` per micro-batch on the last pipeline stage, [] on the others.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from hybridrl.engine.megatron.moe_metrics import fed_valid_tokens
 
     n = len(micros)
     if len(chunks) > 1:
@@ -279,6 +284,8 @@ def run_schedule(
     cp, cp_rank, _ = cp_group_info()
 
     def scaled(micro, packed, output):
+        if router_stats is not None:
+            router_stats.finish(fed_valid_tokens(micro, packed, output.shape[1]))
         if cp > 1:
             if position_fn is not None:
                 targets = next_token_targets(micro, packed)

@@ -60,13 +60,23 @@ def megatron_to_hf_state_dict(state: dict[str, torch.Tensor], hf_config) -> dict
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:v]}
     stacked = {k[len(prefix) :]: t for k, t in state.items() if k.startswith(prefix)}
     for i in range(spec.num_layers):
-        layer = _experts_per_name({_LAYER_NAMES.get(k, k): t[i] for k, t in stacked.items()})
+        layer = _merge_lora(_experts_per_name({_LAYER_NAMES.get(k, k): t[i] for k, t in stacked.items()}))
         for name, t in megatron_layer_to_hf(layer, spec, tp=1).items():
             out[f"model.layers.{i}.{name}"] = t.clone()
     out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = state["output_layer.weight"][:v]
     return out
+
+
+def _merge_lora(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA actor's layer (engine/megatron/lora.py): each adapted weight W + scale * B @ A, factors dropped."""
+    for name in [k for k in layer if k.endswith(".lora_A")]:
+        base = name[: -len(".lora_A")]
+        a, b, scale = layer.pop(name), layer.pop(f"{base}.lora_B"), float(layer.pop(f"{base}.lora_scale"))
+        w = layer[f"{base}.weight"]
+        layer[f"{base}.weight"] = w + ((b.float() @ a.float()) * scale).to(w.dtype)
+    return layer
 
 
 _EXPERTS = "mlp.experts.experts."  # a MoE layer's routed experts, stacked (E, ...) per layer

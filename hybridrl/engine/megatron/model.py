@@ -362,7 +362,7 @@ def _megatron_full_tensors(
     return out
 
 
-def _global_name(local: str, chunk: nn.Module) -> str:
+def global_param_name(local: str, chunk: nn.Module) -> str:
     """A chunk's parameter name with its layer index (layer_number is 1-based) and expert index made global."""
     if not local.startswith(_LAYER_PREFIX):
         return local
@@ -397,7 +397,7 @@ def load_hf_weights(
             for local, param in chunk.state_dict(keep_vars=True).items():
                 if local.endswith("._extra_state") or not isinstance(param, torch.Tensor):
                     continue
-                name = _global_name(local, chunk)
+                name = global_param_name(local, chunk)
                 if name not in full:
                     raise KeyError(f"Megatron parameter {name!r} has no Hugging Face source tensor")
                 param.copy_(_tp_shard(name, full[name], critic).to(param.dtype))
@@ -429,7 +429,9 @@ def _bucket_of(name: str) -> tuple[int, int]:
 
 def _local_params(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
     """{global Megatron name: this rank's (TP-sharded) tensor} of this PP stage."""
-    return {_global_name(n, c): p.detach() for c in chunks for n, p in c.named_parameters()}
+    from hybridrl.engine.megatron.lora import export_params  # LoRA: merged weights, no factors
+
+    return {global_param_name(n, c): p for c in chunks for n, p in export_params(c)}
 
 
 def _gather_meta(mine: list, group: Any, size: int) -> list:

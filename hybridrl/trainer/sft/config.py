@@ -248,8 +248,9 @@ def _validate_megatron_model(m: SFTModelSection) -> None:
 
     if m.lora_rank > 0:
         raise ConfigError(
-            f"model.lora_rank={m.lora_rank} with model.strategy=megatron: the Megatron engine trains no LoRA "
-            "adapter; set model.lora_rank=0, or model.strategy=fsdp2 for LoRA"
+            f"model.lora_rank={m.lora_rank} with model.strategy=megatron: the Megatron engine's LoRA is built for "
+            "the RL actor (main_ppo), not checked with the SFT trainer; set model.lora_rank=0, or model.strategy=fsdp2 "
+            "for LoRA"
         )
     if m.enable_gradient_checkpointing:
         raise ConfigError(

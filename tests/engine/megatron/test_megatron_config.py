@@ -201,9 +201,9 @@ def test_remove_padding_accepted_with_megatron(tmp_path, key):
 
 @pytest.mark.parametrize("key", ["actor_rollout_ref.model", "critic.model"])
 def test_use_fused_kernels_with_megatron(key):
-    """Megatron computes log-probs from vocab-parallel logits (veRL's use_fused_kernels=False path):
-    False passes, True set by the user is refused (no fused Megatron kernel here), and hybridrl's
-    default True (not set by the user) becomes False; FSDP keeps True."""
+    """Megatron: False passes; True set by the user is the fused head on the actor (fused_head.py) and
+    refused on the critic (no vocabulary); hybridrl's default True (not set by the user) becomes False
+    (veRL's Megatron default); FSDP keeps True."""
     from hydra import compose, initialize_config_module
 
     from hybridrl.trainer.ppo.config import ConfigError
@@ -225,8 +225,11 @@ def test_use_fused_kernels_with_megatron(key):
         meg_true = compose("ppo_megatron_trainer", overrides=[*over, f"{flag}=true"])
         meg_false = compose("ppo_megatron_trainer", overrides=[*over, f"{flag}=false"])
         fsdp = compose("ppo_trainer", overrides=over)
-    with pytest.raises(ConfigError, match=f"{flag}=True with strategy=megatron"):
-        check_startup(meg_true, explicit_keys=[flag])
+    if key.startswith("critic"):
+        with pytest.raises(ConfigError, match=f"{flag}=True with strategy=megatron: the Megatron critic"):
+            check_startup(meg_true, explicit_keys=[flag])
+    else:
+        assert model_of(check_startup(meg_true, explicit_keys=[flag])).use_fused_kernels is True
     assert model_of(check_startup(meg_false, explicit_keys=[flag])).use_fused_kernels is False
     assert model_of(check_startup(meg_default, explicit_keys=[])).use_fused_kernels is False
     assert model_of(check_startup(fsdp, explicit_keys=[])).use_fused_kernels is True

@@ -83,6 +83,8 @@ def _run(rank, world, plain_dir, mtp_dir, out_dir):
     cfg = dataclasses.replace(
         cfg, optim=dataclasses.replace(cfg.optim, clip_grad=0.0, lr=1e-2), grad_clip=None
     )
+    # the logits path: the fused head refuses MTP (main_ppo leaves use_fused_kernels off with Megatron unless set)
+    model = dataclasses.replace(model, use_fused_kernels=False)
     with_mtp = lambda **kw: dataclasses.replace(model, path=mtp_dir, mtp=MtpConfig(**kw))  # noqa: E731
     out = {}
     _, plain, w_plain = _update(model, cfg, mcfg)
@@ -212,7 +214,9 @@ def _run_layouts(rank, world, mtp_dir, packed, layouts, out_dir):
         )
         # detach_encoder=False: the MTP loss reaches the main model too, so its weights check the MTP gradient
         model = dataclasses.replace(
-            model, mtp=MtpConfig(enable=True, enable_train=True, mtp_loss_scaling_factor=0.5)
+            model,
+            use_fused_kernels=False,
+            mtp=MtpConfig(enable=True, enable_train=True, mtp_loss_scaling_factor=0.5),
         )
         meg, metrics, _ = _update(model, cfg, mcfg, steps=3)
         out[name] = {
