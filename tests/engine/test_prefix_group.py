@@ -303,3 +303,34 @@ def test_grouped_forward_of_a_lora_model_matches_the_plain_one(model):
     assert results[True][1].numel() > 0
     torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_scores_equal_the_plain_ones_with_gradients():
+    """A reward model's scores (the head at each row's last token) through the shared-prompt row
+    equal the padded forward's, and so do their gradients; a row without a response token is refused."""
+    from transformers import AutoModelForTokenClassification, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, pad_token_id=0, num_labels=1,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    rm = AutoModelForTokenClassification.from_config(cfg).float().eval()  # no dropout before the head
+    batch = grouped_batch(group_sizes=(2, 2, 2))
+    keep = batch["response_mask"].sum(-1) > 0
+    batch = {k: v[keep] for k, v in batch.items()}
+    weight = torch.linspace(-1, 1, int(keep.sum()))
+    results = []
+    for grouped in (False, True):
+        rm.zero_grad()
+        scores = forward.forward_scores(rm, batch, use_remove_padding=not grouped, prefix_group=grouped)
+        (scores * weight).sum().backward()
+        results.append((scores.detach(), {n: p.grad.clone() for n, p in rm.named_parameters()}))
+    (plain, g_plain), (grouped, g_grouped) = results
+    assert plain.abs().min() > 0 and plain.std() > 0
+    torch.testing.assert_close(grouped, plain, atol=1e-5, rtol=1e-5)
+    for name, g in g_plain.items():
+        torch.testing.assert_close(g_grouped[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    empty = grouped_batch(group_sizes=(2, 2, 2))  # the last row of group 0 has no response
+    with pytest.raises(ValueError, match="no valid response token"):
+        forward.forward_scores(rm, empty, prefix_group=True)
