@@ -353,7 +353,8 @@ def test_config_errors(pair_files, tmp_path, kind, extra, match):
 
 
 def test_no_args_configs_load():
-    for kind in ("rm", "dpo"):
+    for kind, model in (("rm", "builtin:tiny-sft"), ("dpo", "builtin:tiny")):
         cfg = load_pref_config(kind, None)
-        assert cfg.data.train_files is None and cfg.model.partial_pretrain == "builtin:tiny"
+        assert cfg.data.train_files is None and cfg.model.partial_pretrain == model
+    assert load_pref_config("rm").trainer.total_epochs == 15 and load_pref_config("rm").optim.lr == 1e-4
     assert os.path.basename(load_pref_config("rm").trainer.default_local_dir) == "rm"
