@@ -12,7 +12,8 @@ Each run is a fresh child process; the runners alternate every round so machine 
 alike. Reported per runner (medians over rounds): tokens per second over the training loop (the
 first step is warm-up and left out; tokens = prompt + completion tokens of both completions),
 wall time per step, the whole child's wall time (imports and start-up included) and the peak RSS
-of its process tree; then hybridrl / TRL.
+of its process tree; then hybridrl / TRL, and the median of the per-round tokens/s ratios (each round's two runs
+ran back to back, so this ratio is the one least moved by the load of a shared machine).
 
 Run:
     python bench/pref_vs_trl.py                   # rm and dpo, 2 rounds x 20 steps
@@ -184,6 +185,7 @@ def main() -> None:
                     args = [__file__, "--child", lib, "--kind", kind, "--steps", str(a.steps)]
                     args += ["--batch", str(a.batch), "--lr", str(a.lr), "--out", out]
                     r = summarise(C.run_child(args, out, env={"OMP_NUM_THREADS": "1"}))
+                    r["load_1min"] = C.load_average()[0]
                     results.setdefault(kind, {}).setdefault(lib, []).append(r)
                     print(f"round {rnd} {kind} {lib}: {r}", flush=True)
     rows = []
@@ -204,6 +206,10 @@ def main() -> None:
         h, t = med["hybridrl"], med["trl"]
         rows.append([kind, "hybridrl / trl", C.fmt(h["tokens_per_s"] / t["tokens_per_s"]), C.fmt(h["step_s"] / t["step_s"]),
                      C.fmt(h["child_wall_s"] / t["child_wall_s"]), C.fmt(h["peak_rss_mib"] / t["peak_rss_mib"])])  # fmt: skip
+        per_round = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(libs["hybridrl"], libs["trl"])]
+        print(
+            f"{kind}: tokens/s ratio per round {[round(x, 2) for x in per_round]}, median {C.median(per_round):.2f}"
+        )
     C.print_table(["kind", "runner", "tokens/s", "step s", "child wall s", "peak RSS MiB"], rows)
     C.write_json(a.json, {"machine": info, "args": vars(a), "results": results})
 

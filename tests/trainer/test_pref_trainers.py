@@ -356,5 +356,5 @@ def test_no_args_configs_load():
     for kind, model in (("rm", "builtin:tiny-sft"), ("dpo", "builtin:tiny")):
         cfg = load_pref_config(kind, None)
         assert cfg.data.train_files is None and cfg.model.partial_pretrain == model
-    assert load_pref_config("rm").trainer.total_epochs == 15 and load_pref_config("rm").optim.lr == 1e-4
+    assert load_pref_config("rm").trainer.total_epochs == 20 and load_pref_config("rm").optim.lr == 3e-4
     assert os.path.basename(load_pref_config("rm").trainer.default_local_dir) == "rm"

@@ -32,10 +32,10 @@ KINDS = ("rm", "dpo")
 # Values for keys left null: built-in tiny model / any other model (TRL's defaults).
 PRESETS = {
     ("rm", True): {
-        "optim.lr": 1e-4,
+        "optim.lr": 3e-4,
         "data.train_batch_size": 64,
         "data.micro_batch_size_per_gpu": 64,
-        "trainer.total_epochs": 15,
+        "trainer.total_epochs": 20,
     },
     ("rm", False): {
         "optim.lr": 1e-5,
@@ -97,7 +97,7 @@ class DPOLossSection:
 class RMTrainerSection(SFTTrainerSection):
     project_name: str = "hybridrl-rm"  # project name for the trackers and the checkpoint folder
     experiment_name: str = "rm"  # run name for the trackers and the checkpoint folder
-    total_epochs: int | None = None  # preset: 15 for the built-in model, else 1
+    total_epochs: int | None = None  # preset: 20 for the built-in model, else 1
 
 
 @dataclass
