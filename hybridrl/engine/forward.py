@@ -37,6 +37,7 @@ from torch import nn
 from hybridrl.algos.otb import sum_pi_squared_from_logits
 from hybridrl.algos.utils import entropy_from_logits, entropy_from_logits_chunked, logprobs_from_logits
 from hybridrl.engine.base import LogProbs
+from hybridrl.engine.last_layer import last_layer_rows
 from hybridrl.engine.lm_head import linear_log_probs
 from hybridrl.engine.multimodal import (
     grouped_model_inputs,
@@ -612,11 +613,12 @@ def _grouped_last_tokens(module: nn.Module, batch: Any) -> torch.Tensor:
         raise ValueError("a row has no valid response token; the shared-prompt score needs one per row")
     where = torch.full((b * s,), -1, dtype=torch.long, device=ids.device)
     where[layout.source] = torch.arange(layout.num_tokens, device=ids.device)
-    with prefix_grouped(module):
+    last = where[torch.arange(b, device=ids.device) * s + last_col]
+    with prefix_grouped(module), last_layer_rows(module, last):
         module(
             input_ids=layout.input_ids,
             position_ids=layout.position_ids,
             use_cache=False,
             **{LAYOUT_KWARG: layout},
         )
-    return where[torch.arange(b, device=ids.device) * s + last_col]
+    return last
