@@ -12,7 +12,9 @@ Each run is a fresh child process; the runners alternate every round so machine 
 alike. Reported per runner (medians over rounds): tokens per second over the training loop (the
 first step is warm-up and left out; tokens = prompt + completion tokens of both completions),
 wall time per step, the whole child's wall time (imports and start-up included) and the peak RSS
-of its process tree; then hybridrl / TRL.
+of its process tree, and tokens per CPU second of the training process (its process time over the
+same steps: on a shared machine, where other processes take the cores for a while, this is the
+steadier speed); then hybridrl / TRL, and the median of the per-round ratios.
 
 Run:
     python bench/pref_vs_trl.py                   # rm and dpo, 2 rounds x 20 steps
@@ -71,13 +73,14 @@ def run_hybridrl(kind: str, steps: int, batch: int, lr: float, out: str) -> None
         trainer = cls(cfg, train, None, tok)
         if kind == "dpo":
             trainer._reference_table(train)  # before the timed loop, as main_dpo does
-        times, tokens = [], []
+        times, cpu, tokens = [], [], []
         for _ in range(steps):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             m = trainer.train_step(trainer._next_indices())
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
             tokens.append(m["train/tokens"])
-    Path(out).write_text(json.dumps({"step_s": times, "tokens": tokens}))
+    Path(out).write_text(json.dumps({"step_s": times, "cpu_s": cpu, "tokens": tokens}))
 
 
 def trl_dataset():
@@ -110,15 +113,16 @@ def run_trl(kind: str, steps: int, batch: int, lr: float, out: str) -> None:
 
     path = get_builtin_model_path()
     tok = AutoTokenizer.from_pretrained(path)
-    times, tokens = [], []
+    times, cpu, tokens = [], [], []
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            self.start = time.perf_counter()
+            self.start, self.start_cpu = time.perf_counter(), time.process_time()
             self.before = trainer._total_train_tokens
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.start)
+            cpu.append(time.process_time() - self.start_cpu)
             tokens.append(trainer._total_train_tokens - self.before)
 
     common = dict(
@@ -144,14 +148,15 @@ def run_trl(kind: str, steps: int, batch: int, lr: float, out: str) -> None:
         )
     trainer.add_callback(Clock())
     trainer.train()
-    Path(out).write_text(json.dumps({"step_s": times, "tokens": tokens}))
+    Path(out).write_text(json.dumps({"step_s": times, "cpu_s": cpu, "tokens": tokens}))
 
 
 # ------------------------------------------------------------------------------------ driver
 def summarise(result: dict) -> dict:
-    step_s, tokens = result["step_s"][1:], result["tokens"][1:]
+    step_s, cpu_s, tokens = result["step_s"][1:], result["cpu_s"][1:], result["tokens"][1:]
     return {
         "tokens_per_s": sum(tokens) / max(sum(step_s), 1e-9),
+        "tokens_per_cpu_s": sum(tokens) / max(sum(cpu_s), 1e-9),
         "step_s": C.median(step_s),
         "child_wall_s": result["child_wall_s"],
         "peak_rss_mib": result["peak_rss_tree_mib"],
@@ -184,27 +189,27 @@ def main() -> None:
                     args = [__file__, "--child", lib, "--kind", kind, "--steps", str(a.steps)]
                     args += ["--batch", str(a.batch), "--lr", str(a.lr), "--out", out]
                     r = summarise(C.run_child(args, out, env={"OMP_NUM_THREADS": "1"}))
+                    r["load_1min"] = C.load_average()[0]
                     results.setdefault(kind, {}).setdefault(lib, []).append(r)
                     print(f"round {rnd} {kind} {lib}: {r}", flush=True)
     rows = []
+    cols = ("tokens_per_s", "tokens_per_cpu_s", "step_s", "child_wall_s", "peak_rss_mib")
     for kind, libs in results.items():
         med = {lib: {k: C.median([r[k] for r in rs]) for k in rs[0]} for lib, rs in libs.items()}
         for lib in ("hybridrl", "trl"):
-            m = med[lib]
             rows.append(
-                [
-                    kind,
-                    lib,
-                    C.fmt(m["tokens_per_s"], 0),
-                    C.fmt(m["step_s"]),
-                    C.fmt(m["child_wall_s"], 1),
-                    C.fmt(m["peak_rss_mib"], 0),
-                ]
+                [kind, lib] + [C.fmt(med[lib][c], 4 if "tokens" in c or "rss" in c else 3) for c in cols]
             )
         h, t = med["hybridrl"], med["trl"]
-        rows.append([kind, "hybridrl / trl", C.fmt(h["tokens_per_s"] / t["tokens_per_s"]), C.fmt(h["step_s"] / t["step_s"]),
-                     C.fmt(h["child_wall_s"] / t["child_wall_s"]), C.fmt(h["peak_rss_mib"] / t["peak_rss_mib"])])  # fmt: skip
-    C.print_table(["kind", "runner", "tokens/s", "step s", "child wall s", "peak RSS MiB"], rows)
+        rows.append([kind, "hybridrl / trl"] + [C.fmt(h[c] / t[c]) for c in cols])
+        for c in ("tokens_per_s", "tokens_per_cpu_s"):
+            ratios = [x[c] / y[c] for x, y in zip(libs["hybridrl"], libs["trl"])]
+            print(
+                f"{kind}: {c} ratio per round {[round(r, 2) for r in ratios]}, median {C.median(ratios):.2f}"
+            )
+    C.print_table(
+        ["kind", "runner", "tokens/s", "tokens/CPU s", "step s", "child wall s", "peak RSS MiB"], rows
+    )
     C.write_json(a.json, {"machine": info, "args": vars(a), "results": results})
 
 

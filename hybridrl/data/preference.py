@@ -41,6 +41,7 @@ __all__ = [
     "ensure_builtin_preference_data",
     "make_preference_rows",
     "pad_pairs",
+    "pair_batch",
 ]
 
 TRUNCATION_MODES = ("error", "right")
@@ -273,6 +274,45 @@ def pad_pairs(
         "attention_mask": attn,
         "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
         "loss_mask": loss,
+        "valid": torch.tensor(valid),
+        "margin": margin,
+    }
+
+
+def pair_batch(items: Sequence[dict[str, Any] | None], pad_id: int) -> dict[str, torch.Tensor]:
+    """Pairs -> (2B, P + T) tensors in the veRL layout, the B chosen rows first, then the B rejected.
+
+    Each row is [prompt, left-padded to P | completion + EOS, right-padded to T], the layout the
+    engines' shared-prompt forward takes (a pair's two rows share their prompt columns).
+
+    Returns input_ids, attention_mask, position_ids (B2, P + T); responses and response_mask
+    (2B, T) (the completion tokens); `valid` (2B,) (0 for None padding items, which repeat item 0)
+    and `margin` (B,).
+    """
+    real = [it for it in items if it is not None]
+    rows, valid = [], []
+    for name in ("chosen", "rejected"):
+        for it in items:
+            src = it if it is not None else real[0]
+            ids, mask = src[f"{name}_ids"], src[f"{name}_mask"].bool()
+            start = int(mask.long().argmax()) if bool(mask.any()) else len(ids)
+            rows.append((ids[:start], ids[start:]))
+            valid.append(0.0 if it is None else 1.0)
+    p = max(len(prompt) for prompt, _ in rows)
+    t = max(len(completion) for _, completion in rows)
+    n = len(rows)
+    ids = torch.full((n, p + t), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, p + t), dtype=torch.long)
+    for i, (prompt, completion) in enumerate(rows):
+        ids[i, p - len(prompt) : p], attn[i, p - len(prompt) : p] = prompt, 1
+        ids[i, p : p + len(completion)], attn[i, p : p + len(completion)] = completion, 1
+    margin = torch.tensor([0.0 if it is None else it["margin"] for it in items], dtype=torch.float32)
+    return {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
+        "responses": ids[:, p:],
+        "response_mask": attn[:, p:],
         "valid": torch.tensor(valid),
         "margin": margin,
     }

@@ -10,7 +10,8 @@ What the interface covers (every method is a collective over the engine's ranks)
 
 * compute: `forward(micros, request)` without gradients, and `forward_backward(micros, request,
   loss_fn)`; the request says what to compute from the model's output (`LogProbRequest`: log-probs,
-  entropy, sum pi^2 of the response tokens; `ValueRequest`: values), the engine computes it its
+  entropy, sum pi^2 of the response tokens; `ValueRequest`: values; `ScoreRequest`: a reward
+  model's score of each sequence), the engine computes it its
   own way (HF head, chunked head, vocabulary-parallel logits) and hands the named result
   (`LogProbs`, or a (b, T) values tensor) to the caller, on every rank of a model replica;
 * the optimizer: `optimizer_step(max_grad_norm) -> (grad_norm, stepped)`, `lr()`,
@@ -44,6 +45,7 @@ __all__ = [
     "LogProbRequest",
     "LogProbs",
     "PerfModel",
+    "ScoreRequest",
     "TrainEngine",
     "ValueRequest",
     "canonical_engine_name",
@@ -96,6 +98,19 @@ class LogProbRequest:
 @dataclass(frozen=True)
 class ValueRequest:
     """The critic's value of the state before each response token."""
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """A reward model's score of each sequence: its head's output at the last valid token, (b,).
+
+    Args:
+        prefix_group: rows with the same prompt share one forward of it (HF engines: the
+            shared-prompt forward, `engine.prefix_group`); the micro-batch is then in the veRL
+            layout (prompts left-padded, `responses` (b, T) right-padded).
+    """
+
+    prefix_group: bool = False
 
 
 @dataclass
@@ -175,7 +190,9 @@ class TrainEngine(ABC):
 
     # -- compute -------------------------------------------------------------------------------
     @abstractmethod
-    def forward(self, micros: Sequence[Any], request: LogProbRequest | ValueRequest) -> list[Any]:
+    def forward(
+        self, micros: Sequence[Any], request: LogProbRequest | ValueRequest | ScoreRequest
+    ) -> list[Any]:
         """The requested output of every micro-batch, without gradients, in eval mode.
 
         Args:
@@ -183,12 +200,13 @@ class TrainEngine(ABC):
                 responses (b, T)), on this engine's device.
 
         Returns:
-            One `LogProbs` or values (b, T) per micro-batch, on every rank of the model replica.
+            One `LogProbs`, values (b, T) or scores (b,) per micro-batch, on every rank of the model
+            replica.
         """
 
     @abstractmethod
     def forward_backward(
-        self, micros: Sequence[Any], request: LogProbRequest | ValueRequest, loss_fn: LossFn
+        self, micros: Sequence[Any], request: LogProbRequest | ValueRequest | ScoreRequest, loss_fn: LossFn
     ) -> list[Any]:
         """Forward every micro-batch in train mode, `loss, aux = loss_fn(micro, output)`, backward the
         loss (gradients accumulate; the loss is already normalised by the whole mini-batch).

@@ -37,6 +37,7 @@ from torch import nn
 from hybridrl.algos.otb import sum_pi_squared_from_logits
 from hybridrl.algos.utils import entropy_from_logits, entropy_from_logits_chunked, logprobs_from_logits
 from hybridrl.engine.base import LogProbs
+from hybridrl.engine.last_layer import last_layer_rows
 from hybridrl.engine.lm_head import linear_log_probs
 from hybridrl.engine.multimodal import (
     grouped_model_inputs,
@@ -562,14 +563,20 @@ def _score_head(module: nn.Module) -> nn.Module:
     )
 
 
-def forward_scores(module: nn.Module, batch: Any, *, use_remove_padding: bool = False) -> torch.Tensor:
+def forward_scores(
+    module: nn.Module, batch: Any, *, use_remove_padding: bool = False, prefix_group: bool = False
+) -> torch.Tensor:
     """Reward-model score of each sequence: the head's output at its last valid token.
 
     The per-token head output is read with a forward hook, so the result does not depend on how
     the model finds "the last non-pad token" (pad == eos ids, left padding, packing).
 
     Args:
-        batch: TensorDict with input_ids (B, S), attention_mask (B, S), position_ids (B, S).
+        batch: TensorDict with input_ids (B, S), attention_mask (B, S), position_ids (B, S); with
+            `prefix_group` also responses (B, T) (the veRL layout, prompts left-padded).
+        prefix_group: rows with the same prompt share one forward of it (`engine.prefix_group`,
+            always packed): a reward model's chosen and rejected completions of one prompt cost
+            the prompt once. Every row needs at least one valid response token.
 
     Returns:
         (B,) float32 scores.
@@ -577,13 +584,41 @@ def forward_scores(module: nn.Module, batch: Any, *, use_remove_padding: bool = 
     captured: list[torch.Tensor] = []
     handle = _score_head(module).register_forward_hook(lambda _m, _i, out: captured.append(out))
     try:
-        _, packed = run_model(module, batch, use_remove_padding)
+        if prefix_group:
+            last = _grouped_last_tokens(module, batch)
+        else:
+            _, packed = run_model(module, batch, use_remove_padding)
     finally:
         handle.remove()
     per_token = captured[-1][..., 0].float()  # (B, S) or (1, nnz)
+    if prefix_group:
+        return per_token[0, last]
     if packed is None:
         mask = batch["attention_mask"]
         positions = torch.arange(mask.shape[-1], device=mask.device)
         last = (mask.long() * positions).argmax(dim=-1)
         return per_token.gather(1, last[:, None]).squeeze(1)
     return per_token[0, packed.cu_seqlens[1:].long() - 1]
+
+
+def _grouped_last_tokens(module: nn.Module, batch: Any) -> torch.Tensor:
+    """Run `module` on the shared-prompt packed row of `batch`; (B,) the packed position of each
+    row's last valid token (a response token, so it belongs to that row alone)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    b, s = ids.shape
+    layout = build_prefix_layout(ids, mask, batch["responses"].shape[-1])
+    positions = torch.arange(s, device=ids.device)
+    last_col = (mask.long() * positions).argmax(dim=-1)
+    if bool((mask[:, -batch["responses"].shape[-1] :].sum(-1) == 0).any()):
+        raise ValueError("a row has no valid response token; the shared-prompt score needs one per row")
+    where = torch.full((b * s,), -1, dtype=torch.long, device=ids.device)
+    where[layout.source] = torch.arange(layout.num_tokens, device=ids.device)
+    last = where[torch.arange(b, device=ids.device) * s + last_col]
+    with prefix_grouped(module), last_layer_rows(module, last):
+        module(
+            input_ids=layout.input_ids,
+            position_ids=layout.position_ids,
+            use_cache=False,
+            **{LAYOUT_KWARG: layout},
+        )
+    return last

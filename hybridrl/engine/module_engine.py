@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridrl.engine.base import LogProbRequest, LossFn, PerfModel, TrainEngine, ValueRequest
+from hybridrl.engine.base import LogProbRequest, LossFn, PerfModel, ScoreRequest, TrainEngine, ValueRequest
 from hybridrl.engine.batching import default_dp_group, optimizer_step
-from hybridrl.engine.forward import forward_log_probs, forward_values
+from hybridrl.engine.forward import forward_log_probs, forward_scores, forward_values
 from hybridrl.engine.moe_routing import MoEForward, RoutingRequest, supports_routing
 from hybridrl.engine.topk import forward_topk_log_probs, wants_topk
 from hybridrl.engine.ulysses import SPGroup
@@ -91,11 +91,11 @@ class ModuleEngine(TrainEngine):
         return self._dp_group
 
     # -- compute -------------------------------------------------------------------------------
-    def _routing(self, micro: Any, request: LogProbRequest | ValueRequest) -> RoutingRequest:
+    def _routing(self, micro: Any, request: LogProbRequest | ValueRequest | ScoreRequest) -> RoutingRequest:
         """What this forward does with the model's routing (engine/moe_routing.py). The load-balancing
         loss and expert-load metrics are asked of every actor update: a dense model, or a forward the
         metrics cannot run in (images, video), leaves them out unless the loss is on."""
-        if isinstance(request, ValueRequest):
+        if isinstance(request, (ValueRequest, ScoreRequest)):
             return RoutingRequest()
         aux = request.router_aux_loss and self._is_moe(strict=bool(self.router_aux_loss_coef))
         if aux and not self.router_aux_loss_coef and not supports_routing(micro):
@@ -133,7 +133,7 @@ class ModuleEngine(TrainEngine):
             return 0.0
         return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
-    def _output(self, micro: Any, request: LogProbRequest | ValueRequest) -> Any:
+    def _output(self, micro: Any, request: LogProbRequest | ValueRequest | ScoreRequest) -> Any:
         routing = self._routing(micro, request)
         if not routing:
             return self._plain_output(micro, request)
@@ -146,7 +146,14 @@ class ModuleEngine(TrainEngine):
         out.moe_metrics = result.metrics or None
         return out
 
-    def _plain_output(self, micro: Any, request: LogProbRequest | ValueRequest) -> Any:
+    def _plain_output(self, micro: Any, request: LogProbRequest | ValueRequest | ScoreRequest) -> Any:
+        if isinstance(request, ScoreRequest):
+            return forward_scores(
+                self.module,
+                micro,
+                use_remove_padding=self.use_remove_padding,
+                prefix_group=request.prefix_group,
+            )
         if isinstance(request, ValueRequest):
             return forward_values(
                 self.module,
@@ -176,7 +183,9 @@ class ModuleEngine(TrainEngine):
             prefix_group=request.prefix_group,
         )
 
-    def forward(self, micros: Sequence[Any], request: LogProbRequest | ValueRequest) -> list[Any]:
+    def forward(
+        self, micros: Sequence[Any], request: LogProbRequest | ValueRequest | ScoreRequest
+    ) -> list[Any]:
         was_training = self.module.training
         self.module.eval()
         try:
@@ -186,7 +195,7 @@ class ModuleEngine(TrainEngine):
             self.module.train(was_training)
 
     def forward_backward(
-        self, micros: Sequence[Any], request: LogProbRequest | ValueRequest, loss_fn: LossFn
+        self, micros: Sequence[Any], request: LogProbRequest | ValueRequest | ScoreRequest, loss_fn: LossFn
     ) -> list[Any]:
         self.module.train()
         auxes = []

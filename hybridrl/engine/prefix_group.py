@@ -196,53 +196,87 @@ def build_prefix_layout(
         raise ValueError("a row has an empty prompt (attention_mask all 0 over the prompt); drop it first")
     prompt_key = torch.where(mask[:, :p], input_ids[:, :p], -1)
     _, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
-    groups: dict[Any, list[int]] = {}
-    for row, key in enumerate(inverse.tolist()):
-        key = key if row_keys is None else (key, row_keys[row])
-        groups.setdefault(key, []).append(row)  # dicts keep the order of first appearance
+    if row_keys is not None:  # equal prompts with unequal keys are different groups
+        pairs = list(zip(inverse.tolist(), row_keys))
+        ids_of = {key: i for i, key in enumerate(dict.fromkeys(pairs))}
+        inverse = torch.tensor([ids_of[key] for key in pairs], dtype=torch.long, device=dev)
+    rows_arange = torch.arange(b, device=dev)
+    n_ids = int(inverse.max()) + 1
+    first = torch.full((n_ids,), b, dtype=torch.long, device=dev).scatter_reduce(
+        0, inverse, rows_arange, "amin"
+    )
+    group_rank = torch.empty_like(first)
+    group_rank[torch.argsort(first)] = torch.arange(n_ids, device=dev)  # groups in order of first row
+    g_of_row = group_rank[inverse]  # (B,) each row's group, numbered by first appearance
+    num_groups = n_ids
+    order = torch.argsort(g_of_row * b + rows_arange)  # rows grouped, each group's rows in order
+    group_first = first[torch.argsort(first)]  # (G,) the row each group's prompt is read from
 
-    where = torch.full((b, s), -1, dtype=torch.long, device=dev)  # (row, column) -> packed index
-    ids, pos, lengths, prompt_of, seg_rows, source = [], [], [], [], [], []
-    cursor = 0
-    for rows in groups.values():
-        cols = mask[rows[0], :p].nonzero().squeeze(-1)
-        source.append(rows[0] * s + cols)
-        lp = cols.numel()
-        where[torch.tensor(rows, device=dev)[:, None], cols[None]] = torch.arange(
-            cursor, cursor + lp, device=dev
-        )
-        ids.append(input_ids[rows[0], cols])
-        pos.append(torch.arange(lp, device=dev))
-        prompt_seg = len(lengths)
-        lengths.append(lp)
-        prompt_of.append(-1)
-        seg_rows.append(rows[0])
-        cursor += lp
-        for row in rows:
-            rcols = mask[row, p:].nonzero().squeeze(-1)
-            n = rcols.numel()
-            where[row, p + rcols] = torch.arange(cursor, cursor + n, device=dev)
-            ids.append(input_ids[row, p + rcols])
-            pos.append(lp + torch.arange(n, device=dev))
-            lengths.append(n)
-            prompt_of.append(prompt_seg)
-            seg_rows.append(row)
-            source.append(row * s + p + rcols)
-            cursor += n
+    # valid columns of each row, in order: (B, p) prompt and (B, t) response, valid ones first
+    p_cols, p_len = _valid_columns(mask[:, :p])
+    r_cols, r_len = _valid_columns(mask[:, p:])
+    r_cols = r_cols + p
+
+    # segments: for each group its prompt, then its rows' responses (in `order`)
+    counts = torch.bincount(g_of_row, minlength=num_groups)  # (G,) rows per group
+    seg_of_prompt = torch.cumsum(counts + 1, 0) - (counts + 1)  # (G,) segment index of each prompt
+    n_seg = num_groups + b
+    seg_row = torch.empty(n_seg, dtype=torch.long, device=dev)
+    seg_is_prompt = torch.zeros(n_seg, dtype=torch.bool, device=dev)
+    seg_is_prompt[seg_of_prompt] = True
+    seg_row[seg_of_prompt] = group_first
+    seg_row[~seg_is_prompt] = order
+    seg_len = torch.where(seg_is_prompt, p_len[seg_row], r_len[seg_row])
+    seg_group = torch.cumsum(seg_is_prompt.long(), 0) - 1
+    prompt_of = torch.where(seg_is_prompt, -1, seg_of_prompt[seg_group])
+
+    # tokens: segment, offset in it, the (row, column) it is read from
+    starts = torch.cumsum(seg_len, 0) - seg_len
+    tok_seg = torch.repeat_interleave(torch.arange(n_seg, device=dev), seg_len)
+    offset = torch.arange(tok_seg.numel(), device=dev) - starts[tok_seg]
+    tok_row = seg_row[tok_seg]
+    tok_prompt = seg_is_prompt[tok_seg]
+    col = torch.where(
+        tok_prompt,
+        p_cols[tok_row, offset.clamp(max=p - 1)],
+        r_cols[tok_row, offset.clamp(max=max(t - 1, 0))] if t > 0 else offset,
+    )
+    source = tok_row * s + col
+    pos = torch.where(tok_prompt, offset, p_len[tok_row] + offset)
+
+    # (row, column) -> packed index: response tokens, and every row's copy of its group's prompt
+    where = torch.full((b, s), -1, dtype=torch.long, device=dev)
+    packed_idx = torch.arange(tok_seg.numel(), device=dev)
+    resp = ~tok_prompt
+    where[tok_row[resp], col[resp]] = packed_idx[resp]
+    prompt_start = starts[seg_of_prompt][g_of_row]  # (B,) where each row's group prompt starts
+    k = torch.arange(p, device=dev)
+    has = k[None] < p_len[:, None]
+    where_rows = rows_arange[:, None].expand(b, p)[has]
+    where[where_rows, p_cols[has]] = (prompt_start[:, None] + k[None]).expand(b, p)[has]
+
     pred = where[:, -t - 1 : -1]
     valid = mask[:, -t:] & (pred >= 0)
     flat = valid.reshape(-1).nonzero().squeeze(-1)
     return PrefixGroupLayout(
-        input_ids=torch.cat(ids)[None],
-        position_ids=torch.cat(pos)[None],
-        lengths=lengths,
-        prompt_of=prompt_of,
+        input_ids=input_ids.reshape(-1)[source][None],
+        position_ids=pos[None],
+        lengths=seg_len.tolist(),
+        prompt_of=prompt_of.tolist(),
         pred=pred.reshape(-1)[flat],
         flat=flat,
-        num_groups=len(groups),
-        rows=seg_rows,
-        source=torch.cat(source),
+        num_groups=num_groups,
+        rows=seg_row.tolist(),
+        source=source,
     )
+
+
+def _valid_columns(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, L) 0/1 -> ((rows, L) the valid columns of each row in order, then the others; (rows,) counts)."""
+    width = mask.shape[-1]
+    cols = torch.arange(width, device=mask.device)
+    key = torch.where(mask, cols, width + cols)
+    return torch.sort(key, dim=-1).values % width, mask.sum(-1)
 
 
 def sequence_layout(seq_lens: torch.Tensor) -> PrefixGroupLayout:

@@ -14,6 +14,7 @@ clear gain. See docs/builtin_model.md for the measured numbers.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
@@ -26,7 +27,9 @@ from hybridrl.models.tokenizer_builder import build_tokenizer
 
 BUILTIN_MODEL_NAME = "builtin:tiny"
 BUILTIN_MOE_NAME = "builtin:tiny-moe"  # the mixture-of-experts variant (docs/moe.md)
-BUILTIN_MODEL_ALIASES = (BUILTIN_MODEL_NAME, "builtin", BUILTIN_MOE_NAME)
+# the built-in model supervised further on the task, built on first use and cached (`task_sft_model_path`)
+BUILTIN_SFT_NAME = "builtin:tiny-sft"
+BUILTIN_MODEL_ALIASES = (BUILTIN_MODEL_NAME, "builtin", BUILTIN_MOE_NAME, BUILTIN_SFT_NAME)
 MODEL_PATH_KEY = "actor_rollout_ref.model.path"
 _ASSET_DIR = Path(__file__).parent / "assets" / "builtin_tiny"
 _MOE_ASSET_DIR = Path(__file__).parent / "assets" / "builtin_tiny_moe"
@@ -39,14 +42,19 @@ DEFAULT_MOE_SFT_STEPS = 540  # the MoE variant (builtin:tiny-moe) learns the tas
 DEFAULT_SFT_LR = 1e-3
 DEFAULT_SFT_BATCH = 64
 DEFAULT_NUM_THREADS = 1
+TASK_SFT_STEPS = 320  # builtin:tiny-sft: further supervised steps from builtin:tiny (lr and batch as above)
+TASK_SFT_SEED = 1
 
 
 def get_builtin_model_path(name: str = BUILTIN_MODEL_NAME) -> str:
-    """Path of the shipped HF folder of the built-in model (`builtin:tiny`, or `builtin:tiny-moe`).
+    """Path of the shipped HF folder of the built-in model (`builtin:tiny`, or `builtin:tiny-moe`);
+    `builtin:tiny-sft` is the cached folder of `task_sft_model_path`.
 
     Raises:
         FileNotFoundError: the folder or its weights are missing (e.g. a source tree without assets).
     """
+    if name == BUILTIN_SFT_NAME:
+        return task_sft_model_path()
     moe = name == BUILTIN_MOE_NAME
     folder = _MOE_ASSET_DIR if moe else _ASSET_DIR
     if not (folder / "model.safetensors").exists():
@@ -226,8 +234,10 @@ def sft_warm_start(
     lr: float = DEFAULT_SFT_LR,
     batch_size: int = DEFAULT_SFT_BATCH,
     log_every: int = 50,
+    cosine: bool = False,
 ) -> list[float]:
-    """Deterministic supervised warm start on the built-in task's train split (AdamW, cosine-free).
+    """Deterministic supervised warm start on the built-in task's train split (AdamW; a constant lr,
+    or with `cosine` a linear warm-up over the first 10% of the steps, then a cosine decay to 0).
 
     Returns:
         The training loss of every step.
@@ -238,6 +248,17 @@ def sft_warm_start(
     ids, labels = _sft_tensors(tokenizer, rows)
     attn = (ids != tokenizer.pad_token_id).long()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warm = max(steps // 10, 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda i: (
+            1.0
+            if not cosine
+            else (i + 1) / warm
+            if i < warm
+            else 0.5 * (1 + math.cos(math.pi * (i - warm) / (steps - warm)))
+        ),
+    )
     model.train()
     losses = []
     for step in range(steps):
@@ -247,6 +268,7 @@ def sft_warm_start(
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         losses.append(out.loss.item())
         if log_every and (step + 1) % log_every == 0:
             print(f"sft step {step + 1}/{steps} loss {losses[-1]:.4f}", flush=True)
@@ -316,6 +338,61 @@ def build_builtin_model(
     }
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
+
+
+def task_sft_model_path(cache_dir: str | os.PathLike | None = None) -> str:
+    """The folder of `builtin:tiny-sft`: `builtin:tiny` after `TASK_SFT_STEPS` more supervised steps
+    on the task's train split (`sft_warm_start`, deterministic; greedy accuracy near 98%, see
+    docs/builtin_model.md). Built on first use (about a minute on one CPU core) under a file lock,
+    so concurrent ranks build it once, and cached beside the built-in data (`$HYBRIDRL_DATA_DIR`'s
+    parent, else ~/.cache/hybridrl/builtin_tiny_sft); a cache of another build is rebuilt."""
+    import fcntl
+    import shutil
+
+    base = Path(get_builtin_model_path())
+    root = Path(cache_dir) if cache_dir is not None else Path(builtin_task.default_data_dir()).parent
+    out = root.expanduser().resolve() / "builtin_tiny_sft"
+    spec = {
+        "base": json.loads((base / "build_info.json").read_text()),
+        "steps": TASK_SFT_STEPS,
+        "seed": TASK_SFT_SEED,
+        "lr": DEFAULT_SFT_LR,
+        "batch_size": DEFAULT_SFT_BATCH,
+        "schedule": "warm-up 10%, cosine",
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".builtin_tiny_sft.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if json.loads((out / "task_sft.json").read_text()) == spec:
+                return str(out)
+        except (OSError, json.JSONDecodeError):
+            pass
+        tmp = out.with_name(f".builtin_tiny_sft.{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        _build_task_sft(base, tmp)
+        (tmp / "task_sft.json").write_text(json.dumps(spec))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    return str(out)
+
+
+def _build_task_sft(base: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(DEFAULT_NUM_THREADS)  # the same numbers on every machine
+    try:
+        torch.manual_seed(TASK_SFT_SEED)
+        tokenizer = AutoTokenizer.from_pretrained(str(base))
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        print(f"[hybridrl] building {BUILTIN_SFT_NAME} ({TASK_SFT_STEPS} supervised steps, once)", flush=True)
+        sft_warm_start(model, tokenizer, steps=TASK_SFT_STEPS, seed=TASK_SFT_SEED, log_every=0, cosine=True)
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
 
 
 def evaluate_accuracy(

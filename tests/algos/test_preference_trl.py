@@ -1,7 +1,9 @@
 """Equality with TRL: on the same model and batch, our reward-model loss and DPO / IPO losses and
 their gradients equal those of TRL's RewardTrainer and DPOTrainer (`compute_loss` / `_compute_loss`)
-to 1e-5. Our side is the path main_rm / main_dpo take: the engines' forward functions
-(`forward_values`, `forward_log_probs`) on padded pairs, then algos/preference.py.
+to 1e-5. Our side is the path main_rm / main_dpo take: the pairs in the veRL layout
+(`pair_batch`), the engines' forward functions (`forward_scores`, `forward_log_probs`), with and
+without the shared-prompt forward (`model.use_prefix_grouper`), then algos/preference.py. TRL gets
+its own right-padded rows.
 """
 
 from __future__ import annotations
@@ -31,14 +33,13 @@ def tok():
 def batch(tok, tmp_path_factory):
     import json
 
-    from hybridrl.data.preference import PreferenceDataConfig, PreferenceDataset, pad_pairs
+    from hybridrl.data.preference import PreferenceDataConfig, PreferenceDataset, pad_pairs, pair_batch
 
     path = tmp_path_factory.mktemp("trl") / "pairs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in PAIRS))
     ds = PreferenceDataset(str(path), tok, PreferenceDataConfig())
-    out = pad_pairs([ds[i] for i in range(len(ds))], tok.pad_token_id, extra_column=True)
-    out["responses"] = out["input_ids"][:, 1:]
-    return out
+    items = [ds[i] for i in range(len(ds))]
+    return {"trl": pad_pairs(items, tok.pad_token_id), "ours": pair_batch(items, tok.pad_token_id)}
 
 
 def grads(module):
@@ -49,7 +50,8 @@ def trl_args(cls, tmp_path, **kw):
     return cls(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_train_batch_size=2, **kw)
 
 
-def test_reward_loss_and_gradients_equal_trl(tok, batch, tmp_path):
+@pytest.mark.parametrize("shared_prompt", [False, True], ids=["plain", "shared_prompt"])
+def test_reward_loss_and_gradients_equal_trl(tok, batch, tmp_path, shared_prompt):
     pytest.importorskip("datasets", reason="datasets is not installed (pip install -e .[bench])")
     pytest.importorskip("trl", reason="trl is not installed (pip install -e .[bench])")
     from datasets import Dataset
@@ -57,7 +59,7 @@ def test_reward_loss_and_gradients_equal_trl(tok, batch, tmp_path):
     from trl import RewardConfig, RewardTrainer
 
     from hybridrl.algos.preference import bradley_terry_loss
-    from hybridrl.engine.forward import forward_values
+    from hybridrl.engine.forward import forward_scores
     from hybridrl.models.builtin import get_builtin_model_path
 
     torch.manual_seed(0)
@@ -77,23 +79,25 @@ def test_reward_loss_and_gradients_equal_trl(tok, batch, tmp_path):
     )
     n = len(PAIRS)
     margin = torch.tensor([0.0, 0.5, 1.0])
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "margin": margin}
+    rows = batch["trl"]
+    inputs = {"input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"], "margin": margin}
     trl_loss = trainer.compute_loss(theirs, dict(inputs))
     trl_loss.backward()
-    values = forward_values(ours, batch, fused=False)
-    last = batch["attention_mask"].sum(-1) - 1
-    scores = values.gather(1, last[:, None]).squeeze(1)
+    scores = forward_scores(ours, batch["ours"], prefix_group=shared_prompt)
     loss, _ = bradley_terry_loss(scores[:n], scores[n:], margin=margin, center_rewards_coefficient=0.01)
     loss.backward()
     assert abs(loss.item() - trl_loss.item()) < 1e-5
     g_ours, g_trl = grads(ours), grads(theirs)
     assert set(g_trl) <= set(g_ours)
     for name, g in g_trl.items():
-        torch.testing.assert_close(g_ours[name], g, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(
+            g_ours[name], g, atol=1e-5, rtol=0, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
+@pytest.mark.parametrize("shared_prompt", [False, True], ids=["plain", "shared_prompt"])
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_dpo_losses_and_gradients_equal_trl(tok, batch, tmp_path, loss_type):
+def test_dpo_losses_and_gradients_equal_trl(tok, batch, tmp_path, loss_type, shared_prompt):
     pytest.importorskip("datasets", reason="datasets is not installed (pip install -e .[bench])")
     pytest.importorskip("trl", reason="trl is not installed (pip install -e .[bench])")
     from datasets import Dataset
@@ -104,7 +108,9 @@ def test_dpo_losses_and_gradients_equal_trl(tok, batch, tmp_path, loss_type):
     from hybridrl.engine.forward import forward_log_probs
     from hybridrl.models.builtin import get_builtin_model_path
 
-    ours = AutoModelForCausalLM.from_pretrained(get_builtin_model_path())
+    # float64: the shared-prompt forward sums a shared prompt token's gradient in another order,
+    # which in float32 alone moves IPO's larger gradients by ~1e-5
+    ours = AutoModelForCausalLM.from_pretrained(get_builtin_model_path(), dtype=torch.float64)
     theirs = copy.deepcopy(ours)
     ref = copy.deepcopy(ours)
     with torch.no_grad():  # a policy one step away from its reference
@@ -119,22 +125,14 @@ def test_dpo_losses_and_gradients_equal_trl(tok, batch, tmp_path, loss_type):
         processing_class=tok,
     )
     n = len(PAIRS)
-    ids, attn = batch["input_ids"][:, :-1], batch["attention_mask"][:, :-1]  # no extra column for a policy
-    mb = {
-        "input_ids": ids,
-        "attention_mask": attn,
-        "position_ids": batch["position_ids"][:, :-1],
-        "responses": ids[:, 1:],
-    }
-    mask = batch["loss_mask"][:, :-1]
+    mb, mask = batch["ours"], batch["ours"]["response_mask"]
     with torch.no_grad():
-        ref_logps, lengths = sequence_log_probs(
-            forward_log_probs(ref, mb, temperature=1.0).log_probs, mask[:, 1:]
-        )
+        ref_logps, lengths = sequence_log_probs(forward_log_probs(ref, mb, temperature=1.0).log_probs, mask)
+    rows = batch["trl"]
     inputs = {
-        "input_ids": ids,
-        "attention_mask": attn,
-        "completion_mask": mask,
+        "input_ids": rows["input_ids"],
+        "attention_mask": rows["attention_mask"],
+        "completion_mask": rows["loss_mask"],
         "ref_chosen_logps": ref_logps[:n],
         "ref_rejected_logps": ref_logps[n:],
     }
@@ -142,7 +140,8 @@ def test_dpo_losses_and_gradients_equal_trl(tok, batch, tmp_path, loss_type):
     trl_loss = trainer._compute_loss(trainer.model, inputs, return_outputs=False)
     trl_loss.backward()
     ours.eval()
-    logps, _ = sequence_log_probs(forward_log_probs(ours, mb, temperature=1.0).log_probs, mask[:, 1:])
+    out = forward_log_probs(ours, mb, temperature=1.0, prefix_group=shared_prompt)
+    logps, _ = sequence_log_probs(out.log_probs, mask)
     loss, _ = dpo_loss(
         logps[:n], logps[n:], ref_logps[:n], ref_logps[n:],
         chosen_lengths=lengths[:n], rejected_lengths=lengths[n:], loss_type=loss_type, beta=beta,
@@ -153,4 +152,6 @@ def test_dpo_losses_and_gradients_equal_trl(tok, batch, tmp_path, loss_type):
     g_ours, g_trl = grads(ours), grads(theirs)
     assert g_trl and set(g_trl) == set(g_ours)
     for name, g in g_trl.items():
-        torch.testing.assert_close(g_ours[name], g, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(
+            g_ours[name], g, atol=1e-5, rtol=0, msg=lambda m, name=name: f"{name}: {m}"
+        )

@@ -8,6 +8,8 @@ empty), groups of unequal size, and a GQA model with q/k/v biases. And it must r
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -303,3 +305,113 @@ def test_grouped_forward_of_a_lora_model_matches_the_plain_one(model):
     assert results[True][1].numel() > 0
     torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_scores_equal_the_plain_ones_with_gradients():
+    """A reward model's scores (the head at each row's last token) through the shared-prompt row
+    equal the padded forward's, and so do their gradients; a row without a response token is refused."""
+    from transformers import AutoModelForTokenClassification, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, pad_token_id=0, num_labels=1,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    rm = AutoModelForTokenClassification.from_config(cfg).float().eval()  # no dropout before the head
+    batch = grouped_batch(group_sizes=(2, 2, 2))
+    keep = batch["response_mask"].sum(-1) > 0
+    batch = {k: v[keep] for k, v in batch.items()}
+    weight = torch.linspace(-1, 1, int(keep.sum()))
+    results = []
+    for grouped in (False, True):
+        rm.zero_grad()
+        scores = forward.forward_scores(rm, batch, use_remove_padding=not grouped, prefix_group=grouped)
+        (scores * weight).sum().backward()
+        results.append((scores.detach(), {n: p.grad.clone() for n, p in rm.named_parameters()}))
+    (plain, g_plain), (grouped, g_grouped) = results
+    assert plain.abs().min() > 0 and plain.std() > 0
+    torch.testing.assert_close(grouped, plain, atol=1e-5, rtol=1e-5)
+    for name, g in g_plain.items():
+        torch.testing.assert_close(g_grouped[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    empty = grouped_batch(group_sizes=(2, 2, 2))  # the last row of group 0 has no response
+    with pytest.raises(ValueError, match="no valid response token"):
+        forward.forward_scores(rm, empty, prefix_group=True)
+
+
+def loop_layout(input_ids, attention_mask, t, row_keys=None):
+    """The layout built row by row (the reference the vectorised `build_prefix_layout` must equal)."""
+    from hybridrl.engine.prefix_group import PrefixGroupLayout
+
+    b, s = input_ids.shape
+    p = s - t
+    dev = input_ids.device
+    mask = attention_mask.bool()
+    if bool((mask[:, :p].sum(-1) == 0).any()):
+        raise ValueError("a row has an empty prompt (attention_mask all 0 over the prompt); drop it first")
+    prompt_key = torch.where(mask[:, :p], input_ids[:, :p], -1)
+    _, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
+    groups: dict[Any, list[int]] = {}
+    for row, key in enumerate(inverse.tolist()):
+        key = key if row_keys is None else (key, row_keys[row])
+        groups.setdefault(key, []).append(row)  # dicts keep the order of first appearance
+
+    where = torch.full((b, s), -1, dtype=torch.long, device=dev)  # (row, column) -> packed index
+    ids, pos, lengths, prompt_of, seg_rows, source = [], [], [], [], [], []
+    cursor = 0
+    for rows in groups.values():
+        cols = mask[rows[0], :p].nonzero().squeeze(-1)
+        source.append(rows[0] * s + cols)
+        lp = cols.numel()
+        where[torch.tensor(rows, device=dev)[:, None], cols[None]] = torch.arange(
+            cursor, cursor + lp, device=dev
+        )
+        ids.append(input_ids[rows[0], cols])
+        pos.append(torch.arange(lp, device=dev))
+        prompt_seg = len(lengths)
+        lengths.append(lp)
+        prompt_of.append(-1)
+        seg_rows.append(rows[0])
+        cursor += lp
+        for row in rows:
+            rcols = mask[row, p:].nonzero().squeeze(-1)
+            n = rcols.numel()
+            where[row, p + rcols] = torch.arange(cursor, cursor + n, device=dev)
+            ids.append(input_ids[row, p + rcols])
+            pos.append(lp + torch.arange(n, device=dev))
+            lengths.append(n)
+            prompt_of.append(prompt_seg)
+            seg_rows.append(row)
+            source.append(row * s + p + rcols)
+            cursor += n
+    pred = where[:, -t - 1 : -1]
+    valid = mask[:, -t:] & (pred >= 0)
+    flat = valid.reshape(-1).nonzero().squeeze(-1)
+    return PrefixGroupLayout(
+        input_ids=torch.cat(ids)[None],
+        position_ids=torch.cat(pos)[None],
+        lengths=lengths,
+        prompt_of=prompt_of,
+        pred=pred.reshape(-1)[flat],
+        flat=flat,
+        num_groups=len(groups),
+        rows=seg_rows,
+        source=torch.cat(source),
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("keys", [False, True])
+def test_vectorised_layout_equals_the_row_by_row_one(seed, keys):
+    g = torch.Generator().manual_seed(seed)
+    batch = grouped_batch(group_sizes=(3, 1, 2), seed=seed)
+    ids, mask = batch["input_ids"], batch["attention_mask"].clone()
+    if seed == 2:  # a hole inside a prompt and a response
+        mask[1, 3] = 0
+        mask[2, -4] = 0
+    row_keys = [int(x) for x in torch.randint(0, 2, (ids.shape[0],), generator=g)] if keys else None
+    t = batch["responses"].shape[-1]
+    got, want = build_prefix_layout(ids, mask, t, row_keys=row_keys), loop_layout(ids, mask, t, row_keys)
+    for name in ("input_ids", "position_ids", "pred", "flat", "source"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for name in ("lengths", "prompt_of", "num_groups", "rows"):
+        assert getattr(got, name) == getattr(want, name), name

@@ -311,3 +311,29 @@ def test_moe_model_config_is_sparse_in_every_layer():
     cfg = builtin.build_moe_model_config(vocab_size=103, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.decoder_sparse_step) == (4, 2, 1)
     assert cfg.mlp_only_layers == [] and cfg.head_dim == 64
+
+
+def test_task_sft_model_is_built_once_cached_and_rebuilt_for_another_build(tmp_path, monkeypatch):
+    """builtin:tiny-sft: the built-in model plus supervised steps, cached with the build's spec; a
+    second call reuses the folder, a changed build (here the step count) replaces it."""
+    import torch
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(builtin, "TASK_SFT_STEPS", 3)
+    path = Path(builtin.task_sft_model_path(tmp_path))
+    assert json.loads((path / "task_sft.json").read_text())["steps"] == 3
+    trained = load_file(str(path / "model.safetensors"))
+    base = load_file(str(Path(builtin.get_builtin_model_path()) / "model.safetensors"))
+    assert any(not torch.equal(trained[k], base[k]) for k in base)  # the steps changed the weights
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert builtin.task_sft_model_path(tmp_path) == str(path)
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # cached: not rebuilt
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(path)).chat_template
+    AutoModelForCausalLM.from_pretrained(str(path))
+    monkeypatch.setattr(builtin, "TASK_SFT_STEPS", 4)
+    builtin.task_sft_model_path(tmp_path)
+    assert json.loads((path / "task_sft.json").read_text())["steps"] == 4
+    monkeypatch.setenv("HYBRIDRL_DATA_DIR", str(tmp_path / "data"))
+    assert builtin.resolve_model_path(builtin.BUILTIN_SFT_NAME) == str(tmp_path / "builtin_tiny_sft")

@@ -206,6 +206,24 @@ def test_dpo_first_step_loss_is_log2_and_ref_paths_agree(pair_files, tmp_path):
     assert m["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["rm", "dpo"])
+def test_shared_prompt_forward_trains_like_the_plain_one(pair_files, tmp_path, kind):
+    """model.use_prefix_grouper on (the default here) and off: the same losses and weights, step for step."""
+    runs = {}
+    for shared in (True, False):
+        extra = {"model__use_prefix_grouper": shared}
+        if kind == "dpo":
+            extra["generation_eval__enable"] = False
+        t = make_trainer(config(kind, pair_files, tmp_path / str(shared), **extra))
+        assert t.request.prefix_group is shared
+        losses = [t.train_step(t._next_indices())["train/loss"] for _ in range(2)]
+        runs[shared] = (losses, weights(t), t.validate())
+    assert runs[True][0] == pytest.approx(runs[False][0], abs=1e-5)
+    assert runs[True][2] == pytest.approx(runs[False][2], abs=1e-5)
+    for k, v in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][k], v, atol=1e-5, rtol=0, msg=k)
+
+
 @pytest.mark.parametrize("precompute", [True, False])
 def test_dpo_resume_is_exact(pair_files, tmp_path, precompute):
     """Stopped after a checkpoint and resumed, DPO ends with the uninterrupted run's weights (the
@@ -335,7 +353,8 @@ def test_config_errors(pair_files, tmp_path, kind, extra, match):
 
 
 def test_no_args_configs_load():
-    for kind in ("rm", "dpo"):
+    for kind, model in (("rm", "builtin:tiny-sft"), ("dpo", "builtin:tiny")):
         cfg = load_pref_config(kind, None)
-        assert cfg.data.train_files is None and cfg.model.partial_pretrain == "builtin:tiny"
+        assert cfg.data.train_files is None and cfg.model.partial_pretrain == model
+    assert load_pref_config("rm").trainer.total_epochs == 20 and load_pref_config("rm").optim.lr == 3e-4
     assert os.path.basename(load_pref_config("rm").trainer.default_local_dir) == "rm"

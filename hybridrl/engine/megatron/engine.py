@@ -37,6 +37,7 @@ from hybridrl.engine.base import (
     LogProbs,
     LossFn,
     PerfModel,
+    ScoreRequest,
     TrainEngine,
     ValueRequest,
     register_engine,
@@ -501,6 +502,7 @@ class MegatronEngine(TrainEngine):
         `request.record_routing` (a MoE model): each output also carries the experts its tokens were
         routed to (`routed_experts`, (b, S, L_moe, K)); micro-batches carrying `routed_experts` route
         with them whatever the request says."""
+        _refuse_scores(request)
         record = bool(getattr(request, "record_routing", False))
         with self.recording_routing() if record else contextlib.nullcontext():
             results = self.run(
@@ -517,6 +519,7 @@ class MegatronEngine(TrainEngine):
 
     def forward_backward(self, micros, request: LogProbRequest | ValueRequest, loss_fn: LossFn) -> list[Any]:
         """See TrainEngine.forward_backward: Megatron's schedule (1F1B when pipelined)."""
+        _refuse_scores(request)
         micros = list(micros)
         on = self.router_stats is not None and isinstance(request, LogProbRequest) and request.router_aux_loss
         with self.router_stats.collecting(on) if self.router_stats is not None else contextlib.nullcontext():
@@ -660,3 +663,11 @@ def _check_experts(spec: ArchSpec, cfg: MegatronConfig, key: str) -> None:
 
 
 register_engine("megatron", MegatronEngine, model_parallel=True)
+
+
+def _refuse_scores(request: Any) -> None:
+    if isinstance(request, ScoreRequest):
+        raise NotImplementedError(
+            "the Megatron engine computes log-probs and per-token values, not a reward model's sequence "
+            "scores (ScoreRequest); train the reward model with strategy=fsdp2"
+        )

@@ -32,10 +32,10 @@ KINDS = ("rm", "dpo")
 # Values for keys left null: built-in tiny model / any other model (TRL's defaults).
 PRESETS = {
     ("rm", True): {
-        "optim.lr": 1e-4,
+        "optim.lr": 3e-4,
         "data.train_batch_size": 64,
         "data.micro_batch_size_per_gpu": 64,
-        "trainer.total_epochs": 5,
+        "trainer.total_epochs": 20,
     },
     ("rm", False): {
         "optim.lr": 1e-5,
@@ -72,6 +72,13 @@ class PrefDataSection:
 
 
 @dataclass
+class PrefModelSection(SFTModelSection):
+    # a pair's chosen and rejected completions share one forward of their prompt
+    # (engine/prefix_group.py); true / false / auto (on when the model can take it)
+    use_prefix_grouper: Any = "auto"
+
+
+@dataclass
 class RMLossSection:
     center_rewards_coefficient: float = 0.0
 
@@ -90,7 +97,7 @@ class DPOLossSection:
 class RMTrainerSection(SFTTrainerSection):
     project_name: str = "hybridrl-rm"  # project name for the trackers and the checkpoint folder
     experiment_name: str = "rm"  # run name for the trackers and the checkpoint folder
-    total_epochs: int | None = None  # preset: 5 for the built-in model, else 1
+    total_epochs: int | None = None  # preset: 20 for the built-in model, else 1
 
 
 @dataclass
@@ -103,7 +110,7 @@ class DPOTrainerSection(SFTTrainerSection):
 @dataclass
 class RMConfig:
     data: PrefDataSection = field(default_factory=PrefDataSection)
-    model: SFTModelSection = field(default_factory=SFTModelSection)
+    model: PrefModelSection = field(default_factory=PrefModelSection)
     optim: SFTOptimSection = field(default_factory=SFTOptimSection)
     trainer: RMTrainerSection = field(default_factory=RMTrainerSection)
     rm: RMLossSection = field(default_factory=RMLossSection)
@@ -113,7 +120,7 @@ class RMConfig:
 @dataclass
 class DPOConfig:
     data: PrefDataSection = field(default_factory=PrefDataSection)
-    model: SFTModelSection = field(default_factory=SFTModelSection)
+    model: PrefModelSection = field(default_factory=PrefModelSection)
     optim: SFTOptimSection = field(default_factory=SFTOptimSection)
     trainer: DPOTrainerSection = field(default_factory=DPOTrainerSection)
     generation_eval: SFTGenerationEvalSection = field(default_factory=SFTGenerationEvalSection)
@@ -185,6 +192,10 @@ def validate_pref_config(kind: str, config: Any) -> None:
                 f"main_{kind} trains on the FSDP2 engine only (model.strategy=fsdp2); the Megatron engine has no "
                 "preference loop here yet: set model.strategy=fsdp2"
             )
+    if config.model.use_prefix_grouper not in (True, False, "auto"):
+        raise ConfigError(
+            f"model.use_prefix_grouper={config.model.use_prefix_grouper!r} is not one of [true, false, auto]"
+        )
     if kind == "rm":
         if d.margin_key is not None and not d.margin_key:
             raise ConfigError("data.margin_key is empty; name the margin column or leave it null")

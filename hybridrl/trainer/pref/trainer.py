@@ -4,16 +4,19 @@ They are the SFT trainer (trainer/sft/trainer.py: resumable sampler, data-parall
 loop `run_update`, checkpoints, tracking) with preference pairs as rows and a pair loss:
 
 * `RewardModelTrainer` trains the engines' critic model (a per-token head, num_labels=1) and reads
-  each sequence's score at its last token (a `ValueRequest` over the whole sequence); the loss is
+  each sequence's score at its last token (a `ScoreRequest`); the loss is
   `algos.preference.bradley_terry_loss`; `huggingface/` of every checkpoint is the exported
   sequence-classification model (trainer/pref/export.py).
 * `DPOTrainer` trains the causal LM; each completion's summed log-prob comes from a `LogProbRequest`
-  on `input_ids[:, 1:]` masked to the completion; the loss is `algos.preference.dpo_loss`. The
+  on the completion tokens; the loss is `algos.preference.dpo_loss`. The
   reference log-probs are computed once before training (from the model at step 0, the frozen
   base with LoRA, or `dpo.ref_model_path`) and kept in every checkpoint, or live beside each step.
 
-One micro-batch holds b pairs as 2b rows (the b chosen, then the b rejected); a pair's loss weighs
-1 / (pairs of the global batch), so micro-batching and the number of ranks leave the gradient unchanged.
+One micro-batch holds b pairs as 2b rows (the b chosen, then the b rejected) in the veRL layout
+(`data.preference.pair_batch`: prompt left-padded, completion right-padded); with
+`model.use_prefix_grouper` (auto: on where the model can take it) a pair's two completions share one
+forward of their prompt (engine/prefix_group.py). A pair's loss weighs 1 / (pairs of the global
+batch), so micro-batching and the number of ranks leave the gradient unchanged.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import torch.distributed as dist
 
 from hybridrl.algos.preference import bradley_terry_loss, dpo_loss, sequence_log_probs
 from hybridrl.config.roles import OptimConfig
-from hybridrl.data.preference import pad_pairs
+from hybridrl.data.preference import pair_batch
 from hybridrl.data.sampler import ResumableSampler, RLDataLoader
-from hybridrl.engine.base import EngineBuildSpec, LogProbRequest, ValueRequest, get_engine
+from hybridrl.engine.base import EngineBuildSpec, LogProbRequest, ScoreRequest, get_engine
 from hybridrl.engine.update_loop import UpdatePerf
 from hybridrl.protocol import DataProto
 from hybridrl.trainer.pref.export import export_reward_model
@@ -45,9 +48,6 @@ from hybridrl.utils.safe_io import load_state_file
 from hybridrl.workers.parallel_dims import ParallelDims
 
 __all__ = ["DPOTrainer", "RewardModelTrainer", "build_pref_engine"]
-
-NEXT_TOKEN = LogProbRequest(temperature=1.0)
-SCORES = ValueRequest()
 
 
 def build_pref_engine(config: Any, role: str, *, path: str | None = None, trained: bool = True):
@@ -94,6 +94,7 @@ class _PairTrainer(SFTTrainer):
             self.engine.tokenizer = tokenizer
         self.tokenizer = self.engine.tokenizer
         self.dp_rank, self.dp_size = self.engine.dp_rank, self.engine.dp_size
+        self.request = self._request(shared_prompt_forward(config, self.engine.module))
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.val_files = val_files
         self.loader = self._build_loader()
@@ -136,17 +137,18 @@ class _PairTrainer(SFTTrainer):
         return DataProto.from_dict({"row": torch.tensor(mine + mine), "attention_mask": mask})
 
     def _micros(self, dataset: Any, rows: list[int | None]) -> list[dict[str, torch.Tensor]]:
-        """b pairs per micro-batch as (2b, W) tensors on the device, `responses = input_ids[:, 1:]`."""
+        """b pairs per micro-batch as (2b, P + T) tensors on the device (`pair_batch`)."""
         micro = self.config.data.micro_batch_size_per_gpu
         out = []
         for lo in range(0, len(rows), micro):
             items = [None if r is None else dataset[r] for r in rows[lo : lo + micro]]
-            mb = pad_pairs(items, self.tokenizer.pad_token_id, extra_column=self.ROLE == "critic")
+            mb = pair_batch(items, self.tokenizer.pad_token_id)
             mb["margin"] = mb["margin"].repeat(2)
-            mb = {k: v.to(self.device) for k, v in mb.items()}
-            mb["responses"] = mb["input_ids"][:, 1:]
-            out.append(mb)
+            out.append({k: v.to(self.device) for k, v in mb.items()})
         return out
+
+    def _request(self, shared_prompt: bool) -> Any:
+        raise NotImplementedError
 
     def _pair_loss(
         self, mb: dict[str, torch.Tensor], out: Any
@@ -169,7 +171,7 @@ class _PairTrainer(SFTTrainer):
             }
 
         self._before_micros(micros)
-        auxes = self.engine.forward_backward(micros, self.REQUEST, loss_fn)
+        auxes = self.engine.forward_backward(micros, self.request, loss_fn)
         sums: dict[str, float] = {}
         for aux in auxes:
             for k, v in aux.items():
@@ -202,7 +204,7 @@ class _PairTrainer(SFTTrainer):
         sums: dict[str, float] = {}
         micros = self._micros(dataset, rows)
         self._before_micros(micros, dataset)
-        for mb, out in zip(micros, self.engine.forward(micros, self.REQUEST)):
+        for mb, out in zip(micros, self.engine.forward(micros, self.request)):
             b = mb["input_ids"].shape[0] // 2
             valid = mb["valid"][:b].bool()
             if not valid.any():
@@ -249,7 +251,6 @@ class RewardModelTrainer(_PairTrainer):
 
     ROLE = "critic"
     LOG_NAME = "rm"
-    REQUEST = SCORES
     SHOWN = (
         ("train/loss", "loss"),
         ("train/accuracy", "acc"),
@@ -278,10 +279,11 @@ class RewardModelTrainer(_PairTrainer):
     def _metric_names(self) -> list[str]:
         return ["loss", "accuracy", "margin", "chosen_reward", "rejected_reward"]
 
-    def _pair_loss(self, mb, values):
-        """values (2b, W): the head at every position; a sequence's score is at its last token."""
-        last = mb["attention_mask"].sum(-1) - 1
-        scores = values.gather(1, last[:, None]).squeeze(1)
+    def _request(self, shared_prompt: bool) -> ScoreRequest:
+        return ScoreRequest(prefix_group=shared_prompt)
+
+    def _pair_loss(self, mb, scores):
+        """scores (2b,): each sequence's reward, the head at its last token."""
         b = scores.shape[0] // 2
         margin = mb["margin"][:b]
         return bradley_terry_loss(
@@ -311,6 +313,21 @@ class RewardModelTrainer(_PairTrainer):
         export_reward_model(self.engine, out_dir, self.tokenizer)
 
 
+def shared_prompt_forward(config: Any, module: torch.nn.Module) -> bool:
+    """`model.use_prefix_grouper` resolved for `module`: auto is on when the model can take the
+    shared-prompt forward (`prefix_group.model_refusal`); true where it cannot is an error."""
+    value = config.model.use_prefix_grouper
+    if value is False:
+        return False
+    from hybridrl.engine.prefix_group import model_refusal
+
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    refusal = model_refusal(base.config)
+    if refusal is not None and value is True:
+        raise ConfigError(f"model.use_prefix_grouper=true: {refusal}; set it to false (or auto)")
+    return refusal is None
+
+
 def _score_layer(module: torch.nn.Module) -> torch.nn.Module:
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     head = getattr(base, "score", None) or getattr(base, "classifier", None)
@@ -329,7 +346,6 @@ class DPOTrainer(_PairTrainer):
 
     ROLE = "actor"
     LOG_NAME = "dpo"
-    REQUEST = NEXT_TOKEN
     SHOWN = (
         ("train/loss", "loss"),
         ("train/rewards/accuracies", "acc"),
@@ -358,6 +374,9 @@ class DPOTrainer(_PairTrainer):
                 config, "ref", path=p.ref_model_path or self.engine.model_config.path, trained=False
             )
 
+    def _request(self, shared_prompt: bool) -> LogProbRequest:
+        return LogProbRequest(temperature=1.0, prefix_group=shared_prompt)
+
     def _metric_names(self) -> list[str]:
         return [
             "loss",
@@ -373,12 +392,12 @@ class DPOTrainer(_PairTrainer):
     def _reference_forward(self, micros: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """(2b,) summed reference log-probs of each micro-batch's completions."""
         if self.ref_engine is not None:
-            outs = self.ref_engine.forward(micros, NEXT_TOKEN)
+            outs = self.ref_engine.forward(micros, self.request)
         else:
             lora = self.config.model.lora_rank > 0
             with self.engine.disable_adapter() if lora else contextlib.nullcontext():
-                outs = self.engine.forward(micros, NEXT_TOKEN)
-        return [sequence_log_probs(o.log_probs, mb["loss_mask"][:, 1:])[0] for mb, o in zip(micros, outs)]
+                outs = self.engine.forward(micros, self.request)
+        return [sequence_log_probs(o.log_probs, mb["response_mask"])[0] for mb, o in zip(micros, outs)]
 
     def precompute_reference(self, dataset: Any) -> torch.Tensor:
         """(N, 2) reference log-probs (chosen, rejected) of every pair of `dataset` (all ranks take part)."""
@@ -425,7 +444,7 @@ class DPOTrainer(_PairTrainer):
 
     def _pair_loss(self, mb, out):
         p = self.config.dpo
-        logps, lengths = sequence_log_probs(out.log_probs, mb["loss_mask"][:, 1:])
+        logps, lengths = sequence_log_probs(out.log_probs, mb["response_mask"])
         b = logps.shape[0] // 2
         ref = mb.get("ref_logps")
         return dpo_loss(
