@@ -316,9 +316,11 @@ def _check_rollout_engine_parallel(r, world: int) -> None:
             f"{dp} data-parallel groups of {tp} ranks is not implemented (hybridrl runs one engine per "
             f"{tp} ranks). Use expert_parallel_size=tensor_model_parallel_size with data_parallel_size=1"
         )
-    if world % (tp * dp):
+    if dp > 1 and world % (tp * dp):  # dp == 1: the rollout's TP check names the sizes that fit
+        fits = [d for d in range(1, world + 1) if world % d == 0]
         raise ConfigError(
-            f"{key}.tensor_model_parallel_size * data_parallel_size = {tp * dp} must divide the {world} rollout ranks"
+            f"{key}.tensor_model_parallel_size * data_parallel_size = {tp * dp} must divide the {world} rollout "
+            f"ranks; choose sizes whose product is one of {fits}"
         )
     if dp > 1:
         warn_once(
