@@ -28,6 +28,7 @@ def test_openenv_arguments_are_checked():
 
 def test_verifiers_rows_carry_what_the_environment_needs_back():
     vf = pytest.importorskip("verifiers")
+    pytest.importorskip("datasets")
     from datasets import Dataset
 
     from hybridrl.env.verifiers_bridge import make_rows, rollout_input
@@ -43,7 +44,12 @@ def test_verifiers_rows_carry_what_the_environment_needs_back():
     assert len(make_rows(env, "val")) == 1
     task = {"messages": rows[1]["prompt"], "extra_info": rows[1]["extra_info"]}
     got = rollout_input(task)
-    assert got["answer"] == "8" and got["example_id"] == 1 and got["prompt"] == rows[1]["prompt"] and got["info"] == {}
+    assert (
+        got["answer"] == "8"
+        and got["example_id"] == 1
+        and got["prompt"] == rows[1]["prompt"]
+        and got["info"] == {}
+    )
     with pytest.raises(ValueError, match=r"lacks \['vf_answer', 'vf_example_id'\].*verifiers_bridge data"):
         rollout_input({"messages": [], "extra_info": {}})
     with pytest.raises(ValueError, match="split must be"):

@@ -199,8 +199,10 @@ def test_trainer_scores_a_batch_with_the_reward_loop_in_process(rm_dir, policy_d
     """RayPPOTrainer._compute_reward with the loop's workers in this process (trainer.backend=local),
     re-templated RM input: token_level_scores are the reward model's scores (once, not added to
     themselves)."""
+    from functools import partial
     from types import SimpleNamespace
 
+    from hybridrl.trainer.ppo.step_data import StepData
     from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 
     tok = _tok(rm_dir)
@@ -212,7 +214,10 @@ def test_trainer_scores_a_batch_with_the_reward_loop_in_process(rm_dir, policy_d
     trainer = SimpleNamespace(
         workers=SimpleNamespace(reward_loop=loop, reward_model=None),
         reward_fn=load_reward_manager("naive", tok, 0),
+        data=StepData(None, by_reference=False),  # the local backend's step data: the batch on the driver
+        _reward_on_workers=False,
     )
+    trainer._on_driver = partial(RayPPOTrainer._on_driver, trainer)
     batch, extra = RayPPOTrainer._compute_reward(trainer, data, {})
     torch.testing.assert_close(batch.batch["token_level_scores"], want, atol=1e-5, rtol=1e-5)
     assert extra == {}

@@ -288,6 +288,7 @@ def _check_rollout_engine_parallel(r, world: int) -> None:
         r.tensor_model_parallel_size, r.data_parallel_size, r.expert_parallel_size, r.moe_tensor_parallel_size
     )  # fmt: skip
     for name, value in (
+        ("tensor_model_parallel_size", tp),
         ("data_parallel_size", dp),
         ("expert_parallel_size", ep),
         ("moe_tensor_parallel_size", moe_tp),
