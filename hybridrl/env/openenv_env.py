@@ -31,6 +31,7 @@ a session the server refuses ends that episode as an environment error (reward 0
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from typing import Any
 
@@ -43,6 +44,15 @@ try:  # imported with this module, so the episodes' fork server imports it once 
     from openenv.core.generic_client import GenericEnvClient
 except ImportError:  # pragma: no cover - depends on the extra
     GenericEnvClient = None
+
+
+async def _call(method: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call a client method of either openenv-core API: the async client (0.2.3 and newer) is awaited,
+    the blocking one (0.2.1-0.2.2) runs in a thread so the episode's event loop keeps turning."""
+    if inspect.iscoroutinefunction(method):
+        return await method(*args, **kwargs)
+    out = await asyncio.to_thread(method, *args, **kwargs)
+    return await out if inspect.isawaitable(out) else out
 
 
 def _client_class():
@@ -100,16 +110,16 @@ class OpenEnvEnvironment(Environment):
     async def reset(self, row: dict[str, Any]) -> str | None:
         client_cls = _client_class()
         self.client = client_cls(base_url=self.base_url, message_timeout_s=self.message_timeout_s)
-        await asyncio.to_thread(self.client.connect)
-        result = await asyncio.to_thread(self.client.reset, **self.reset_kwargs)
+        await _call(self.client.connect)
+        result = await _call(self.client.reset, **self.reset_kwargs)
         return None if self.first_message == "row" else self.observation_text(result.observation)
 
     async def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
-        result = await asyncio.to_thread(self.client.step, {self.action_field: action})
+        result = await _call(self.client.step, {self.action_field: action})
         reward = 0.0 if result.reward is None else float(result.reward)
         return self.observation_text(result.observation), reward, bool(result.done), {}
 
     async def close(self) -> None:
         if self.client is not None:
-            await asyncio.to_thread(self.client.close)
+            await _call(self.client.close)
             self.client = None
