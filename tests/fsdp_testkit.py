@@ -123,15 +123,22 @@ def run_worker(rank: int, fn, world: int, port: int, err_dir: str, *args) -> Non
     # never be garbage-collected here: their C++ threads do not exist in the child, and the gloo
     # destructor's thread join then hangs forever. `spawn` collects them in the parent first.
     gc.freeze()
+    ok = False
     try:
         init_dist(rank, world, port)
         fn(rank, world, *args)
+        ok = True
     except BaseException:
         with open(os.path.join(err_dir, f"error_rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise
     finally:
         if dist.is_initialized():
+            if ok:
+                # Every rank has finished its collectives before any rank closes its connections: a
+                # gloo peer whose socket closes while it still reads the last message aborts the process.
+                dist.barrier()
+                open(os.path.join(err_dir, f"done_rank{rank}"), "w").close()
             dist.destroy_process_group()
 
 
@@ -165,4 +172,7 @@ def spawn(fn, world: int, tmp_path, *args) -> None:
             p = os.path.join(err_dir, f"error_rank{r}.txt")
             if os.path.exists(p):
                 msgs.append(f"--- rank {r} ---\n" + open(p).read())
+        done = [r for r in range(world) if os.path.exists(os.path.join(err_dir, f"done_rank{r}"))]
+        if not msgs:
+            msgs.append(f"{e} (ranks that finished their work before it: {done or 'none'})")
         raise AssertionError("\n".join(msgs) or str(e)) from None
