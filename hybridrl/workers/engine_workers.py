@@ -12,8 +12,8 @@
   out through `publish_weights` or `broadcast_weights`. `partial_rollout=True` (a disaggregated
   rollout worker) lets a weight update interrupt a running generation (`abort_generation`).
   Every weight movement is the `weights` component's (hybridrl/weight_sync/component.py).
-* `CriticWorker(config)` — value model, on the engine of `critic.strategy`.
-* `RewardModelWorker(config)` — learned reward model (sequence classification).
+* `CriticWorker(config)` — value model, on the engine of `critic.strategy` (critic_worker.py).
+* `RewardModelWorker(config)` — learned reward model, sequence classification (reward_model_worker.py).
 
 Every remote method is a normal method with `@register(...)`, so IDEs and type checkers see it.
 Batch sizes and parallel sizes that depend on the number of ranks are computed on the driver
@@ -32,44 +32,25 @@ import torch
 
 from hybridrl.agent.runner import AgentLoopRunner, uses_agent_loops
 from hybridrl.config.batch import PerRankBatchSizes
-from hybridrl.config.roles import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
+from hybridrl.config.roles import ActorConfig, ModelConfig, RefConfig
 from hybridrl.config.rollout import RolloutConfig
-from hybridrl.engine.base import EngineBuildSpec, TrainEngine, canonical_engine_name, get_engine
+from hybridrl.engine.base import canonical_engine_name, get_engine
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import Worker, register
-from hybridrl.single_controller.dispatch import Dispatch, make_mesh_dispatch
+from hybridrl.single_controller.dispatch import Dispatch
 from hybridrl.utils import deadlines
-from hybridrl.utils.device import init_process_group
 from hybridrl.weight_sync.collective import GroupSpec
 from hybridrl.weight_sync.component import WeightSync, rollout_state_copy
 from hybridrl.workers.batch_fn_worker import BatchFnWorker
+from hybridrl.workers.critic_worker import CriticWorker
 from hybridrl.workers.parallel_dims import ParallelDims
 from hybridrl.workers.profiling import StepProfiling
+from hybridrl.workers.reward_model_worker import RewardModelWorker
+from hybridrl.workers.worker_setup import ON_ACTOR_MESH, ON_ROLLOUT_MESH, build_engine, setup_process
+
+__all__ = ["ROLES", "ActorRolloutRefWorker", "CriticWorker", "RewardModelWorker"]
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
-# Training calls split over the FSDP mesh (every rank data-parallel), rollout calls over dp x tp.
-ON_ACTOR_MESH = make_mesh_dispatch("actor")
-ON_ROLLOUT_MESH = make_mesh_dispatch("rollout")
-ON_CRITIC_MESH = make_mesh_dispatch("critic")
-_PG_TIMEOUT_S = float(os.environ.get("HYBRIDRL_PG_TIMEOUT_S", 600))
-
-
-def build_engine(
-    role: str, model: ModelConfig, section: Any, optim: Any, key: str, model_key: str, worker: Any, mesh: str
-) -> TrainEngine:
-    """The role's training engine from the registry (`section.strategy`), on every rank."""
-    spec = EngineBuildSpec(role, model, section, optim, key, model_key, worker.mesh_layout(mesh), worker.rank)
-    return get_engine(section.strategy, f"{key}.strategy").engine_cls.build_role(spec)
-
-
-def _setup_process(num_threads: int | None, timeout_s: float | None = None) -> None:
-    """Join the worker group's process group (once per process) and use the slot's CPU cores.
-
-    timeout_s: collective timeout (`actor_rollout_ref.nccl_timeout`); default $HYBRIDRL_PG_TIMEOUT_S or 600.
-    """
-    if num_threads:
-        torch.set_num_threads(num_threads)
-    init_process_group(timeout_s=timeout_s or _PG_TIMEOUT_S)
 
 
 class ActorRolloutRefWorker(BatchFnWorker, StepProfiling, Worker):
@@ -157,12 +138,12 @@ class ActorRolloutRefWorker(BatchFnWorker, StepProfiling, Worker):
         model_path = resolve_model_path(self.model_config.path, key="actor_rollout_ref.model.path")
         if self.disaggregated and self.role == "rollout":
             if self.rollout_config.tensor_model_parallel_size > 1:  # the TP engines' own group (vLLM's world)
-                _setup_process(self.num_threads, self.pg_timeout_s)
+                setup_process(self.num_threads, self.pg_timeout_s)
             elif self.num_threads:  # TP = 1: no process group, rollout workers run no collectives
                 torch.set_num_threads(self.num_threads)
             self._build_rollout(model_path)
             return
-        _setup_process(self.num_threads, self.pg_timeout_s)
+        setup_process(self.num_threads, self.pg_timeout_s)
         self._declare_training_mesh()
         a, r = self.actor_config, self.ref_config
         model_key = "actor_rollout_ref.model"
@@ -547,114 +528,3 @@ class ActorRolloutRefWorker(BatchFnWorker, StepProfiling, Worker):
             what = f"rollout worker {self.rank} abort_generation (version {version}): the weight payload"
             deadlines.wait_refs(list(ready), what=what)
         return self.partial.request_abort(int(version), self.policy_version)
-
-
-class CriticWorker(StepProfiling, Worker):
-    """Value model for GAE, on the engine of `critic.strategy` (dims: the driver's ParallelDims)."""
-
-    def __init__(
-        self,
-        config: CriticConfig,
-        batch_sizes: PerRankBatchSizes | None = None,
-        num_threads: int | None = None,
-        pg_timeout_s: float | None = None,
-        peak_flops: float | None = None,
-        dims: ParallelDims | None = None,
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.dims = dims
-        self.batch_sizes = batch_sizes
-        self.num_threads = num_threads
-        self.pg_timeout_s = pg_timeout_s
-        self.peak_flops = peak_flops
-        self.engine = self.critic = None
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        """Build the value model on the engine of `critic.strategy`."""
-        from hybridrl.workers.critic import PPOCritic
-
-        _setup_process(self.num_threads, self.pg_timeout_s)
-        c = self.config
-        dims = self.dims or ParallelDims.for_role(self.world_size, c, "critic")
-        self.set_mesh("critic", dims.train_mesh())
-        self.engine = build_engine("critic", c.model, c, c.optim, "critic", "critic.model", self, "critic")
-        self.critic = PPOCritic(c, self.engine, batch_sizes=self.batch_sizes, peak_flops=self.peak_flops)
-
-    @register(dispatch_mode=ON_CRITIC_MESH)
-    def compute_values(self, data: DataProto) -> DataProto:
-        """values (B, T) of the response tokens."""
-        self.engine.onload()
-        values = self.critic.compute_values(data)
-        self.engine.offload()
-        return DataProto.from_dict({"values": values})
-
-    @register(dispatch_mode=ON_CRITIC_MESH)
-    def update_critic(self, data: DataProto) -> DataProto:
-        self.engine.onload(with_optimizer=True)
-        metrics = self.critic.update_critic(data)
-        self.engine.offload()
-        return DataProto(meta_info={"metrics": metrics})
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str, global_step: int = 0) -> None:
-        self.engine.save_checkpoint(
-            local_path, contents=self.config.checkpoint.save_contents, global_step=global_step
-        )
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path: str) -> None:
-        if not os.path.isdir(local_path):
-            raise FileNotFoundError(f"critic checkpoint folder {local_path!r} does not exist")
-        self.engine.load_checkpoint(local_path, contents=self.config.checkpoint.load_contents)
-
-
-class RewardModelWorker(Worker):
-    """Learned reward model: one score per sequence, placed on the last valid response token.
-
-    When `reward_model.model.input_tokenizer` (the policy's tokenizer) differs from the reward
-    model's own, responses are decoded, re-templated with the RM's chat template and re-tokenised.
-    """
-
-    def __init__(
-        self,
-        config: RewardModelConfig,
-        policy_tokenizer_path: str | None = None,
-        num_threads: int | None = None,
-        pg_timeout_s: float | None = None,
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.policy_tokenizer_path = policy_tokenizer_path
-        self.num_threads = num_threads
-        self.pg_timeout_s = pg_timeout_s
-        self.engine = None
-        self.policy_tokenizer = None
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        from hybridrl.engine.fsdp import FSDPEngine
-        from hybridrl.models.hf import load_tokenizer
-        from hybridrl.reward.rm import model_config_of
-
-        _setup_process(self.num_threads, self.pg_timeout_s)
-        mc = model_config_of(self.config)
-        self.engine = FSDPEngine.build(
-            mc, self.config.model.fsdp_config, None, role="reward", key="reward_model.model"
-        )
-        src = self.config.model.input_tokenizer or self.policy_tokenizer_path
-        if src and os.path.abspath(str(src)) != os.path.abspath(str(mc.path)):
-            self.policy_tokenizer = load_tokenizer(
-                ModelConfig(path=src), key="reward_model.model.input_tokenizer"
-            )
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def compute_rm_score(self, data: DataProto) -> DataProto:
-        """rm_scores (B, T): the RM's score on each sample's last valid response token, 0 elsewhere."""
-        from hybridrl.reward.rm import compute_rm_scores
-
-        self.engine.onload()
-        scores = compute_rm_scores(self.engine, self.config, data, self.policy_tokenizer)
-        self.engine.offload()
-        return DataProto.from_dict({"rm_scores": scores})

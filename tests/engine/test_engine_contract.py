@@ -102,7 +102,7 @@ def _sections(name: str, model_dir: str):
 
 
 def _build(role: str, name: str, model_dir: str):
-    """The role's engine from the registry, built the way engine_workers.build_engine does."""
+    """The role's engine from the registry, built the way worker_setup.build_engine does."""
     from hybridrl.engine.base import EngineBuildSpec, TrainEngine, get_engine
     from hybridrl.workers.parallel_dims import ParallelDims
 
