@@ -65,107 +65,15 @@ from hybridrl.engine.megatron.model import (
 )
 from hybridrl.engine.megatron.moe import expert_params_as_expert_parallel
 from hybridrl.engine.megatron.moe_metrics import router_stats_for
-from hybridrl.engine.megatron.optim_config import megatron_optimizer_config
+from hybridrl.engine.megatron.optimizer import ParamGroupLR, build_optimizer, wrap_ddp
 from hybridrl.engine.megatron.routing_replay import RoutingReplay
 from hybridrl.engine.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 from hybridrl.engine.megatron.vocab_parallel_topk import topk_log_probs
-from hybridrl.engine.optim import lr_factor, num_warmup_steps
 from hybridrl.utils.flops import attention_dims
 
 __all__ = ["MegatronEngine", "ParamGroupLR", "num_dense_params"]
 
 logger = logging.getLogger(__name__)
-
-
-class ParamGroupLR:
-    """The FSDP engine's lr schedule (optim.lr_factor) over a Megatron optimizer's param groups.
-
-    torch's LambdaLR accepts only torch optimizers; this keeps its interface (step, get_last_lr,
-    state_dict, load_state_dict) and its semantics (lr = base_lr * factor(step), step 0 first).
-    """
-
-    def __init__(self, optimizer: Any, config: OptimConfig, key: str) -> None:
-        self.optimizer = optimizer
-        self.base_lr = float(config.lr)
-        if config.scheduler_type in ("cosine", "linear") and config.total_training_steps <= 0:
-            raise ValueError(
-                f"{key}.lr_scheduler_type={config.scheduler_type} needs {key}.total_training_steps > 0"
-            )
-        self.factor = functools.partial(
-            lr_factor,
-            warmup_steps=num_warmup_steps(config, key),
-            scheduler_type=config.scheduler_type,
-            total_steps=config.total_training_steps,
-            min_lr_ratio=config.min_lr_ratio,
-            num_cycles=config.num_cycles,
-        )
-        self.last_epoch = 0
-        self._apply()
-
-    def _apply(self) -> None:
-        lr = self.base_lr * self.factor(self.last_epoch)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-            group["max_lr"] = lr  # Megatron's param-group field
-            group["min_lr"] = lr
-
-    def get_last_lr(self) -> list[float]:
-        return [self.base_lr * self.factor(self.last_epoch)]
-
-    def step(self) -> None:
-        self.last_epoch += 1
-        self._apply()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"last_epoch": self.last_epoch, "base_lr": self.base_lr}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.last_epoch = int(state["last_epoch"])
-        self.base_lr = float(state["base_lr"])
-        self._apply()
-
-
-def _build_optimizer(
-    chunks: list[Any], optim: OptimConfig, mcfg: MegatronConfig, dtype: torch.dtype, key: str
-):
-    """Megatron's AdamW; with bf16 parameters it keeps fp32 main parameters (and steps on fp32 grads).
-    `megatron.override_optimizer_config` (veRL's `optim.override_optimizer_config`) sets further fields."""
-    from megatron.core.optimizer import get_megatron_optimizer
-
-    ocfg = megatron_optimizer_config(
-        optim,
-        use_distributed_optimizer=mcfg.use_distributed_optimizer,
-        dtype=dtype,
-        overrides=mcfg.override_optimizer_config,
-        key=f"{key}.override_optimizer_config",
-        on_cpu=needs_cpu_shims(),
-    )
-    with cuda_to_cpu():
-        return get_megatron_optimizer(ocfg, chunks)
-
-
-def _wrap_ddp(chunks: list[Any], tcfg: Any, mcfg: MegatronConfig) -> list[Any]:
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-
-    ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=mcfg.use_distributed_optimizer,
-    )
-    tcfg.finalize_model_grads_func = finalize_model_grads
-    wrapped = []
-    with cuda_to_cpu():
-        for i, chunk in enumerate(chunks):
-            wrapped.append(
-                DistributedDataParallel(
-                    config=tcfg, ddp_config=ddp_cfg, module=chunk, disable_bucketing=i > 0
-                )
-            )
-    return wrapped
 
 
 def _hf_state_dict(
@@ -278,7 +186,7 @@ class MegatronEngine(TrainEngine):
             chunks, model_config, megatron_config, tcfg, role, model_key, global_param_name
         )
         if trained:
-            chunks = _wrap_ddp(chunks, tcfg, megatron_config)
+            chunks = wrap_ddp(chunks, tcfg, megatron_config)
         if megatron_config.use_dist_checkpointing:
             from hybridrl.engine.megatron.checkpoint import load_dist_weights
 
@@ -286,7 +194,7 @@ class MegatronEngine(TrainEngine):
         optimizer = lr_scheduler = None
         if trained:
             optim_key = optim_key or ("critic.optim" if role == "critic" else "actor_rollout_ref.actor.optim")
-            optimizer = _build_optimizer(chunks, optim_config, megatron_config, dtype, optim_key)
+            optimizer = build_optimizer(chunks, optim_config, megatron_config, dtype, optim_key)
             lr_scheduler = ParamGroupLR(optimizer, optim_config, optim_key)
         tokenizer = None
         if load_tok:
