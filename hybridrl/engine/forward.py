@@ -23,12 +23,9 @@ K valid response tokens.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import functools
-import inspect
-import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +34,7 @@ from torch import nn
 from hybridrl.algos.otb import sum_pi_squared_from_logits
 from hybridrl.algos.utils import entropy_from_logits, entropy_from_logits_chunked, logprobs_from_logits
 from hybridrl.engine.base import LogProbs
+from hybridrl.engine.head_swap import head_is_swappable, head_replaced
 from hybridrl.engine.last_layer import last_layer_rows
 from hybridrl.engine.lm_head import linear_log_probs
 from hybridrl.engine.multimodal import (
@@ -164,62 +162,6 @@ def _sequence_wise(module: nn.Module) -> bool:
     return getattr(config, "_attn_implementation", None) in ("sdpa", "eager")  # eager stays eager inside
 
 
-# ----------------------------------------------------------------------------------------------
-# swapping the head: compute it only at the response-predicting positions
-# ----------------------------------------------------------------------------------------------
-@functools.cache
-def _untouched_head_name(cls: type) -> str | None:
-    """Name of the head whose output `cls.forward` returns as logits unchanged, else None.
-
-    Read from the forward's syntax tree: exactly one assignment to `logits`, and it is
-    `logits = self.<head>(...)` (no soft-capping, scaling or upcast afterwards).
-    """
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    assigns = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
-        else:
-            continue
-        if any(isinstance(n, ast.Name) and n.id == "logits" for t in targets for n in ast.walk(t)):
-            assigns.append(node)
-    if len(assigns) != 1 or not isinstance(assigns[0], ast.Assign):
-        return None
-    call = assigns[0].value
-    func = call.func if isinstance(call, ast.Call) else None
-    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
-        return func.attr
-    return None
-
-
-def head_is_swappable(module: nn.Module) -> nn.Linear | None:
-    """The model's output head (an nn.Linear) when its forward returns the head output untouched.
-
-    `module` may be a PEFT model (its base model is inspected) or FSDP-wrapped. None: the model
-    post-processes its logits or its head is not a plain linear layer (e.g. a LoRA-wrapped
-    lm_head); callers then take the plain path.
-    """
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
-    name = _untouched_head_name(type(base))
-    head = getattr(base, name, None) if name else None
-    return head if type(head) is nn.Linear else None
-
-
-@contextlib.contextmanager
-def _head_replaced(head: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
-    """Run `fn(hidden)` instead of `head.forward` inside the block."""
-    head.forward = fn
-    try:
-        yield
-    finally:
-        del head.forward
-
-
 def response_positions(packed: PackedBatch, attention_mask: torch.Tensor, t: int):
     """Where the valid response tokens are predicted in a packed row.
 
@@ -322,7 +264,7 @@ def _fused_log_probs_sp(
     select, place, finish, labels = _sp_selector(batch, packed, t, sp)
 
     columns = _head_columns(head, labels, temperature, calculate_entropy, entropy_grad, sps, compiled)
-    with _head_replaced(head, lambda h: place(columns(select(h)))):
+    with head_replaced(head, lambda h: place(columns(select(h)))):
         out, _ = run_model(module, batch, True, packed, sp)
     return _split_columns(finish(gather_seq(out.logits, sp, dim=0)), calculate_entropy, sps)
 
@@ -343,7 +285,7 @@ def _fused_log_probs(
     select, scatter, labels = _selector(batch, packed, t)
 
     columns = _head_columns(head, labels, temperature, calculate_entropy, entropy_grad, sps, compiled)
-    with _head_replaced(head, lambda h: columns(select(h))):
+    with head_replaced(head, lambda h: columns(select(h))):
         out, _ = run_model(module, batch, use_remove_padding, packed)
     return _split_columns(scatter(out.logits), calculate_entropy, sps)
 
@@ -375,7 +317,7 @@ def _grouped_log_probs(
 
     if head is not None:
         columns = _head_columns(head, labels, temperature, calculate_entropy, entropy_grad, sps, compiled)
-        with _head_replaced(head, lambda h: columns(h[0, layout.pred])):
+        with head_replaced(head, lambda h: columns(h[0, layout.pred])):
             out = run()
         return (*_split_columns(scatter(out.logits), calculate_entropy, sps), work)
     logits = run().logits[0, layout.pred].float() / temperature  # (K, V)
@@ -533,13 +475,13 @@ def forward_values(
     if head is not None and sp is not None:
         packed = pack_sequences(batch["input_ids"], batch["attention_mask"])
         select, place, finish, _ = _sp_selector(batch, packed, t, sp)
-        with _head_replaced(head, lambda h: place(nn.functional.linear(select(h), head.weight, head.bias))):
+        with head_replaced(head, lambda h: place(nn.functional.linear(select(h), head.weight, head.bias))):
             out, _ = run_model(module, batch, True, packed, sp)
         return finish(gather_seq(out.logits, sp, dim=0))[..., 0].float()
     if head is not None:
         packed = pack_sequences(batch["input_ids"], batch["attention_mask"]) if use_remove_padding else None
         select, scatter, _ = _selector(batch, packed, t)
-        with _head_replaced(head, lambda h: nn.functional.linear(select(h), head.weight, head.bias)):
+        with head_replaced(head, lambda h: nn.functional.linear(select(h), head.weight, head.bias)):
             out, _ = run_model(module, batch, use_remove_padding, packed)
         return scatter(out.logits)[..., 0].float()
     out, packed = run_model(module, batch, use_remove_padding, sp=sp)
