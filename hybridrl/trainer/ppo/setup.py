@@ -31,7 +31,14 @@ from hybridrl.trainer.ppo.startup_checks import check_first_rows, check_model_in
 from hybridrl.trainer.ppo.step_floors import measure_step_floors
 from hybridrl.trainer.ppo.trainer import RayPPOTrainer
 from hybridrl.trainer.ppo.vlm_setup import load_run_processor
-from hybridrl.trainer.ppo.workers import start_reward_loop, start_workers, use_gpu, uses_ray, worker_classes
+from hybridrl.trainer.ppo.workers import (
+    shutdown_on_error,
+    start_reward_loop,
+    start_workers,
+    use_gpu,
+    uses_ray,
+    worker_classes,
+)
 from hybridrl.utils import deadlines
 from hybridrl.utils.deadlines import RewardWithDeadline
 from hybridrl.utils.flops import get_peak_flops
@@ -240,10 +247,11 @@ def build_trainer(
     if init_ray is not None and uses_ray(config):
         init_ray(config)
     workers = start_workers(config, peak_flops=peak, role_worker_mapping=role_worker_mapping)
-    workers.reward_loop = start_reward_loop(config, run.reward_fn, run.val_reward_fn)
-    trainer = trainer_of(trainer_cls, config, run, workers)
-    trainer.checkpoints = checkpoints
-    trainer.floors = measure_step_floors(config)  # trainer.log_floors: perf/floor/* each step
+    with shutdown_on_error(workers):
+        workers.reward_loop = start_reward_loop(config, run.reward_fn, run.val_reward_fn)
+        trainer = trainer_of(trainer_cls, config, run, workers)
+        trainer.checkpoints = checkpoints
+        trainer.floors = measure_step_floors(config)  # trainer.log_floors: perf/floor/* each step
     return trainer
 
 

@@ -6,6 +6,7 @@ hybrid engine switches between training and generation on the same device.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -168,25 +169,38 @@ def start_workers(config, peak_flops: float | None = None, role_worker_mapping=N
     spec = create_colocated_worker_cls(classes)
     apply_nsight(config, spec, gpu)
     group, pool = _start_group(config, spec, gpu, threads)
-    views = group.spawn(list(classes))
-    groups = WorkerGroups(actor_rollout=views["actor_rollout"], _group=group, _pool=pool)
-    try:
+    groups = WorkerGroups(actor_rollout=None, _group=group, _pool=pool)
+    # A start that fails anywhere below (a model that does not load, a teacher pool that does not
+    # fit) releases the actors and the placement groups, so the Ray session is left as it was.
+    with shutdown_on_error(groups):
+        views = group.spawn(list(classes))
+        groups.actor_rollout = views["actor_rollout"]
         groups._teacher_pool = start_teacher_pool(config, worker_classes(config)[0], gpu, uses_ray(config))
-    except Exception:
-        groups.shutdown()
-        raise
-    groups.critic, groups.reward_model = views.get("critic"), views.get("reward_model")
-    groups.teachers = teacher_views(config, views, groups._teacher_pool)
-    # Critic, reward model and teachers first, the actor (and its rollout engine) last, as veRL does.
-    for name in (
-        "critic",
-        "reward_model",
-        *sorted(k for k in views if k.startswith("teacher_")),
-        "actor_rollout",
-    ):
-        if name in views:
-            views[name].init_model()
+        groups.critic, groups.reward_model = views.get("critic"), views.get("reward_model")
+        groups.teachers = teacher_views(config, views, groups._teacher_pool)
+        # Critic, reward model and teachers first, the actor (and its rollout engine) last, as veRL does.
+        for name in (
+            "critic",
+            "reward_model",
+            *sorted(k for k in views if k.startswith("teacher_")),
+            "actor_rollout",
+        ):
+            if name in views:
+                views[name].init_model()
     return groups
+
+
+@contextlib.contextmanager
+def shutdown_on_error(groups: WorkerGroups):
+    """Shut `groups` down (actors, reward loop, placement groups) when the block raises, then re-raise."""
+    try:
+        yield groups
+    except BaseException:
+        try:
+            groups.shutdown()
+        except Exception as cleanup:  # the start's own error is the one to report
+            print(f"[hybridrl] warning: releasing the workers after a failed start: {cleanup!r}")
+        raise
 
 
 def start_reward_loop(config, reward_fn, val_reward_fn=None) -> Any:
@@ -251,4 +265,8 @@ def _start_group(config, spec, use_gpu: bool, threads: int | None):
         cpus_per_slot=tr.cpus_per_worker,
         ready_timeout_s=tr.resources_timeout_s,
     )
-    return RayWorkerGroup(pool, spec, name_prefix="hybridrl"), pool
+    try:
+        return RayWorkerGroup(pool, spec, name_prefix="hybridrl"), pool
+    except BaseException:
+        pool.remove()
+        raise
