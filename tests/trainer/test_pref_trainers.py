@@ -340,6 +340,7 @@ def test_model_without_a_classification_form_is_refused(tmp_path, pair_files):
     "kind, extra, match",
     [
         ("rm", {"model__strategy": "megatron"}, "FSDP2 engine only"),
+        ("dpo", {"model__strategy": "megatron", "model__lora_rank": 4}, r"model\.lora_rank"),
         ("dpo", {"dpo__loss_type": "hinge"}, "dpo.loss_type"),
         ("dpo", {"dpo__beta": 0.0}, "dpo.beta"),
         ("dpo", {"dpo__label_smoothing": 0.5}, "label_smoothing"),

@@ -20,6 +20,7 @@ from hybridrl.trainer.sft.config import (
     SFTModelSection,
     SFTOptimSection,
     SFTTrainerSection,
+    apply_model_engine,
     is_builtin_model,
     uses_megatron,
     validate_sft_config,
@@ -182,16 +183,13 @@ def validate_pref_config(kind: str, config: Any) -> None:
         raise ConfigError(
             f"data.max_prompt_length={d.max_prompt_length} must be >= 1 and below data.max_length={d.max_length}"
         )
+    apply_model_engine(_SFTView(config))  # model_engine=megatron sets model.strategy, as in main_sft
     validate_sft_config(_SFTView(config))
-    if config.model_engine is not None or uses_megatron(config):
-        from hybridrl.engine.base import canonical_engine_name
-
-        name = canonical_engine_name(config.model_engine or config.model.strategy, "model_engine")
-        if name != "dp":
-            raise ConfigError(
-                f"main_{kind} trains on the FSDP2 engine only (model.strategy=fsdp2); the Megatron engine has no "
-                "preference loop here yet: set model.strategy=fsdp2"
-            )
+    if kind == "rm" and uses_megatron(config):
+        raise ConfigError(
+            "main_rm trains on the FSDP2 engine only (model.strategy=fsdp2): the Megatron engine has no "
+            "sequence-classification head to score pairs with; set model.strategy=fsdp2 (main_dpo runs on both)"
+        )
     if config.model.use_prefix_grouper not in (True, False, "auto"):
         raise ConfigError(
             f"model.use_prefix_grouper={config.model.use_prefix_grouper!r} is not one of [true, false, auto]"

@@ -38,6 +38,7 @@ from hybridrl.engine.base import EngineBuildSpec, LogProbRequest, ScoreRequest, 
 from hybridrl.engine.update_loop import UpdatePerf
 from hybridrl.protocol import DataProto
 from hybridrl.trainer.pref.export import export_reward_model
+from hybridrl.trainer.sft.config import uses_megatron
 from hybridrl.trainer.sft.data import IndexDataset
 from hybridrl.trainer.sft.engine import sft_lr_factor, sft_model_config, use_lr_schedule
 from hybridrl.trainer.sft.preemption import SFTStepGuard
@@ -94,7 +95,7 @@ class _PairTrainer(SFTTrainer):
             self.engine.tokenizer = tokenizer
         self.tokenizer = self.engine.tokenizer
         self.dp_rank, self.dp_size = self.engine.dp_rank, self.engine.dp_size
-        self.request = self._request(shared_prompt_forward(config, self.engine.module))
+        self.request = self._request(shared_prompt_forward(config, getattr(self.engine, "module", None)))
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.val_files = val_files
         self.loader = self._build_loader()
@@ -318,6 +319,13 @@ def shared_prompt_forward(config: Any, module: torch.nn.Module) -> bool:
     shared-prompt forward (`prefix_group.model_refusal`); true where it cannot is an error."""
     value = config.model.use_prefix_grouper
     if value is False:
+        return False
+    if uses_megatron(config):
+        if value is True:
+            raise ConfigError(
+                "model.use_prefix_grouper=true: the shared-prompt forward is built for the FSDP engine; "
+                "set it to false (or auto) with model.strategy=megatron"
+            )
         return False
     from hybridrl.engine.prefix_group import model_refusal
 
