@@ -412,6 +412,10 @@ def test_two_ranks_match_one_rank(tiny, tmp_path):
         "data.micro_batch_size_per_gpu=4",
         "data.max_length=32",
         "optim.lr=1e-3",
+        # eps 1e-3: gradients that are 0 in exact arithmetic are float noise whose value depends on the
+        # order of the 2-rank reduction; Adam with eps 1e-8 divides such noise by its own size and moves
+        # the weight by up to lr (test_sft_megatron.py compares engines the same way)
+        "optim.eps=1e-3",
         "trainer.total_training_steps=2",
         "trainer.save_freq=2",
         "trainer.logger=[]",
