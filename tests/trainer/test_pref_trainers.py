@@ -211,7 +211,9 @@ def test_shared_prompt_forward_trains_like_the_plain_one(pair_files, tmp_path, k
     """model.use_prefix_grouper on (the default here) and off: the same losses and weights, step for step."""
     runs = {}
     for shared in (True, False):
-        extra = {"model__use_prefix_grouper": shared}
+        # Adam eps 1e-3: the two forwards sum in different orders, and Adam with eps 1e-8 turns the float
+        # noise of near-zero gradients into steps of up to lr (1.04e-5 apart after 2 steps, seen)
+        extra = {"model__use_prefix_grouper": shared, "optim__eps": 1e-3}
         if kind == "dpo":
             extra["generation_eval__enable"] = False
         t = make_trainer(config(kind, pair_files, tmp_path / str(shared), **extra))
@@ -339,7 +341,7 @@ def test_model_without_a_classification_form_is_refused(tmp_path, pair_files):
 @pytest.mark.parametrize(
     "kind, extra, match",
     [
-        ("rm", {"model__strategy": "megatron"}, "FSDP2 engine only"),
+        ("rm", {"model__strategy": "megatron", "model__lora_rank": 4}, r"model\.lora_rank"),
         ("dpo", {"model__strategy": "megatron", "model__lora_rank": 4}, r"model\.lora_rank"),
         ("dpo", {"dpo__loss_type": "hinge"}, "dpo.loss_type"),
         ("dpo", {"dpo__beta": 0.0}, "dpo.beta"),

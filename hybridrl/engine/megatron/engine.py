@@ -368,6 +368,10 @@ class MegatronEngine(TrainEngine):
         """The requested result from the last stage's logits (or values) of one micro-batch.
 
         With context parallelism `out` holds (b, S, 2) [log-prob, entropy] per position (`_position_fn`)."""
+        if isinstance(request, ScoreRequest):  # a reward model: its head at each row's last valid token
+            mask = micro["attention_mask"]
+            last = (mask.long() * torch.arange(mask.shape[-1], device=mask.device)).argmax(dim=-1)
+            return out[torch.arange(out.shape[0], device=out.device), last, 0].float()
         t = micro["responses"].shape[-1]
         if isinstance(request, ValueRequest):
             return out[:, -t - 1 : -1, 0].float()
@@ -404,13 +408,31 @@ class MegatronEngine(TrainEngine):
             out.float() / temperature, targets, vocab_size=self.spec.vocab_size, tp_rank=tp_rank, group=group
         )
 
+    def _check_scores(self, request: Any) -> None:
+        """A ScoreRequest needs the per-token head of the critic role, whole rows (no context
+        parallelism) and no shared-prompt layout (an FSDP-engine forward)."""
+        if not isinstance(request, ScoreRequest):
+            return
+        if self.role != "critic":
+            raise NotImplementedError(
+                f"sequence scores (ScoreRequest) come from a model with a per-token score head (the critic role); "
+                f"this Megatron engine is the {self.role}'s language model"
+            )
+        if cp_group_info()[0] > 1:
+            raise NotImplementedError(
+                "sequence scores read each row's last token; megatron.context_parallel_size > 1 splits the rows: "
+                "set context_parallel_size=1 for a reward model"
+            )
+        if request.prefix_group:
+            raise NotImplementedError("the shared-prompt forward (prefix_group) is built for the FSDP engine")
+
     def forward(self, micros, request: LogProbRequest | ValueRequest) -> list[Any]:
         """See TrainEngine.forward: Megatron's schedule without gradients; every stage returns them.
 
         `request.record_routing` (a MoE model): each output also carries the experts its tokens were
         routed to (`routed_experts`, (b, S, L_moe, K)); micro-batches carrying `routed_experts` route
         with them whatever the request says."""
-        _refuse_scores(request)
+        self._check_scores(request)
         record = bool(getattr(request, "record_routing", False))
         with self.recording_routing() if record else contextlib.nullcontext():
             results = self.run(
@@ -427,7 +449,7 @@ class MegatronEngine(TrainEngine):
 
     def forward_backward(self, micros, request: LogProbRequest | ValueRequest, loss_fn: LossFn) -> list[Any]:
         """See TrainEngine.forward_backward: Megatron's schedule (1F1B when pipelined)."""
-        _refuse_scores(request)
+        self._check_scores(request)
         micros = list(micros)
         on = self.router_stats is not None and isinstance(request, LogProbRequest) and request.router_aux_loss
         with self.router_stats.collecting(on) if self.router_stats is not None else contextlib.nullcontext():
@@ -571,11 +593,3 @@ def _check_experts(spec: ArchSpec, cfg: MegatronConfig, key: str) -> None:
 
 
 register_engine("megatron", MegatronEngine, model_parallel=True)
-
-
-def _refuse_scores(request: Any) -> None:
-    if isinstance(request, ScoreRequest):
-        raise NotImplementedError(
-            "the Megatron engine computes log-probs and per-token values, not a reward model's sequence "
-            "scores (ScoreRequest); train the reward model with strategy=fsdp2"
-        )

@@ -22,7 +22,6 @@ from hybridrl.trainer.sft.config import (
     SFTTrainerSection,
     apply_model_engine,
     is_builtin_model,
-    uses_megatron,
     validate_sft_config,
 )
 from hybridrl.utils.config_loader import ConfigError, load_structured
@@ -185,11 +184,6 @@ def validate_pref_config(kind: str, config: Any) -> None:
         )
     apply_model_engine(_SFTView(config))  # model_engine=megatron sets model.strategy, as in main_sft
     validate_sft_config(_SFTView(config))
-    if kind == "rm" and uses_megatron(config):
-        raise ConfigError(
-            "main_rm trains on the FSDP2 engine only (model.strategy=fsdp2): the Megatron engine has no "
-            "sequence-classification head to score pairs with; set model.strategy=fsdp2 (main_dpo runs on both)"
-        )
     if config.model.use_prefix_grouper not in (True, False, "auto"):
         raise ConfigError(
             f"model.use_prefix_grouper={config.model.use_prefix_grouper!r} is not one of [true, false, auto]"

@@ -49,8 +49,13 @@ def export_reward_model(engine: Any, out_dir: str, tokenizer: Any = None) -> Non
     from hybridrl.engine.full_params import iter_full_params
 
     rank = dist.get_rank() if dist.is_initialized() else 0
+    module = getattr(engine, "module", None)  # FSDP2; None: the Megatron engine (its HF-named tensors)
+    if module is not None:
+        tensors = iter_full_params(module, device="cpu")  # LoRA merged into the weights
+    else:
+        tensors = engine.iter_full_params(device="cpu")
     full: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_full_params(engine.module, device="cpu"):  # LoRA merged into the weights
+    for name, tensor in tensors:
         if rank == 0:
             full[name] = tensor.detach().clone()
     if rank == 0:
@@ -60,22 +65,32 @@ def export_reward_model(engine: Any, out_dir: str, tokenizer: Any = None) -> Non
             raise RuntimeError(
                 f"reward head bias is {bias.tolist()}, not 0: the sequence-classification export has no bias"
             )
-        module = engine.module.get_base_model() if hasattr(engine.module, "get_base_model") else engine.module
-        config = module.config.__class__.from_dict(module.config.to_dict())
+        if module is not None:
+            base = module.get_base_model() if hasattr(module, "get_base_model") else module
+            source = base.config
+        else:
+            from transformers import AutoConfig
+
+            source = AutoConfig.from_pretrained(engine.model_config.path)
+        config = source.__class__.from_dict(source.to_dict())
         config.num_labels = 1
         config.architectures = None
         if tokenizer is not None and tokenizer.pad_token_id is not None:
             config.pad_token_id = tokenizer.pad_token_id
         cls = sequence_classification_class(config)
         config.architectures = [cls.__name__]
-        with torch.device("meta"):
+        if module is not None:
+            with torch.device("meta"):
+                model = cls(config)
+        else:  # built for real: its non-persistent buffers (rotary inv_freq) come from the config
             model = cls(config)
         missing, unexpected = model.load_state_dict(full, strict=False, assign=True)
-        if unexpected or [n for n, p in model.named_parameters() if p.is_meta]:
+        left = missing if module is None else [n for n, p in model.named_parameters() if p.is_meta]
+        if unexpected or left:
             raise RuntimeError(
                 f"reward-model export: names that do not fit {cls.__name__}: {unexpected or missing}"
             )
-        for name, buf in module.named_buffers():  # non-persistent buffers (rotary inv_freq)
+        for name, buf in base.named_buffers() if module is not None else ():  # non-persistent buffers
             owner, _, leaf = name.rpartition(".")
             target = model.get_submodule(owner) if owner else model
             if leaf in target._buffers:

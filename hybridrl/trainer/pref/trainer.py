@@ -267,10 +267,12 @@ class RewardModelTrainer(_PairTrainer):
         self, config: Any, train_dataset: Any, val_dataset: Any, tokenizer: Any, val_files: Any = None
     ) -> None:
         super().__init__(config, train_dataset, val_dataset, tokenizer, val_files)
-        head = _score_layer(self.engine.module)
-        if getattr(head, "out_features", 1) != 1:
+        head = _reward_head(self.engine)
+        if head is None:  # a Megatron pipeline stage without the head
+            return
+        if getattr(head, "out_features", head.weight.shape[0]) != 1:
             raise ConfigError(
-                f"the reward head must output one score (num_labels=1), got {head.out_features}"
+                f"the reward head must output one score (num_labels=1), got {head.weight.shape[0]}"
             )
         if head.bias is not None:  # the pairwise loss does not depend on it; the export has none
             with torch.no_grad():
@@ -334,6 +336,16 @@ def shared_prompt_forward(config: Any, module: torch.nn.Module) -> bool:
     if refusal is not None and value is True:
         raise ConfigError(f"model.use_prefix_grouper=true: {refusal}; set it to false (or auto)")
     return refusal is None
+
+
+def _reward_head(engine: Any) -> torch.nn.Module | None:
+    """The reward model's score head: the HF model's `score` (FSDP2), or the Megatron critic's value
+    head on the last pipeline stage (None on the other stages)."""
+    module = getattr(engine, "module", None)
+    if module is not None:
+        return _score_layer(module)
+    last = getattr(engine.chunks[-1], "module", engine.chunks[-1])  # inside megatron-core's DDP
+    return getattr(last, "output_layer", None)
 
 
 def _score_layer(module: torch.nn.Module) -> torch.nn.Module:
