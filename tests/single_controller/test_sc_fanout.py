@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from sc_toy_workers import TOY_CPUS, ToyWorker, stage_log_prob
+from sc_toy_workers import TOY_CPUS, ToyWorker, stage_advantage, stage_log_prob
 
 from hybridrl.protocol import DataProto
-from hybridrl.single_controller.batch_ref import BatchRef
+from hybridrl.single_controller.batch_ref import BatchRef, NodeShard
 from hybridrl.single_controller.worker_group import WorkerDiedError, WorkerGroupError, WorkerHungError
 from hybridrl.utils import deadlines
 
@@ -32,11 +32,16 @@ def _proto(n: int) -> DataProto:
     )
 
 
+def _rows() -> DataProto:
+    return DataProto.from_dict({"x": torch.arange(21.0).reshape(7, 3), "m": torch.ones(7, 3)})
+
+
 def _calls(wg) -> list:
     """One call of every dispatch mode (and execute_all / execute_rank_zero), results as values."""
-    rows = DataProto.from_dict({"x": torch.arange(21.0).reshape(7, 3), "m": torch.ones(7, 3)})
-    by_ref = wg.apply(stage_log_prob, BatchRef.from_proto(rows))  # handles come back, not tensors
-    assert isinstance(by_ref, BatchRef)
+    by_ref = BatchRef.from_proto(_rows())
+    by_ref = by_ref.union(wg.apply(stage_log_prob, by_ref))  # handles come back, not tensors
+    by_ref.reorder(torch.tensor([6, 0, 5, 1, 4, 2, 3]))
+    by_ref = by_ref.union(wg.apply(stage_advantage, by_ref))  # the ranks read the shards made above
     marked = wg.mark(_proto(7))  # DP_COMPUTE_PROTO, padded
     return [
         wg.add(1, y=2),  # ONE_TO_ALL
@@ -64,6 +69,8 @@ def test_fanned_out_calls_equal_direct_calls(group3):
     try:
         fanned = _calls(group3)
         assert group3._fan.dispatchers  # the calls went through a dispatcher
+        by_node = group3.apply(stage_log_prob, BatchRef.from_proto(_rows()))
+        assert all(isinstance(r, NodeShard) for p in by_node.parts for r in p.refs)  # one ref per node
         with pytest.raises(AttributeError, match="no method 'missing'"):
             group3.execute_all("missing")
     finally:

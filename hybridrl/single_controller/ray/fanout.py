@@ -6,7 +6,10 @@ linearly with the ranks. With the fan-out, the driver sends one task per *node*:
 :class:`NodeDispatcher` actor on that node (no CPU reserved, one per worker group and node)
 receives the per-rank arguments of the node's ranks (small: ObjectRefs, BatchRef shards, per-rank
 values the driver already put into the object store), submits the actor tasks to its local
-ranks, waits for them and hands back one object: the per-rank results in rank order. The driver's
+ranks, waits for them and hands back one object: the per-rank results in rank order. The results of a call given
+a BatchRef are handles on tensors each rank put into the object store: the dispatcher puts its
+node's handles' references into one object, so the driver holds one reference per node
+(``batch_ref.NodeShard``) and a worker that reads a shard resolves it there. The driver's
 work per call then grows with the nodes, not with the ranks (bench/controller_scale.py
 ``--fanout`` measures both).
 
@@ -75,7 +78,17 @@ class NodeDispatcher:
         refs = [
             getattr(self._actors[r], method).remote(*a, **k) for r, a, k in zip(ranks, rank_args, rank_kwargs)
         ]
-        return wait_ranks(refs, list(ranks), limit_s)
+        outcome = wait_ranks(refs, list(ranks), limit_s)
+        if outcome[0] == "ok" and _all_shard_handles(outcome[1]):
+            from hybridrl.single_controller.batch_ref import node_shards
+
+            return ("ok", node_shards(outcome[1]))
+        return outcome
+
+
+def _all_shard_handles(values: list[Any]) -> bool:
+    """Results of a call given a BatchRef: one ShardHandle per rank (batch_ref.by_ref_output)."""
+    return bool(values) and all(type(v).__name__ == "ShardHandle" for v in values)
 
 
 def wait_ranks(refs: list[Any], ranks: list[int], limit_s: float) -> tuple:
