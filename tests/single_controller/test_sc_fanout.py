@@ -115,3 +115,25 @@ def test_a_death_names_the_rank(ray_session):
     finally:
         wg.shutdown()
         pool.remove()
+
+
+def test_by_default_only_calls_that_send_no_tensors_fan_out(group3, monkeypatch):
+    """The default (fanout=None): a call that sends the batch through the driver would get its
+    results through the dispatcher too, so it goes direct; a BatchRef or control call fans out."""
+    from hybridrl.single_controller.ray import base
+
+    fanned = []
+    monkeypatch.setattr(base, "FANOUT_MIN_RANKS", 3)
+    monkeypatch.setattr(base, "_put_values", lambda a, k: (fanned.append(1), (a, k))[1])
+    group3.fanout = None
+    try:
+        assert group3.fanout
+        group3.mark(_proto(7))
+        assert fanned == []  # a DataProto: direct
+        assert isinstance(
+            group3.apply(stage_log_prob, BatchRef.from_proto(_rows())).parts[0].refs[0], NodeShard
+        )
+        group3.add(1)
+        assert len(fanned) == 2
+    finally:
+        group3.fanout = False

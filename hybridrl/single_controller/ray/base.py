@@ -403,12 +403,21 @@ class _FanOut:
     (shared by the group's role views)."""
 
     on: bool = False
+    every_call: bool = False  # False: calls that send tensors (DataProto, tensor, array) go direct
     nodes: list[str | None] = field(default_factory=list)
     runtime_env: dict[str, Any] = field(default_factory=dict)
     dispatchers: dict[str, Any] = field(default_factory=dict)
 
     def dispatcher_ids(self) -> set[str]:
         return {a._actor_id.hex() for a in self.dispatchers.values()}
+
+
+def _sends_tensors(rank_args: list[tuple], rank_kwargs: list[dict[str, Any]]) -> bool:
+    """A DataProto / tensor / array argument (or one _share_args already put into the store)."""
+    kinds = (*_SHARED_TYPES, ray.ObjectRef)
+    return any(isinstance(v, kinds) for args in rank_args for v in args) or any(
+        isinstance(v, kinds) for kwargs in rank_kwargs for v in kwargs.values()
+    )
 
 
 def _put_values(rank_args: list[tuple], rank_kwargs: list[dict[str, Any]]) -> tuple[list, list]:
@@ -446,9 +455,12 @@ class RayWorkerGroup(WorkerGroup):
         worker_names: attach to existing (detached) actors with these names instead of starting
             new ones; ``ray_cls_with_init`` then only supplies the class.
         fanout: send blocking calls through one dispatcher actor per node (ray/fanout.py), so the
-            driver's work per call grows with the nodes, not the ranks. None (the default): when
-            the group has at least ``FANOUT_MIN_RANKS`` ranks. Needs the ranks' nodes, which a
-            group attached by ``worker_names`` does not know (it calls the ranks directly).
+            driver's work per call grows with the nodes, not the ranks. True: every blocking call.
+            None (the default): when the group has at least ``FANOUT_MIN_RANKS`` ranks, the calls
+            that send no DataProto, tensor or array (a batch held by reference, control calls);
+            calls that send the batch through the driver get their results directly.
+            Needs the ranks' nodes, which a group attached by ``worker_names`` does not know (it
+            calls the ranks directly).
     """
 
     def __init__(
@@ -495,6 +507,7 @@ class RayWorkerGroup(WorkerGroup):
                     f"RayWorkerGroup {prefix!r}: fanout=True, but the cluster did not say the ranks' nodes"
                 )
             self._fan.on = known and (len(actors) >= FANOUT_MIN_RANKS if fanout is None else bool(fanout))
+            self._fan.every_call = bool(fanout)
         self._bind_registered_methods(self._cls)
 
     # ---- construction ------------------------------------------------------------------------
@@ -631,21 +644,29 @@ class RayWorkerGroup(WorkerGroup):
     # ---- fan-out through one dispatcher per node (ray/fanout.py) ----------------------------
     @property
     def fanout(self) -> bool:
-        """Whether blocking calls go through one dispatcher actor per node."""
+        """Whether blocking calls go through one dispatcher actor per node. Set True (every blocking
+        call), False (none) or None (the default: from FANOUT_MIN_RANKS ranks, calls that send no
+        DataProto, tensor or array: their results would pass through the dispatcher as well)."""
         return self._fan.on
 
     @fanout.setter
-    def fanout(self, on: bool) -> None:
-        if on and not (self._fan.nodes and all(self._fan.nodes)):
+    def fanout(self, on: bool | None) -> None:
+        known = bool(self._fan.nodes) and all(self._fan.nodes)
+        if on and not known:
             raise ValueError(
                 f"worker group {self._name!r}: fan-out needs the ranks' nodes, which it does not know"
             )
-        self._fan.on = bool(on)
+        self._fan.on = known and (self._world_size >= FANOUT_MIN_RANKS if on is None else bool(on))
+        self._fan.every_call = bool(on)
 
     def _call_blocking(
         self, method: str, ranks: list[int], rank_args: list[tuple], rank_kwargs: list[dict[str, Any]]
     ) -> list[Any]:
-        if not self._fan.on or len(ranks) < 2:
+        if (
+            not self._fan.on
+            or len(ranks) < 2
+            or (not self._fan.every_call and _sends_tensors(rank_args, rank_kwargs))
+        ):
             return super()._call_blocking(method, ranks, rank_args, rank_kwargs)
         if not hasattr(self._actors[ranks[0]], method):
             raise AttributeError(
