@@ -24,7 +24,10 @@ The semantics are those of the direct call (ray/base.py, ``gather_refs``):
 * results come back in rank order.
 
 Only blocking calls and ``execute_all`` fan out; non-blocking calls (whose futures other calls may
-chunk lazily, rank by rank) and ``execute_rank_zero`` submit directly.
+chunk lazily, rank by rank) and ``execute_rank_zero`` submit directly. By default (a group of at
+least ``FANOUT_MIN_RANKS`` ranks) a call that sends a DataProto, tensor or array also goes direct:
+its results are the batch, and passing them through the dispatcher costs more than the tasks it
+saves (``RayWorkerGroup(fanout=True)`` fans out every blocking call).
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from ray.exceptions import RayError
 
 __all__ = ["FANOUT_MIN_RANKS", "NodeDispatcher"]
 
-# A worker group of at least this many ranks (whose nodes are known) fans its blocking calls out
-# by default; RayWorkerGroup(fanout=True / False) decides for one group.
+# A worker group of at least this many ranks (whose nodes are known) fans out its blocking calls
+# that send no tensors by default; RayWorkerGroup(fanout=True / False) decides for one group.
 FANOUT_MIN_RANKS = 8
 # How long the driver waits beyond trainer.step_timeout_s for a dispatcher that itself stopped
 # answering (its ranks' own hang is reported by the dispatcher within the limit).
