@@ -24,6 +24,12 @@ prompts once and receives per-sample values (scores, the GAE whitening moments) 
 per-token advantage work runs on the workers (`apply_batch_fn`), the group statistics on the
 driver. `--data-path driver` (the default) is the through-the-driver flow above (main_async's).
 
+`--fanout on` sends every blocking call through one dispatcher actor per node
+(hybridrl/single_controller/ray/fanout.py): the driver submits one task per node, the dispatcher
+one per local rank; `--fanout off,on` measures both, alternating, per configuration. With
+`--nodes N` the workers spread over N virtual nodes of a `ray.cluster_utils.Cluster` (one
+dispatcher each).
+
 Printed per configuration (workers W, sequences B, response tokens T): the bytes that pass through
 the driver per step (tensors sent to and received from the workers), the driver's peak RSS, and the
 control-plane seconds per step (the step's wall time less the time the workers spent building their
@@ -36,6 +42,12 @@ W, B and T. Each configuration runs in a fresh process so that its peak RSS is i
     python bench/controller_scale.py --workers 8 --batch 1024,2048,4096,8192 --length 4096 --estimator gae
     python bench/controller_scale.py --workers 8 --nodes 2               # a 2-node ray.cluster_utils cluster
     python bench/controller_scale.py --data-path driver,ref --workers 2,8,32 --batch 2048 --length 1024
+    python bench/controller_scale.py --data-path ref --fanout off,on --workers 2,8,32 --batch 2048 --length 1024
+    python bench/controller_scale.py --data-path ref --fanout off,on --workers 32 --nodes 4 --batch 2048
+
+Each simulated worker is a real hybridrl Worker process (torch and tensordict imported): the
+median worker's proportional set size is printed with each row, and bounds how many workers fit
+in memory.
 """
 
 from __future__ import annotations
@@ -139,6 +151,15 @@ def _worker_class():
         def take_busy_s(self) -> float:
             busy, self.busy_s = self.busy_s, 0.0
             return busy
+
+        @register(Dispatch.ONE_TO_ALL)
+        def pss_mib(self) -> float:
+            """This process's proportional set size (Linux; 0 elsewhere)."""
+            try:
+                with open("/proc/self/smaps_rollup") as f:
+                    return next(int(x.split()[1]) for x in f if x.startswith("Pss:")) / 1024
+            except (OSError, StopIteration):
+                return 0.0
 
     return SimulatedWorker
 
@@ -275,8 +296,12 @@ def _ref_step(wg, step: int, batch: int, prompt_length: int, n: int, estimator: 
 
 
 def run_one(workers: int, batch: int, length: int, prompt_length: int, n: int, estimator: str,
-            steps: int, nodes: int, data_path: str = "driver") -> dict:  # fmt: skip
-    """One configuration in this process: start Ray and the group, run `steps` PPO steps' data flow."""
+            steps: int, nodes: int, data_path: str = "driver", fanout: str = "off") -> dict:  # fmt: skip
+    """One configuration in this process: start Ray and the group, run `steps` PPO steps' data flow.
+
+    fanout: "on" sends the group's calls through one dispatcher actor per node, "off" calls every
+    rank directly (RayWorkerGroup(fanout=...)).
+    """
     import numpy as np
     import ray
     import torch
@@ -293,17 +318,21 @@ def run_one(workers: int, batch: int, length: int, prompt_length: int, n: int, e
 
         cluster = Cluster()
         per_node = math.ceil(workers / nodes)
-        for _ in range(nodes):
-            cluster.add_node(num_cpus=max(1, cpus // nodes))
+        for _ in range(nodes):  # virtual nodes: each its own raylet and a small object store
+            cluster.add_node(num_cpus=max(1, cpus // nodes), object_store_memory=2 * 2**30)
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     else:
         per_node = workers
         ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-    slot_cpus = min(1.0, cpus / workers) * 0.99
+    slot_cpus = min(1.0, max(1, cpus // max(nodes, 1)) / per_node) * 0.99
     pool = RayResourcePool([per_node] * (nodes if nodes > 1 else 1), use_gpu=False, cpus_per_slot=slot_cpus)
     wg = RayWorkerGroup(
-        pool, RayClassWithInitArgs(_worker_class(), response_length=length), name_prefix="sim"
+        pool,
+        RayClassWithInitArgs(_worker_class(), response_length=length),
+        name_prefix="sim",
+        fanout=fanout == "on",
     )
+    worker_pss = statistics.median(wg.pss_mib())
     rss_start_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     def call(method: str, data: DataProto, moved: dict) -> DataProto:
@@ -375,7 +404,7 @@ def run_one(workers: int, batch: int, length: int, prompt_length: int, n: int, e
     med = {k: statistics.median(r[k] for r in results) for k in results[0]}
     return {
         "workers": workers, "batch": batch, "length": length, "nodes": nodes, "estimator": estimator,
-        "data_path": data_path,
+        "data_path": data_path, "fanout": fanout, "worker_pss_mib": worker_pss,
         "bytes_per_step": med["bytes"], "bytes_out": med["out"], "bytes_in": med["in"],
         "control_s": max(med["wall_s"] - med["worker_s"], 0.0), "wall_s": med["wall_s"],
         "driver_cpu_s": med["cpu_s"],
@@ -386,7 +415,9 @@ def run_one(workers: int, batch: int, length: int, prompt_length: int, n: int, e
 # ------------------------------------------------------------------------------------ the grid
 def _slopes(rows: list[dict], axis: str, keys: tuple[str, ...]) -> list[str]:
     """Growth factor per doubling of `axis`, between neighbouring rows that differ only in it."""
-    others = [a for a in ("data_path", "workers", "batch", "length", "nodes", "estimator") if a != axis]
+    others = [
+        a for a in ("data_path", "fanout", "workers", "batch", "length", "nodes", "estimator") if a != axis
+    ]
     lines = []
     for _, group in itertools.groupby(sorted(rows, key=lambda r: [r[a] for a in others] + [r[axis]]),
                                       key=lambda r: [r[a] for a in others]):  # fmt: skip
@@ -399,7 +430,8 @@ def _slopes(rows: list[dict], axis: str, keys: tuple[str, ...]) -> list[str]:
             lines.append(
                 f"  {axis} {a[axis]} -> {b[axis]}: "
                 + ", ".join(f"{k} x{v:.2f}" for k, v in f.items())
-                + f"  (at workers={b['workers']} batch={b['batch']} length={b['length']}, {b['data_path']})"
+                + f"  (at workers={b['workers']} batch={b['batch']} length={b['length']}, {b['data_path']}, "
+                f"fan-out {b['fanout']})"
             )
     return lines
 
@@ -417,37 +449,48 @@ def main() -> None:
     ap.add_argument(
         "--data-path", default="driver", help="comma list of driver (through the driver), ref (BatchRef)"
     )
+    ap.add_argument(
+        "--fanout",
+        default="off",
+        help="comma list of off (the driver calls every rank) and on (one dispatcher actor per node); "
+        "the values alternate within each configuration",
+    )
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         w, b, t = (int(x) for x in args.one.split(","))
         row = run_one(
-            w, b, t, args.prompt_length, args.n, args.estimator, args.steps, args.nodes, args.data_path
-        )
+            w, b, t, args.prompt_length, args.n, args.estimator, args.steps, args.nodes, args.data_path,
+            args.fanout,
+        )  # fmt: skip
         print("ROW " + json.dumps(row))
         return
 
     print(json.dumps(C.machine_info()), "load", C.load_average())
     rows = []
     sizes = itertools.product(*(map(int, s.split(",")) for s in (args.workers, args.batch, args.length)))
-    for (w, b, t), path in itertools.product(list(sizes), args.data_path.split(",")):
+    configs = itertools.product(list(sizes), args.data_path.split(","), args.fanout.split(","))
+    for (w, b, t), path, fan in configs:
         cmd = [sys.executable, __file__, "--one", f"{w},{b},{t}", "--prompt-length", str(args.prompt_length),
                "--n", str(args.n), "--estimator", args.estimator, "--steps", str(args.steps),
-               "--nodes", str(args.nodes), "--data-path", path]  # fmt: skip
+               "--nodes", str(args.nodes), "--data-path", path, "--fanout", fan]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
         if proc.returncode or line is None:
             print(
-                f"{path}: workers={w} batch={b} length={t}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}"
+                f"{path} fan-out {fan}: workers={w} batch={b} length={t}: failed (exit {proc.returncode})\n"
+                f"{proc.stderr[-2000:]}"
             )
             continue
         rows.append(json.loads(line[4:]))
         r = rows[-1]
         print(
-            f"{path:6s}  workers {w:4d}  batch {b:5d}  length {t:5d}  | driver MB/step {r['bytes_per_step'] / 1e6:9.1f}"
+            f"{path:6s} fan-out {fan:3s}  workers {w:4d}  batch {b:5d}  length {t:5d}"
+            f"  | driver MB/step {r['bytes_per_step'] / 1e6:9.1f}"
             f"  peak RSS MiB {r['peak_rss_mib']:7.0f}  control s/step {r['control_s']:7.3f}"
-            f"  driver CPU s/step {r['driver_cpu_s']:7.3f}  (wall {r['wall_s']:.3f})",
+            f"  driver CPU s/step {r['driver_cpu_s']:7.3f}  (wall {r['wall_s']:.3f}; worker PSS "
+            f"{r['worker_pss_mib']:.0f} MiB; load {C.load_average()[0]:.1f})",
             flush=True,
         )
     keys = ("bytes_per_step", "peak_rss_mib", "control_s", "driver_cpu_s")

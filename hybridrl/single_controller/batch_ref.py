@@ -36,7 +36,7 @@ from tensordict import TensorDict
 
 from hybridrl.protocol import DataProto, DataProtoFuture, union_numpy_dict
 
-__all__ = ["TRANSFER", "BatchRef", "BatchShard", "ShardHandle", "by_ref_output", "column_bytes"]
+__all__ = ["TRANSFER", "BatchRef", "BatchShard", "NodeShard", "ShardHandle", "by_ref_output", "column_bytes"]
 
 TRANSFER: Counter = Counter()  # bytes of tensors the driver uploaded ("put") and downloaded ("pulled")
 
@@ -64,6 +64,39 @@ class ShardHandle:
     length: int
     non_tensor_batch: dict[str, np.ndarray]
     meta_info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class NodeShard:
+    """Shard ``index`` of the list of shard refs that a node's dispatcher put into the object store
+    as one object (ray/fanout.py): the driver then holds one reference per node, not per rank;
+    a worker that reads the shard resolves the list first."""
+
+    ref: Any
+    index: int
+
+
+def node_shards(handles: list[ShardHandle]) -> list[ShardHandle]:
+    """Dispatcher side: the handles of one node's ranks, their refs put into one object."""
+    import ray
+
+    node_ref = ray.put([h.ref for h in handles])
+    return [
+        ShardHandle(NodeShard(node_ref, i), h.keys, h.length, h.non_tensor_batch, h.meta_info)
+        for i, h in enumerate(handles)
+    ]
+
+
+def _leaves(entries: list[Any]) -> list[Any]:
+    """Shard refs with every NodeShard replaced by the shard ref it names (one ray.get of the
+    nodes' lists)."""
+    nested = {e.ref.hex(): e.ref for e in entries if isinstance(e, NodeShard)}
+    if not nested:
+        return entries
+    import ray
+
+    lists = dict(zip(nested, ray.get(list(nested.values()))))
+    return [lists[e.ref.hex()][e.index] if isinstance(e, NodeShard) else e for e in entries]
 
 
 def by_ref_output(out: Any) -> Any:
@@ -268,6 +301,7 @@ class BatchRef:
                     refs.append(p.refs[s])
                 pieces.append((index[key], loc[at, 1], at))
             plan.append((p.keys, pieces))
+        refs = _leaves(refs)
         non_tensor = {k: v[rows] for k, v in self.non_tensor_batch.items()}
         assemble = functools.partial(
             _assemble, plan=plan, length=len(rows), non_tensor=non_tensor, meta_info=self.meta_info

@@ -178,6 +178,9 @@ class LocalWorkerGroup(WorkerGroup):
         view._bind_registered_methods(role_cls, remote_prefix=view._prefix)
         return view
 
+    def _remote_name(self, method_name: str) -> str:
+        return self._prefix + method_name
+
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         return super().execute_all_async(self._prefix + method_name, *args, **kwargs)
 

@@ -229,10 +229,18 @@ class WorkerGroup:
         else:
             collect = proto_collect_fn(mode, plan.context)
         rank_args, rank_kwargs = self._share_args(rank_args, rank_kwargs)
-        handles = [self._submit(r, method, a, k) for r, a, k in zip(ranks, rank_args, rank_kwargs)]
         if spec.blocking:
-            return collect(self._gather(handles, method, ranks))
+            return collect(self._call_blocking(method, ranks, rank_args, rank_kwargs))
+        handles = [self._submit(r, method, a, k) for r, a, k in zip(ranks, rank_args, rank_kwargs)]
         return self._future(handles, collect, method, ranks, returns_data_proto)
+
+    def _call_blocking(
+        self, method: str, ranks: list[int], rank_args: list[tuple], rank_kwargs: list[dict[str, Any]]
+    ) -> list[Any]:
+        """Hook: run ``method`` on ``ranks`` with their arguments and wait; results in rank order
+        (default: submit to each rank, then gather; the Ray backend may fan out through nodes)."""
+        handles = [self._submit(r, method, a, k) for r, a, k in zip(ranks, rank_args, rank_kwargs)]
+        return self._gather(handles, method, ranks)
 
     def _by_ref(self, mode: Any, plan: DispatchPlan) -> Callable:
         """A call given a BatchRef: every rank keeps its result in the object store and returns a
@@ -244,14 +252,18 @@ class WorkerGroup:
             )
         return functools.partial(collect_batch_ref, context=plan.context, mode=mode)
 
+    def _remote_name(self, method_name: str) -> str:
+        """Hook: the remote method a call of ``method_name`` runs (role views add their prefix)."""
+        return method_name
+
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method_name`` with the same arguments on every rank; per-rank handles."""
         return [self._submit(r, method_name, args, kwargs) for r in range(self._world_size)]
 
     def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method_name`` with the same arguments on every rank and wait: per-rank results."""
-        handles = self.execute_all_async(method_name, *args, **kwargs)
-        return self._gather(handles, method_name, list(range(self._world_size)))
+        n = self._world_size
+        return self._call_blocking(self._remote_name(method_name), list(range(n)), [args] * n, [kwargs] * n)
 
     def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         return self._submit(0, method_name, args, kwargs)

@@ -149,7 +149,8 @@ def _our_actor_processes() -> list[int]:
     return pids
 
 
-def test_a_lost_node_is_named_with_its_ranks(cluster, tmp_path):
+@pytest.mark.parametrize("fanout", [False, True], ids=["direct", "fanout"])
+def test_a_lost_node_is_named_with_its_ranks(cluster, tmp_path, fanout):
     import fault_workers
     import ray
 
@@ -160,8 +161,10 @@ def test_a_lost_node_is_named_with_its_ranks(cluster, tmp_path):
     ray.cloudpickle.register_pickle_by_value(fault_workers)
     try:
         pool = RayResourcePool([1, 1, 1], use_gpu=False, cpus_per_slot=1, name_prefix="toy")
-        wg = RayWorkerGroup(pool, RayClassWithInitArgs(fault_workers.NapWorker), name_prefix="toy")
-        assert len(set(wg.pid())) == 3
+        wg = RayWorkerGroup(
+            pool, RayClassWithInitArgs(fault_workers.NapWorker), name_prefix="toy", fanout=fanout
+        )
+        assert len(set(wg.pid())) == 3  # with the fan-out: through a dispatcher on each node
         node = cluster.removable.pop(0)
         tables = [ray.util.placement_group_table(pg)["bundles_to_node_id"][0] for pg in pool._pgs]
         rank = tables.index(node.node_id)

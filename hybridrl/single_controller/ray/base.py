@@ -25,15 +25,17 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from hybridrl.protocol import DataProto, DataProtoFuture
 from hybridrl.single_controller.base import Worker
+from hybridrl.single_controller.ray.fanout import DISPATCHER_GRACE_S, FANOUT_MIN_RANKS, NodeDispatcher
 from hybridrl.single_controller.ray.nodes import (
     ResourcesUnavailableError,
     forget_actors,
     node_lost_error,
     record_actors,
+    record_dispatcher,
 )
 from hybridrl.single_controller.worker_group import (
     WorkerDiedError,
@@ -268,6 +270,7 @@ def gather_refs(
     timeout_s: float | None = None,
     timeout_key: str = deadlines.STEP_KEY,
     limit_label: str | None = None,
+    inspect: Callable[[int, Any], None] | None = None,
 ) -> list[Any]:
     """``ray.get`` on the refs of several ranks, failing fast and never waiting forever.
 
@@ -276,7 +279,8 @@ def gather_refs(
     if the other ranks block, e.g. in a collective waiting for the dead one. When no rank has
     finished for ``timeout_s`` (default: ``trainer.step_timeout_s``), a WorkerHungError names the
     group, the first unfinished rank, the method, how long it waited and ``timeout_key``
-    (``limit_label``, when given, says how the limit follows from the key).
+    (``limit_label``, when given, says how the limit follows from the key). ``inspect(i, value)``,
+    when given, sees each value as it arrives (it may raise to end the wait).
     """
     refs = list(refs)
     limit = deadlines.step_timeout() if timeout_s is None else float(timeout_s)
@@ -289,9 +293,11 @@ def gather_refs(
         ready_ids = {r.hex() for r in ready}
         done = [i for i in pending if refs[i].hex() in ready_ids]
         if done:
-            values.update(
-                zip(done, _get_ready([refs[i] for i in done], [ranks[i] for i in done], group, method))
-            )
+            got = _get_ready([refs[i] for i in done], [ranks[i] for i in done], group, method)
+            for i, value in zip(done, got):
+                if inspect is not None:
+                    inspect(i, value)
+                values[i] = value
             pending = [i for i in pending if i not in set(done)]
             last_progress = time.monotonic()
         now = time.monotonic()
@@ -385,6 +391,54 @@ class WorkerGroupDataProtoFuture(DataProtoFuture):
 
 
 # ----------------------------------------------------------------------------------------------
+# fan-out state
+# ----------------------------------------------------------------------------------------------
+_DISPATCHER_CLS: Any = None
+_DISPATCHER_CONCURRENCY = 32  # blocking calls one dispatcher runs at once (driver threads, role views)
+
+
+@dataclass
+class _FanOut:
+    """A group's fan-out: on or off, the node of each rank, the dispatchers' runtime env and actors
+    (shared by the group's role views)."""
+
+    on: bool = False
+    every_call: bool = False  # False: calls that send tensors (DataProto, tensor, array) go direct
+    nodes: list[str | None] = field(default_factory=list)
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+    dispatchers: dict[str, Any] = field(default_factory=dict)
+
+    def dispatcher_ids(self) -> set[str]:
+        return {a._actor_id.hex() for a in self.dispatchers.values()}
+
+
+def _sends_tensors(rank_args: list[tuple], rank_kwargs: list[dict[str, Any]]) -> bool:
+    """A DataProto / tensor / array argument (or one _share_args already put into the store)."""
+    kinds = (*_SHARED_TYPES, ray.ObjectRef)
+    return any(isinstance(v, kinds) for args in rank_args for v in args) or any(
+        isinstance(v, kinds) for kwargs in rank_kwargs for v in kwargs.values()
+    )
+
+
+def _put_values(rank_args: list[tuple], rank_kwargs: list[dict[str, Any]]) -> tuple[list, list]:
+    """Put each DataProto / tensor / array argument into the object store (once per object): the
+    dispatcher then forwards a reference, not a copy (Ray resolves it before the method runs)."""
+    refs: dict[int, ray.ObjectRef] = {}
+
+    def put(value: Any) -> Any:
+        if not isinstance(value, _SHARED_TYPES):
+            return value
+        if id(value) not in refs:
+            refs[id(value)] = ray.put(value)
+        return refs[id(value)]
+
+    return (
+        [tuple(put(v) for v in args) for args in rank_args],
+        [{k: put(v) for k, v in kwargs.items()} for kwargs in rank_kwargs],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
 # worker group
 # ----------------------------------------------------------------------------------------------
 class RayWorkerGroup(WorkerGroup):
@@ -400,6 +454,13 @@ class RayWorkerGroup(WorkerGroup):
         detached: start named, detached actors that outlive this driver.
         worker_names: attach to existing (detached) actors with these names instead of starting
             new ones; ``ray_cls_with_init`` then only supplies the class.
+        fanout: send blocking calls through one dispatcher actor per node (ray/fanout.py), so the
+            driver's work per call grows with the nodes, not the ranks. True: every blocking call.
+            None (the default): when the group has at least ``FANOUT_MIN_RANKS`` ranks, the calls
+            that send no DataProto, tensor or array (a batch held by reference, control calls);
+            calls that send the batch through the driver get their results directly.
+            Needs the ranks' nodes, which a group attached by ``worker_names`` does not know (it
+            calls the ranks directly).
     """
 
     def __init__(
@@ -409,6 +470,7 @@ class RayWorkerGroup(WorkerGroup):
         name_prefix: str | None = None,
         detached: bool = False,
         worker_names: list[str] | None = None,
+        fanout: bool | None = None,
     ) -> None:
         if ray_cls_with_init is None:
             raise ValueError("RayWorkerGroup needs ray_cls_with_init=RayClassWithInitArgs(WorkerClass, ...)")
@@ -417,7 +479,13 @@ class RayWorkerGroup(WorkerGroup):
         self._cls = ray_cls_with_init.cls
         self._pool = resource_pool
         prefix = name_prefix or f"{self._cls.__name__}_{uuid.uuid4().hex[:6]}"
+        self._fan = _FanOut()
         if worker_names:
+            if fanout:
+                raise ValueError(
+                    "RayWorkerGroup(fanout=True) needs the nodes of the ranks, which a group attached by "
+                    "worker_names does not know; leave fanout unset"
+                )
             actors = [ray.get_actor(n) for n in worker_names]
             names = list(worker_names)
         else:
@@ -433,6 +501,13 @@ class RayWorkerGroup(WorkerGroup):
             self._check_attached()
         else:
             self._setup_rendezvous()
+            known = all(self._fan.nodes)
+            if fanout and not known:
+                raise ValueError(
+                    f"RayWorkerGroup {prefix!r}: fanout=True, but the cluster did not say the ranks' nodes"
+                )
+            self._fan.on = known and (len(actors) >= FANOUT_MIN_RANKS if fanout is None else bool(fanout))
+            self._fan.every_call = bool(fanout)
         self._bind_registered_methods(self._cls)
 
     # ---- construction ------------------------------------------------------------------------
@@ -478,7 +553,17 @@ class RayWorkerGroup(WorkerGroup):
                 options.update(name=name, lifetime="detached")
             actors.append(actor_cls.options(**options).remote(*spec.args, **spec.kwargs))
             names.append(name)
-        record_actors(prefix, actors, slots)  # a lost node's error names its ranks
+        self._fan.nodes = record_actors(prefix, actors, slots)  # a lost node's error names its ranks
+        self._fan.runtime_env = {
+            **user_env,
+            "env_vars": {
+                **thread_env(1),
+                **deadlines.worker_env(),
+                **plugins.worker_env(),
+                **user_env_vars,
+                "OMP_NUM_THREADS": "1",
+            },
+        }
         return actors, names
 
     def _setup_rendezvous(self) -> None:
@@ -556,6 +641,125 @@ class RayWorkerGroup(WorkerGroup):
     def _gather(self, handles: Sequence[Any], method: str, ranks: Sequence[int]) -> list[Any]:
         return gather_refs(handles, group=self._name, method=method, ranks=ranks)
 
+    # ---- fan-out through one dispatcher per node (ray/fanout.py) ----------------------------
+    @property
+    def fanout(self) -> bool:
+        """Whether blocking calls go through one dispatcher actor per node. Set True (every blocking
+        call), False (none) or None (the default: from FANOUT_MIN_RANKS ranks, calls that send no
+        DataProto, tensor or array: their results would pass through the dispatcher as well)."""
+        return self._fan.on
+
+    @fanout.setter
+    def fanout(self, on: bool | None) -> None:
+        known = bool(self._fan.nodes) and all(self._fan.nodes)
+        if on and not known:
+            raise ValueError(
+                f"worker group {self._name!r}: fan-out needs the ranks' nodes, which it does not know"
+            )
+        self._fan.on = known and (self._world_size >= FANOUT_MIN_RANKS if on is None else bool(on))
+        self._fan.every_call = bool(on)
+
+    def _call_blocking(
+        self, method: str, ranks: list[int], rank_args: list[tuple], rank_kwargs: list[dict[str, Any]]
+    ) -> list[Any]:
+        if (
+            not self._fan.on
+            or len(ranks) < 2
+            or (not self._fan.every_call and _sends_tensors(rank_args, rank_kwargs))
+        ):
+            return super()._call_blocking(method, ranks, rank_args, rank_kwargs)
+        if not hasattr(self._actors[ranks[0]], method):
+            raise AttributeError(
+                f"worker group {self._name!r}: {self._cls.__name__} has no method {method!r}"
+            )
+        rank_args, rank_kwargs = _put_values(rank_args, rank_kwargs)
+        by_node: dict[str, list[int]] = {}  # node -> positions in `ranks`
+        for i, r in enumerate(ranks):
+            by_node.setdefault(self._fan.nodes[r], []).append(i)
+        dispatchers = self._dispatchers()
+        limit = deadlines.step_timeout()
+        refs = [
+            dispatchers[node].call.remote(
+                method,
+                [ranks[i] for i in at],
+                [rank_args[i] for i in at],
+                [rank_kwargs[i] for i in at],
+                limit,
+            )
+            for node, at in by_node.items()
+        ]
+
+        def inspect(_: int, outcome: tuple) -> None:
+            if outcome[0] == "failed":  # the rank's own error, raised as a direct call raises it
+                _get_one(outcome[2], self._name, outcome[1], method)
+            elif outcome[0] == "hung":
+                label = f"{deadlines.STEP_KEY}={limit:g}"
+                raise _hung_error(
+                    self._name, outcome[1], method, outcome[2], outcome[3], label, deadlines.STEP_KEY
+                )
+
+        firsts = [ranks[at[0]] for at in by_node.values()]
+        try:
+            outcomes = gather_refs(
+                refs,
+                group=self._name,
+                method=method,
+                ranks=firsts,
+                timeout_s=limit + DISPATCHER_GRACE_S,
+                inspect=inspect,
+            )
+        except WorkerGroupError as err:
+            if isinstance(err.cause, RayActorError) and err.cause.actor_id in self._fan.dispatcher_ids():
+                self._drop_dispatchers()  # a dispatcher died: start new ones on the next call
+            raise
+        out: list[Any] = [None] * len(ranks)
+        for at, (_, values) in zip(by_node.values(), outcomes):
+            for i, value in zip(at, values):
+                out[i] = value
+        return out
+
+    def _dispatchers(self) -> dict[str, Any]:
+        """The group's dispatcher of each node, started (and waited for) on first use."""
+        fan = self._fan
+        if fan.dispatchers:
+            return fan.dispatchers
+        global _DISPATCHER_CLS
+        if _DISPATCHER_CLS is None:
+            _DISPATCHER_CLS = ray.remote(NodeDispatcher)
+        ranks_on: dict[str, list[int]] = {}
+        for rank, node in enumerate(fan.nodes):
+            ranks_on.setdefault(node, []).append(rank)
+        for node, ranks in ranks_on.items():
+            actor = _DISPATCHER_CLS.options(
+                num_cpus=0,
+                max_concurrency=_DISPATCHER_CONCURRENCY,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                runtime_env=fan.runtime_env,
+            ).remote({r: self._actors[r] for r in ranks})
+            record_dispatcher(self._name, actor, ranks[0], node)
+            fan.dispatchers[node] = actor
+        try:
+            gather_refs(
+                [a.ready.remote() for a in fan.dispatchers.values()],
+                group=self._name,
+                method="(the dispatcher of the node)",
+                ranks=[r[0] for r in ranks_on.values()],
+            )
+        except WorkerGroupError:
+            self._drop_dispatchers()
+            raise
+        return fan.dispatchers
+
+    def _drop_dispatchers(self) -> None:
+        actors = list(self._fan.dispatchers.values())
+        self._fan.dispatchers.clear()
+        forget_actors(actors)
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+
     def _future(
         self,
         handles: list[Any],
@@ -603,6 +807,7 @@ class RayWorkerGroup(WorkerGroup):
             self._worker_names,
         )
         view._prefix = f"{role}_"
+        view._fan = self._fan  # the same dispatchers
         view.master_addr, view.master_port = (
             getattr(self, "master_addr", None),
             getattr(self, "master_port", None),
@@ -620,7 +825,8 @@ class RayWorkerGroup(WorkerGroup):
         return super().execute_rank_zero_async(self._remote_name(method_name), *args, **kwargs)
 
     def shutdown(self) -> None:
-        """Kill the actors (also detached ones). The resource pool stays reserved."""
+        """Kill the actors (also detached ones) and the group's dispatchers. The resource pool stays reserved."""
+        self._drop_dispatchers()
         forget_actors(self._actors)
         for actor in self._actors:
             try:

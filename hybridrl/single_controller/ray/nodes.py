@@ -30,6 +30,7 @@ __all__ = [
     "node_lost_error",
     "ranks_by_node",
     "record_actors",
+    "record_dispatcher",
 ]
 
 # actor id (hex) -> (group name, rank, node id)
@@ -58,17 +59,27 @@ class ResourcesUnavailableError(RuntimeError):
     """The cluster did not grant a resource pool's slots in time."""
 
 
-def record_actors(group: str, actors: Sequence[Any], slots: Sequence[Any]) -> None:
-    """Remember the node of each rank of ``group`` (``slots``: the pool's Slots, in rank order)."""
+def record_actors(group: str, actors: Sequence[Any], slots: Sequence[Any]) -> list[str | None]:
+    """Remember the node of each rank of ``group`` (``slots``: the pool's Slots, in rank order);
+    returns the node id of each rank (None where the cluster did not say)."""
     tables: dict[str, dict] = {}
+    nodes: list[str | None] = []
     for rank, (actor, slot) in enumerate(zip(actors, slots)):
         pg = slot.placement_group
         key = pg.id.hex()
         if key not in tables:
             tables[key] = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
         node = tables[key].get(slot.bundle_index)
+        nodes.append(node or None)
         if node:
             _WHERE[actor._actor_id.hex()] = (group, rank, node)
+    return nodes
+
+
+def record_dispatcher(group: str, actor: Any, first_rank: int, node: str) -> None:
+    """Remember a group's dispatcher actor on ``node`` (ray/fanout.py): if it dies with its node,
+    the error names the node and its ranks as a worker's would (``first_rank``: its first rank)."""
+    _WHERE[actor._actor_id.hex()] = (group, first_rank, node)
 
 
 def forget_actors(actors: Sequence[Any]) -> None:
@@ -82,7 +93,7 @@ def ranks_by_node(node_id: str) -> dict[str, list[int]]:
     for group, rank, node in _WHERE.values():
         if node == node_id:
             out.setdefault(group, []).append(rank)
-    return {g: sorted(r) for g, r in sorted(out.items())}
+    return {g: sorted(set(r)) for g, r in sorted(out.items())}
 
 
 def _node_state(node_id: str) -> tuple[bool, str]:
