@@ -1,7 +1,7 @@
 """Ray backend of the single controller: resource pools, worker groups, futures.
 
-* :class:`RayResourcePool` reserves device slots as placement groups (one per node, one bundle
-  per slot: ``{"CPU": cpus_per_slot, "GPU": 1 if use_gpu}``).
+* :class:`RayResourcePool` (resource_pool.py) reserves device slots as placement groups (one per
+  node, one bundle per slot: ``{"CPU": cpus_per_slot, "GPU": 1 if use_gpu}``).
 * :class:`RayClassWithInitArgs` is a worker class plus its constructor arguments and actor options.
 * :class:`RayWorkerGroup` starts one actor per slot, sets the rendezvous env (RANK, WORLD_SIZE,
   LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, thread counts) and exposes the
@@ -12,8 +12,6 @@ Colocating several roles in one process: see ``colocate.py``.
 
 from __future__ import annotations
 
-import re
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -23,25 +21,28 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from hybridrl.protocol import DataProto, DataProtoFuture
+from hybridrl.protocol import DataProto
 from hybridrl.single_controller.base import Worker
 from hybridrl.single_controller.ray.fanout import DISPATCHER_GRACE_S, FANOUT_MIN_RANKS, NodeDispatcher
+from hybridrl.single_controller.ray.gather import (
+    WorkerGroupDataProtoFuture,
+    WorkerGroupFuture,
+    gather_refs,
+    get_one,
+    hung_error,
+)
 from hybridrl.single_controller.ray.nodes import (
-    ResourcesUnavailableError,
     forget_actors,
-    node_lost_error,
     record_actors,
     record_dispatcher,
 )
+from hybridrl.single_controller.ray.resource_pool import RayResourcePool
 from hybridrl.single_controller.worker_group import (
-    WorkerDiedError,
     WorkerGroup,
     WorkerGroupError,
-    WorkerHungError,
 )
 from hybridrl.utils import deadlines, plugins
 from hybridrl.utils.cpus import thread_env
@@ -54,117 +55,6 @@ __all__ = [
     "WorkerGroupFuture",
     "gather_refs",
 ]
-
-
-# ----------------------------------------------------------------------------------------------
-# resource pool
-# ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Slot:
-    """One device slot: a bundle of a placement group, with its rank position on the node."""
-
-    placement_group: PlacementGroup
-    bundle_index: int
-    local_rank: int
-    local_world_size: int
-
-
-class RayResourcePool:
-    """Device slots reserved as Ray placement groups.
-
-    Args:
-        process_on_nodes: slots per node, e.g. [8, 8] for two nodes of 8 GPUs, or [2] for two
-            CPU slots on one machine. The world size is the sum.
-        use_gpu: reserve one GPU per slot.
-        cpus_per_slot: CPUs per slot (fractions allowed, e.g. 0.5 for toy workers). Workers get
-            ``max(1, int(cpus_per_slot))`` OpenMP / torch threads.
-        max_colocate_count: how many worker groups may share the slots; each of their actors
-            asks for 1/max_colocate_count of the slot's CPUs and GPU.
-        name_prefix: prefix of the placement group names.
-        ready_timeout_s: how long to wait for the cluster to grant the slots.
-    """
-
-    def __init__(
-        self,
-        process_on_nodes: list[int],
-        use_gpu: bool,
-        cpus_per_slot: float = 1,
-        max_colocate_count: int = 1,
-        name_prefix: str = "",
-        ready_timeout_s: float = 120.0,
-    ) -> None:
-        if not process_on_nodes or any(int(n) != n or n <= 0 for n in process_on_nodes):
-            raise ValueError(
-                f"process_on_nodes must be a non-empty list of positive slot counts per node, got {process_on_nodes!r}"
-            )
-        if cpus_per_slot <= 0:
-            raise ValueError(f"cpus_per_slot must be > 0, got {cpus_per_slot}")
-        if int(max_colocate_count) != max_colocate_count or max_colocate_count < 1:
-            raise ValueError(f"max_colocate_count must be an integer >= 1, got {max_colocate_count}")
-        self.process_on_nodes = [int(n) for n in process_on_nodes]
-        self.use_gpu = bool(use_gpu)
-        self.cpus_per_slot = float(cpus_per_slot)
-        self.max_colocate_count = int(max_colocate_count)
-        self.name_prefix = name_prefix or f"hybridrl_{uuid.uuid4().hex[:6]}"
-        self.ready_timeout_s = ready_timeout_s
-        self._pgs: list[PlacementGroup] | None = None
-        self._lifetime: str | None = None
-
-    @property
-    def world_size(self) -> int:
-        return sum(self.process_on_nodes)
-
-    @property
-    def num_threads(self) -> int:
-        return max(1, int(self.cpus_per_slot))
-
-    def actor_resources(self) -> dict[str, float]:
-        """Ray resources one actor of one colocated worker group asks for inside its bundle."""
-        res = {"num_cpus": self.cpus_per_slot / self.max_colocate_count}
-        if self.use_gpu:
-            res["num_gpus"] = 1.0 / self.max_colocate_count
-        return res
-
-    def get_placement_groups(self, detached: bool = False) -> list[PlacementGroup]:
-        """Create (once) and return the placement groups, one per node, waiting until granted."""
-        if self._pgs is not None:
-            return self._pgs
-        bundle: dict[str, float] = {"CPU": self.cpus_per_slot}
-        if self.use_gpu:
-            bundle["GPU"] = 1
-        self._lifetime = "detached" if detached else None
-        pgs = [
-            placement_group(
-                [dict(bundle) for _ in range(n)],
-                strategy="STRICT_PACK",
-                name=f"{self.name_prefix}_pg{i}",
-                lifetime=self._lifetime,
-            )
-            for i, n in enumerate(self.process_on_nodes)
-        ]
-        try:
-            ray.get([pg.ready() for pg in pgs], timeout=self.ready_timeout_s)
-        except GetTimeoutError:
-            for pg in pgs:
-                remove_placement_group(pg)
-            raise ResourcesUnavailableError(
-                f"RayResourcePool {self.name_prefix!r}: the cluster did not grant {self.process_on_nodes} slots of "
-                f"{bundle} within {self.ready_timeout_s:.0f} s (cluster resources: {ray.cluster_resources()}, "
-                f"available: {ray.available_resources()}). Ask for fewer slots / CPUs per slot, or free resources."
-            ) from None
-        self._pgs = pgs
-        return pgs
-
-    def slots(self, detached: bool = False) -> list[Slot]:
-        """All slots in rank order (node by node)."""
-        pgs = self.get_placement_groups(detached)
-        return [Slot(pg, i, i, n) for pg, n in zip(pgs, self.process_on_nodes) for i in range(n)]
-
-    def remove(self) -> None:
-        """Release the placement groups (actors placed in them are killed by Ray)."""
-        for pg in self._pgs or []:
-            remove_placement_group(pg)
-        self._pgs = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,175 +109,6 @@ def _actor_class(cls: type) -> Any:
         groups = getattr(cls, "ray_concurrency_groups", None)
         _ACTOR_CLASSES[cls] = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
     return _ACTOR_CLASSES[cls]
-
-
-# ----------------------------------------------------------------------------------------------
-# waiting for results
-# ----------------------------------------------------------------------------------------------
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _wrap_error(err: RayError, group: str, rank: int, method: str) -> WorkerGroupError:
-    text = _ANSI.sub("", str(err))
-    lost = node_lost_error(err, group, rank, method)  # the actor's whole node is gone
-    if lost is not None:
-        return lost
-    if isinstance(err, RayActorError):
-        return WorkerDiedError(
-            f"worker group {group!r}: the actor of rank {rank} died before or while running {method!r} "
-            f"({type(err).__name__}): {text}",
-            group=group,
-            rank=rank,
-            method=method,
-            cause=err,
-        )
-    cause = getattr(err, "cause", None)
-    if isinstance(err, RayTaskError) and isinstance(cause, WorkerHungError):
-        # the rank gave up waiting on another group's result: that group's rank is the hung one
-        return WorkerHungError(
-            f"worker group {group!r}: rank {rank} gave up in {method!r} waiting for its input: {cause}",
-            group=cause.group,
-            rank=cause.rank,
-            method=cause.method,
-            cause=err,
-        )
-    kind = "raised" if isinstance(err, RayTaskError) else f"failed with {type(err).__name__}"
-    return WorkerGroupError(
-        f"worker group {group!r}: rank {rank} {kind} in {method!r}. Remote traceback:\n{text}",
-        group=group,
-        rank=rank,
-        method=method,
-        cause=err,
-    )
-
-
-def gather_refs(
-    refs: Sequence[ray.ObjectRef],
-    *,
-    group: str,
-    method: str,
-    ranks: Sequence[int],
-    timeout_s: float | None = None,
-    timeout_key: str = deadlines.STEP_KEY,
-    limit_label: str | None = None,
-    inspect: Callable[[int, Any], None] | None = None,
-) -> list[Any]:
-    """``ray.get`` on the refs of several ranks, failing fast and never waiting forever.
-
-    While some ranks still run, results that are already there are checked, so one rank that
-    raised or died surfaces at once (as a WorkerGroupError naming group, rank and method) even
-    if the other ranks block, e.g. in a collective waiting for the dead one. When no rank has
-    finished for ``timeout_s`` (default: ``trainer.step_timeout_s``), a WorkerHungError names the
-    group, the first unfinished rank, the method, how long it waited and ``timeout_key``
-    (``limit_label``, when given, says how the limit follows from the key). ``inspect(i, value)``,
-    when given, sees each value as it arrives (it may raise to end the wait).
-    """
-    refs = list(refs)
-    limit = deadlines.step_timeout() if timeout_s is None else float(timeout_s)
-    values: dict[int, Any] = {}
-    pending = list(range(len(refs)))
-    timeout = 0.02
-    t0 = last_progress = time.monotonic()
-    while pending:
-        ready, _ = ray.wait([refs[i] for i in pending], num_returns=len(pending), timeout=timeout)
-        ready_ids = {r.hex() for r in ready}
-        done = [i for i in pending if refs[i].hex() in ready_ids]
-        if done:
-            got = _get_ready([refs[i] for i in done], [ranks[i] for i in done], group, method)
-            for i, value in zip(done, got):
-                if inspect is not None:
-                    inspect(i, value)
-                values[i] = value
-            pending = [i for i in pending if i not in set(done)]
-            last_progress = time.monotonic()
-        now = time.monotonic()
-        if pending and now - last_progress >= limit:
-            stuck = [ranks[i] for i in pending]
-            label = limit_label or f"{timeout_key}={limit:g}"
-            raise _hung_error(group, stuck, method, now - last_progress, now - t0, label, timeout_key)
-        timeout = min(timeout * 2, 0.5, max(limit - (now - last_progress), 0.001))
-    return [values[i] for i in range(len(refs))]
-
-
-def _hung_error(
-    group: str, stuck: list[int], method: str, idle_s: float, total_s: float, label: str, key: str
-) -> WorkerHungError:
-    return WorkerHungError(
-        f"worker group {group!r}: rank {stuck[0]} is alive but made no progress in {method!r} for "
-        f"{idle_s:.1f} s (waited {total_s:.1f} s in all; unfinished ranks {stuck}); {label}. "
-        f"Find what rank {stuck[0]} waits on (a collective another rank never entered, a lock, a "
-        f"remote service), or raise {key} if the step is just slow.",
-        group=group,
-        rank=stuck[0],
-        method=method,
-    )
-
-
-def _get_ready(refs: list[ray.ObjectRef], ranks: list[int], group: str, method: str) -> list[Any]:
-    """The values of refs that are ready, in one ray.get; on an error, rank by rank to name it."""
-    try:
-        return ray.get(refs)
-    except RayError:
-        return [_get_one(ref, group, rank, method) for ref, rank in zip(refs, ranks)]
-
-
-def _get_one(ref: ray.ObjectRef, group: str, rank: int, method: str) -> Any:
-    try:
-        return ray.get(ref)  # ready (gather_refs' ray.wait): does not wait
-    except RayError as err:
-        raise _wrap_error(err, group, rank, method) from None
-
-
-class WorkerGroupFuture:
-    """Result of a non-blocking call: ``get()`` waits and returns what the blocking call would."""
-
-    def __init__(
-        self,
-        refs: list[ray.ObjectRef],
-        collect: Callable[[list[Any]], Any],
-        group: str,
-        method: str,
-        ranks: list[int],
-    ) -> None:
-        self.refs, self._collect, self._group, self._method, self._ranks = refs, collect, group, method, ranks
-
-    def get(self) -> Any:
-        return self._collect(
-            gather_refs(self.refs, group=self._group, method=self._method, ranks=self._ranks)
-        )
-
-    def __repr__(self) -> str:
-        return f"WorkerGroupFuture({self._group!r}.{self._method}, ranks={self._ranks})"
-
-
-@dataclass
-class WorkerGroupDataProtoFuture(DataProtoFuture):
-    """DataProtoFuture whose ``get()`` reports failures with group, rank and method."""
-
-    group: str = ""
-    method: str = ""
-    ranks: list[int] = field(default_factory=list)
-
-    def get(self) -> DataProto:
-        limit, label = self.wait_limit(), None
-        if self.waiter:  # inside a worker: see DataProtoFuture / deadlines.nested_timeout
-            step = self.timeout_s or deadlines.step_timeout()
-            label = (
-                f"{deadlines.STEP_KEY}={step:g}, of which {self.waiter} waits "
-                f"{deadlines.NESTED_FRACTION:g} ({limit:g} s) for this input"
-            )
-        outputs = gather_refs(
-            self.futures,
-            group=self.group,
-            method=self.method,
-            ranks=self.ranks,
-            timeout_s=limit,
-            limit_label=label,
-        )
-        output = self.collect_fn(outputs)
-        if self.dispatch_fn is not None:
-            output = self.dispatch_fn(output)
-        return output
 
 
 # ----------------------------------------------------------------------------------------------
@@ -691,10 +412,10 @@ class RayWorkerGroup(WorkerGroup):
 
         def inspect(_: int, outcome: tuple) -> None:
             if outcome[0] == "failed":  # the rank's own error, raised as a direct call raises it
-                _get_one(outcome[2], self._name, outcome[1], method)
+                get_one(outcome[2], self._name, outcome[1], method)
             elif outcome[0] == "hung":
                 label = f"{deadlines.STEP_KEY}={limit:g}"
-                raise _hung_error(
+                raise hung_error(
                     self._name, outcome[1], method, outcome[2], outcome[3], label, deadlines.STEP_KEY
                 )
 
