@@ -18,12 +18,21 @@ import multiprocessing
 import sys
 import threading
 import traceback
+import warnings
 from typing import Any
 
 __all__ = ["EnvironmentFault", "EpisodeProcess", "check_observation", "check_step"]
 
 _CONTEXT = None
 _CONTEXT_LOCK = threading.Lock()
+
+# Every process from the fork server re-runs a `python -m` main module (as __mp_main__) that the
+# server preloaded by name (see _main_module_name), and runpy warns that the module is already
+# imported: once per episode, on the trainer's stderr. The preload is the intent; the fork server
+# imports this module, so the filter holds in every episode process.
+warnings.filterwarnings(
+    "ignore", message=r"'[\w.]+' found in sys\.modules after import of package", category=RuntimeWarning
+)
 
 
 class EnvironmentFault(RuntimeError):

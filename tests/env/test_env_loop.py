@@ -159,15 +159,26 @@ if __name__ == "__main__":
 
 def test_episodes_of_a_python_m_program_do_not_import_its_modules_again(tmp_path):
     """The fork server preloads a `python -m` main module's imports: each import of the heavy module
-    appends its process id, so the program and the server write one line each, the episodes none."""
+    appends its process id, so the program and the server write one line each, the episodes none.
+    The main module sits in a package, as main_ppo does: no episode prints runpy's warning that the
+    module was imported before it ran."""
     (tmp_path / "heavy_for_env_test.py").write_text(
         "import os\nwith open(os.environ['IMPORT_LOG'], 'a') as f:\n    f.write(f'{os.getpid()}\\n')\n"
     )
-    (tmp_path / "main_for_env_test.py").write_text(MAIN_MODULE)
+    (tmp_path / "pkg_for_env_test").mkdir()
+    (tmp_path / "pkg_for_env_test" / "__init__.py").write_text("")
+    (tmp_path / "pkg_for_env_test" / "main_for_env_test.py").write_text(MAIN_MODULE)
     log = tmp_path / "imports.log"
     env = {**os.environ, "IMPORT_LOG": str(log), "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    subprocess.run(
-        [sys.executable, "-m", "main_for_env_test"], cwd=tmp_path, env=env, check=True, timeout=300
+    proc = subprocess.run(
+        [sys.executable, "-m", "pkg_for_env_test.main_for_env_test"],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        timeout=300,
+        capture_output=True,
+        text=True,
     )
+    assert "found in sys.modules" not in proc.stderr, proc.stderr[-2000:]
     pids = log.read_text().split()
     assert len(pids) == 2, f"the heavy module was imported by {len(pids)} processes: {pids}"

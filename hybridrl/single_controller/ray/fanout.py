@@ -32,12 +32,13 @@ saves (``RayWorkerGroup(fanout=True)`` fans out every blocking call).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import ray
 from ray.exceptions import RayError
+
+from hybridrl.single_controller.ray.gather import poll_refs
 
 __all__ = ["FANOUT_MIN_RANKS", "NodeDispatcher"]
 
@@ -94,29 +95,29 @@ def _all_shard_handles(values: list[Any]) -> bool:
     return bool(values) and all(type(v).__name__ == "ShardHandle" for v in values)
 
 
+class _RankFailed(Exception):
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
 def wait_ranks(refs: list[Any], ranks: list[int], limit_s: float) -> tuple:
-    """The outcome of one node's call (see NodeDispatcher.call); polls as gather_refs does."""
+    """The outcome of one node's call (see NodeDispatcher.call), polled as ``gather_refs`` polls."""
     values: dict[int, Any] = {}
-    pending = list(range(len(refs)))
-    timeout = 0.02
-    t0 = last_progress = time.monotonic()
-    while pending:
-        ready, _ = ray.wait([refs[i] for i in pending], num_returns=len(pending), timeout=timeout)
-        ready_ids = {r.hex() for r in ready}
-        done = [i for i in pending if refs[i].hex() in ready_ids]
-        if done:
-            try:
-                values.update(zip(done, ray.get([refs[i] for i in done])))
-            except RayError:
-                for i in done:
-                    try:
-                        ray.get(refs[i])
-                    except RayError:
-                        return ("failed", ranks[i], refs[i])
-            pending = [i for i in pending if i not in set(done)]
-            last_progress = time.monotonic()
-        now = time.monotonic()
-        if pending and now - last_progress >= limit_s:
-            return ("hung", [ranks[i] for i in pending], now - last_progress, now - t0)
-        timeout = min(timeout * 2, 0.5, max(limit_s - (now - last_progress), 0.001))
+
+    def take(done: list[int]) -> None:
+        try:
+            values.update(zip(done, ray.get([refs[i] for i in done])))
+        except RayError:
+            for i in done:
+                try:
+                    ray.get(refs[i])
+                except RayError:
+                    raise _RankFailed(i) from None
+
+    try:
+        stuck, idle_s, total_s = poll_refs(refs, limit_s, take)
+    except _RankFailed as failed:
+        return ("failed", ranks[failed.index], refs[failed.index])
+    if stuck:
+        return ("hung", [ranks[i] for i in stuck], idle_s, total_s)
     return ("ok", [values[i] for i in range(len(refs))])

@@ -24,7 +24,14 @@ from hybridrl.single_controller.worker_group import (
 )
 from hybridrl.utils import deadlines
 
-__all__ = ["WorkerGroupDataProtoFuture", "WorkerGroupFuture", "gather_refs", "get_one", "hung_error"]
+__all__ = [
+    "WorkerGroupDataProtoFuture",
+    "WorkerGroupFuture",
+    "gather_refs",
+    "get_one",
+    "hung_error",
+    "poll_refs",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,6 +98,31 @@ def gather_refs(
     refs = list(refs)
     limit = deadlines.step_timeout() if timeout_s is None else float(timeout_s)
     values: dict[int, Any] = {}
+
+    def take(done: list[int]) -> None:
+        got = _get_ready([refs[i] for i in done], [ranks[i] for i in done], group, method)
+        for i, value in zip(done, got):
+            if inspect is not None:
+                inspect(i, value)
+            values[i] = value
+
+    stuck, idle_s, total_s = poll_refs(refs, limit, take)
+    if stuck:
+        label = limit_label or f"{timeout_key}={limit:g}"
+        raise hung_error(group, [ranks[i] for i in stuck], method, idle_s, total_s, label, timeout_key)
+    return [values[i] for i in range(len(refs))]
+
+
+def poll_refs(
+    refs: Sequence[ray.ObjectRef], limit_s: float, take: Callable[[list[int]], None]
+) -> tuple[list[int], float, float]:
+    """Wait for every ref, handing the indices of each set that becomes ready to ``take``.
+
+    Polls ``ray.wait`` with a growing interval (20 ms doubling to 500 ms) so that a ready result is
+    seen while the others still run (``take`` may raise to end the wait). Returns
+    ``(unfinished indices, idle_s, total_s)``: no unfinished index when all finished, else the ones
+    still running after ``limit_s`` without any ref finishing.
+    """
     pending = list(range(len(refs)))
     timeout = 0.02
     t0 = last_progress = time.monotonic()
@@ -99,20 +131,15 @@ def gather_refs(
         ready_ids = {r.hex() for r in ready}
         done = [i for i in pending if refs[i].hex() in ready_ids]
         if done:
-            got = _get_ready([refs[i] for i in done], [ranks[i] for i in done], group, method)
-            for i, value in zip(done, got):
-                if inspect is not None:
-                    inspect(i, value)
-                values[i] = value
-            pending = [i for i in pending if i not in set(done)]
+            take(done)
+            finished = set(done)
+            pending = [i for i in pending if i not in finished]
             last_progress = time.monotonic()
         now = time.monotonic()
-        if pending and now - last_progress >= limit:
-            stuck = [ranks[i] for i in pending]
-            label = limit_label or f"{timeout_key}={limit:g}"
-            raise hung_error(group, stuck, method, now - last_progress, now - t0, label, timeout_key)
-        timeout = min(timeout * 2, 0.5, max(limit - (now - last_progress), 0.001))
-    return [values[i] for i in range(len(refs))]
+        if pending and now - last_progress >= limit_s:
+            return pending, now - last_progress, now - t0
+        timeout = min(timeout * 2, 0.5, max(limit_s - (now - last_progress), 0.001))
+    return [], 0.0, time.monotonic() - t0
 
 
 def hung_error(
