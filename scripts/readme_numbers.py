@@ -38,6 +38,8 @@ METRICS = {
     "sft_acc": "val/greedy_acc",
     "sft_loss": "val/loss",
     "ws_step": "warm_start/stop_step",
+    "env_acc": "val-core/hybridrl/env/acc/mean@1",
+    "code_acc": "val-core/hybridrl/code_env/acc/mean@1",
 }
 PPO = [sys.executable, "-m", "hybridrl.trainer.main_ppo"]
 FILE_LOG = "trainer.logger=[console,file]"
@@ -162,6 +164,18 @@ def parts(out: Path) -> list[Part]:
                                 rf"-> {g('agent_acc_15')} \(step 15\) -> {g('agent_acc_20')} \(step 20\)\*\* through\s+main_async")],
              env={"AGENT_OUT": d("agent"), "AGENT_TRAINER": "main_async", "AGENT_STEPS": "20"},
              metrics="../agent/logs/main_async/metrics.jsonl"),  # AGENT_OUT: the agent part's warm start
+        Part("env", "README.md and docs/benchmarks.md guess-the-number rows; recipes/env/README.md (bash recipes/env/run.sh)",
+             ["bash", "recipes/env/run.sh"], {"env_acc": {0: 0.469, 15: 0.906, 30: 0.813}},
+             [(BENCH, rf"greedy win rate {g('env_acc_0')} -> {g('env_acc_15')} at step 15, {g('env_acc_30')} at step 30 "
+                      rf"\(SEED=0\)"),
+              ("README.md", rf"greedy win rate {g('env_acc_0')} -> {g('env_acc_15')} at step 15 in an 82 s run")],
+             env={"ENV_OUT": d("env")}, metrics="logs/metrics.jsonl"),
+        Part("code_env", "README.md and docs/benchmarks.md sandbox code rows; recipes/code_env/README.md (bash recipes/code_env/run.sh)",
+             ["bash", "recipes/code_env/run.sh"], {"code_acc": {0: 0.5, 5: 0.861, 15: 0.986, 20: 0.986}},
+             [(BENCH, rf"greedy pass rate {g('code_acc_0')} -> {g('code_acc_5')} at step 5 -> {g('code_acc_15_20')} at step "
+                      rf"15 and step 20"),
+              ("README.md", rf"greedy pass rate {g('code_acc_0')} -> {g('code_acc_15')} at step 15 \|")],
+             env={"CODE_OUT": d("code_env")}, metrics="logs/metrics.jsonl"),
         Part("megatron", "docs/megatron.md, docs/benchmarks.md (TP=2 Megatron actor, vLLM rollout)",
              [*PPO, FILE_LOG, "actor_rollout_ref.actor.strategy=megatron",
               "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", *vllm_tp, "trainer.test_freq=20"],

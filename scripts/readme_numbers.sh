@@ -2,7 +2,7 @@
 # Re-run every learning result README.md and docs/ quote, and print measured vs quoted side by side.
 #
 #   bash scripts/readme_numbers.sh                 # all parts (quickstart moe gae sft async genrm
-#                                                  #   distillation vlm agent agent_server agent_async megatron tp); ~2-3 h on 2 quiet cores
+#                                                  #   distillation vlm agent agent_server agent_async env code_env megatron tp); ~2-3 h on 2 quiet cores
 #   bash scripts/readme_numbers.sh --only sft,agent  # some of them
 #   bash scripts/readme_numbers.sh --list          # each part's command and where its numbers are quoted
 #   bash scripts/readme_numbers.sh --compare DIR   # the table again from an earlier run's outputs

@@ -9,14 +9,18 @@
 # 2. GRPO with the env_agent loop: each episode runs in a process of its own; the reward is 1 when
 #    the secret is found within 4 turns. Greedy validation (64 held-out secrets) every 5 steps;
 #    env/turn metrics every step in $ENV_OUT/logs/metrics.jsonl. recipes/env/README.md has the curves.
+#
+# SEED (default 0) seeds both stages: the warm start's data and init order, the trainer's data
+# order (data.seed 42+SEED), sampling (rollout.seed SEED) and driver (trainer.seed 1+SEED).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}
 export TOKENIZERS_PARALLELISM=false OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 OUT=${ENV_OUT:-outputs/env}
-SFT="$OUT/warm_start"
+SEED=${SEED:-0}
+SFT="$OUT/warm_start-seed$SEED"
 if [ ! -f "$SFT/warm_start.json" ]; then
-    python recipes/env/warm_start.py --out "$SFT" --steps "${ENV_SFT_STEPS:-60}"
+    python recipes/env/warm_start.py --out "$SFT" --steps "${ENV_SFT_STEPS:-60}" --seed "$SEED"
 fi
 python recipes/env/make_data.py --out "$OUT/data" --high 8 --max-turns 4
 export HYBRIDRL_LOG_DIR="$OUT/logs"
@@ -38,4 +42,5 @@ python -m hybridrl.trainer.main_ppo \
     trainer.nnodes=1 trainer.n_gpus_per_node=1 trainer.cpus_per_worker=1 \
     trainer.total_training_steps="${ENV_STEPS:-30}" trainer.test_freq=5 \
     trainer.logger='[console,file]' trainer.progress_bar=false \
+    data.seed=$((42 + SEED)) actor_rollout_ref.rollout.seed="$SEED" trainer.seed=$((1 + SEED)) \
     trainer.experiment_name=env_guess_number_grpo trainer.resume_mode=disable "$@"

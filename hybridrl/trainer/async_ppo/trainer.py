@@ -70,6 +70,10 @@ class PolicyView:
     def world_size(self) -> int:
         return self.train.world_size
 
+    def dp_size(self, mesh: str) -> int:
+        """Data-parallel groups of the training group's ``mesh`` (the fit loop's batch balancing)."""
+        return self.train.dp_size(mesh)
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         return self._manager_fn().generate_now(prompts)
 
