@@ -10,10 +10,14 @@
             return "higher", 0.0, False, {}               # observation, reward, done, info
 
 `reset(row)` returns the first observation: a user message (str), a list of chat messages (the
-conversation the policy starts from), or None (start from the row's own prompt).
-`step(action)` returns `(observation, reward, done, info)`: the next user message (str; ignored
-when done), this turn's reward (a float), whether the episode ended, and a dict of numbers for the
-metrics. The episode's reward is the sum of its turns' rewards (so a final reward is the reward of
+conversation the policy starts from), None (start from the row's own prompt), or token ids
+(list[int]: the whole prompt, already templated).
+`step(action)` gets the policy's turn as an `Action`: a str (the decoded text) whose `token_ids`
+are the tokens the policy generated. It returns `(observation, reward, done, info)`: the next user
+message (str, rendered by the chat template as a user turn; ignored when done) or token ids
+(list[int], appended to the conversation as they are: the environment writes the template's turn
+markers itself), this turn's reward (a float), whether the episode ended, and a dict of numbers
+for the metrics. The episode's reward is the sum of its turns' rewards (so a final reward is the reward of
 the last step); the per-turn rewards are kept as the row's `turn_scores`.
 
 Registered by name (`@register_environment`); a row picks one with `agent_name: env_agent` and
@@ -31,11 +35,27 @@ from hybridrl.reward.scorers.environment import ENV_DATA_SOURCE
 
 __all__ = [
     "ENV_DATA_SOURCE",
+    "Action",
     "Environment",
     "get_environment_class",
     "list_environments",
     "register_environment",
 ]
+
+
+class Action(str):
+    """The policy's turn as an environment's `step` gets it: the decoded text (special tokens
+    skipped), with the generated token ids (end-of-turn token included) as `token_ids`."""
+
+    token_ids: list[int]
+
+    def __new__(cls, text: str, token_ids: list[int]) -> Action:
+        action = super().__new__(cls, text)
+        action.token_ids = [int(t) for t in token_ids]
+        return action
+
+    def __reduce__(self):  # the episode's process gets both through the pipe
+        return (Action, (str(self), self.token_ids))
 
 
 class Environment:
@@ -44,10 +64,10 @@ class Environment:
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
 
-    async def reset(self, row: dict[str, Any]) -> str | list[dict[str, Any]] | None:
+    async def reset(self, row: dict[str, Any]) -> str | list[dict[str, Any]] | list[int] | None:
         raise NotImplementedError(f"{type(self).__qualname__}.reset is not implemented")
 
-    async def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+    async def step(self, action: Action) -> tuple[str | list[int], float, bool, dict[str, Any]]:
         raise NotImplementedError(f"{type(self).__qualname__}.step is not implemented")
 
     async def close(self) -> None:

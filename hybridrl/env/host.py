@@ -225,24 +225,31 @@ class EpisodeProcess:
         self.conn.close()
 
 
-def check_observation(obs: Any, name: str) -> str | list[dict[str, Any]] | None:
+def _token_ids(obs: Any) -> bool:
+    """A list of token ids (plain ints, not bools)."""
+    return isinstance(obs, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in obs)
+
+
+def check_observation(obs: Any, name: str) -> str | list[dict[str, Any]] | list[int] | None:
     if obs is None or isinstance(obs, str):
+        return obs
+    if isinstance(obs, list) and obs and _token_ids(obs):
         return obs
     if isinstance(obs, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in obs):
         return obs
     raise EnvironmentFault(
         "malformed",
         f"environment {name!r} reset returned {type(obs).__name__} {str(obs)[:100]!r}; it must return a user "
-        "message (str), a list of chat messages ({'role', 'content'}) or None",
+        "message (str), a list of chat messages ({'role', 'content'}), token ids (a non-empty list of int) or None",
     )
 
 
-def check_step(result: Any, name: str) -> tuple[str, float, bool, dict[str, Any]]:
+def check_step(result: Any, name: str) -> tuple[str | list[int], float, bool, dict[str, Any]]:
     ok = isinstance(result, tuple | list) and len(result) == 4
     if ok:
         obs, reward, done, info = result
         ok = (
-            (obs is None or isinstance(obs, str))
+            (obs is None or isinstance(obs, str) or _token_ids(obs))
             and isinstance(reward, int | float)
             and not isinstance(reward, bool)
             and math.isfinite(float(reward))
@@ -252,7 +259,7 @@ def check_step(result: Any, name: str) -> tuple[str, float, bool, dict[str, Any]
     if not ok:
         raise EnvironmentFault(
             "malformed",
-            f"environment {name!r} step returned {str(result)[:120]!r}; it must return (observation: str, "
-            "reward: finite number, done: bool, info: dict)",
+            f"environment {name!r} step returned {str(result)[:120]!r}; it must return (observation: str or "
+            "token ids, reward: finite number, done: bool, info: dict)",
         )
     return (obs or ""), float(reward), done, dict(info)

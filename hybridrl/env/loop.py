@@ -1,9 +1,11 @@
 """`env_agent`: the agent loop that plays a row's environment (hybridrl.env.base).
 
 Token-in, token-out like the tool agent: the prompt is the row's prompt ids (or, when `reset`
-returns messages or a first user message, their chat-template rendering), each assistant turn is
-generated (mask 1), each observation is appended as a user turn rendered by the chat template
-(mask 0). The loop ends when the environment says done, at `multi_turn.max_assistant_turns`
+returns messages or a first user message, their chat-template rendering; or the token ids it
+returns), each assistant turn is generated (mask 1) and handed to the environment as an `Action`
+(its text and its token ids), each observation is appended as a user turn rendered by the chat
+template, or as the token ids the environment returned (mask 0; ids outside the vocabulary are a
+malformed step). The loop ends when the environment says done, at `multi_turn.max_assistant_turns`
 (when set), or when the response budget runs out.
 
 The environment runs in a process of its own (hybridrl.env.host) with a deadline per call:
@@ -27,7 +29,7 @@ from typing import Any
 
 from hybridrl.agent.loop import AgentLoopBase, AgentLoopOutput, register_agent_loop
 from hybridrl.agent.tokenization import ToolTurnRenderer, conversation_ids
-from hybridrl.env.base import ENV_DATA_SOURCE, get_environment_class
+from hybridrl.env.base import ENV_DATA_SOURCE, Action, get_environment_class
 from hybridrl.env.host import EnvironmentFault, EpisodeProcess
 from hybridrl.rollout.base import SamplingSpec
 
@@ -80,7 +82,7 @@ class EnvAgentLoop(AgentLoopBase):
         try:
             episode = await EpisodeProcess.start(env_cls, kwargs, name, self.timeout_s, self.start_timeout_s)
             obs = await episode.reset(_plain_row(row))
-            prompt = self._prompt(prompt, row.get("raw_prompt"), obs)
+            prompt = self._prompt(prompt, row.get("raw_prompt"), obs, name)
             while True:
                 budget = self.context.response_length - len(ids)
                 if budget <= 0:
@@ -92,12 +94,16 @@ class EnvAgentLoop(AgentLoopBase):
                 if not self.ended_with_eos(gen.token_ids):
                     truncated = True
                     break
-                action = self.context.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-                obs, reward, done, _info = await episode.step(action)
+                text = self.context.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+                obs, reward, done, _info = await episode.step(Action(text, gen.token_ids))
                 rewards.append(reward)
                 if done or (self.mt.max_assistant_turns and turns >= self.mt.max_assistant_turns):
                     break
-                new_ids = self.renderer.ids([obs], role="user")
+                new_ids = (
+                    self._vocab_ids(obs, name)
+                    if isinstance(obs, list)
+                    else self.renderer.ids([obs], role="user")
+                )
                 room = self.context.response_length - len(ids)
                 _append(ids, mask, lps, new_ids[:room], 0, None)
                 if len(new_ids) >= room:
@@ -122,10 +128,24 @@ class EnvAgentLoop(AgentLoopBase):
         out.extra_fields["env_reward"] = total
         return out
 
-    def _prompt(self, prompt_ids: list[int], raw_prompt: Any, obs: Any) -> list[int]:
-        """The dataset's prompt (obs None), or the chat rendering of the reset's conversation."""
+    def _vocab_ids(self, ids: list[int], name: str) -> list[int]:
+        """An environment's token ids, checked against the tokenizer's vocabulary."""
+        vocab = len(self.context.tokenizer)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise EnvironmentFault(
+                "malformed",
+                f"environment {name!r} returned token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}",
+            )
+        return list(ids)
+
+    def _prompt(self, prompt_ids: list[int], raw_prompt: Any, obs: Any, name: str) -> list[int]:
+        """The dataset's prompt (obs None), the reset's token ids, or the chat rendering of its
+        conversation."""
         if obs is None:
             return list(prompt_ids)
+        if isinstance(obs, list) and obs and all(isinstance(t, int) for t in obs):
+            return self._vocab_ids(obs, name)
         messages = [{"role": "user", "content": obs}] if isinstance(obs, str) else list(obs)
         if isinstance(obs, str) and raw_prompt is not None:
             messages = [m for m in raw_prompt if m.get("role") == "system"] + messages

@@ -115,6 +115,40 @@ def test_faults_become_data_and_are_counted(runner, tokenizer):
     assert (step["env/errors"], step["env/timeouts"], step["env/malformed"]) == (1.0, 1.0, 1.0)
 
 
+def test_environments_that_speak_token_ids(runner, tokenizer):
+    """reset's ids are the prompt, step's ids are appended as they are (mask 0), and step sees the
+    tokens the policy generated; ids outside the vocabulary are a malformed step."""
+    from envs_for_tests import TokenIds
+
+    out = runner.generate_sequences(
+        batch(tokenizer, ["test_token_ids"] * 3 + ["test_token_ids_out_of_vocab"])
+    )
+    b, T = out.batch, out.batch["responses"].shape[1]
+    samples = decode_samples(tokenizer, out)
+    full = 0
+    for i in range(3):
+        prompt = b["prompts"][i][b["attention_mask"][i, :-T].bool()].tolist()
+        assert prompt == TokenIds.PROMPT
+        valid = int(b["attention_mask"][i, -T:].sum())
+        ids, mask = b["responses"][i, :valid].tolist(), b["response_mask"][i, :valid].tolist()
+        runs, cur = [], []  # the policy's turns: runs of mask 1
+        for t, m in zip(ids, mask):
+            if m:
+                cur.append(t)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        runs += [cur] if cur else []
+        rewards = samples[i].extra_info["env_turn_rewards"]
+        assert rewards == [float(len(r)) for r in runs][: len(rewards)]  # each step saw its turn's ids
+        if len(rewards) == 2:  # both turns ended with EOS: the observation sits between them, verbatim
+            assert [t for t, m in zip(ids, mask) if m == 0] == TokenIds.OBSERVATION
+            full += 1
+    assert full >= 1, "no episode played both turns: nothing checked the observation's ids"
+    assert list(out.non_tensor_batch["env_reward"])[3] == 0.0
+    assert agent_step_metrics(out)["env/malformed"] == 1.0
+
+
 def test_episode_process_deadline_and_errors():
     async def play():
         ep = await EpisodeProcess.start(GuessNumber, {"high": 8, "max_turns": 2}, "guess_number", 5.0)
