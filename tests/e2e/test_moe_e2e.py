@@ -106,11 +106,13 @@ def test_r3_and_the_router_loss_under_ulysses_sp2_match_sp1(moe_model, tmp_path)
     """2 ranks as one Ulysses group of 2 vs the same 2 ranks data-parallel: the same first rollouts
     (the rollout mesh does not change), so the first update's forward (before any step) gives the
     same router loss, expert loads and entropy. The update itself is checked to 1e-5 in
-    tests/workers/test_moe_sp.py."""
+    tests/workers/test_moe_sp.py. Batch balancing is off in both: it reorders rows across the 2
+    data-parallel ranks but not within one Ulysses group (one data-parallel rank), and the router
+    loss of a micro-batch depends on which rows it holds."""
     common = [*_common(moe_model), "trainer.backend=ray", "trainer.n_gpus_per_node=2",
               "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_prefix_grouper=false",
               "actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
-              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]  # fmt: skip
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.balance_batch=false"]  # fmt: skip
     sp = run([*common, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], tmp_path / "sp2")
     dp = run(common, tmp_path / "sp1")
     train_sp = [r for r in sp if "actor/pg_loss" in r]
