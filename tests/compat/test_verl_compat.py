@@ -190,6 +190,21 @@ def test_ray_init_runtime_env_is_merged_with_hybridrl_s():
     }
 
 
+def test_ray_init_runtime_env_on_an_already_started_ray_is_said_not_applied(capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    import ray
+
+    from hybridrl.trainer.ppo.launch import start_ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # Ray started by the caller
+
+    start_ray(1, SimpleNamespace(runtime_env={"env_vars": {"A": "1"}}, num_cpus=None))
+    assert "ray_kwargs.ray_init.runtime_env is not applied" in capsys.readouterr().err
+    start_ray(1, SimpleNamespace(runtime_env={}, num_cpus=None))  # nothing to apply: nothing said
+    assert "runtime_env" not in capsys.readouterr().err
+
+
 def _cli(*args, env=None):
     full_env = {**os.environ, **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None) if env is None else None

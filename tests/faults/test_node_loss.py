@@ -37,7 +37,7 @@ import os, time
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """Scores 0; on the first sample of step 2 asks the test to remove a node and waits for it (once)."""
-    d = os.environ["HYBRIDRL_FAULT_DIR"]
+    d = "{fault_dir}"
     calls = os.path.join(d, "calls")
     with open(calls, "a") as f:
         f.write("x")
@@ -124,14 +124,14 @@ THREE_RANKS = [  # main_ppo: one rank on each of the 3 nodes; 3 prompts x 4 answ
 
 def _overrides(tmp_path, extra):
     fn = tmp_path / "remover.py"
-    fn.write_text(REMOVER)
+    fn.write_text(REMOVER.format(fault_dir=tmp_path))
     return [
         "trainer.backend=ray",
         "trainer.n_gpus_per_node=1",
         "trainer.total_training_steps=3",
         "trainer.save_freq=1",
         "trainer.test_freq=-1",
-        "trainer.reward_timeout_s=0",  # score in the driver's thread
+        "trainer.reward_timeout_s=0",  # score in the calling thread
         f"custom_reward_function.path={fn}",
         *extra,
     ]

@@ -28,7 +28,7 @@ import os, signal, psutil
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """Scores 0; on the first sample of training step {step} SIGKILLs this run's worker actors (once)."""
-    d = os.environ["HYBRIDRL_FAULT_DIR"]
+    d = "{fault_dir}"
     calls = os.path.join(d, "calls")
     with open(calls, "a") as f:
         f.write("x")
@@ -51,15 +51,14 @@ def _restart_run(tmp_path, extra):
     """3 steps of 4 prompts x 4 answers on Ray, a checkpoint every step, killed in step 2."""
     fn = tmp_path / "killer.py"
     # 16 scored samples per step: the first call of step 2 is the 17th
-    fn.write_text(KILLER.format(step=2, first_call=17, tag=_TAG))
-    os.environ["HYBRIDRL_FAULT_DIR"] = str(tmp_path)
+    fn.write_text(KILLER.format(step=2, first_call=17, tag=_TAG, fault_dir=tmp_path))
     os.environ["HYBRIDRL_LOG_DIR"] = str(tmp_path / "logs")
     overrides = [
         "trainer.backend=ray",
         "trainer.total_training_steps=3",
         "trainer.save_freq=1",
         "trainer.test_freq=-1",
-        "trainer.reward_timeout_s=0",  # score in the driver's thread
+        "trainer.reward_timeout_s=0",  # score in the calling thread (the first actor worker's)
         f"custom_reward_function.path={fn}",
         *extra,
     ]

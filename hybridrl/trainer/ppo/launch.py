@@ -98,6 +98,13 @@ def start_ray(cpus_needed: float, ray_init=None) -> None:
     import ray
 
     if ray.is_initialized():
+        if ray_init is not None and ray_init.runtime_env:
+            print(
+                "[hybridrl] warning: ray_kwargs.ray_init.runtime_env is not applied: Ray was initialized "
+                "in this process before the run started. Pass it to that ray.init(runtime_env=...), or "
+                "leave Ray to the run.",
+                file=sys.stderr,
+            )
         return
     env = {
         "TOKENIZERS_PARALLELISM": "false",
