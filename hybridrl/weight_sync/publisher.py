@@ -19,12 +19,14 @@ from __future__ import annotations
 from typing import Any
 
 from hybridrl.single_controller.ray.base import gather_refs
+from hybridrl.single_controller.worker_group import WorkerDiedError, WorkerGroupError
 from hybridrl.utils.device import get_dist_backend
 from hybridrl.weight_sync.collective import TIMEOUT_KEY, GroupSpec, collective_payload
 
 __all__ = ["WeightPublisher"]
 
 _JOIN_SLACK_S = 30.0  # the driver waits this much longer than the members' own join deadline
+_PROBE_S = 10.0  # after a failed broadcast: how long a rollout worker may take to answer it is alive
 
 
 class WeightPublisher:
@@ -75,20 +77,51 @@ class WeightPublisher:
                 ranks = list(range(1, len(last.refs)))
                 gather_refs(last.refs[1:], group="train", method="publish_weights", ranks=ranks)
             return
-        got = gather_refs(
-            last.refs,
-            group="train",
-            method="broadcast_weights",
-            ranks=list(range(len(last.refs))),
-            timeout_s=self.timeout_s + _JOIN_SLACK_S,
-            timeout_key=TIMEOUT_KEY,
-        )[0]
+        try:
+            got = gather_refs(
+                last.refs,
+                group="train",
+                method="broadcast_weights",
+                ranks=list(range(len(last.refs))),
+                timeout_s=self.timeout_s + _JOIN_SLACK_S,
+                timeout_key=TIMEOUT_KEY,
+            )[0]
+        except WorkerGroupError as failed:
+            dead = self._dead_rollout_worker()
+            if dead is not None:  # the broadcast failed because a member died: say which (restartable)
+                raise dead from failed
+            raise
         self.metrics = {
             "async/weight_update/send_s": got["send_s"],
             "async/weight_update/gather_send_s": got["total_s"],
             "async/weight_update/mbytes": got["bytes"] / 2**20,
             "async/weight_update/mbytes_per_rollout_worker": got["rank_bytes"] / 2**20,
         }
+
+    def _dead_rollout_worker(self) -> WorkerDiedError | None:
+        """The error of the first rollout worker found dead (a NodeLostError when its node is gone),
+        or None when every rollout worker answers."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        from hybridrl.single_controller.ray.nodes import node_lost_error
+
+        for rank, actor in enumerate(self.rollout_group.workers):
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=_PROBE_S)
+            except RayActorError as err:
+                lost = node_lost_error(err, "rollout", rank, "broadcast_weights")
+                return lost or WorkerDiedError(
+                    f"rollout worker {rank} died during the collective weight update "
+                    f"(async_training.weight_update_mode=collective): {err}",
+                    group="rollout",
+                    rank=rank,
+                    method="broadcast_weights",
+                    cause=err,
+                )
+            except Exception:  # noqa: BLE001 - alive but busy, or unknown: not the dead member
+                continue
+        return None
 
     def join(self) -> None:
         """Build the weight-update group: trainer rank 0 hosts the store, then trainer rank 0 and
