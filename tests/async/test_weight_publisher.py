@@ -34,16 +34,22 @@ def _publisher(ray, rollout_actors):
     return pub
 
 
-def test_a_broadcast_that_failed_because_a_rollout_worker_died_names_it(ray_local):
-    ray = ray_local
+def _members(ray, n):
+    """n rollout workers stand-ins: real actors, each a process of its own, started."""
 
     @ray.remote(num_cpus=0)
     class Member:
         def ping(self):
             return 1
 
-    alive, dead = Member.remote(), Member.remote()
-    ray.get([alive.ping.remote(), dead.ping.remote()])
+    actors = [Member.remote() for _ in range(n)]
+    ray.get([a.ping.remote() for a in actors])
+    return actors
+
+
+def test_a_broadcast_that_failed_because_a_rollout_worker_died_names_it(ray_local):
+    ray = ray_local
+    alive, dead = _members(ray, 2)
     ray.kill(dead)
     pub = _publisher(ray, [alive, dead])
     pub.publish(1)
@@ -56,15 +62,7 @@ def test_a_broadcast_that_failed_because_a_rollout_worker_died_names_it(ray_loca
 
 
 def test_a_broadcast_that_failed_with_every_member_alive_keeps_its_own_error(ray_local):
-    ray = ray_local
-
-    @ray.remote(num_cpus=0)
-    class Member:
-        def ping(self):
-            return 1
-
-    members = [Member.remote(), Member.remote()]
-    pub = _publisher(ray, members)
+    pub = _publisher(ray_local, _members(ray_local, 2))
     pub.publish(1)
     with pytest.raises(WorkerGroupError, match="the transfer of bucket 0 failed") as e:
         pub.publish(2)
