@@ -27,7 +27,9 @@ KILLER = '''
 import os, signal, psutil
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """Scores 0; on the first sample of training step {step} SIGKILLs this run's worker actors (once)."""
+    """Scores 0; on the first sample of training step {step} SIGKILLs a worker of this run (once): the
+    worker it runs in (the reward manager runs on the first actor worker), else, called in the
+    driver, the run's worker actors."""
     d = "{fault_dir}"
     calls = os.path.join(d, "calls")
     with open(calls, "a") as f:
@@ -35,6 +37,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     n = os.path.getsize(calls)
     marker = os.path.join(d, "killed")
     if n == {first_call} and not os.path.exists(marker):
+        if os.environ.get("HYBRIDRL_WORKER_GROUP"):
+            open(marker, "a").write(str(os.getpid()) + "\\n")
+            os.kill(os.getpid(), signal.SIGKILL)
         for p in psutil.process_iter():
             try:
                 env = p.environ()

@@ -48,6 +48,7 @@ class _Trajectory:
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     claimed: bool = False
     busy: bool = False
+    finished: bool = False  # its finish was answered: not open any more, even before the replica drops it
 
 
 class RolloutGateway:
@@ -204,7 +205,7 @@ class RolloutGateway:
 
     async def _forward(self, tid: str, kind: str, body: Any):
         traj = self.trajs.get(tid)
-        if traj is None:
+        if traj is None or traj.finished:
             self.counts["refused_404"] += 1
             return self._json(404, error_body(404, f"trajectory {tid!r} is not open (finished, timed out, or "
                                              "never handed out by POST /v1/hybridrl/tasks)", "user"))  # fmt: skip
@@ -228,6 +229,7 @@ class RolloutGateway:
         finally:
             traj.busy = False
             self.in_flight -= kind != "finish"
+        traj.finished = traj.finished or (kind == "finish" and status == 200)
         self.counts[f"{kind}_{status}"] += 1
         return self._json(status, out)
 
