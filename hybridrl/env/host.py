@@ -21,7 +21,7 @@ import traceback
 import warnings
 from typing import Any
 
-__all__ = ["EnvironmentFault", "EpisodeProcess", "check_observation", "check_step"]
+__all__ = ["EnvironmentFault", "EpisodeProcess", "check_observation", "check_step", "is_token_ids"]
 
 _CONTEXT = None
 _CONTEXT_LOCK = threading.Lock()
@@ -225,15 +225,19 @@ class EpisodeProcess:
         self.conn.close()
 
 
-def _token_ids(obs: Any) -> bool:
-    """A list of token ids (plain ints, not bools)."""
-    return isinstance(obs, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in obs)
+def is_token_ids(obs: Any) -> bool:
+    """A non-empty list of token ids (plain ints, not bools): an observation given as ids."""
+    return (
+        isinstance(obs, list)
+        and bool(obs)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in obs)
+    )
 
 
 def check_observation(obs: Any, name: str) -> str | list[dict[str, Any]] | list[int] | None:
     if obs is None or isinstance(obs, str):
         return obs
-    if isinstance(obs, list) and obs and _token_ids(obs):
+    if is_token_ids(obs):
         return obs
     if isinstance(obs, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in obs):
         return obs
@@ -249,7 +253,7 @@ def check_step(result: Any, name: str) -> tuple[str | list[int], float, bool, di
     if ok:
         obs, reward, done, info = result
         ok = (
-            (obs is None or isinstance(obs, str) or _token_ids(obs))
+            (obs is None or isinstance(obs, str) or obs == [] or is_token_ids(obs))
             and isinstance(reward, int | float)
             and not isinstance(reward, bool)
             and math.isfinite(float(reward))

@@ -30,7 +30,7 @@ from typing import Any
 from hybridrl.agent.loop import AgentLoopBase, AgentLoopOutput, register_agent_loop
 from hybridrl.agent.tokenization import ToolTurnRenderer, conversation_ids
 from hybridrl.env.base import ENV_DATA_SOURCE, Action, get_environment_class
-from hybridrl.env.host import EnvironmentFault, EpisodeProcess
+from hybridrl.env.host import EnvironmentFault, EpisodeProcess, is_token_ids
 from hybridrl.rollout.base import SamplingSpec
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class EnvAgentLoop(AgentLoopBase):
         conversation."""
         if obs is None:
             return list(prompt_ids)
-        if isinstance(obs, list) and obs and all(isinstance(t, int) for t in obs):
+        if is_token_ids(obs):
             return self._vocab_ids(obs, name)
         messages = [{"role": "user", "content": obs}] if isinstance(obs, str) else list(obs)
         if isinstance(obs, str) and raw_prompt is not None:
